@@ -1,0 +1,3 @@
+"""Reverse and forward mode automatic differentiation as transformations over traces."""
+from .api import (check_grads, custom_vjp, grad, hessian, jacfwd, jacrev, jvp, stop_gradient,
+                  value_and_grad, vjp)

@@ -1,0 +1,49 @@
+"""The backend interface: a backend is small — devices, memory, and graph → program."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from tilefuse.ir.core import Graph, ShapedArray
+
+
+class Backend:
+    """One kind of device. Subclasses fill in the memory methods and `compile`.
+
+    A buffer is whatever the backend uses for device memory (a numpy array on host devices).
+    `compile(graph, device)` returns a Program: `program(buffers) -> list of buffers`, with
+    `.graph` (the optimised graph it runs) and `.sources()` (kernel name -> source text)."""
+    kind = "base"
+
+    def discover(self) -> list:
+        """DeviceInfo for each device present; raise DeviceError naming why none is."""
+        raise NotImplementedError
+
+    def put(self, host: np.ndarray, device):
+        raise NotImplementedError
+
+    def to_host(self, buf, aval: ShapedArray, device) -> np.ndarray:
+        raise NotImplementedError
+
+    def compile(self, graph: Graph, device):
+        raise NotImplementedError
+
+    def synchronize(self, device) -> None:
+        pass
+
+    def memory_stats(self, device) -> dict:
+        return {}
+
+
+class Program:
+    """A compiled graph: call it with input buffers, get output buffers."""
+
+    def __init__(self, graph: Graph, run, sources: dict | None = None, launches: Sequence = ()):
+        self.graph, self._run, self._sources, self.launches = graph, run, sources or {}, launches
+
+    def __call__(self, buffers):
+        return self._run(buffers)
+
+    def sources(self) -> dict[str, str]:
+        return dict(self._sources)

@@ -1,0 +1,35 @@
+"""The reference backend: numpy interprets the primitive table. The oracle for every test."""
+from __future__ import annotations
+
+import numpy as np
+
+from tilefuse.ir.core import eval_graph
+from tilefuse.runtime.hardware import DeviceInfo, host_info
+
+from .base import Backend, Program
+
+
+class RefBackend(Backend):
+    kind = "ref"
+
+    def discover(self):
+        info = host_info()
+        return [DeviceInfo(**{**info.__dict__, "name": "numpy reference interpreter", "kind": "ref"})]
+
+    def put(self, host, device):
+        return np.array(host, copy=True) if host.flags.writeable else host
+
+    def to_host(self, buf, aval, device):
+        return buf
+
+    def compile(self, graph, device):
+        def run(buffers):
+            return eval_graph(graph, buffers, lambda e, xs: e.prim.impl(*xs, **e.params))
+        return Program(graph, run)
+
+    def apply_primitive(self, prim, params, buffers):
+        return prim.impl(*buffers, **params)
+
+
+def create():
+    return RefBackend()

@@ -1,0 +1,269 @@
+"""The graph IR: abstract values, variables, equations and graphs (a jaxpr-like SSA form)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .errors import ShapeError
+
+
+@dataclass(frozen=True)
+class ShapedArray:
+    """An abstract array: shape and dtype; weak_type marks values born of Python scalars."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    weak_type: bool = False
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def strip_weak(self) -> "ShapedArray":
+        return ShapedArray(self.shape, self.dtype) if self.weak_type else self
+
+    def update(self, shape=None, dtype=None, weak_type=None) -> "ShapedArray":
+        return ShapedArray(self.shape if shape is None else tuple(shape),
+                           self.dtype if dtype is None else dtype,
+                           self.weak_type if weak_type is None else weak_type)
+
+    def str_short(self) -> str:
+        return f"{dtype_short(self.dtype)}[{','.join(map(str, self.shape))}]"
+
+    __str__ = str_short
+
+
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
+          "int32": "i32", "int64": "i64", "uint32": "u32", "bool": "bool"}
+
+
+def dtype_short(d) -> str:
+    return _SHORT.get(np.dtype(d).name, np.dtype(d).name)
+
+
+def aval_of_value(x) -> ShapedArray:
+    """The aval of a concrete value: numpy array, numpy/Python scalar, or anything with .aval."""
+    if hasattr(x, "aval"):
+        return x.aval
+    if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+        return ShapedArray((), dtypes.python_scalar_dtype(x), True)
+    arr = np.asarray(x)
+    return ShapedArray(arr.shape, dtypes.canonicalize(arr.dtype))
+
+
+_var_ids = itertools.count()
+
+
+class Var:
+    """An SSA variable of a graph; identity is the variable (names are assigned when printed)."""
+    __slots__ = ("aval", "id")
+
+    def __init__(self, aval: ShapedArray):
+        self.aval = aval
+        self.id = next(_var_ids)
+
+    def __repr__(self):
+        return f"Var({self.id}:{self.aval})"
+
+
+class Literal:
+    """A scalar constant written into an equation."""
+    __slots__ = ("val", "aval")
+
+    def __init__(self, val, aval: ShapedArray):
+        self.val = np.asarray(val, aval.dtype)
+        self.aval = aval
+
+    def __repr__(self):
+        return f"Literal({self.val})"
+
+
+Atom = "Var | Literal"
+
+
+@dataclass(frozen=True, eq=False)
+class Eqn:
+    """One primitive application: outputs = prim(*inputs, **params)."""
+    prim: Any
+    inputs: tuple
+    outputs: tuple
+    params: dict
+    source: str = ""  # the user's file:line that produced it
+
+    def replace(self, **kw) -> "Eqn":
+        d = dict(prim=self.prim, inputs=self.inputs, outputs=self.outputs, params=self.params,
+                 source=self.source)
+        d.update(kw)
+        return Eqn(**d)
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    """A pure function as a list of equations over typed SSA variables.
+
+    `constvars` are bound to `consts` (concrete arrays captured while tracing); `invars` are
+    the function's flattened inputs; `outvars` may be Vars or Literals."""
+    constvars: tuple
+    invars: tuple
+    eqns: tuple
+    outvars: tuple
+    consts: tuple = ()
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def in_avals(self):
+        return [v.aval for v in self.invars]
+
+    @property
+    def out_avals(self):
+        return [v.aval for v in self.outvars]
+
+    def replace(self, **kw) -> "Graph":
+        d = dict(constvars=self.constvars, invars=self.invars, eqns=self.eqns,
+                 outvars=self.outvars, consts=self.consts, meta=self.meta)
+        d.update(kw)
+        return Graph(**d)
+
+    def __str__(self):
+        return pp_graph(self)
+
+    def to_dot(self, name: str = "graph") -> str:
+        return graph_to_dot(self, name)
+
+    def count(self, prim_name: str | None = None) -> int:
+        """Number of equations (of one primitive, if named)."""
+        return sum(1 for e in self.eqns if prim_name is None or e.prim.name == prim_name)
+
+
+# ---- printing ----------------------------------------------------------------------------
+
+class _Namer:
+    def __init__(self):
+        self.names: dict[int, str] = {}
+
+    def __call__(self, v) -> str:
+        if isinstance(v, Literal):
+            return _fmt_literal(v)
+        if v.id not in self.names:
+            n = len(self.names)
+            s = ""
+            while True:
+                s = chr(ord("a") + n % 26) + s
+                n = n // 26 - 1
+                if n < 0:
+                    break
+            self.names[v.id] = s
+        return self.names[v.id]
+
+    def decl(self, v: Var) -> str:
+        return f"{self(v)}:{v.aval.str_short()}"
+
+
+def _fmt_literal(lit: Literal) -> str:
+    v = lit.val.item()
+    return f"{v!r}:{dtype_short(lit.aval.dtype)}"
+
+
+def _fmt_param(v) -> str:
+    if isinstance(v, Graph):
+        return "{graph " + str(len(v.eqns)) + " eqns}"
+    if isinstance(v, np.dtype):
+        return dtype_short(v)
+    if callable(v) and hasattr(v, "__name__"):
+        return v.__name__
+    return repr(v)
+
+
+def pp_graph(g: Graph, indent: int = 0) -> str:
+    name = _Namer()
+    pad = " " * indent
+    consts = " ".join(name.decl(v) for v in g.constvars)
+    ins = " ".join(name.decl(v) for v in g.invars)
+    lines = [f"{pad}{{ lambda {consts + '; ' if consts else ''}{ins} ."]
+    for i, e in enumerate(g.eqns):
+        outs = " ".join(name.decl(v) for v in e.outputs)
+        params = " ".join(f"{k}={_fmt_param(v)}" for k, v in sorted(e.params.items())
+                          if not k.startswith("_"))
+        args = " ".join(name(a) for a in e.inputs)
+        head = "let " if i == 0 else "    "
+        lines.append(f"{pad}  {head}{outs} = {e.prim.name}"
+                     f"{'[' + params + ']' if params else ''} {args}")
+    lines.append(f"{pad}  in ({', '.join(name(v) for v in g.outvars)}) }}")
+    return "\n".join(lines)
+
+
+def graph_to_dot(g: Graph, name: str = "graph") -> str:
+    """Graphviz DOT text of the dataflow: inputs as ellipses, equations as boxes."""
+    out = [f'digraph "{name}" {{', "  rankdir=TB; node [fontname=monospace];"]
+    namer = _Namer()
+    producer: dict[int, str] = {}
+    for i, v in enumerate(g.constvars):
+        out.append(f'  c{i} [label="const {namer.decl(v)}", shape=note];')
+        producer[v.id] = f"c{i}"
+    for i, v in enumerate(g.invars):
+        out.append(f'  in{i} [label="{namer.decl(v)}", shape=ellipse];')
+        producer[v.id] = f"in{i}"
+    for i, e in enumerate(g.eqns):
+        label = e.prim.name + "\\n" + " ".join(v.aval.str_short() for v in e.outputs)
+        out.append(f'  e{i} [label="{label}", shape=box];')
+        for a in e.inputs:
+            if isinstance(a, Var) and a.id in producer:
+                out.append(f"  {producer[a.id]} -> e{i};")
+        for v in e.outputs:
+            producer[v.id] = f"e{i}"
+    for i, v in enumerate(g.outvars):
+        out.append(f'  out{i} [label="out {i}", shape=ellipse];')
+        if isinstance(v, Var) and v.id in producer:
+            out.append(f"  {producer[v.id]} -> out{i};")
+    out.append("}")
+    return "\n".join(out)
+
+
+# ---- evaluation and checking ---------------------------------------------------------------
+
+def eval_graph(g: Graph, args: Sequence, apply: Callable, consts: Sequence | None = None) -> list:
+    """Interpret a graph: `apply(eqn, input_values) -> output values` runs each equation."""
+    env: dict[int, Any] = {}
+    for v, x in zip(g.constvars, g.consts if consts is None else consts):
+        env[v.id] = x
+    for v, x in zip(g.invars, args, strict=True):
+        env[v.id] = x
+
+    def read(a):
+        return a.val if isinstance(a, Literal) else env[a.id]
+
+    for e in g.eqns:
+        outs = apply(e, [read(a) for a in e.inputs])
+        for v, x in zip(e.outputs, outs, strict=True):
+            env[v.id] = x
+    return [read(v) for v in g.outvars]
+
+
+def typecheck_graph(g: Graph) -> None:
+    """Check that every variable is defined once before use and every equation's avals agree
+    with its primitive's shape rule. Raises AssertionError on an internal inconsistency."""
+    defined: set[int] = set()
+    for v in (*g.constvars, *g.invars):
+        assert v.id not in defined, f"variable {v} bound twice"
+        defined.add(v.id)
+    for e in g.eqns:
+        for a in e.inputs:
+            assert isinstance(a, Literal) or a.id in defined, f"{a} used before definition in {e.prim}"
+        try:
+            expected = e.prim.abstract_eval(*[a.aval for a in e.inputs], **e.params)
+        except ShapeError as err:
+            raise AssertionError(f"equation {e.prim.name} does not type-check: {err}") from err
+        for v, want in zip(e.outputs, expected, strict=True):
+            assert (v.aval.shape, v.aval.dtype) == (want.shape, want.dtype), \
+                f"{e.prim.name}: output {v.aval} but the rule gives {want}"
+            assert v.id not in defined, f"variable {v} bound twice"
+            defined.add(v.id)
+    for v in g.outvars:
+        assert isinstance(v, Literal) or v.id in defined, f"output {v} undefined"

@@ -1,0 +1,118 @@
+"""The one error hierarchy every layer raises; it lives at the bottom so all can import it."""
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PARENT = os.path.dirname(_HERE)
+# Installed, our subpackages share one folder `tilefuse/`; in a source checkout they are
+# the repository's top-level folders. Frames from these folders are ours, not the user's.
+if os.path.basename(_PARENT) == "tilefuse":
+    INTERNAL_DIRS = (_PARENT + os.sep,)
+else:
+    INTERNAL_DIRS = tuple(os.path.join(_PARENT, d) + os.sep for d in
+                          ("tilefuse", "ir", "tracer", "autodiff", "backends", "runtime"))
+_SKIP_FILES = ("contextlib.py", "functools.py", "<frozen")
+
+
+def is_internal(filename: str) -> bool:
+    """Whether a code file belongs to tilefuse (or to stdlib glue such as contextlib)."""
+    if filename.startswith("<"):
+        return filename.startswith("<frozen")
+    filename = os.path.abspath(filename)
+    return filename.startswith(INTERNAL_DIRS) or filename.endswith(_SKIP_FILES)
+
+
+def user_frame() -> tuple[str, int, str] | None:
+    """The innermost stack frame outside tilefuse: (file, line, source text)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        fn = frame.f_code.co_filename
+        if not is_internal(fn):
+            line = linecache.getline(fn, frame.f_lineno).strip()
+            return fn, frame.f_lineno, line
+        frame = frame.f_back
+    return None
+
+
+def user_line() -> str:
+    """'file:line (source)' of the user's code that is running now, or ''."""
+    where = user_frame()
+    if where is None:
+        return ""
+    fn, lineno, src = where
+    return f"{fn}:{lineno}" + (f"  `{src}`" if src else "")
+
+
+class TilefuseError(Exception):
+    """Base of every error tilefuse raises for a user."""
+
+
+class ShapeError(TilefuseError, ValueError):
+    """Operands whose shapes do not fit the operation."""
+
+
+class DTypeError(TilefuseError, TypeError):
+    """Operands whose dtypes do not fit the operation."""
+
+
+class ConcretizationError(TilefuseError):
+    """A Python value was needed from a traced (abstract) value."""
+
+
+class TracerLeakError(TilefuseError):
+    """A tracer was used after the transformation that created it had finished."""
+
+
+class CompileError(TilefuseError):
+    """A backend failed to compile a kernel; carries the backend and the source."""
+
+    def __init__(self, message: str, *, backend: str = "", kernel: str = "", source: str = ""):
+        self.backend, self.kernel, self.source = backend, kernel, source
+        full = message
+        if kernel:
+            full += f"\n--- kernel {kernel} ---"
+        if source:
+            full += f"\n--- source ({backend}) ---\n{source}"
+        super().__init__(full)
+
+
+class DeviceError(TilefuseError):
+    """A device is missing, unavailable or failed at run time."""
+
+
+class OutOfMemoryError(TilefuseError, MemoryError):
+    """A device allocation could not be satisfied."""
+
+
+class TransformError(TilefuseError):
+    """A transformation (grad, vmap, jvp, ...) was asked for something it cannot do."""
+
+
+def with_user_line(msg: str) -> str:
+    where = user_line()
+    return f"{msg}\n  at {where}" if where else msg
+
+
+def filter_traceback(tb):
+    """Drop our internal frames from a traceback so users see their own lines."""
+    frames = []
+    while tb is not None:
+        if not is_internal(tb.tb_frame.f_code.co_filename):
+            frames.append(tb)
+        tb = tb.tb_next
+    if not frames:
+        return None
+    for a, b in zip(frames, frames[1:] + [None]):
+        a.tb_next = b
+    return frames[0]
+
+
+__all__ = [n for n in dir() if n.endswith("Error")] + ["user_line", "user_frame",
+                                                      "with_user_line", "filter_traceback"]
+
+
+class NaNError(TilefuseError, FloatingPointError):
+    """debug_nans found a NaN; names the equation and the user's line that produced it."""

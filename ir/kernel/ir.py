@@ -1,0 +1,215 @@
+"""The kernel IR: the loop-level, backend-neutral form that every backend renders.
+
+A `Kernel` is an index space (`shape`, the parallel axes) and, optionally, a reduction space
+(`reduce_shape`). For every point of the parallel space (in any order, on any thread), each
+`Store` writes `value` to `buffers[buffer]` at element offset `offset`. Values are scalar
+expression DAGs of `KExpr` nodes; `idx` nodes read the parallel indices, `ridx` nodes the
+reduction indices, which only appear under a `reduce` node (reduce nodes do not nest). Index
+maps (broadcast, transpose, slice, strides, reshape, gather) are integer expressions in the
+offsets of `load` nodes: affine in the indices for the common cases, data-dependent for gather.
+
+Store modes: "set" writes; "add" accumulates (scatter-add: backends must make concurrent adds
+to one element race-free, e.g. by running the kernel serially or with atomics).
+
+16-bit floats are stored narrow and computed in float32: loads of float16/bfloat16 are followed
+by a `cast` to float32 and stores cast back, so expressions only see 32/64-bit types.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+UNARY = ("neg", "exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "sin", "cos",
+         "erf", "abs", "sign", "floor", "ceil", "round", "not", "is_finite")
+BINARY = ("add", "sub", "mul", "div", "rem", "pow", "max", "min", "and", "or", "xor",
+          "shift_left", "shift_right_logical", "eq", "ne", "lt", "le", "gt", "ge")
+REDUCE_OPS = ("sum", "max", "min", "prod", "argmax", "argmin")
+LEAVES = ("const", "idx", "ridx")
+OTHER = ("load", "select", "cast", "reduce")
+ALL_OPS = UNARY + BINARY + LEAVES + OTHER
+
+
+@dataclass(frozen=True)
+class KExpr:
+    """One node of a scalar expression DAG. Immutable and compared structurally, so equal
+    subexpressions are one node (CSE for free).
+
+    op      one of ALL_OPS
+    dtype   the scalar's numpy dtype
+    src     operand nodes
+    arg     const: the value; idx/ridx: the axis; load: the buffer number;
+            reduce: the reduction op name (for argmax/argmin src = (value, index))"""
+    op: str
+    dtype: np.dtype
+    src: tuple = ()
+    arg: Any = None
+    _hash: int = field(default=0, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.op, self.dtype, self.src, self.arg)))
+
+    def __hash__(self):
+        return self._hash
+
+    # small builders so lowerings read like arithmetic
+    def __add__(self, o):
+        return binary("add", self, as_expr(o, self.dtype))
+
+    def __mul__(self, o):
+        return binary("mul", self, as_expr(o, self.dtype))
+
+    def toposort(self) -> list["KExpr"]:
+        seen, order = set(), []
+
+        def visit(n):
+            if n in seen:
+                return
+            seen.add(n)
+            for s in n.src:
+                visit(s)
+            order.append(n)
+        visit(self)
+        return order
+
+
+INDEX = np.dtype(np.int64)
+
+
+def const(value, dtype) -> KExpr:
+    dtype = np.dtype(dtype)
+    return KExpr("const", dtype, (), np.asarray(value, dtype).item())
+
+
+def idx(axis: int) -> KExpr:
+    return KExpr("idx", INDEX, (), axis)
+
+
+def ridx(axis: int) -> KExpr:
+    return KExpr("ridx", INDEX, (), axis)
+
+
+def load(buffer: int, offset: KExpr, dtype) -> KExpr:
+    return KExpr("load", np.dtype(dtype), (offset,), buffer)
+
+
+def unary(op: str, x: KExpr, dtype=None) -> KExpr:
+    assert op in UNARY, op
+    return KExpr(op, np.dtype(dtype) if dtype is not None else x.dtype, (x,))
+
+
+def binary(op: str, a: KExpr, b: KExpr) -> KExpr:
+    assert op in BINARY, op
+    assert a.dtype == b.dtype, (op, a.dtype, b.dtype)
+    dtype = np.dtype(np.bool_) if op in ("eq", "ne", "lt", "le", "gt", "ge") else a.dtype
+    return KExpr(op, dtype, (a, b))
+
+
+def select(c: KExpr, a: KExpr, b: KExpr) -> KExpr:
+    return KExpr("select", a.dtype, (c, a, b))
+
+
+def cast(x: KExpr, dtype) -> KExpr:
+    dtype = np.dtype(dtype)
+    return x if x.dtype == dtype else KExpr("cast", dtype, (x,))
+
+
+def reduce(op: str, x: KExpr, index: KExpr | None = None) -> KExpr:
+    assert op in REDUCE_OPS, op
+    if op in ("argmax", "argmin"):
+        return KExpr("reduce", INDEX, (x, index), op)
+    return KExpr("reduce", x.dtype, (x,), op)
+
+
+def as_expr(v, dtype) -> KExpr:
+    return v if isinstance(v, KExpr) else const(v, dtype)
+
+
+def affine(strides, base: int = 0, reduce_strides=()) -> KExpr:
+    """offset = base + Σ strides[k]·idx(k) + Σ reduce_strides[k]·ridx(k) (zero strides skipped)."""
+    out = const(base, INDEX)
+    for k, s in enumerate(strides):
+        if s:
+            out = binary("add", out, idx(k) if s == 1 else binary("mul", idx(k), const(s, INDEX)))
+    for k, s in enumerate(reduce_strides):
+        if s:
+            out = binary("add", out, ridx(k) if s == 1 else binary("mul", ridx(k), const(s, INDEX)))
+    return out
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A kernel parameter: a flat buffer of `size` elements of `dtype`."""
+    name: str
+    dtype: np.dtype
+    size: int
+
+
+@dataclass(frozen=True)
+class Store:
+    buffer: int
+    offset: KExpr
+    value: KExpr
+    mode: str = "set"  # "set" | "add"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A loop nest: parallel `shape` × optional `reduce_shape`, writing `stores`.
+    buffers[:n_inputs] are read-only inputs; the rest are outputs."""
+    name: str
+    buffers: tuple
+    n_inputs: int
+    shape: tuple
+    reduce_shape: tuple
+    stores: tuple
+    meta: dict = field(default_factory=dict, compare=False, hash=False)  # e.g. source equations
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def has_reduce(self) -> bool:
+        return bool(self.reduce_shape)
+
+    @property
+    def serial(self) -> bool:
+        """Whether the kernel must run on one thread (it accumulates into shared elements)."""
+        return any(s.mode == "add" for s in self.stores)
+
+    def signature(self) -> str:
+        """A stable text form, for cache keys."""
+        return pp_kernel(self)
+
+    def __str__(self):
+        return pp_kernel(self)
+
+
+def pp_kernel(k: Kernel) -> str:
+    """Readable text of a kernel: buffers, spaces, then the expression DAG in SSA order."""
+    lines = [f"kernel {k.name}(" + ", ".join(
+        f"{'in' if i < k.n_inputs else 'out'} {b.name}:{np.dtype(b.dtype).name}[{b.size}]"
+        for i, b in enumerate(k.buffers)) + ")",
+        f"  parallel {tuple(k.shape)}" + (f"  reduce {tuple(k.reduce_shape)}" if k.reduce_shape else "")]
+    names: dict = {}
+    for st in k.stores:
+        for root in (st.offset, st.value):
+            for n in root.toposort():
+                if n in names:
+                    continue
+                names[n] = f"%{len(names)}"
+                if n.op == "const":
+                    body = f"const {n.arg!r}"
+                elif n.op in ("idx", "ridx"):
+                    body = f"{n.op} {n.arg}"
+                elif n.op == "load":
+                    body = f"load {k.buffers[n.arg].name}[{names[n.src[0]]}]"
+                else:
+                    body = n.op + (f".{n.arg}" if n.arg is not None else "") + " " + \
+                        ", ".join(names[s] for s in n.src)
+                lines.append(f"  {names[n]}:{np.dtype(n.dtype).name} = {body}")
+        lines.append(f"  store{'+' if st.mode == 'add' else ''} {k.buffers[st.buffer].name}"
+                     f"[{names[st.offset]}] = {names[st.value]}")
+    return "\n".join(lines)

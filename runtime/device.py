@@ -1,0 +1,244 @@
+"""The device registry, device objects, executables and eager dispatch."""
+from __future__ import annotations
+
+import importlib
+from typing import Sequence
+
+import numpy as np
+
+from tilefuse.ir import dtypes
+from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var, aval_of_value, eval_graph
+from tilefuse.ir.errors import DeviceError, NaNError
+
+from .array import Array
+from .config import config
+from .hardware import DeviceInfo
+
+# kind -> module that provides `create() -> Backend`; imported lazily, on first use
+BACKEND_MODULES = {"cpu": "tilefuse.backends.llvm", "opencl": "tilefuse.backends.opencl",
+                   "cuda": "tilefuse.backends.cuda", "ref": "tilefuse.backends.ref"}
+DEFAULT_ORDER = ("cpu", "ref")
+
+
+class Device:
+    """One device of one backend: `cpu`, `ref`, `opencl:0`, `cuda:0`."""
+
+    def __init__(self, backend, index: int, info: DeviceInfo, multi: bool):
+        self.backend, self.index, self.info = backend, index, info
+        self.kind = backend.kind
+        self.name = f"{self.kind}:{index}" if multi else self.kind
+        self._compiled: dict = {}
+
+    def __repr__(self):
+        return self.name
+
+    def __str__(self):
+        return self.name
+
+    def __reduce__(self):
+        return (get_device, (self.name,))
+
+    # memory
+    def put(self, host) -> Array:
+        host = np.asarray(host)
+        aval = ShapedArray(host.shape, dtypes.canonicalize(host.dtype))
+        if host.dtype != aval.dtype:
+            host = host.astype(aval.dtype)
+        return Array(self.backend.put(host, self), aval, self)
+
+    def to_host(self, buf, aval) -> np.ndarray:
+        return self.backend.to_host(buf, aval, self)
+
+    def synchronize(self) -> None:
+        self.backend.synchronize(self)
+
+    def memory_stats(self) -> dict:
+        return self.backend.memory_stats(self)
+
+    def buffer_of(self, x, aval: ShapedArray):
+        """The device buffer for one argument leaf (moving it here if it is elsewhere)."""
+        if isinstance(x, Array):
+            if x.device is self:
+                return x._buf
+            x = x.numpy()
+        host = np.asarray(x, dtype=aval.dtype)
+        return self.backend.put(host, self)
+
+    # compilation
+    def compile(self, graph: Graph) -> "Executable":
+        return Executable(graph, self, self.backend.compile(graph, self))
+
+
+class Executable:
+    """A graph compiled for a device: call it with argument leaves, get Arrays back."""
+
+    def __init__(self, graph: Graph, device: Device, program):
+        self.graph, self.device, self.program = graph, device, program
+        self.in_avals = [v.aval for v in graph.invars]
+        self.out_avals = [v.aval for v in graph.outvars]
+
+    def __call__(self, leaves: Sequence) -> list[Array]:
+        dev = self.device
+        bufs = [dev.buffer_of(x, a) for x, a in zip(leaves, self.in_avals)]
+        outs = self.program(bufs)
+        result = [Array(b, a, dev) for b, a in zip(outs, self.out_avals)]
+        if config.debug_nans:
+            check_nans(self.graph, [np.asarray(x) for x in leaves], result)
+        return result
+
+    def sources(self) -> dict[str, str]:
+        return self.program.sources()
+
+    @property
+    def optimized_graph(self) -> Graph:
+        return self.program.graph
+
+
+def check_nans(graph: Graph, args, outputs) -> None:
+    """If an output holds a NaN, re-run the graph equation by equation on numpy and name the
+    first equation (and the user's line) that produced one."""
+    def has_nan(x):
+        a = np.asarray(x)
+        return dtypes.is_float(a.dtype) and bool(np.isnan(a.astype(np.float32)).any())
+
+    if not any(has_nan(o) for o in outputs):
+        return
+    inputs_nan = any(has_nan(a) for a in args)
+
+    def apply(e: Eqn, xs):
+        outs = e.prim.impl(*xs, **e.params)
+        if any(has_nan(o) for o in outs) and not any(has_nan(x) for x in xs):
+            where = f" at {e.source}" if e.source else ""
+            raise NaNError(f"debug_nans: the primitive {e.prim.name} produced a NaN{where} "
+                           f"(inputs {', '.join(str(np.asarray(x).shape) for x in xs)})")
+        return outs
+
+    with np.errstate(all="ignore"):
+        eval_graph(graph, [np.asarray(a) for a in args], apply)
+    raise NaNError("debug_nans: an output holds a NaN" +
+                   (" (an input already held one)" if inputs_nan else ""))
+
+
+# ---- the registry ----------------------------------------------------------------------------
+
+_backends: dict[str, object] = {}
+_devices: dict[str, list[Device]] = {}
+_unavailable: dict[str, str] = {}
+
+
+def _load(kind: str) -> list[Device]:
+    if kind in _devices:
+        return _devices[kind]
+    if kind in _unavailable:
+        return []
+    try:
+        module = importlib.import_module(BACKEND_MODULES[kind])
+        backend = module.create()
+        infos = backend.discover()
+    except (ImportError, AttributeError, DeviceError, OSError) as e:
+        _unavailable[kind] = f"{type(e).__name__}: {e}"
+        _devices[kind] = []
+        return []
+    _backends[kind] = backend
+    _devices[kind] = [Device(backend, i, info, kind in ("opencl", "cuda"))
+                      for i, info in enumerate(infos)]
+    return _devices[kind]
+
+
+def devices(kind: str | None = None, all: bool = False):
+    """The available devices (of one kind, if named). With all=True, also returns a dict of the
+    kinds that are unavailable and why."""
+    kinds = [kind] if kind else list(BACKEND_MODULES)
+    out = [d for k in kinds if k in BACKEND_MODULES for d in _load(k)]
+    if all:
+        return out, {k: _unavailable[k] for k in kinds if k in _unavailable}
+    return out
+
+
+def get_device(name) -> Device:
+    if isinstance(name, Device):
+        return name
+    name = str(name)
+    kind, _, idx = name.partition(":")
+    if kind not in BACKEND_MODULES:
+        raise DeviceError(f"unknown device {name!r}; known kinds: {', '.join(BACKEND_MODULES)}")
+    devs = _load(kind)
+    if not devs:
+        raise DeviceError(f"device {name!r} is unavailable: {_unavailable.get(kind, 'none found')}")
+    i = int(idx) if idx else 0
+    if i >= len(devs):
+        raise DeviceError(f"device {name!r} does not exist; {kind} has {len(devs)} device(s)")
+    return devs[i]
+
+
+def default_device() -> Device:
+    if config.default_device:
+        return get_device(config.default_device)
+    for kind in DEFAULT_ORDER:
+        devs = _load(kind)
+        if devs:
+            return devs[0]
+    raise DeviceError("no device available")
+
+
+def resolve_device(device, leaves) -> Device:
+    """The device a call runs on: the one asked for, else where its Arrays live, else the default."""
+    if device is not None:
+        return get_device(device)
+    found = None
+    for x in leaves:
+        if isinstance(x, Array):
+            if found is None:
+                found = x.device
+            elif x.device is not found:
+                raise DeviceError(f"arguments live on different devices ({found} and {x.device}); "
+                                  "move them with tx.device_put first")
+    return found if found is not None else default_device()
+
+
+def device_put(x, device=None):
+    """Place an array (or a pytree of arrays) on a device."""
+    from tilefuse.tracer import pytree
+    dev = get_device(device) if device is not None else default_device()
+
+    def put(leaf):
+        if isinstance(leaf, Array) and leaf.device is dev:
+            return leaf
+        return dev.put(np.asarray(leaf))
+    return pytree.tree_map(put, x)
+
+
+# ---- eager execution: one primitive at a time, compiled once per signature ----------------
+
+_eager_cache: dict = {}
+
+
+def apply_primitive(prim, values, params) -> list:
+    dev = resolve_device(None, values)
+    avals = tuple(aval_of_value(v) for v in values)
+    backend_apply = getattr(dev.backend, "apply_primitive", None)
+    if backend_apply is not None:
+        bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]
+        outs = backend_apply(prim, params, bufs)
+        out_avals = prim.abstract_eval(*avals, **params)
+        return [Array(np.asarray(o, a.dtype) if not isinstance(o, np.ndarray) or o.dtype != a.dtype
+                      else o, a, dev) for o, a in zip(outs, out_avals)]
+    try:
+        key = (prim, tuple(sorted(params.items())), avals, dev)
+        hash(key)
+    except TypeError:
+        key = None
+    exe = _eager_cache.get(key) if key is not None else None
+    if exe is None:
+        exe = dev.compile(one_equation_graph(prim, avals, params))
+        if key is not None:
+            _eager_cache[key] = exe
+    return exe(values)
+
+
+def one_equation_graph(prim, avals, params) -> Graph:
+    invars = tuple(Var(a) for a in avals)
+    outs = tuple(Var(a) for a in prim.abstract_eval(*avals, **params))
+    return Graph((), invars, (Eqn(prim, invars, outs, params),), outs)
+
+

@@ -1,0 +1,80 @@
+"""The one backend fixture: every test that takes `device` runs on every available device.
+
+TILEFUSE_TEST_DEVICES=ref,cpu restricts the list; a device kind that is unavailable here is
+reported as a skip with the reason, so the suite shows what did not run."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import tilefuse as tx
+
+ALL_KINDS = ("ref", "cpu", "opencl", "cuda")
+
+
+def _device_params():
+    wanted = [s.strip() for s in os.environ.get("TILEFUSE_TEST_DEVICES", "").split(",") if s.strip()]
+    present, missing = tx.devices(all=True)
+    params = []
+    for d in present:
+        if not wanted or d.name in wanted or d.kind in wanted:
+            params.append(pytest.param(d.name, id=d.name))
+    for kind, why in missing.items():
+        if not wanted or kind in wanted:
+            params.append(pytest.param(kind, id=kind, marks=pytest.mark.skip(reason=f"{kind}: {why}")))
+    return params
+
+
+DEVICE_PARAMS = _device_params()
+
+
+def pytest_generate_tests(metafunc):
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", DEVICE_PARAMS, indirect=True)
+
+
+@pytest.fixture
+def device(request):
+    """The device under test, made the default for the test's duration."""
+    old = tx.config.default_device
+    tx.config.default_device = request.param
+    try:
+        yield tx.get_device(request.param)
+    finally:
+        tx.config.default_device = old
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def tolerance(dtype):
+    """(rtol, atol) for comparing a backend with the numpy reference in this dtype."""
+    d = np.dtype(dtype)
+    if d == np.float64:
+        return 1e-10, 1e-12
+    if d.name == "bfloat16":
+        return 2e-2, 2e-2
+    if d == np.float16:
+        return 5e-3, 5e-3
+    if d == np.float32:
+        return 2e-5, 1e-6
+    return 0, 0
+
+
+def assert_close(actual, expected, dtype=None, rtol=None, atol=None):
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    d = np.dtype(dtype) if dtype is not None else actual.dtype
+    r, a = tolerance(d)
+    rtol = r if rtol is None else rtol
+    atol = a if atol is None else atol
+    assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
+    if d.kind in "biu" or d == np.bool_:
+        np.testing.assert_array_equal(actual, expected)
+    else:
+        np.testing.assert_allclose(actual.astype(np.float64), expected.astype(np.float64),
+                                   rtol=rtol, atol=atol, equal_nan=True)

@@ -1,0 +1,39 @@
+"""tilefuse: a JAX-style functional tracing compiler. jit, grad and vmap transform pure
+numpy-style functions; the traced graph is fused and compiled for the CPU (LLVM), OpenCL and
+CUDA devices."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from tilefuse.ir import dtypes as _dtypes
+from tilefuse.ir.errors import (CompileError, ConcretizationError, DeviceError, DTypeError, NaNError,
+                                OutOfMemoryError, ShapeError, TilefuseError, TracerLeakError,
+                                TransformError)
+from tilefuse.runtime import device as _device
+from tilefuse.runtime.array import Array
+from tilefuse.runtime.config import config
+from tilefuse.runtime.device import default_device, device_put, devices, get_device
+from tilefuse.tracer import core as _core
+from tilefuse.tracer import jit as _jit
+from tilefuse.tracer.pytree import (register_dataclass, register_pytree_node, tree_flatten,
+                                    tree_leaves, tree_map, tree_structure, tree_unflatten)
+
+_core.set_eager_apply(_device.apply_primitive)
+_jit.hooks.resolve_device = _device.resolve_device
+_jit.hooks.compile = lambda graph, device: device.compile(graph)
+_jit.hooks.config = config
+
+from tilefuse import numpy  # noqa: E402  (installs the array operators)
+from tilefuse.api import debug_print, make_graph  # noqa: E402
+from tilefuse.autodiff import (check_grads, custom_vjp, grad, hessian, jacfwd, jacrev,  # noqa: E402
+                               jvp, stop_gradient, value_and_grad, vjp)
+from tilefuse.tracer.jit import jit  # noqa: E402
+from tilefuse.tracer.vmap import vmap  # noqa: E402
+
+float16, bfloat16, float32, float64 = _dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64
+int32, int64, uint32, bool_ = _dtypes.int32, _dtypes.int64, _dtypes.uint32, _dtypes.bool_
+
+
+def memory_stats(device=None) -> dict:
+    """Pool statistics of a device: bytes in use, peak, allocations, cache hits."""
+    return (get_device(device) if device is not None else default_device()).memory_stats()

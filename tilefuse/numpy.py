@@ -1,0 +1,1192 @@
+"""tilefuse.numpy: numpy's API over tilefuse primitives (import as `tnp`).
+
+Every function accepts numpy arrays, tilefuse Arrays, Python scalars and tracers, follows numpy's
+broadcasting and axis conventions, and promotes dtypes on JAX's lattice with weak Python scalars
+(`x * 2.0` keeps x's float dtype; ints become float32, not float64, under true division)."""
+from __future__ import annotations
+
+import builtins
+import math
+import string
+from typing import Sequence
+
+import numpy as np
+
+from tilefuse.ir import dtypes as _dt
+from tilefuse.ir import primitives as P
+from tilefuse.ir.errors import DTypeError, ShapeError, TilefuseError, with_user_line
+from tilefuse.runtime.array import Array
+from tilefuse.runtime.device import default_device
+from tilefuse.tracer.core import Tracer, bind1, concrete_or_none, get_aval
+
+float16, bfloat16, float32, float64 = _dt.float16, _dt.bfloat16, _dt.float32, _dt.float64
+int32, int64, uint32, bool_ = _dt.int32, _dt.int64, _dt.uint32, _dt.bool_
+pi, e, inf, nan, newaxis = np.pi, np.e, np.inf, np.nan, None
+ndarray = Array
+
+
+# ---- conversion and promotion ---------------------------------------------------------------
+
+def _is_python_scalar(x) -> bool:
+    return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
+
+
+def _operand(x):
+    """Anything array-like as an operand for bind: tracers and Arrays pass, lists become numpy."""
+    if isinstance(x, (Tracer, Array, np.ndarray)) or _is_python_scalar(x):
+        return x
+    if isinstance(x, np.generic):
+        return np.asarray(x)
+    if isinstance(x, (list, tuple)):
+        return asarray(x)
+    if hasattr(x, "__array__"):
+        return np.asarray(x)
+    raise TilefuseError(with_user_line(f"expected an array, got a {type(x).__name__}: {x!r:.60}"))
+
+
+def _aval(x):
+    return get_aval(x)
+
+
+def result_type(*xs):
+    """The dtype numpy-style promotion gives these operands (weak Python scalars respected)."""
+    return _dt.result_type(*((_aval(x).dtype, _aval(x).weak_type) for x in xs))[0]
+
+
+def _convert(x, dtype):
+    x = _operand(x)
+    dtype = _dt.canonicalize(dtype)
+    a = _aval(x)
+    if a.dtype == dtype:
+        return x
+    if _is_python_scalar(x) or isinstance(x, np.ndarray):
+        with np.errstate(all="ignore"):
+            return np.asarray(x).astype(dtype)
+    return bind1(P.convert_element_type, x, new_dtype=dtype, weak_type=False)
+
+
+def astype(x, dtype):
+    return _convert(x, dtype)
+
+
+def _promote(*xs, to_float=False):
+    xs = [_operand(x) for x in xs]
+    dtype = result_type(*xs)
+    if to_float and not _dt.is_float(dtype):
+        dtype = _dt.DEFAULT_FLOAT
+    return [_convert(x, dtype) for x in xs]
+
+
+def broadcast_shapes(*shapes) -> tuple[int, ...]:
+    nd = builtins.max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(nd):
+        dims = {s[i - nd + len(s)] for s in shapes if i - nd + len(s) >= 0} - {1}
+        if len(dims) > 1:
+            raise ShapeError(with_user_line(
+                f"shapes {', '.join(str(tuple(s)) for s in shapes)} cannot be broadcast together"))
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def broadcast_to(x, shape):
+    x = _operand(x)
+    shape = tuple(int(s) for s in ((shape,) if isinstance(shape, int) else shape))
+    a = _aval(x)
+    if a.shape == shape:
+        return x
+    if len(shape) < a.ndim or broadcast_shapes(a.shape, shape) != shape:
+        raise ShapeError(with_user_line(f"cannot broadcast an array of shape {a.shape} to {shape}"))
+    return bind1(P.broadcast_in_dim, x, shape=shape,
+                 broadcast_dimensions=tuple(range(len(shape) - a.ndim, len(shape))))
+
+
+def _broadcast_all(*xs):
+    shape = broadcast_shapes(*(_aval(x).shape for x in xs))
+    return [broadcast_to(x, shape) for x in xs]
+
+
+def _wrap_result(x):
+    """Keep eager results as device Arrays (never bare numpy) so methods work on them."""
+    if isinstance(x, (Tracer, Array)):
+        return x
+    return default_device().put(np.asarray(x))
+
+
+def _unary(prim, to_float=True, kinds=None):
+    def f(x):
+        (x,) = _promote(x, to_float=to_float)
+        return bind1(prim, x)
+    f.__name__ = prim.name
+    return f
+
+
+def _binary(prim, to_float=False, name=None):
+    def f(x, y):
+        x, y = _broadcast_all(*_promote(x, y, to_float=to_float))
+        return bind1(prim, x, y)
+    f.__name__ = name or prim.name
+    return f
+
+
+# ---- elementwise ----------------------------------------------------------------------------
+
+exp = _unary(P.exp)
+log = _unary(P.log)
+log1p = _unary(P.log1p)
+expm1 = _unary(P.expm1)
+tanh = _unary(P.tanh)
+sqrt = _unary(P.sqrt)
+sin = _unary(P.sin)
+cos = _unary(P.cos)
+erf = _unary(P.erf)
+floor = _unary(P.floor)
+ceil = _unary(P.ceil)
+round = _unary(P.round_)
+rint = round
+negative = _unary(P.neg, to_float=False)
+abs = absolute = _unary(P.abs_, to_float=False)
+sign = _unary(P.sign, to_float=False)
+isfinite = _unary(P.is_finite)
+add = _binary(P.add)
+subtract = _binary(P.sub, name="subtract")
+multiply = _binary(P.mul, name="multiply")
+true_divide = divide = _binary(P.div, to_float=True, name="divide")
+maximum = _binary(P.max_, name="maximum")
+minimum = _binary(P.min_, name="minimum")
+equal = _binary(P.eq, name="equal")
+not_equal = _binary(P.ne, name="not_equal")
+less = _binary(P.lt, name="less")
+less_equal = _binary(P.le, name="less_equal")
+greater = _binary(P.gt, name="greater")
+greater_equal = _binary(P.ge, name="greater_equal")
+bitwise_and = _binary(P.and_, name="bitwise_and")
+bitwise_or = _binary(P.or_, name="bitwise_or")
+bitwise_xor = _binary(P.xor, name="bitwise_xor")
+
+
+def positive(x):
+    return _operand(x)
+
+
+def square(x):
+    return integer_pow(x, 2)
+
+
+def integer_pow(x, n: int):
+    (x,) = _promote(x)
+    return bind1(P.integer_pow, x, y=int(n))
+
+
+def reciprocal(x):
+    return divide(1.0, x)
+
+
+def rsqrt(x):
+    return bind1(P.rsqrt, *_promote(x, to_float=True))
+
+
+def sigmoid(x):
+    return bind1(P.logistic, *_promote(x, to_float=True))
+
+
+def power(x, y):
+    if _is_python_scalar(y) and not isinstance(y, bool) and float(y) == int(y) and builtins.abs(y) <= 64:
+        if not (_dt.is_int(_aval(x).dtype) and y < 0):
+            return integer_pow(x, int(y))
+    x, y = _promote(x, y)
+    if not _dt.is_float(_aval(x).dtype):  # integer ** integer array: compute in float, cast back
+        d = _aval(x).dtype
+        return astype(power(astype(x, float64 if d == int64 else float32), astype(y, float32)), d)
+    x, y = _broadcast_all(x, y)
+    return bind1(P.pow_, x, y)
+
+
+def floor_divide(x, y):
+    x, y = _broadcast_all(*_promote(x, y))
+    if _dt.is_float(_aval(x).dtype):
+        return floor(bind1(P.div, x, y))
+    q = bind1(P.div, x, y)  # truncated; step down where the signs differ and it was inexact
+    r = bind1(P.rem, x, y)
+    zero = zeros_like(r)
+    fix = logical_and(not_equal(r, zero), not_equal(less(r, zero), less(y, zero)))
+    return where(fix, q - 1, q)
+
+
+def remainder(x, y):
+    x, y = _broadcast_all(*_promote(x, y))
+    r = bind1(P.rem, x, y)
+    zero = zeros_like(r)
+    fix = logical_and(not_equal(r, zero), not_equal(less(r, zero), less(y, zero)))
+    return where(fix, r + y, r)
+
+
+mod = remainder
+
+
+def fmod(x, y):
+    x, y = _broadcast_all(*_promote(x, y))
+    return bind1(P.rem, x, y)
+
+
+def logical_not(x):
+    return bind1(P.not_, astype(x, bool_))
+
+
+def logical_and(x, y):
+    return bitwise_and(astype(x, bool_), astype(y, bool_))
+
+
+def logical_or(x, y):
+    return bitwise_or(astype(x, bool_), astype(y, bool_))
+
+
+def logical_xor(x, y):
+    return bitwise_xor(astype(x, bool_), astype(y, bool_))
+
+
+def invert(x):
+    return bind1(P.not_, _operand(x))
+
+
+bitwise_not = invert
+
+
+def isnan(x):
+    x = _operand(x)
+    if not _dt.is_float(_aval(x).dtype):
+        return zeros_like(x, dtype=bool_)
+    return not_equal(x, x)
+
+
+def isinf(x):
+    x = _operand(x)
+    if not _dt.is_float(_aval(x).dtype):
+        return zeros_like(x, dtype=bool_)
+    return equal(abs(x), inf)
+
+
+def where(cond, x=None, y=None):
+    if x is None and y is None:
+        return nonzero(cond)
+    cond = astype(cond, bool_)
+    x, y = _promote(x, y)
+    cond, x, y = _broadcast_all(cond, x, y)
+    return bind1(P.select, cond, x, y)
+
+
+def clip(x, a_min=None, a_max=None):
+    if a_min is not None:
+        x = maximum(x, a_min)
+    if a_max is not None:
+        x = minimum(x, a_max)
+    return _operand(x)
+
+
+def stop_gradient(x):
+    return bind1(P.stop_gradient, _operand(x))
+
+
+# ---- shapes -------------------------------------------------------------------------------
+
+def shape(x):
+    return _aval(_operand(x)).shape
+
+
+def ndim(x):
+    return _aval(_operand(x)).ndim
+
+
+def size(x):
+    return _aval(_operand(x)).size
+
+
+def _norm_axis(axis: int, nd: int, name="axis") -> int:
+    if not isinstance(axis, (int, np.integer)):
+        raise TilefuseError(with_user_line(f"{name} must be an int, got {axis!r}"))
+    if not -nd <= axis < builtins.max(nd, 1) or (nd == 0 and axis not in (0, -1)):
+        raise ShapeError(with_user_line(f"{name} {axis} is out of range for an array of rank {nd}"))
+    return int(axis) % builtins.max(nd, 1)
+
+
+def _norm_axes(axis, nd) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(nd))
+    if isinstance(axis, (int, np.integer)):
+        axis = (axis,)
+    out = tuple(_norm_axis(a, nd) for a in axis)
+    if len(set(out)) != len(out):
+        raise ShapeError(with_user_line(f"repeated axis in {axis}"))
+    return out
+
+
+def reshape(x, *newshape, order="C"):
+    x = _operand(x)
+    if order != "C":
+        raise TilefuseError("reshape: only order='C' is supported")
+    if len(newshape) == 1 and not isinstance(newshape[0], (int, np.integer)):
+        newshape = tuple(newshape[0])
+    newshape = [int(s) for s in newshape]
+    a = _aval(x)
+    if newshape.count(-1) > 1:
+        raise ShapeError(with_user_line(f"reshape: more than one -1 in {tuple(newshape)}"))
+    if -1 in newshape:
+        known = int(np.prod([s for s in newshape if s != -1], dtype=np.int64))
+        if known == 0 or a.size % known:
+            raise ShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} into "
+                                            f"{tuple(newshape)}"))
+        newshape[newshape.index(-1)] = a.size // known
+    newshape = tuple(newshape)
+    if newshape == a.shape:
+        return x
+    if int(np.prod(newshape, dtype=np.int64)) != a.size:
+        raise ShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} (size {a.size}) "
+                                        f"into {newshape}"))
+    return bind1(P.reshape, x, new_sizes=newshape)
+
+
+def ravel(x):
+    return reshape(x, -1)
+
+
+def transpose(x, axes=None):
+    x = _operand(x)
+    nd = _aval(x).ndim
+    if axes is None:
+        axes = tuple(reversed(range(nd)))
+    axes = tuple(_norm_axis(a, nd) for a in axes)
+    if sorted(axes) != list(range(nd)):
+        raise ShapeError(with_user_line(f"transpose: axes {axes} are not a permutation of {nd} axes"))
+    if axes == tuple(range(nd)):
+        return x
+    return bind1(P.transpose, x, permutation=axes)
+
+
+permute_dims = transpose
+
+
+def swapaxes(x, a, b):
+    nd = ndim(x)
+    perm = list(range(nd))
+    a, b = _norm_axis(a, nd), _norm_axis(b, nd)
+    perm[a], perm[b] = perm[b], perm[a]
+    return transpose(x, perm)
+
+
+def moveaxis(x, source, destination):
+    nd = ndim(x)
+    src = _norm_axes(source, nd)
+    dst = _norm_axes(destination, nd)
+    if len(src) != len(dst):
+        raise ShapeError(with_user_line("moveaxis: source and destination differ in length"))
+    order = [i for i in range(nd) if i not in src]
+    for d, s in sorted(zip(dst, src)):
+        order.insert(d, s)
+    return transpose(x, order)
+
+
+def expand_dims(x, axis):
+    x = _operand(x)
+    a = _aval(x)
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    nd = a.ndim + len(axes)
+    axes = sorted(_norm_axis(ax, nd) for ax in axes)
+    shape = list(a.shape)
+    for ax in axes:
+        shape.insert(ax, 1)
+    return reshape(x, shape)
+
+
+def squeeze(x, axis=None):
+    x = _operand(x)
+    a = _aval(x)
+    if axis is None:
+        axes = [i for i, n in enumerate(a.shape) if n == 1]
+    else:
+        axes = _norm_axes(axis, a.ndim)
+        for ax in axes:
+            if a.shape[ax] != 1:
+                raise ShapeError(with_user_line(f"squeeze: axis {ax} of shape {a.shape} is not 1"))
+    return reshape(x, [n for i, n in enumerate(a.shape) if i not in axes])
+
+
+def atleast_1d(x):
+    return reshape(x, (1,)) if ndim(x) == 0 else _operand(x)
+
+
+def atleast_2d(x):
+    x = atleast_1d(x)
+    return expand_dims(x, 0) if ndim(x) == 1 else x
+
+
+def concatenate(arrays, axis=0):
+    arrays = list(arrays)
+    if not arrays:
+        raise TilefuseError(with_user_line("concatenate needs at least one array"))
+    if axis is None:
+        arrays, axis = [ravel(a) for a in arrays], 0
+    arrays = _promote(*arrays)
+    nd = _aval(arrays[0]).ndim
+    if nd == 0:
+        raise ShapeError(with_user_line("zero-dimensional arrays cannot be concatenated"))
+    axis = _norm_axis(axis, nd)
+    if len(arrays) == 1:
+        return arrays[0]
+    return bind1(P.concatenate, *arrays, dimension=axis)
+
+
+def stack(arrays, axis=0):
+    arrays = [_operand(a) for a in arrays]
+    if not arrays:
+        raise TilefuseError(with_user_line("stack needs at least one array"))
+    shapes = {_aval(a).shape for a in arrays}
+    if len(shapes) > 1:
+        raise ShapeError(with_user_line(f"stack: all arrays need the same shape, got {sorted(shapes)}"))
+    axis = _norm_axis(axis, ndim(arrays[0]) + 1)
+    return concatenate([expand_dims(a, axis) for a in arrays], axis)
+
+
+def hstack(arrays):
+    arrays = [atleast_1d(a) for a in arrays]
+    return concatenate(arrays, 0 if ndim(arrays[0]) == 1 else 1)
+
+
+def vstack(arrays):
+    return concatenate([atleast_2d(a) for a in arrays], 0)
+
+
+def _slice_axis(x, axis, start, stop, step=1):
+    a = _aval(x)
+    starts = [0] * a.ndim
+    limits = list(a.shape)
+    strides = [1] * a.ndim
+    starts[axis], limits[axis], strides[axis] = start, stop, step
+    if starts == [0] * a.ndim and limits == list(a.shape) and step == 1:
+        return x
+    return bind1(P.slice_, x, start_indices=tuple(starts), limit_indices=tuple(limits),
+                 strides=tuple(strides))
+
+
+def split(x, indices_or_sections, axis=0):
+    x = _operand(x)
+    a = _aval(x)
+    axis = _norm_axis(axis, a.ndim)
+    n = a.shape[axis]
+    if isinstance(indices_or_sections, (int, np.integer)):
+        k = int(indices_or_sections)
+        if k <= 0 or n % k:
+            raise ShapeError(with_user_line(f"split: an axis of size {n} does not divide into {k} "
+                                            "equal parts"))
+        bounds = [i * (n // k) for i in range(k + 1)]
+    else:
+        bounds = [0] + [builtins.min(builtins.max(int(i), 0), n) for i in indices_or_sections] + [n]
+    return [_slice_axis(x, axis, lo, builtins.max(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def array_split(x, sections, axis=0):
+    n = shape(x)[_norm_axis(axis, ndim(x))]
+    q, r = divmod(n, sections)
+    idx = np.cumsum([q + 1] * r + [q] * (sections - r))[:-1]
+    return split(x, list(idx), axis)
+
+
+def flip(x, axis=None):
+    x = _operand(x)
+    axes = _norm_axes(axis, ndim(x))
+    return bind1(P.rev, x, dimensions=tuple(axes)) if axes else x
+
+
+def pad(x, pad_width, mode="constant", constant_values=0):
+    if mode != "constant":
+        raise TilefuseError(f"pad: only mode='constant' is supported, not {mode!r}")
+    x = _operand(x)
+    nd = ndim(x)
+    pw = np.broadcast_to(np.asarray(pad_width, dtype=np.int64).reshape(-1, 2) if np.ndim(pad_width)
+                         else np.asarray([[pad_width, pad_width]]), (nd, 2))
+    cfg = tuple((int(lo), int(hi), 0) for lo, hi in pw)
+    pv = _convert(constant_values, _aval(x).dtype)
+    return bind1(P.pad, x, pv, padding_config=cfg)
+
+
+def tile(x, reps):
+    x = _operand(x)
+    reps = (reps,) if isinstance(reps, int) else tuple(reps)
+    a = _aval(x)
+    nd = builtins.max(a.ndim, len(reps))
+    reps = (1,) * (nd - len(reps)) + reps
+    shp = (1,) * (nd - a.ndim) + a.shape
+    x = reshape(x, shp)
+    inter = [v for s, r in zip(shp, reps) for v in (r, s)]
+    dims = tuple(2 * i + 1 for i in range(nd))
+    y = bind1(P.broadcast_in_dim, reshape(x, shp), shape=tuple(inter), broadcast_dimensions=dims)
+    return reshape(y, [s * r for s, r in zip(shp, reps)])
+
+
+def repeat(x, repeats: int, axis=None):
+    x = _operand(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    a = _aval(x)
+    axis = _norm_axis(axis, a.ndim)
+    shp = a.shape[:axis + 1] + (int(repeats),) + a.shape[axis + 1:]
+    y = bind1(P.broadcast_in_dim, x, shape=shp,
+              broadcast_dimensions=tuple(i if i <= axis else i + 1 for i in range(a.ndim)))
+    return reshape(y, a.shape[:axis] + (a.shape[axis] * int(repeats),) + a.shape[axis + 1:])
+
+
+# ---- reductions ---------------------------------------------------------------------------
+
+def _reduce(prim, x, axis, keepdims, dtype=None, identity_ok=True):
+    x = _operand(x)
+    if dtype is not None:
+        x = astype(x, dtype)
+    a = _aval(x)
+    axes = _norm_axes(axis, a.ndim)
+    out = bind1(prim, x, axes=axes) if axes else x
+    if keepdims:
+        out = reshape(out, [1 if i in axes else n for i, n in enumerate(a.shape)])
+    return out
+
+
+def sum(x, axis=None, dtype=None, keepdims=False):
+    x = _operand(x)
+    d = _aval(x).dtype
+    if dtype is None and (_dt.is_bool(d) or d == uint32):
+        dtype = int32
+    return _reduce(P.reduce_sum, x, axis, keepdims, dtype)
+
+
+def prod(x, axis=None, dtype=None, keepdims=False):
+    x = _operand(x)
+    if dtype is None and _dt.is_bool(_aval(x).dtype):
+        dtype = int32
+    return _reduce(P.reduce_prod, x, axis, keepdims, dtype)
+
+
+def max(x, axis=None, keepdims=False):
+    return _reduce(P.reduce_max, x, axis, keepdims)
+
+
+def min(x, axis=None, keepdims=False):
+    return _reduce(P.reduce_min, x, axis, keepdims)
+
+
+amax, amin = max, min
+
+
+def all(x, axis=None, keepdims=False):
+    return _reduce(P.reduce_min, astype(x, bool_), axis, keepdims)
+
+
+def any(x, axis=None, keepdims=False):
+    return _reduce(P.reduce_max, astype(x, bool_), axis, keepdims)
+
+
+def _count(x, axis):
+    a = _aval(x)
+    return int(np.prod([a.shape[i] for i in _norm_axes(axis, a.ndim)], dtype=np.int64))
+
+
+def mean(x, axis=None, dtype=None, keepdims=False):
+    x = _operand(x)
+    d = _aval(x).dtype
+    x = astype(x, dtype or (d if _dt.is_float(d) else float32))
+    n = _count(x, axis)
+    s = sum(x, axis, keepdims=keepdims)
+    return divide(s, float(n)) if n else divide(s, nan)
+
+
+def var(x, axis=None, ddof=0, keepdims=False):
+    x = _operand(x)
+    d = _aval(x).dtype
+    x = astype(x, d if _dt.is_float(d) else float32)
+    m = mean(x, axis, keepdims=True)
+    c = x - m
+    n = _count(x, axis) - ddof
+    return divide(sum(c * c, axis, keepdims=keepdims), float(builtins.max(n, 0)) if n > 0 else nan)
+
+
+def std(x, axis=None, ddof=0, keepdims=False):
+    return sqrt(var(x, axis, ddof, keepdims))
+
+
+def _arg_reduce(prim, x, axis, keepdims):
+    x = _operand(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    a = _aval(x)
+    axis = _norm_axis(axis, a.ndim)
+    out = bind1(prim, x, axis=axis, index_dtype=int32)
+    if keepdims:
+        out = expand_dims(out, axis)
+    return out
+
+
+def argmax(x, axis=None, keepdims=False):
+    """Index of the maximum; ties go to the first occurrence (numpy's rule)."""
+    return _arg_reduce(P.argmax, x, axis, keepdims)
+
+
+def argmin(x, axis=None, keepdims=False):
+    return _arg_reduce(P.argmin, x, axis, keepdims)
+
+
+def cumsum(x, axis=None, dtype=None):
+    """Cumulative sum, as a product with a triangular matrix (fine for model-sized axes)."""
+    x = _operand(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    if dtype is not None:
+        x = astype(x, dtype)
+    axis = _norm_axis(axis, ndim(x))
+    n = shape(x)[axis]
+    tri = astype(tril(ones((n, n), dtype=bool_)), _aval(x).dtype)  # tri[i, j] = j <= i
+    y = tensordot(moveaxis(x, axis, -1), tri, axes=([-1], [1]))
+    return moveaxis(y, -1, axis)
+
+
+# ---- contraction -------------------------------------------------------------------------
+
+def _dot_general(a, b, contract, batch=((), ())):
+    a, b = _promote(a, b)
+    return bind1(P.dot_general, a, b, dimension_numbers=(tuple(map(tuple, contract)),
+                                                         tuple(map(tuple, batch))))
+
+
+def matmul(a, b):
+    a, b = _operand(a), _operand(b)
+    sa, sb = _aval(a).shape, _aval(b).shape
+    if len(sa) == 0 or len(sb) == 0:
+        raise ShapeError(with_user_line("matmul: operands must not be scalars (use *)"))
+    if sa[-1] != sb[-2 if len(sb) > 1 else 0]:
+        raise ShapeError(with_user_line(
+            f"matmul: contracting dimensions differ: {sa} @ {sb} ({sa[-1]} vs {sb[-2 if len(sb) > 1 else 0]})"))
+    if len(sb) <= 2:  # a weight matrix (or vector): contract without broadcasting it
+        return _dot_general(a, b, ((len(sa) - 1,), (0,)))
+    if len(sa) == 1:
+        return _dot_general(a, b, ((0,), (len(sb) - 2,)))
+    batch = broadcast_shapes(sa[:-2], sb[:-2])
+    a = broadcast_to(a, batch + sa[-2:])
+    b = broadcast_to(b, batch + sb[-2:])
+    nb = len(batch)
+    return _dot_general(a, b, ((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
+
+
+def dot(a, b):
+    a, b = _operand(a), _operand(b)
+    na, nb = ndim(a), ndim(b)
+    if na == 0 or nb == 0:
+        return multiply(a, b)
+    if na <= 2 and nb <= 2:
+        return matmul(a, b)
+    return _dot_general(a, b, ((na - 1,), (builtins.max(nb - 2, 0),)))
+
+
+def vdot(a, b):
+    return dot(ravel(a), ravel(b))
+
+
+inner = lambda a, b: tensordot(a, b, axes=([-1], [-1]))  # noqa: E731
+
+
+def outer(a, b):
+    return multiply(reshape(a, (-1, 1)), reshape(b, (1, -1)))
+
+
+def tensordot(a, b, axes=2):
+    a, b = _operand(a), _operand(b)
+    na, nb = ndim(a), ndim(b)
+    if isinstance(axes, int):
+        ca, cb = list(range(na - axes, na)), list(range(axes))
+    else:
+        ca, cb = ([axes[0]] if isinstance(axes[0], int) else list(axes[0]),
+                  [axes[1]] if isinstance(axes[1], int) else list(axes[1]))
+    return _dot_general(a, b, ([_norm_axis(i, na) for i in ca], [_norm_axis(i, nb) for i in cb]))
+
+
+def einsum(subscripts: str, *operands):
+    """Einstein summation for one or more operands, lowered to dot_general and transposes."""
+    operands = [_operand(o) for o in operands]
+    subscripts = subscripts.replace(" ", "")
+    if "->" in subscripts:
+        ins, out = subscripts.split("->")
+    else:
+        ins = subscripts
+        flat = ins.replace(",", "")
+        out = "".join(sorted(c for c in set(flat) if flat.count(c) == 1))
+    terms = ins.split(",")
+    if len(terms) != len(operands):
+        raise TilefuseError(with_user_line(f"einsum: {len(terms)} terms for {len(operands)} operands"))
+    if "." in subscripts:
+        raise TilefuseError("einsum: ellipsis ('...') is not supported; name the axes")
+    for t, o in zip(terms, operands):
+        if len(t) != ndim(o):
+            raise ShapeError(with_user_line(f"einsum: term {t!r} has {len(t)} axes but its operand "
+                                            f"has shape {shape(o)}"))
+    sizes = {}
+    for t, o in zip(terms, operands):
+        for c, n in zip(t, shape(o)):
+            if sizes.setdefault(c, n) != n and n != 1 and sizes[c] != 1:
+                raise ShapeError(with_user_line(f"einsum: axis {c!r} has sizes {sizes[c]} and {n}"))
+    x, xt = _einsum_single(operands[0], terms[0], out, terms[1:])
+    for o, t in zip(operands[1:], terms[1:]):
+        rest = [tt for tt in terms[terms.index(t) + 1:]]
+        o, t = _einsum_single(o, t, out + xt, rest)
+        keep = set(out) | set("".join(rest))
+        batch = [c for c in xt if c in t and c in keep]
+        contract = [c for c in xt if c in t and c not in keep]
+        x = _dot_general(x, o, ([xt.index(c) for c in contract], [t.index(c) for c in contract]),
+                         ([xt.index(c) for c in batch], [t.index(c) for c in batch]))
+        xt = "".join(batch) + "".join(c for c in xt if c not in batch and c not in contract) + \
+            "".join(c for c in t if c not in batch and c not in contract)
+    x, xt = _einsum_single(x, xt, out, [])
+    return transpose(x, [xt.index(c) for c in out])
+
+
+def _einsum_single(x, t, out, others):
+    """Sum away axes of one operand that appear nowhere else; diagonals are not supported."""
+    if len(set(t)) != len(t):
+        raise TilefuseError(f"einsum: repeated index in {t!r} (diagonals) is not supported")
+    needed = set(out) | set("".join(others))
+    drop = [i for i, c in enumerate(t) if c not in needed]
+    if drop:
+        x = sum(x, axis=tuple(drop))
+        t = "".join(c for i, c in enumerate(t) if i not in drop)
+    return x, t
+
+
+# ---- creation -----------------------------------------------------------------------------
+
+def _shape_tuple(s):
+    return (int(s),) if isinstance(s, (int, np.integer)) else tuple(int(n) for n in s)
+
+
+def full(shape, fill_value, dtype=None):
+    shape = _shape_tuple(shape)
+    fv = _operand(fill_value)
+    dtype = _dt.canonicalize(dtype) if dtype is not None else _aval(fv).dtype
+    fv = _convert(fv, dtype)
+    return _wrap_result(broadcast_to(fv, shape))
+
+
+def zeros(shape, dtype=float32):
+    return full(shape, 0, dtype)
+
+
+def ones(shape, dtype=float32):
+    return full(shape, 1, dtype)
+
+
+def empty(shape, dtype=float32):
+    return zeros(shape, dtype)
+
+
+def _like(x, dtype, shape):
+    a = _aval(_operand(x))
+    return (a.dtype if dtype is None else dtype), (a.shape if shape is None else shape)
+
+
+def zeros_like(x, dtype=None, shape=None):
+    d, s = _like(x, dtype, shape)
+    return zeros(s, d)
+
+
+def ones_like(x, dtype=None, shape=None):
+    d, s = _like(x, dtype, shape)
+    return ones(s, d)
+
+
+def full_like(x, fill_value, dtype=None, shape=None):
+    d, s = _like(x, dtype, shape)
+    return full(s, fill_value, d)
+
+
+empty_like = zeros_like
+
+
+def _iota(dtype, n):
+    return bind1(P.iota, dtype=_dt.canonicalize(dtype), shape=(int(n),), dimension=0)
+
+
+def arange(start, stop=None, step=None, dtype=None):
+    for v in (start, stop, step):
+        if isinstance(v, (Tracer,)):
+            raise TilefuseError(with_user_line("arange needs concrete start/stop/step (static "
+                                               "Python numbers): its size must be known"))
+    if stop is None:
+        start, stop = 0, start
+    step = 1 if step is None else step
+    n = builtins.max(0, math.ceil((stop - start) / step))
+    if dtype is None:
+        dtype = float32 if builtins.any(isinstance(v, float) for v in (start, stop, step)) else int32
+    dtype = _dt.canonicalize(dtype)
+    x = _iota(dtype if _dt.is_int(dtype) else float32, n)
+    if step != 1:
+        x = x * step
+    if start != 0:
+        x = x + start
+    return _wrap_result(astype(x, dtype))
+
+
+def linspace(start, stop, num=50, endpoint=True, dtype=None):
+    num = int(num)
+    div = (num - 1) if endpoint else num
+    step = (stop - start) / div if div > 0 else 0.0
+    x = _iota(float32, num) * float(step) + float(start)
+    if endpoint and num > 1:
+        x = where(equal(_iota(int32, num), num - 1), float(stop), x)
+    return _wrap_result(astype(x, dtype or float32))
+
+
+def eye(N, M=None, k=0, dtype=float32):
+    M = N if M is None else M
+    r = bind1(P.iota, dtype=int32, shape=(N, M), dimension=0)
+    c = bind1(P.iota, dtype=int32, shape=(N, M), dimension=1)
+    return _wrap_result(astype(equal(r + k, c), dtype))
+
+
+identity = eye
+
+
+def _tri_mask(n, m, k):
+    r = bind1(P.iota, dtype=int32, shape=(n, m), dimension=0)
+    c = bind1(P.iota, dtype=int32, shape=(n, m), dimension=1)
+    return greater_equal(r + k, c)  # j <= i + k
+
+
+def tri(N, M=None, k=0, dtype=float32):
+    return _wrap_result(astype(_tri_mask(N, N if M is None else M, k), dtype))
+
+
+def tril(x, k=0):
+    x = _operand(x)
+    n, m = shape(x)[-2:]
+    return where(_tri_mask(n, m, k), x, zeros((), _aval(x).dtype))
+
+
+def triu(x, k=0):
+    x = _operand(x)
+    n, m = shape(x)[-2:]
+    return where(_tri_mask(n, m, k - 1), zeros((), _aval(x).dtype), x)
+
+
+def asarray(x, dtype=None):
+    """An Array (on the default device) or tracer for x; Python data gets float32/int32 defaults."""
+    if isinstance(x, (Tracer, Array)):
+        return x if dtype is None else astype(x, dtype)
+    if isinstance(x, (list, tuple)):
+        if builtins.any(isinstance(v, (Tracer, Array)) or isinstance(v, (list, tuple)) and
+                        _has_traced(v) for v in x):
+            return stack([asarray(v, dtype) for v in x])
+        try:
+            arr = np.asarray(x)
+        except ValueError as err:
+            raise TilefuseError(with_user_line(f"cannot make an array from a ragged nested list: {err}")) from None
+        if arr.dtype == object:
+            raise TilefuseError(with_user_line("cannot make an array of Python objects"))
+        if dtype is None:
+            dtype = {"f": float32, "i": int32, "u": int32, "b": bool_}.get(arr.dtype.kind, arr.dtype)
+    elif _is_python_scalar(x):
+        arr = np.asarray(x, _dt.python_scalar_dtype(x))
+    else:
+        arr = np.asarray(x)
+        if arr.dtype == object:
+            raise TilefuseError(with_user_line("cannot make an array of Python objects"))
+    dtype = _dt.canonicalize(arr.dtype if dtype is None else dtype)
+    return default_device().put(arr.astype(dtype, copy=False))
+
+
+def _has_traced(v):
+    return builtins.any(isinstance(u, (Tracer, Array)) or isinstance(u, (list, tuple)) and _has_traced(u)
+                        for u in v)
+
+
+def array(x, dtype=None, copy=True):
+    return asarray(x, dtype)
+
+
+# ---- indexing ------------------------------------------------------------------------------
+
+def _is_int_index(i):
+    return isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+
+
+def _as_index_array(i):
+    """An advanced index: a concrete numpy int array, a traced int array, or None."""
+    if isinstance(i, (list, tuple)):
+        i = np.asarray(i)
+        if i.size == 0:
+            i = i.astype(np.int32)
+    if isinstance(i, (np.ndarray, Array, Tracer)):
+        return i
+    return None
+
+
+def _getitem(x, idx):
+    x = _operand(x)
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    # concrete boolean masks become integer index arrays; traced ones cannot (data-dependent shape)
+    expanded = []
+    for i in idx:
+        arr = _as_index_array(i) if not isinstance(i, (Tracer, Array)) else i
+        if arr is not None and _aval(arr).dtype == bool_:
+            val = concrete_or_none(arr)
+            if val is None:
+                raise TilefuseError(with_user_line(
+                    f"boolean mask indexing with a traced mask {_aval(arr)} has a data-dependent "
+                    "shape; use tnp.where(mask, x, 0) instead"))
+            val = np.asarray(val)
+            if val.ndim == 0:
+                raise TilefuseError(with_user_line("indexing with a 0-d boolean mask is not supported"))
+            expanded.extend(val.nonzero())
+        elif isinstance(i, (bool, np.bool_)):
+            raise TilefuseError(with_user_line("indexing with a Python bool is not supported"))
+        else:
+            expanded.append(i)
+    idx = expanded
+    n_ell = builtins.sum(1 for i in idx if i is Ellipsis)
+    if n_ell > 1:
+        raise TilefuseError(with_user_line("an index can only have a single ellipsis ('...')"))
+    n_real = builtins.sum(1 for i in idx if i is not None and i is not Ellipsis)
+    a = _aval(x)
+    if n_real > a.ndim:
+        raise ShapeError(with_user_line(f"too many indices ({n_real}) for an array of shape {a.shape}"))
+    if n_ell:
+        k = idx.index(Ellipsis)
+        idx = idx[:k] + [slice(None)] * (a.ndim - n_real) + idx[k + 1:]
+    else:
+        idx = idx + [slice(None)] * (a.ndim - n_real)
+    # None: insert a unit axis in the operand and index it with a full slice
+    if builtins.any(i is None for i in idx):
+        shp, j = [], 0
+        for i in idx:
+            if i is None:
+                shp.append(1)
+            else:
+                shp.append(a.shape[j])
+                j += 1
+        x = reshape(x, shp)
+        idx = [slice(None) if i is None else i for i in idx]
+        a = _aval(x)
+    advanced = [k for k, i in enumerate(idx) if _as_index_array(i) is not None]
+    if advanced:  # ints among advanced indices act as advanced (numpy's rule)
+        idx = [np.asarray(i, np.int32) if _is_int_index(i) else i for i in idx]
+        advanced = [k for k, i in enumerate(idx) if _as_index_array(i) is not None]
+    # basic part: one slice (with rev for negative steps), then drop int-indexed axes
+    starts, limits, strides, rev_axes, drop = [], [], [], [], []
+    for k, (i, n) in enumerate(zip(idx, a.shape)):
+        if _is_int_index(i):
+            j = int(i) + n if i < 0 else int(i)
+            if not 0 <= j < n:
+                raise IndexError(with_user_line(f"index {int(i)} is out of bounds for axis {k} "
+                                                f"with size {n}"))
+            starts.append(j), limits.append(j + 1), strides.append(1)
+            drop.append(k)
+        elif isinstance(i, slice):
+            s, l, st = i.indices(n)
+            if st < 0:  # reverse the axis, then slice forward
+                rev_axes.append(k)
+                s, l, st = n - 1 - s, n - 1 - l, -st
+            l = builtins.max(l, s)
+            starts.append(s), limits.append(l), strides.append(st)
+        elif k in advanced:
+            starts.append(0), limits.append(n), strides.append(1)
+        else:
+            raise TilefuseError(with_user_line(f"unsupported index {i!r} of type {type(i).__name__}"))
+    if rev_axes:
+        x = bind1(P.rev, x, dimensions=tuple(rev_axes))
+    if (starts, limits, strides) != ([0] * a.ndim, list(a.shape), [1] * a.ndim):
+        x = bind1(P.slice_, x, start_indices=tuple(starts), limit_indices=tuple(limits),
+                  strides=tuple(strides))
+    if drop:
+        x = reshape(x, [n for k, n in enumerate(_aval(x).shape) if k not in drop])
+        remap = {k: k - builtins.sum(1 for d in drop if d < k) for k in range(a.ndim) if k not in drop}
+        advanced = [remap[k] for k in advanced]
+        idx = [i for k, i in enumerate(idx) if k not in drop]
+    if not advanced:
+        return x
+    return _advanced_index(x, advanced, [idx[k] for k in advanced])
+
+
+def _advanced_index(x, axes, indexes):
+    a = _aval(x)
+    arrays = []
+    for ax, i in zip(axes, indexes):
+        i = _as_index_array(i)
+        n = a.shape[ax]
+        if not _dt.is_int(_aval(i).dtype):
+            raise TilefuseError(with_user_line(f"index arrays must be integers, got {_aval(i).dtype}"))
+        val = concrete_or_none(i) if not isinstance(i, Array) else None
+        if isinstance(val, np.ndarray):
+            if val.size and (val.max() >= n or val.min() < -n):
+                raise IndexError(with_user_line(f"index {int(val.max() if val.max() >= n else val.min())}"
+                                                f" is out of bounds for axis {ax} with size {n}"))
+            i = np.where(val < 0, val + n, val).astype(np.int32)
+        else:
+            i = astype(i, int32)
+            i = where(less(i, 0), i + n, i)
+        arrays.append(i)
+    bshape = broadcast_shapes(*(_aval(i).shape for i in arrays))
+    # bring the advanced axes to the front, merge them into one, gather along it
+    rest = [k for k in range(a.ndim) if k not in axes]
+    xt = transpose(x, list(axes) + rest)
+    sizes = [a.shape[k] for k in axes]
+    xt = reshape(xt, (int(np.prod(sizes, dtype=np.int64)),) + tuple(a.shape[k] for k in rest))
+    flat = None
+    stride = 1
+    for i, n in zip(reversed(arrays), reversed(sizes)):
+        term = broadcast_to(i, bshape) if stride == 1 else broadcast_to(i, bshape) * stride
+        flat = term if flat is None else flat + term
+        stride *= n
+    if isinstance(flat, np.ndarray):
+        flat = flat.astype(np.int32)
+    out = bind1(P.gather, xt, flat, axis=0)
+    contiguous = list(axes) == list(range(axes[0], axes[0] + len(axes)))
+    if contiguous and axes[0] > 0:  # numpy keeps adjacent advanced axes in place
+        nb = len(bshape)
+        order = list(range(nb, nb + axes[0])) + list(range(nb)) + list(range(nb + axes[0], ndim(out)))
+        out = transpose(out, order)
+    return out
+
+
+def take(x, indices, axis=None, mode=None):
+    """numpy.take; out-of-range indices clamp to the edge (as in JAX's 'clip' mode)."""
+    x = _operand(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    axis = _norm_axis(axis, ndim(x))
+    n = shape(x)[axis]
+    i = _as_index_array(indices)
+    if i is None:
+        i = np.asarray(indices, np.int32)
+    i = astype(i, int32) if not isinstance(i, np.ndarray) else i.astype(np.int32)
+    if mode != "clip":
+        i = where(less(i, 0), i + n, i) if not isinstance(i, np.ndarray) else np.where(i < 0, i + n, i)
+    return bind1(P.gather, x, i, axis=axis)
+
+
+def take_along_axis(arr, indices, axis):
+    arr, indices = _operand(arr), _operand(indices)
+    if axis is None:
+        arr, axis = ravel(arr), 0
+    a = _aval(arr)
+    axis = _norm_axis(axis, a.ndim)
+    ia = _aval(indices)
+    if ia.ndim != a.ndim:
+        raise ShapeError(with_user_line(f"take_along_axis: indices {ia.shape} and array {a.shape} "
+                                        "need the same rank"))
+    oshape = broadcast_shapes(tuple(n if k != axis else 1 for k, n in enumerate(a.shape)),
+                              tuple(n if k != axis else 1 for k, n in enumerate(ia.shape)))
+    oshape = tuple(ia.shape[k] if k == axis else n for k, n in enumerate(oshape))
+    arr = broadcast_to(arr, tuple(a.shape[k] if k == axis else n for k, n in enumerate(oshape)))
+    a = _aval(arr)
+    idx = broadcast_to(astype(indices, int32), oshape)
+    idx = where(less(idx, 0), idx + a.shape[axis], idx)
+    strides = np.cumprod((1,) + a.shape[::-1])[::-1][1:]
+    flat = idx * int(strides[axis]) if strides[axis] != 1 else idx
+    for k in range(a.ndim):
+        if k != axis and oshape[k] > 1:
+            io = bind1(P.iota, dtype=int32, shape=oshape, dimension=k)
+            flat = flat + (io * int(strides[k]) if strides[k] != 1 else io)
+    return bind1(P.gather, ravel(arr), flat, axis=0)
+
+
+def nonzero(x):
+    val = concrete_or_none(_operand(x))
+    if val is None or isinstance(val, Tracer):
+        raise TilefuseError(with_user_line("nonzero of a traced array has a data-dependent shape"))
+    return tuple(asarray(i.astype(np.int32)) for i in np.asarray(val).nonzero())
+
+
+def _setitem(x, idx, value):
+    raise TypeError("tilefuse arrays are immutable: use x.at[idx].set(value) or tnp.where")
+
+
+class _IndexUpdateHelper:
+    """x.at[idx].set(v) / .add(v) / .get(): functional updates, as in JAX."""
+    __slots__ = ("x",)
+
+    def __init__(self, x):
+        self.x = x
+
+    def __getitem__(self, idx):
+        return _IndexUpdateRef(self.x, idx)
+
+
+class _IndexUpdateRef:
+    __slots__ = ("x", "idx")
+
+    def __init__(self, x, idx):
+        self.x, self.idx = x, idx
+
+    def get(self):
+        return _getitem(self.x, self.idx)
+
+    def _positions(self):
+        n = size(self.x)
+        pos = reshape(arange(n, dtype=int32), shape(self.x))
+        return ravel(_getitem(pos, self.idx))
+
+    def add(self, value):
+        x = _operand(self.x)
+        pos = self._positions()
+        upd = ravel(broadcast_to(astype(value, _aval(x).dtype), shape(_getitem(x, self.idx))))
+        flat = bind1(P.scatter_add, ravel(x), pos, upd, axis=0)
+        return reshape(flat, shape(x))
+
+    def set(self, value):
+        x = _operand(self.x)
+        pos = self._positions()
+        hit = bind1(P.scatter_add, zeros(size(x), int32), pos, ones(size(pos), int32), axis=0)
+        upd = ravel(broadcast_to(astype(value, _aval(x).dtype), shape(_getitem(x, self.idx))))
+        new = bind1(P.scatter_add, zeros(size(x), _aval(x).dtype), pos, upd, axis=0)
+        return reshape(where(greater(hit, 0), new, ravel(x)), shape(x))
+
+    def multiply(self, value):
+        return self.set(self.get() * value)
+
+
+# ---- operators on tracers and Arrays (the one place they are defined) ---------------------
+
+def _swap(f):
+    return lambda x, y: f(y, x)
+
+
+def _astype_method(x, dtype):
+    return astype(x, dtype)
+
+
+_METHODS = {
+    "__add__": add, "__radd__": _swap(add), "__sub__": subtract, "__rsub__": _swap(subtract),
+    "__mul__": multiply, "__rmul__": _swap(multiply), "__truediv__": divide,
+    "__rtruediv__": _swap(divide), "__floordiv__": floor_divide, "__rfloordiv__": _swap(floor_divide),
+    "__mod__": remainder, "__rmod__": _swap(remainder), "__pow__": power, "__rpow__": _swap(power),
+    "__matmul__": matmul, "__rmatmul__": _swap(matmul), "__neg__": negative, "__pos__": positive,
+    "__abs__": abs, "__invert__": invert, "__and__": bitwise_and, "__rand__": _swap(bitwise_and),
+    "__or__": bitwise_or, "__ror__": _swap(bitwise_or), "__xor__": bitwise_xor,
+    "__rxor__": _swap(bitwise_xor), "__lt__": less, "__le__": less_equal, "__gt__": greater,
+    "__ge__": greater_equal, "__eq__": equal, "__ne__": not_equal, "__getitem__": _getitem,
+    "__setitem__": _setitem,
+    "reshape": reshape, "transpose": lambda x, *axes: transpose(
+        x, axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else (axes or None)),
+    "astype": _astype_method, "sum": sum, "mean": mean, "max": max, "min": min, "prod": prod,
+    "argmax": argmax, "argmin": argmin, "var": var, "std": std, "squeeze": squeeze,
+    "ravel": ravel, "flatten": ravel, "swapaxes": swapaxes, "clip": clip, "all": all, "any": any,
+    "dot": dot, "cumsum": cumsum, "repeat": repeat, "take": take,
+}
+_PROPERTIES = {"T": lambda x: transpose(x), "mT": lambda x: swapaxes(x, -1, -2),
+               "at": lambda x: _IndexUpdateHelper(x)}
+
+
+def _install(cls):
+    for name, fn in _METHODS.items():
+        setattr(cls, name, fn)
+    for name, fn in _PROPERTIES.items():
+        setattr(cls, name, property(fn))
+    cls.__hash__ = None if cls is Array else object.__hash__
+
+
+_install(Tracer)
+_install(Array)
+_ = (DTypeError, Sequence, string)

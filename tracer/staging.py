@@ -1,0 +1,111 @@
+"""Staging: tracing a Python function into a Graph (what jit compiles)."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tilefuse.ir.core import Eqn, Graph, Literal, ShapedArray, Var, aval_of_value
+from tilefuse.ir.errors import user_line
+
+from .core import Trace, Tracer, new_dynamic, new_main
+
+
+class StagingTracer(Tracer):
+    __slots__ = ("_trace", "_aval")
+
+    def __init__(self, trace, aval):
+        self._trace, self._aval = trace, aval
+
+    @property
+    def aval(self):
+        return self._aval
+
+
+class GraphBuilder:
+    """Collects equations while tracing; tracers map to graph variables."""
+
+    def __init__(self):
+        self.eqns: list[Eqn] = []
+        self.vars: dict[int, Var] = {}  # id(tracer) -> Var
+        self.tracers: list[Tracer] = []  # keeps tracers alive so ids stay unique
+        self.consts: dict[int, tuple[Var, object]] = {}  # id(value) -> (var, value)
+        self.const_tracers: dict[int, Tracer] = {}
+
+    def new_tracer(self, trace, aval) -> StagingTracer:
+        t = StagingTracer(trace, aval)
+        self.tracers.append(t)
+        self.vars[id(t)] = Var(aval)
+        return t
+
+    def const_tracer(self, trace, val) -> StagingTracer:
+        key = id(val)
+        if key in self.const_tracers:
+            return self.const_tracers[key]
+        aval = aval_of_value(val)
+        t = self.new_tracer(trace, aval)
+        self.consts[id(t)] = (self.vars[id(t)], val)
+        self.const_tracers[key] = t
+        self.tracers.append(val)  # keep the constant alive: its id is a key
+        return t
+
+    def atom(self, t: Tracer):
+        """A graph input for a tracer: a Literal for a captured scalar, else its Var."""
+        entry = self.consts.get(id(t))
+        if entry is not None:
+            var, val = entry
+            if var.aval.shape == ():
+                return Literal(np.asarray(val if not hasattr(val, "__array__") else np.asarray(val)),
+                               var.aval)
+        return self.vars[id(t)]
+
+    def build(self, in_tracers: Sequence[Tracer], out_tracers: Sequence[Tracer]) -> Graph:
+        invars = tuple(self.vars[id(t)] for t in in_tracers)
+        outvars = tuple(self.atom(t) for t in out_tracers)
+        used: set[int] = set()
+        for e in self.eqns:
+            used.update(a.id for a in e.inputs if isinstance(a, Var))
+        used.update(v.id for v in outvars if isinstance(v, Var))
+        in_ids = {v.id for v in invars}
+        constvars, consts = [], []
+        for var, val in self.consts.values():
+            if var.aval.shape != () and var.id in used and var.id not in in_ids:
+                constvars.append(var)
+                consts.append(val)
+        return Graph(tuple(constvars), invars, tuple(self.eqns), outvars, tuple(consts))
+
+
+class StagingTrace(Trace):
+    """Records primitives as equations instead of running them."""
+
+    @property
+    def builder(self) -> GraphBuilder:
+        return self.main.global_data
+
+    def pure(self, val):
+        return self.builder.const_tracer(self, val)
+
+    lift = pure  # values of lower traces are constants of this graph
+
+    def process_primitive(self, prim, tracers, params):
+        b = self.builder
+        out_avals = prim.abstract_eval(*(t.aval for t in tracers), **params)
+        outs = [b.new_tracer(self, a) for a in out_avals]
+        b.eqns.append(Eqn(prim, tuple(b.atom(t) for t in tracers),
+                          tuple(b.vars[id(o)] for o in outs), params, user_line()))
+        return outs
+
+
+def trace_to_graph(f: Callable, in_avals: Sequence[ShapedArray]) -> tuple[Graph, object]:
+    """Trace f over flat inputs of the given avals; f returns a flat list of outputs.
+    Returns the Graph and whatever f's `aux` was (f returns (outs, aux))."""
+    builder = GraphBuilder()
+    with new_main(StagingTrace, builder) as main:
+        with new_dynamic(main):
+            trace = StagingTrace(main)
+            in_tracers = [builder.new_tracer(trace, a) for a in in_avals]
+            outs, aux = f(*in_tracers)
+            out_tracers = [trace.pure(o) if not isinstance(o, Tracer) or o._trace.main is not main
+                           else o for o in outs]
+            graph = builder.build(in_tracers, out_tracers)
+    return graph, aux
