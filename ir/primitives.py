@@ -31,7 +31,8 @@ class Primitive:
 
     def impl(self, *args, **params) -> list[np.ndarray]:
         out = self._impl(*args, **params)
-        return list(out) if self.multiple_results else [out]
+        # numpy hands back scalars for 0-d results; buffers are always arrays
+        return [np.asarray(o) for o in out] if self.multiple_results else [np.asarray(out)]
 
     def __repr__(self):
         return self.name
@@ -106,7 +107,7 @@ sqrt = unop("sqrt", np.sqrt)
 rsqrt = unop("rsqrt", lambda x: 1 / np.sqrt(x))
 sin = unop("sin", np.sin)
 cos = unop("cos", np.cos)
-erf = unop("erf", lambda x: _erf(x).astype(x.dtype))
+erf = unop("erf", lambda x: np.asarray(_erf(x), x.dtype))
 abs_ = unop("abs", np.abs, NUM)
 sign = unop("sign", np.sign, NUM)
 floor = unop("floor", np.floor)

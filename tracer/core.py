@@ -204,6 +204,16 @@ def bind1(prim: Primitive, *args, **params):
     return bind(prim, *args, **params)[0]
 
 
+def bind_custom_vjp(fun: Callable, fwd: Callable, bwd: Callable, *args, out_tree_thunk=None) -> list:
+    """Call a function with a user-defined VJP on flat arguments: the top trace decides what it
+    means (reverse mode uses fwd/bwd; every other trace runs `fun`). fun(*args) -> outs,
+    fwd(*args) -> (outs, residuals), bwd(residuals, cts_out) -> cts_in; all flat lists."""
+    trace = find_top_trace(args)
+    tracers = [full_raise(trace, a) for a in args]
+    outs = trace.process_custom_vjp(fun, fwd, bwd, tracers, out_tree_thunk)
+    return [full_lower(o) for o in outs]
+
+
 def get_aval(x) -> ShapedArray:
     if isinstance(x, Tracer):
         return x.aval

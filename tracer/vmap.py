@@ -1,5 +1,470 @@
-"""Placeholder until the batching issue lands."""
+"""vmap: batching as a trace on the trace stack (Autodidax style).
+
+A BatchTracer carries a value of the level below and `bdim`, the axis of that value that is the
+batch (None: the same for every example). Each primitive has one batching rule in `batch_rules`:
+rule(vals, dims, **params) -> (outs, out_dims), written with bind on primitives, so vmap composes
+with jit (staging), with itself (nesting) and with autodiff."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import numpy as np
+
+from tilefuse.ir import primitives as P
+from tilefuse.ir.errors import TilefuseError, TransformError, filter_traceback, with_user_line
+from tilefuse.ir.primitives import Primitive
+
+from . import pytree
+from .core import (Trace, Tracer, bind, bind1, full_lower, full_raise, get_aval, is_array_like,
+                   new_main)
+
+__all__ = ["vmap", "batch_rules", "BatchTrace", "BatchTracer"]
 
 
-def vmap(*a, **k):
-    raise NotImplementedError("vmap is not implemented yet")
+class BatchTracer(Tracer):
+    """A value with a batch axis `bdim` (None: not batched) under one vmap."""
+    __slots__ = ("_trace", "val", "bdim")
+
+    def __init__(self, trace, val, bdim: int | None):
+        self._trace, self.val, self.bdim = trace, val, bdim
+
+    @property
+    def aval(self):
+        a = get_aval(self.val)
+        if self.bdim is None:
+            return a
+        return a.update(shape=a.shape[:self.bdim] + a.shape[self.bdim + 1:])
+
+    def full_lower(self):
+        return full_lower(self.val) if self.bdim is None else self
+
+
+class BatchTrace(Trace):
+    """Interprets primitives on batched values with the rules of `batch_rules`."""
+
+    def pure(self, val):
+        return BatchTracer(self, val, None)
+
+    lift = pure
+
+    def process_primitive(self, prim, tracers, params):
+        vals = [t.val for t in tracers]
+        dims = [t.bdim for t in tracers]
+        if all(d is None for d in dims):
+            return [BatchTracer(self, o, None) for o in bind(prim, *vals, **params)]
+        rule = batch_rules.get(prim)
+        if rule is None:
+            raise TransformError(with_user_line(
+                f"vmap: no batching rule for primitive '{prim.name}'; add one to "
+                "tilefuse.tracer.vmap.batch_rules"))
+        outs, out_dims = rule(vals, dims, **params)
+        return [BatchTracer(self, o, d) for o, d in zip(outs, out_dims, strict=True)]
+
+
+# ---- helpers, written with primitives ------------------------------------------------------
+
+def _ndim(x) -> int:
+    return get_aval(x).ndim
+
+
+def _shape(x) -> tuple[int, ...]:
+    return get_aval(x).shape
+
+
+def _full_axes(axes, b: int) -> tuple[int, ...]:
+    """Per-example axes as axes of the batched value whose batch axis is b."""
+    return tuple(a + (a >= b) for a in axes)
+
+
+def moveaxis(x, src: int, dst: int):
+    if src == dst:
+        return x
+    perm = list(range(_ndim(x)))
+    perm.insert(dst, perm.pop(src))
+    return bind1(P.transpose, x, permutation=tuple(perm))
+
+
+def bdim_at(x, bdim: int | None, size: int, dst: int):
+    """x with its batch axis at dst; an unbatched x is broadcast to `size` examples."""
+    if bdim is not None:
+        return moveaxis(x, bdim, dst)
+    shape = list(_shape(x))
+    dims = tuple(i + (i >= dst) for i in range(len(shape)))
+    shape.insert(dst, size)
+    return bind1(P.broadcast_in_dim, x, shape=tuple(shape), broadcast_dimensions=dims)
+
+
+def _axis_size(vals, dims) -> int:
+    return next(_shape(v)[d] for v, d in zip(vals, dims) if d is not None)
+
+
+def _full(value, dtype, shape):
+    return bind1(P.broadcast_in_dim, np.asarray(value, dtype), shape=tuple(shape),
+                 broadcast_dimensions=())
+
+
+def _index_in_dim(x, i: int, axis: int):
+    shape = _shape(x)
+    start = tuple(i if a == axis else 0 for a in range(len(shape)))
+    limit = tuple(i + 1 if a == axis else n for a, n in enumerate(shape))
+    x = bind1(P.slice_, x, start_indices=start, limit_indices=limit, strides=(1,) * len(shape))
+    return bind1(P.reshape, x, new_sizes=shape[:axis] + shape[axis + 1:])
+
+
+def _flat_indices(idx, k: int):
+    """Indices of shape (n, ...) into a per-example axis of size k, as indices into the axis of
+    size n*k that stacks the examples: clamped per example first (gather clamps), then offset."""
+    if k == 0:  # an empty axis gathers zeros whatever the index
+        return idx
+    shape, dt = _shape(idx), get_aval(idx).dtype
+    idx = bind1(P.min_, bind1(P.max_, idx, _full(0, dt, shape)), _full(k - 1, dt, shape))
+    offsets = bind1(P.mul, bind1(P.iota, dtype=dt, shape=shape, dimension=0), _full(k, dt, shape))
+    return bind1(P.add, idx, offsets)
+
+
+def _merge_axes(x, axis: int):
+    """Merge axes axis and axis+1 of x into one."""
+    s = _shape(x)
+    return bind1(P.reshape, x, new_sizes=s[:axis] + (s[axis] * s[axis + 1],) + s[axis + 2:])
+
+
+# ---- the rules --------------------------------------------------------------------------------
+
+batch_rules: dict[Primitive, Callable] = {}
+
+
+def _elementwise(prim, vals, dims, **params):
+    # Keep a batch axis all batched operands share; otherwise move it to the front. Unbatched
+    # operands are broadcast, since elementwise primitives need equal shapes.
+    batched = {d for d in dims if d is not None}
+    b = batched.pop() if len(batched) == 1 else 0
+    n = _axis_size(vals, dims)
+    vals = [bdim_at(v, d, n, b) for v, d in zip(vals, dims)]
+    return bind(prim, *vals, **params), [b]
+
+
+for _p in P.PRIMITIVES.values():
+    if _p.elementwise and not _p.effectful:
+        batch_rules[_p] = functools.partial(_elementwise, _p)
+
+
+def _iota_rule(vals, dims, **params):  # no operands: it is never batched
+    return bind(P.iota, **params), [None]
+
+
+def _broadcast_in_dim_rule(vals, dims, *, shape, broadcast_dimensions):
+    (x,), (b,) = vals, dims
+    x = moveaxis(x, b, 0)
+    out = bind1(P.broadcast_in_dim, x, shape=(_shape(x)[0], *shape),
+                broadcast_dimensions=(0, *(d + 1 for d in broadcast_dimensions)))
+    return [out], [0]
+
+
+def _reshape_rule(vals, dims, *, new_sizes):
+    (x,), (b,) = vals, dims
+    x = moveaxis(x, b, 0)
+    return [bind1(P.reshape, x, new_sizes=(_shape(x)[0], *new_sizes))], [0]
+
+
+def _transpose_rule(vals, dims, *, permutation):
+    (x,), (b,) = vals, dims
+    perm = (b, *_full_axes(permutation, b))
+    return [bind1(P.transpose, x, permutation=perm)], [0]
+
+
+def _rev_rule(vals, dims, *, dimensions):
+    (x,), (b,) = vals, dims
+    return [bind1(P.rev, x, dimensions=_full_axes(dimensions, b))], [b]
+
+
+def _slice_rule(vals, dims, *, start_indices, limit_indices, strides):
+    (x,), (b,) = vals, dims
+    n = _shape(x)[b]
+
+    def ins(t, v):
+        return (*t[:b], v, *t[b:])
+    out = bind1(P.slice_, x, start_indices=ins(start_indices, 0), limit_indices=ins(limit_indices, n),
+                strides=ins(strides, 1))
+    return [out], [b]
+
+
+def _concatenate_rule(vals, dims, *, dimension):
+    n = _axis_size(vals, dims)
+    vals = [bdim_at(v, d, n, 0) for v, d in zip(vals, dims)]
+    return [bind1(P.concatenate, *vals, dimension=dimension + 1)], [0]
+
+
+def _pad_rule(vals, dims, *, padding_config):
+    (x, pv), (xb, pb) = vals, dims
+    if pb is None:
+        config = (*padding_config[:xb], (0, 0, 0), *padding_config[xb:])
+        return [bind1(P.pad, x, pv, padding_config=config)], [xb]
+    # A padding value per example: pad with any value, then select it where the mask says pad.
+    n = _axis_size(vals, dims)
+    x = bdim_at(x, xb, n, 0)
+    config = ((0, 0, 0), *padding_config)
+    dt = get_aval(x).dtype
+    padded = bind1(P.pad, x, np.zeros((), dt), padding_config=config)
+    mask = bind1(P.pad, _full(True, np.bool_, _shape(x)), np.asarray(False), padding_config=config)
+    fill = bind1(P.broadcast_in_dim, bdim_at(pv, pb, n, 0), shape=_shape(padded),
+                 broadcast_dimensions=(0,))
+    return [bind1(P.select, mask, padded, fill)], [0]
+
+
+def _reduce_rule(prim, vals, dims, *, axes):
+    (x,), (b,) = vals, dims
+    axes = _full_axes(axes, b)
+    return bind(prim, x, axes=axes), [b - sum(a < b for a in axes)]
+
+
+def _arg_rule(prim, vals, dims, *, axis, index_dtype):
+    (x,), (b,) = vals, dims
+    (axis,) = _full_axes((axis,), b)
+    return bind(prim, x, axis=axis, index_dtype=index_dtype), [b - (axis < b)]
+
+
+def _dot_general_rule(vals, dims, *, dimension_numbers, **params):
+    # The batch axis joins the batch dimensions (both batched) or the free dimensions (one
+    # batched): one dot_general either way, never a loop.
+    (lhs, rhs), (lb_, rb_) = vals, dims
+    (lc, rc), (lb, rb) = dimension_numbers
+    if lb_ is not None and rb_ is not None:
+        dn = ((_full_axes(lc, lb_), _full_axes(rc, rb_)),
+              ((lb_, *_full_axes(lb, lb_)), (rb_, *_full_axes(rb, rb_))))
+        out_dim = 0
+    elif lb_ is not None:
+        lc, lb = _full_axes(lc, lb_), _full_axes(lb, lb_)
+        dn = ((lc, rc), (lb, rb))
+        out_dim = len(lb) + sum(1 for i in range(lb_) if i not in lc and i not in lb)
+    else:
+        rc, rb = _full_axes(rc, rb_), _full_axes(rb, rb_)
+        dn = ((lc, rc), (lb, rb))
+        n_lhs_free = _ndim(lhs) - len(lc) - len(lb)
+        out_dim = len(lb) + n_lhs_free + sum(1 for i in range(rb_) if i not in rc and i not in rb)
+    out = bind1(P.dot_general, lhs, rhs, dimension_numbers=dn, **params)
+    return [out], [out_dim]
+
+
+def _gather_rule(vals, dims, *, axis):
+    (op, idx), (ob, ib) = vals, dims
+    if ib is None:
+        a = axis + (ob <= axis)
+        out_dim = ob if ob < a else ob + _ndim(idx) - 1
+        return [bind1(P.gather, op, idx, axis=a)], [out_dim]
+    if ob is None:
+        return [bind1(P.gather, op, idx, axis=axis)], [axis + ib]
+    # Both batched: stack the examples along the gathered axis and offset each one's indices.
+    n = _axis_size(vals, dims)
+    op = bdim_at(op, ob, n, axis)
+    k = _shape(op)[axis + 1]
+    flat_idx = _flat_indices(bdim_at(idx, ib, n, 0), k)
+    return [bind1(P.gather, _merge_axes(op, axis), flat_idx, axis=axis)], [axis]
+
+
+def _scatter_add_rule(vals, dims, *, axis):
+    (op, idx, upd), (ob, ib, ub) = vals, dims
+    n = _axis_size(vals, dims)
+    if ib is None:
+        op, upd = bdim_at(op, ob, n, 0), bdim_at(upd, ub, n, 0)
+        return [bind1(P.scatter_add, op, idx, upd, axis=axis + 1)], [0]
+    # Batched indices: stack the examples along the scattered axis, offset the indices.
+    op = bdim_at(op, ob, n, axis)
+    shape = _shape(op)
+    flat_idx = _flat_indices(bdim_at(idx, ib, n, 0), shape[axis + 1])
+    out = bind1(P.scatter_add, _merge_axes(op, axis), flat_idx, bdim_at(upd, ub, n, axis),
+                axis=axis)
+    return [bind1(P.reshape, out, new_sizes=shape)], [axis]
+
+
+def _debug_print_rule(vals, dims, *, fmt, names):
+    # Print once per example, as the Python loop that vmap stands for would.
+    for i in range(_axis_size(vals, dims)):
+        xs = [v if d is None else _index_in_dim(v, i, d) for v, d in zip(vals, dims)]
+        bind(P.debug_print, *xs, fmt=fmt, names=names)
+    return [], []
+
+
+batch_rules.update({
+    P.iota: _iota_rule,
+    P.broadcast_in_dim: _broadcast_in_dim_rule,
+    P.reshape: _reshape_rule,
+    P.transpose: _transpose_rule,
+    P.rev: _rev_rule,
+    P.slice_: _slice_rule,
+    P.concatenate: _concatenate_rule,
+    P.pad: _pad_rule,
+    P.dot_general: _dot_general_rule,
+    P.gather: _gather_rule,
+    P.scatter_add: _scatter_add_rule,
+    P.debug_print: _debug_print_rule,
+})
+for _p in (P.reduce_sum, P.reduce_max, P.reduce_min, P.reduce_prod):
+    batch_rules[_p] = functools.partial(_reduce_rule, _p)
+for _p in (P.argmax, P.argmin):
+    batch_rules[_p] = functools.partial(_arg_rule, _p)
+
+
+# ---- the transformation --------------------------------------------------------------------
+
+def _key_str(node_type, aux, i) -> str:
+    if node_type is dict:
+        return f"[{aux[i]!r}]"
+    return f"[{i}]"
+
+
+def _leaf_paths(td, path: str) -> list[str]:
+    if td.node_type is None:
+        return [path]
+    return [p for i, c in enumerate(td.children)
+            for p in _leaf_paths(c, path + _key_str(td.node_type, td.aux, i))]
+
+
+def _broadcast_prefix(prefix, tree, name: str, what: str) -> list[tuple[Any, str]]:
+    """(axis, path) for every leaf of `tree`, where `prefix` is an int/None or a container
+    of the same structure as the top of `tree` (a tree prefix, as in JAX)."""
+    pleaves, pdef = pytree.tree_flatten(prefix, is_leaf=lambda x: x is None)
+    _, tdef = pytree.tree_flatten(tree)
+    it = iter(pleaves)
+    out: list[tuple[Any, str]] = []
+
+    def rec(pd, td, path):
+        if pd.node_type is None:
+            ax = next(it)
+            if ax is not None and (not isinstance(ax, (int, np.integer)) or isinstance(ax, bool)):
+                raise TransformError(with_user_line(
+                    f"vmap: {what} for {path} must be an int or None, got {ax!r}"))
+            out.extend((ax, p) for p in _leaf_paths(td, path))
+            return
+        if (pd.node_type, pd.aux, len(pd.children)) != (td.node_type, td.aux, len(td.children)):
+            raise TransformError(with_user_line(
+                f"vmap: {what} must be a tree prefix of {name}: at {path} it is {pd} but the "
+                f"value there has structure {td}"))
+        for i, (pc, tc) in enumerate(zip(pd.children, td.children)):
+            rec(pc, tc, path + _key_str(td.node_type, td.aux, i))
+
+    rec(pdef, tdef, name)
+    return out
+
+
+def _arg_names(f, n: int) -> list[str]:
+    try:
+        params = [p for p in inspect.signature(f).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [f"argument {i} ({params[i].name!r})" if i < len(params) else f"argument {i}"
+            for i in range(n)]
+
+
+def _in_specs(f, in_axes, args, kwargs) -> list[tuple[Any, str]]:
+    """One (axis, name) per leaf of (args, kwargs); keyword arguments are batched on axis 0."""
+    if isinstance(in_axes, list):
+        in_axes = tuple(in_axes)
+    if isinstance(in_axes, dict) and len(args) == 1:
+        in_axes = (in_axes,)
+    if isinstance(in_axes, tuple):
+        if len(in_axes) != len(args):
+            raise TransformError(with_user_line(
+                f"vmap: in_axes has {len(in_axes)} entries but {getattr(f, '__name__', 'f')} was "
+                f"called with {len(args)} positional arguments"))
+    elif in_axes is not None and (not isinstance(in_axes, (int, np.integer)) or isinstance(in_axes, bool)):
+        raise TransformError(with_user_line(
+            f"vmap: in_axes must be an int, None, or a tuple with one entry per positional "
+            f"argument, got {in_axes!r}"))
+    else:
+        in_axes = (in_axes,) * len(args)
+    specs = []
+    for name, ax, a in zip(_arg_names(f, len(args)), in_axes, args):
+        specs += _broadcast_prefix(ax, a, name, "in_axes")
+    for k in sorted(kwargs):  # the order tree_flatten gives a dict's leaves
+        specs += _broadcast_prefix(0, kwargs[k], f"keyword argument {k!r}", "in_axes")
+    return specs
+
+
+def _batch_inputs(trace, leaves, specs, axis_size):
+    """Wrap batched leaves in tracers; check their axes and that all agree on the size."""
+    axes, sizes = [], {}
+    for x, (ax, name) in zip(leaves, specs):
+        if ax is None:
+            axes.append(None)
+            continue
+        if not is_array_like(x):
+            raise TransformError(with_user_line(
+                f"vmap: {name} is a {type(x).__name__}, not an array; give it in_axes None"))
+        shape = get_aval(x).shape
+        if not -len(shape) <= ax < len(shape):
+            raise TransformError(with_user_line(
+                f"vmap: in_axes {ax} for {name} of shape {shape} is out of range: it has "
+                f"{len(shape)} axes" + (" (a scalar cannot be mapped; use in_axes None)"
+                                        if not shape else "")))
+        ax %= len(shape)
+        axes.append(ax)
+        sizes[name] = shape[ax]
+    if axis_size is not None:
+        sizes = {"axis_size": axis_size, **sizes}
+    if not sizes:
+        raise TransformError(with_user_line(
+            "vmap: every in_axes is None, so the batch size is unknown; map at least one "
+            "argument or pass axis_size="))
+    if len(set(sizes.values())) > 1:
+        listing = ", ".join(f"{name} has size {n}" for name, n in sizes.items())
+        raise TransformError(with_user_line(
+            f"vmap: the mapped axes have different sizes: {listing}"))
+    n = next(iter(sizes.values()))
+    tracers = [x if ax is None else BatchTracer(trace, x, ax) for x, ax in zip(leaves, axes)]
+    return tracers, n
+
+
+def _batch_output(trace, o, ax, n, name):
+    if not is_array_like(o):
+        raise TransformError(with_user_line(
+            f"vmap: {name} is a {type(o).__name__}; vmapped functions must return arrays or "
+            "pytrees of arrays"))
+    t = full_raise(trace, o)
+    nd = t.aval.ndim
+    if ax is None:
+        if t.bdim is not None:
+            raise TransformError(with_user_line(
+                f"vmap: out_axes is None for {name}, but it depends on a mapped input; give it "
+                "an out axis"))
+        return t.val
+    if not -(nd + 1) <= ax <= nd:
+        raise TransformError(with_user_line(
+            f"vmap: out_axes {ax} for {name} of per-example shape {t.aval.shape} is out of range"))
+    return bdim_at(t.val, t.bdim, n, ax % (nd + 1))
+
+
+def vmap(f: Callable, in_axes=0, out_axes=0, *, axis_size: int | None = None) -> Callable:
+    """Vectorise f over a batch axis of its arguments: vmap(f)(xs) == stack([f(x) for x in xs]).
+
+    in_axes: an int, None (broadcast the argument) or a tuple with one entry per positional
+    argument, each an int, None or a tree prefix of that argument (tuple/list/dict). Keyword
+    arguments are mapped over axis 0. out_axes: likewise for the outputs; outputs that do not
+    depend on a mapped input are broadcast. axis_size: the batch size when no input is mapped."""
+    if not callable(f):
+        raise TransformError(f"vmap: expected a function, got a {type(f).__name__}")
+
+    @functools.wraps(f)
+    def batched(*args, **kwargs):
+        try:
+            return _vmap_call(f, in_axes, out_axes, axis_size, args, kwargs)
+        except TilefuseError as e:
+            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+
+    return batched
+
+
+def _vmap_call(f, in_axes, out_axes, axis_size, args, kwargs):
+    specs = _in_specs(f, in_axes, args, kwargs)
+    leaves, in_tree = pytree.tree_flatten((args, kwargs))
+    with new_main(BatchTrace, None) as main:
+        trace = BatchTrace(main)
+        tracers, n = _batch_inputs(trace, leaves, specs, axis_size)
+        a, kw = pytree.tree_unflatten(in_tree, tracers)
+        out = f(*a, **kw)
+        out_leaves, out_tree = pytree.tree_flatten(out)
+        out_specs = _broadcast_prefix(out_axes, out, "the output", "out_axes")
+        outs = [_batch_output(trace, o, ax, n, name) for o, (ax, name) in zip(out_leaves, out_specs)]
+    return pytree.tree_unflatten(out_tree, outs)

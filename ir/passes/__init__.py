@@ -1,1 +1,11 @@
+"""Graph passes: each a named pure function Graph -> Graph; `manager.PIPELINE` lists them in
+order. `fusion.partition` groups the optimised graph into regions, each lowered to kernels."""
+from .cse import cse
+from .dce import dce
+from .fold import fold_constants
+from .fusion import Region, partition
+from .manager import PIPELINE, Dump, run_passes
+from .simplify import RULES, fold_transpose_into_dot, simplify
 
+__all__ = ["PIPELINE", "RULES", "Dump", "Region", "cse", "dce", "fold_constants",
+           "fold_transpose_into_dot", "partition", "run_passes", "simplify"]

@@ -1,0 +1,326 @@
+"""Differentiation rules: one VJP and one JVP rule per differentiable primitive of the table.
+
+VJP rule:  rule(ct, *primals, out, needs, **params) -> one cotangent per operand.
+JVP rule:  rule(tangents, *primals, out, **params) -> the output's tangent.
+`out` is the primitive's primal output, `needs[i]` says whether operand i wants a cotangent
+(a rule returns None for the others, so no dead work is staged), and None anywhere is a
+symbolic zero. Rules bind primitives on the values they are given, which may be tracers of an
+outer transformation (jit's staging, an outer grad), so every rule is itself differentiable and
+stageable: grad(grad(f)) and jit(grad(f)) need nothing else.
+
+Not here, on purpose: primitives whose outputs are integers or bools (comparisons, is_finite,
+argmax/argmin, bitwise ops, iota) carry no derivative, and the traces never ask for one;
+argmax's index is piecewise constant, its gradient is zero. ZERO_DERIVATIVE lists the float
+primitives whose derivative is zero wherever it exists."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from tilefuse.ir import dtypes
+from tilefuse.ir import primitives as P
+
+from tilefuse.tracer.core import bind1
+
+from .ops import (add_any, aval, convert, div, eq, expand_reduced, indicator, instantiate, like, mul,
+                  neg, reduce_sum, reshape, select, slice_axis, sub, transpose, zeros)
+
+vjp_rules: dict = {}
+jvp_rules: dict = {}
+
+# Piecewise constant (or a gradient barrier): the derivative is a symbolic zero.
+ZERO_DERIVATIVE = frozenset({P.sign, P.floor, P.ceil, P.round_, P.stop_gradient})
+
+
+# ---- elementwise -------------------------------------------------------------------------
+
+def _unary(prim, scale):
+    """An elementwise unary primitive; scale(g, x, out) is g times the derivative at x. The
+    Jacobian is diagonal, so the same product serves the VJP and the JVP."""
+    vjp_rules[prim] = lambda ct, x, *, out, needs, **p: (scale(ct, x, out, **p),)
+    jvp_rules[prim] = lambda ts, x, *, out, **p: scale(ts[0], x, out, **p)
+
+
+_unary(P.neg, lambda g, x, out: neg(g))
+_unary(P.exp, lambda g, x, out: mul(g, out))
+_unary(P.log, lambda g, x, out: div(g, x))
+_unary(P.log1p, lambda g, x, out: div(g, bind1(P.add, like(x, 1), x)))
+_unary(P.expm1, lambda g, x, out: mul(g, bind1(P.add, out, like(out, 1))))
+_unary(P.tanh, lambda g, x, out: mul(g, sub(like(out, 1), mul(out, out))))
+_unary(P.logistic, lambda g, x, out: mul(g, mul(out, sub(like(out, 1), out))))
+_unary(P.sqrt, lambda g, x, out: div(g, mul(like(out, 2), out)))
+_unary(P.rsqrt, lambda g, x, out: mul(g, mul(like(out, -0.5), div(out, x))))
+_unary(P.sin, lambda g, x, out: mul(g, bind1(P.cos, x)))
+_unary(P.cos, lambda g, x, out: neg(mul(g, bind1(P.sin, x))))
+_unary(P.erf, lambda g, x, out: mul(g, mul(like(x, 2 / math.sqrt(math.pi)),
+                                           bind1(P.exp, neg(mul(x, x))))))
+# |x|: sign(x), so 0 at the kink (a subgradient; PyTorch's choice).
+_unary(P.abs_, lambda g, x, out: mul(g, bind1(P.sign, x)))
+
+
+def _integer_pow_scale(g, x, out, *, y):
+    if y == 0:
+        return None
+    if y == 1:
+        return g
+    base = x if y == 2 else bind1(P.integer_pow, x, y=y - 1)
+    return mul(g, mul(like(x, y), base))
+
+
+_unary(P.integer_pow, _integer_pow_scale)
+
+
+def _binary(prim, dx, dy):
+    """An elementwise binary primitive; dx(g, x, y, out) is g times the partial derivative in
+    x (diagonal again, so it is the VJP and the JVP); None for a zero partial."""
+    def vjp(ct, x, y, *, out, needs):
+        return (dx(ct, x, y, out) if needs[0] else None,
+                dy(ct, x, y, out) if needs[1] else None)
+
+    def jvp(ts, x, y, *, out):
+        tx, ty = ts
+        return add_any(None if tx is None else dx(tx, x, y, out),
+                       None if ty is None else dy(ty, x, y, out))
+    vjp_rules[prim], jvp_rules[prim] = vjp, jvp
+
+
+def _chooser_weights(x, y, out):
+    """max/min ties: when x == y each operand gets half the gradient (JAX's rule), so the
+    derivative of max(x, x) is 1 and that of relu(x) = max(x, 0) at 0 is 1/2."""
+    ex, ey = indicator(eq(x, out), x), indicator(eq(y, out), y)
+    half = like(x, 0.5)
+    return mul(ex, sub(like(x, 1), mul(half, ey))), mul(ey, sub(like(x, 1), mul(half, ex)))
+
+
+def _pow_dx(g, x, y, out):
+    # y * x**(y-1), taken as 0 where y == 0 so that 0**0 has derivative 0 rather than nan
+    d = mul(y, bind1(P.pow_, x, sub(y, like(y, 1))))
+    return mul(g, select(eq(y, like(y, 0)), like(x, 0), d))
+
+
+def _pow_dy(g, x, y, out):
+    # x**y * log(x), with log(1) where x == 0: the limit of x**y log(x) for y > 0
+    safe = select(eq(x, like(x, 0)), like(x, 1), x)
+    return mul(g, mul(out, bind1(P.log, safe)))
+
+
+def _rem_dy(g, x, y, out):
+    # fmod(x, y) = x - trunc(x / y) * y; trunc is piecewise constant
+    q = div(x, y)
+    return neg(mul(g, mul(bind1(P.sign, q), bind1(P.floor, bind1(P.abs_, q)))))
+
+
+_binary(P.add, lambda g, x, y, out: g, lambda g, x, y, out: g)
+_binary(P.sub, lambda g, x, y, out: g, lambda g, x, y, out: neg(g))
+_binary(P.mul, lambda g, x, y, out: mul(g, y), lambda g, x, y, out: mul(x, g))
+_binary(P.div, lambda g, x, y, out: div(g, y), lambda g, x, y, out: neg(mul(g, div(out, y))))
+_binary(P.rem, lambda g, x, y, out: g, _rem_dy)
+_binary(P.pow_, _pow_dx, _pow_dy)
+_binary(P.max_, lambda g, x, y, out: mul(g, _chooser_weights(x, y, out)[0]),
+        lambda g, x, y, out: mul(g, _chooser_weights(x, y, out)[1]))
+_binary(P.min_, lambda g, x, y, out: mul(g, _chooser_weights(x, y, out)[0]),
+        lambda g, x, y, out: mul(g, _chooser_weights(x, y, out)[1]))
+
+
+def _select_vjp(ct, pred, on_true, on_false, *, out, needs):
+    z = like(ct, 0)
+    return (None, select(pred, ct, z) if needs[1] else None,
+            select(pred, z, ct) if needs[2] else None)
+
+
+def _select_jvp(ts, pred, on_true, on_false, *, out):
+    return select(pred, instantiate(ts[1], on_true), instantiate(ts[2], on_false))
+
+
+vjp_rules[P.select], jvp_rules[P.select] = _select_vjp, _select_jvp
+
+
+def _convert_vjp(ct, x, *, out, needs, new_dtype, weak_type=False):
+    return (convert(ct, aval(x).dtype) if dtypes.is_float(aval(x).dtype) else None,)
+
+
+def _convert_jvp(ts, x, *, out, new_dtype, weak_type=False):
+    return convert(ts[0], new_dtype) if dtypes.is_float(new_dtype) else None
+
+
+vjp_rules[P.convert_element_type] = _convert_vjp
+jvp_rules[P.convert_element_type] = _convert_jvp
+
+
+# ---- shape and layout: linear, so the JVP applies the primitive to the tangents -------------
+
+def _linear(prim, transpose_rule):
+    """A primitive linear in all its operands: JVP = the primitive on the tangents."""
+    vjp_rules[prim] = transpose_rule
+
+    def jvp(ts, *xs, out, **params):
+        return bind1(prim, *(instantiate(t, x) for t, x in zip(ts, xs)), **params)
+    jvp_rules[prim] = jvp
+
+
+def _bcast_vjp(ct, x, *, out, needs, shape, broadcast_dimensions):
+    xs, bd = aval(x).shape, broadcast_dimensions
+    summed = [d for d in range(len(shape)) if d not in bd]
+    summed += [d for i, d in enumerate(bd) if xs[i] == 1 and shape[d] != 1]
+    return (reshape(reduce_sum(ct, summed), xs),)
+
+
+def _slice_vjp(ct, x, *, out, needs, start_indices, limit_indices, strides):
+    xs, cs = aval(x).shape, aval(ct).shape
+    if 0 in cs:
+        return (None,)
+    cfg = tuple((s, n - s - (k - 1) * st - 1, st - 1)
+                for s, n, k, st in zip(start_indices, xs, cs, strides))
+    return (bind1(P.pad, ct, np.zeros((), aval(ct).dtype), padding_config=cfg),)
+
+
+def _concat_vjp(ct, *xs, out, needs, dimension):
+    cts, start = [], 0
+    for x, need in zip(xs, needs):
+        n = aval(x).shape[dimension]
+        cts.append(slice_axis(ct, dimension, start, start + n) if need else None)
+        start += n
+    return tuple(cts)
+
+
+def _pad_vjp(ct, x, pv, *, out, needs, padding_config):
+    xs = aval(x).shape
+    ct_x = None
+    if 0 not in xs:
+        a = aval(ct)
+        lo = tuple(p[0] for p in padding_config)
+        st = tuple(p[2] + 1 for p in padding_config)
+        hi = tuple(l + (n - 1) * s + 1 for l, n, s in zip(lo, xs, st))
+        ct_x = bind1(P.slice_, ct, start_indices=lo, limit_indices=hi, strides=st) if a.ndim else ct
+    ct_pv = None
+    if needs[1]:  # the padding value fills every position the operand does not
+        everything = range(aval(ct).ndim)
+        ct_pv = reduce_sum(ct, everything)
+        if ct_x is not None:
+            ct_pv = sub(ct_pv, reduce_sum(ct_x, everything))
+    return ct_x if needs[0] else None, ct_pv
+
+
+_linear(P.broadcast_in_dim, _bcast_vjp)
+_linear(P.reshape, lambda ct, x, *, out, needs, new_sizes: (reshape(ct, aval(x).shape),))
+_linear(P.transpose, lambda ct, x, *, out, needs, permutation: (
+    transpose(ct, tuple(int(i) for i in np.argsort(permutation))),))
+_linear(P.rev, lambda ct, x, *, out, needs, dimensions: (bind1(P.rev, ct, dimensions=dimensions),))
+_linear(P.slice_, _slice_vjp)
+_linear(P.concatenate, _concat_vjp)
+_linear(P.pad, _pad_vjp)
+_linear(P.reduce_sum, lambda ct, x, *, out, needs, axes: (
+    expand_reduced(ct, aval(x).shape, axes),))
+
+
+# ---- reductions --------------------------------------------------------------------------
+
+def _extreme_locations(x, out, axes):
+    """(loc, count): 1 where x holds its reduction's extreme value, and how many do."""
+    shape = aval(x).shape
+    loc = indicator(eq(x, expand_reduced(out, shape, axes)), x)
+    return loc, reduce_sum(loc, axes)
+
+
+def _chooser_vjp(ct, x, *, out, needs, axes):
+    """reduce_max/reduce_min. Ties: the gradient is split equally among all the positions that
+    hold the extreme value (JAX's rule), so it sums to the incoming cotangent."""
+    shape = aval(x).shape
+    loc, count = _extreme_locations(x, out, axes)
+    return (mul(loc, expand_reduced(div(ct, count), shape, axes)),)
+
+
+def _chooser_jvp(ts, x, *, out, axes):
+    loc, count = _extreme_locations(x, out, axes)
+    return div(reduce_sum(mul(ts[0], loc), axes), count)
+
+
+for _p in (P.reduce_max, P.reduce_min):
+    vjp_rules[_p], jvp_rules[_p] = _chooser_vjp, _chooser_jvp
+
+
+def _prod_partials(x, axes):
+    """d prod / d x_i: the product of the other elements, exact when x holds zeros (no 0/0)."""
+    shape = aval(x).shape
+    is0 = eq(x, like(x, 0))
+    nz = select(is0, like(x, 1), x)
+    nz_prod = expand_reduced(bind1(P.reduce_prod, nz, axes=tuple(axes)), shape, axes)
+    nzeros = expand_reduced(reduce_sum(indicator(is0, x), axes), shape, axes)
+    # no zero: prod / x_i; one zero: the rest's product at the zero, 0 elsewhere; more: 0
+    one_zero = select(is0, nz_prod, like(x, 0))
+    return select(eq(nzeros, like(x, 0)), div(nz_prod, nz),
+                  select(eq(nzeros, like(x, 1)), one_zero, like(x, 0)))
+
+
+vjp_rules[P.reduce_prod] = lambda ct, x, *, out, needs, axes: (
+    mul(expand_reduced(ct, aval(x).shape, axes), _prod_partials(x, axes)),)
+jvp_rules[P.reduce_prod] = lambda ts, x, *, out, axes: reduce_sum(
+    mul(ts[0], _prod_partials(x, axes)), axes)
+
+
+# ---- contraction ---------------------------------------------------------------------------
+
+def _ranges_like(*xs):
+    start = 0
+    for x in xs:
+        yield tuple(range(start, start + len(x)))
+        start += len(x)
+
+
+def _remaining(n, *removed):
+    gone = set(itertools.chain(*removed))
+    return [i for i in range(n) if i not in gone]
+
+
+def _dot_transpose_lhs(g, x, y, dimension_numbers, swap_ans=False):
+    """The cotangent of dot_general's lhs: g contracted with y over y's free axes, then the
+    axes put back in x's order (JAX's rule)."""
+    (xc, yc), (xb, yb) = dimension_numbers
+    x_kept = _remaining(aval(x).ndim, xc, xb)
+    y_kept = _remaining(aval(y).ndim, yc, yb)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(xb, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(xb, x_kept, y_kept)
+    dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(yb)))
+    xc_by_y = [xc[int(i)] for i in np.argsort(yc)]
+    r = bind1(P.dot_general, g, y, dimension_numbers=dims)
+    return transpose(r, [int(i) for i in np.argsort(list(xb) + x_kept + xc_by_y)])
+
+
+def _dot_vjp(ct, x, y, *, out, needs, dimension_numbers, preferred_element_type=None):
+    ct = convert(ct, aval(x).dtype)  # a wider preferred output type: back to the operands'
+    (xc, yc), (xb, yb) = dimension_numbers
+    return (_dot_transpose_lhs(ct, x, y, dimension_numbers) if needs[0] else None,
+            _dot_transpose_lhs(ct, y, x, ((yc, xc), (yb, xb)), swap_ans=True) if needs[1] else None)
+
+
+def _dot_jvp(ts, x, y, *, out, **params):
+    tx, ty = ts
+    return add_any(None if tx is None else bind1(P.dot_general, tx, y, **params),
+                   None if ty is None else bind1(P.dot_general, x, ty, **params))
+
+
+vjp_rules[P.dot_general], jvp_rules[P.dot_general] = _dot_vjp, _dot_jvp
+
+
+# ---- indexing: gather and scatter-add are each other's transpose ------------------------------
+
+def _gather_vjp(ct, operand, indices, *, out, needs, axis):
+    """Embedding lookup: rows gathered k times receive the sum of their k cotangents."""
+    return bind1(P.scatter_add, zeros(aval(operand)), indices, ct, axis=axis), None
+
+
+def _scatter_add_vjp(ct, operand, indices, updates, *, out, needs, axis):
+    return (ct if needs[0] else None, None,
+            bind1(P.gather, ct, indices, axis=axis) if needs[2] else None)
+
+
+vjp_rules[P.gather] = _gather_vjp
+jvp_rules[P.gather] = lambda ts, operand, indices, *, out, axis: bind1(
+    P.gather, ts[0], indices, axis=axis)
+vjp_rules[P.scatter_add] = _scatter_add_vjp
+jvp_rules[P.scatter_add] = lambda ts, operand, indices, updates, *, out, axis: bind1(
+    P.scatter_add, instantiate(ts[0], operand), indices, instantiate(ts[2], updates), axis=axis)

@@ -1,0 +1,79 @@
+"""The pass pipeline, readable top to bottom, and the pass manager that runs it.
+
+`run_passes(graph, dump_dir=..., check=...)`: with a dump directory every pass's graph is
+written there as text and DOT (TILEFUSE_DUMP); with check every result is type-checked
+(TILEFUSE_CHECK). The runtime passes those settings in: ir reads no configuration itself."""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Callable, Sequence
+
+from ..core import Graph, typecheck_graph
+from .cse import cse
+from .dce import dce
+from .fold import fold_constants
+from .simplify import fold_transpose_into_dot, simplify
+
+PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
+    ("dce", dce),                                          # drop what nobody reads
+    ("cse", cse),                                          # one copy of each computation
+    ("fold_constants", fold_constants),                    # evaluate what is known now
+    ("simplify", simplify),                                # x*1, double transposes, ...
+    ("fold_transpose_into_dot", fold_transpose_into_dot),  # dot absorbs operand transposes
+    ("cse_after", cse),                                    # rewrites expose new duplicates
+    ("dce_after", dce),                                    # and leave dead producers behind
+)
+
+_dump_ids = itertools.count()
+
+
+class Dump:
+    """Writes the stages of one compilation into dump_dir/<nnnn>_<name>/ (nothing if dir is None)."""
+
+    def __init__(self, dump_dir: str | None, name: str = "graph"):
+        self.dir = None
+        self.step = 0
+        if dump_dir:
+            self.dir = os.path.join(dump_dir, f"{next(_dump_ids):04d}_{name}")
+            os.makedirs(self.dir, exist_ok=True)
+
+    def _path(self, stage: str, ext: str) -> str:
+        return os.path.join(self.dir, f"{self.step:02d}_{stage}.{ext}")
+
+    def graph(self, stage: str, g: Graph) -> None:
+        if self.dir is None:
+            return
+        with open(self._path(stage, "txt"), "w") as f:
+            f.write(str(g) + "\n")
+        with open(self._path(stage, "dot"), "w") as f:
+            f.write(g.to_dot(stage) + "\n")
+        self.step += 1
+
+    def text(self, stage: str, text: str) -> None:
+        if self.dir is None:
+            return
+        with open(self._path(stage, "txt"), "w") as f:
+            f.write(text + "\n")
+        self.step += 1
+
+
+def run_passes(graph: Graph, passes: Sequence = PIPELINE, *, dump: Dump | None = None,
+               check: bool = False, trace: Callable[[str, Graph], None] | None = None) -> Graph:
+    """Run `passes` in order. `trace(name, graph)` is called after each (for TILEFUSE_DEBUG=2)."""
+    if dump is not None:
+        dump.graph("input", graph)
+    if check:
+        typecheck_graph(graph)
+    for name, fn in passes:
+        graph = fn(graph)
+        if check:
+            try:
+                typecheck_graph(graph)
+            except AssertionError as err:
+                raise AssertionError(f"the graph does not type-check after pass {name}: {err}") from err
+        if dump is not None:
+            dump.graph(name, graph)
+        if trace is not None:
+            trace(name, graph)
+    return graph

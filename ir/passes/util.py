@@ -1,0 +1,96 @@
+"""What the graph passes share: a rewriter that rebuilds a graph while substituting variables,
+and questions about constant values (is this atom a known array? a uniform scalar?)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes
+from ..core import Eqn, Graph, Literal, ShapedArray, Var
+
+# Constants up to this many elements are folded into new constants; larger ones stay computed.
+FOLD_LIMIT = 1024
+
+
+def is_literal(a) -> bool:
+    return isinstance(a, Literal)
+
+
+def literal(value, dtype, weak_type: bool = False) -> Literal:
+    return Literal(np.asarray(value, dtype), ShapedArray((), np.dtype(dtype), weak_type))
+
+
+def new_eqn(prim, inputs, params, source: str = "") -> tuple[Eqn, list[Var]]:
+    """An equation with fresh output variables typed by the primitive's shape rule."""
+    outs = [Var(a) for a in prim.abstract_eval(*[x.aval for x in inputs], **params)]
+    return Eqn(prim, tuple(inputs), tuple(outs), dict(params), source), outs
+
+
+class Rewriter:
+    """Rebuilds a graph equation by equation. Inputs are read through the substitution, so a
+    rule sees its operands already rewritten; `producer` maps a variable to its (new) equation."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.subst: dict[int, object] = {}
+        self.eqns: list[Eqn] = []
+        self.producer: dict[int, Eqn] = {}
+        self.consts: dict[int, np.ndarray] = {}  # var id -> value of (small) constvars
+        self.new_constvars: list[Var] = []
+        self.new_consts: list = []
+        for v, c in zip(graph.constvars, graph.consts):
+            if v.aval.size <= FOLD_LIMIT:
+                self.consts[v.id] = np.asarray(c, v.aval.dtype)
+
+    def read(self, a):
+        return a if isinstance(a, Literal) else self.subst.get(a.id, a)
+
+    def rewrite_inputs(self, e: Eqn) -> Eqn:
+        ins = tuple(self.read(a) for a in e.inputs)
+        return e if ins == e.inputs else e.replace(inputs=ins)
+
+    def emit(self, e: Eqn) -> None:
+        self.eqns.append(e)
+        for o in e.outputs:
+            self.producer[o.id] = e
+
+    def alias(self, var: Var, atom) -> None:
+        """Every later use of `var` reads `atom` instead (same shape and dtype)."""
+        assert (var.aval.shape, var.aval.dtype) == (atom.aval.shape, atom.aval.dtype), (var, atom)
+        self.subst[var.id] = atom
+
+    def add_const(self, var: Var, value: np.ndarray) -> None:
+        """Bind `var` to a new constant (it is then defined by no equation)."""
+        self.new_constvars.append(var)
+        self.new_consts.append(value)
+        self.consts[var.id] = value
+
+    def value(self, a):
+        """The concrete value of an atom if it is a literal or a small constant, else None."""
+        if isinstance(a, Literal):
+            return a.val
+        return self.consts.get(a.id)
+
+    def uniform(self, a):
+        """The scalar an atom holds everywhere (a literal, a broadcast of one, or a small constant
+        whose elements are all equal), as a 0-d array; else None."""
+        v = self.value(a)
+        if v is not None:
+            if v.size == 0:
+                return None
+            flat = v.reshape(-1)
+            first = flat[0]
+            same = flat == first
+            if dtypes.is_float(v.dtype):
+                same |= np.isnan(flat) & np.isnan(first)
+            return np.asarray(first) if bool(np.all(same)) else None
+        p = self.producer.get(a.id)
+        if p is not None and p.prim.name == "broadcast_in_dim":
+            return self.uniform(p.inputs[0])
+        return None
+
+    def finish(self) -> Graph:
+        g = self.graph
+        outvars = tuple(self.read(v) for v in g.outvars)
+        return g.replace(constvars=g.constvars + tuple(self.new_constvars),
+                         consts=tuple(g.consts) + tuple(self.new_consts),
+                         eqns=tuple(self.eqns), outvars=outvars)
