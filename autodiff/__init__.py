@@ -1,3 +1,7 @@
 """Reverse and forward mode automatic differentiation as transformations over traces."""
-from .api import (check_grads, custom_vjp, grad, hessian, jacfwd, jacrev, jvp, stop_gradient,
-                  value_and_grad, vjp)
+from .api import (custom_vjp, grad, hessian, jacfwd, jacrev, jvp, stop_gradient, value_and_grad,
+                  vjp)
+from .check import check_grads
+
+__all__ = ["check_grads", "custom_vjp", "grad", "hessian", "jacfwd", "jacrev", "jvp",
+           "stop_gradient", "value_and_grad", "vjp"]

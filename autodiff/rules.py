@@ -24,7 +24,7 @@ from tilefuse.ir import primitives as P
 
 from tilefuse.tracer.core import bind1
 
-from .ops import (add_any, aval, convert, div, eq, expand_reduced, indicator, instantiate, like, mul,
+from .ops import (add_any, aval, broadcast, convert, div, eq, expand_reduced, indicator, instantiate, like, mul,
                   neg, reduce_sum, reshape, select, slice_axis, sub, transpose, zeros)
 
 vjp_rules: dict = {}
@@ -242,16 +242,23 @@ for _p in (P.reduce_max, P.reduce_min):
 
 
 def _prod_partials(x, axes):
-    """d prod / d x_i: the product of the other elements, exact when x holds zeros (no 0/0)."""
-    shape = aval(x).shape
-    is0 = eq(x, like(x, 0))
-    nz = select(is0, like(x, 1), x)
-    nz_prod = expand_reduced(bind1(P.reduce_prod, nz, axes=tuple(axes)), shape, axes)
-    nzeros = expand_reduced(reduce_sum(indicator(is0, x), axes), shape, axes)
-    # no zero: prod / x_i; one zero: the rest's product at the zero, 0 elsewhere; more: 0
-    one_zero = select(is0, nz_prod, like(x, 0))
-    return select(eq(nzeros, like(x, 0)), div(nz_prod, nz),
-                  select(eq(nzeros, like(x, 1)), one_zero, like(x, 0)))
+    """d prod / d x_i = the product of the other elements, computed as such (an n x n product
+    with ones on the diagonal per reduced group), so it is exact with zeros in x and its own
+    derivatives are too. O(n^2) per group: fine for the axes prod is used on."""
+    shape, nd = aval(x).shape, aval(x).ndim
+    keep = [i for i in range(nd) if i not in axes]
+    perm = keep + sorted(axes)
+    kshape = [shape[i] for i in keep]
+    n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+    k = len(kshape)
+    flat = reshape(transpose(x, perm), kshape + [n])
+    rows = broadcast(flat, kshape + [n, n], list(range(k)) + [k + 1])  # rows[..., i, j] = x[..., j]
+    diag = eq(bind1(P.iota, dtype=dtypes.int32, shape=(n, n), dimension=0),
+              bind1(P.iota, dtype=dtypes.int32, shape=(n, n), dimension=1))
+    rows = select(broadcast(diag, kshape + [n, n], (k, k + 1)), like(rows, 1), rows)
+    others = bind1(P.reduce_prod, rows, axes=(k + 1,))
+    back = reshape(others, [shape[i] for i in perm])
+    return transpose(back, [int(i) for i in np.argsort(perm)])
 
 
 vjp_rules[P.reduce_prod] = lambda ct, x, *, out, needs, axes: (

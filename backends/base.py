@@ -26,6 +26,11 @@ class Backend:
     def to_host(self, buf, aval: ShapedArray, device) -> np.ndarray:
         raise NotImplementedError
 
+    def view(self, buf, offset: int, nbytes: int):
+        """A sub-buffer of `buf` (an arena): `nbytes` from byte `offset`, aligned to 64. On host
+        backends a buffer is a 1-D uint8 numpy array and a view is a slice of it."""
+        raise NotImplementedError
+
     def compile(self, graph: Graph, device):
         raise NotImplementedError
 

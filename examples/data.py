@@ -10,6 +10,7 @@ from a position that a checkpoint can save.
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import inspect
 import warnings
@@ -65,7 +66,8 @@ def _docs_of(module) -> list[str]:
     return [d for d in docs if isinstance(d, str)]
 
 
-def load_corpus(max_chars: int = MAX_CHARS, modules=MODULES) -> str:
+@functools.lru_cache(maxsize=4)
+def load_corpus(max_chars: int = MAX_CHARS, modules: tuple = MODULES) -> str:
     """The docstring text, deterministic for a given Python version, at most max_chars long."""
     seen, parts, total = set(), [], 0
     for modname in modules:

@@ -127,11 +127,13 @@ def make_optimizer(lr: float, steps: int, warmup: int | None = None, weight_deca
 
 
 def make_train_step(cfg: Config, optimizer):
-    """One jitted step: (params, opt_state, x, y, key) -> (params, opt_state, loss)."""
-    def step(params, opt_state, x, y, key):
-        loss, grads = tx.value_and_grad(lambda p: loss_fn(p, x, y, cfg, key, True))(params)
+    """One jitted step: (params, opt_state, key, x, y) -> (params, opt_state, key, loss): the
+    forward and backward passes, the optimizer update and the next random key."""
+    def step(params, opt_state, key, x, y):
+        key, sub = random.split(key)
+        loss, grads = tx.value_and_grad(lambda p: loss_fn(p, x, y, cfg, sub, True))(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, loss
+        return optim.apply_updates(params, updates), opt_state, key, loss
     return tx.jit(step)
 
 
@@ -340,26 +342,23 @@ def train(args) -> dict:
 
     stop = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
     bar = _progress(args.steps, step, args.quiet)
-    losses, pending, history = [], [], []
+    losses, history = [], []  # losses stay on the device until the end: no sync per step
     t0, tokens = time.perf_counter(), 0
     eval_loss = None
     try:
         while step < stop:
             x, y = sampler.next()
-            key, sub = random.split(key)
-            params, opt_state, loss = train_step(params, opt_state, x, y, sub)
+            params, opt_state, key, loss = train_step(params, opt_state, key, x, y)
             step, data_pos = step + 1, sampler.position
-            pending.append(loss)
+            losses.append(loss)
             tokens += x.size
             if bar is not None:
                 bar.update(1)
-            evaluated = args.eval_every and (step % args.eval_every == 0 or step == args.steps)
-            if step % args.log_every == 0 or evaluated or step == stop:
-                vals = [float(v) for v in pending]  # reading the losses waits for the device
-                losses.extend(vals)
-                pending = []
-                dt = time.perf_counter() - t0
-                rec = {"step": step, "loss": float(np.mean(vals)), "tokens_per_s": tokens / dt}
+            evaluated = bool(args.eval_every) and (step % args.eval_every == 0 or step == args.steps)
+            logged = step % args.log_every == 0 or evaluated or step == args.steps
+            if logged:
+                rec = {"step": step, "loss": float(loss)}  # reading it waits for the device
+                rec["tokens_per_s"] = tokens / (time.perf_counter() - t0)
                 if evaluated:
                     eval_loss = rec["eval_loss"] = evaluate()
                 history.append(rec)
@@ -369,9 +368,10 @@ def train(args) -> dict:
                 if bar is not None:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                                     **({"eval": f"{eval_loss:.3f}"} if eval_loss is not None else {}))
-                t0, tokens = time.perf_counter(), 0
             if args.ckpt_every and step % args.ckpt_every == 0:
                 checkpoint()
+            if logged:  # time the next window from here: evaluation and saving are not steps
+                t0, tokens = time.perf_counter(), 0
     except KeyboardInterrupt:
         checkpoint()
         if bar is not None:
@@ -382,7 +382,8 @@ def train(args) -> dict:
     if bar is not None:
         bar.close()
     checkpoint()
-    result = {"params": params, "opt_state": opt_state, "step": step, "losses": losses,
+    result = {"params": params, "opt_state": opt_state, "step": step,
+              "losses": [float(v) for v in losses],
               "history": history, "unigram_loss": unigram, "config": cfg}
     if step < args.steps:  # stopped early on purpose (--stop-at)
         return result

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import builtins
 import math
-import string
-from typing import Sequence
 
 import numpy as np
 
 from tilefuse.ir import dtypes as _dt
 from tilefuse.ir import primitives as P
-from tilefuse.ir.errors import DTypeError, ShapeError, TilefuseError, with_user_line
+from tilefuse.ir.errors import ConcretizationError, ShapeError, TilefuseError, with_user_line
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.device import default_device
 from tilefuse.tracer.core import Tracer, bind1, concrete_or_none, get_aval
@@ -110,6 +108,8 @@ def _wrap_result(x):
     """Keep eager results as device Arrays (never bare numpy) so methods work on them."""
     if isinstance(x, (Tracer, Array)):
         return x
+    if _is_python_scalar(x):
+        x = np.asarray(x, _dt.python_scalar_dtype(x))
     return default_device().put(np.asarray(x))
 
 
@@ -264,6 +264,73 @@ def isinf(x):
     if not _dt.is_float(_aval(x).dtype):
         return zeros_like(x, dtype=bool_)
     return equal(abs(x), inf)
+
+
+def tan(x):
+    (x,) = _promote(x, to_float=True)
+    return divide(sin(x), cos(x))
+
+
+def sinh(x):
+    (x,) = _promote(x, to_float=True)
+    return (expm1(x) - expm1(negative(x))) * 0.5  # expm1 keeps small |x| accurate
+
+
+def cosh(x):
+    (x,) = _promote(x, to_float=True)
+    return (exp(x) + exp(negative(x))) * 0.5
+
+
+def log2(x):
+    return log(x) * (1 / math.log(2))
+
+
+def log10(x):
+    return log(x) * (1 / math.log(10))
+
+
+def exp2(x):
+    (x,) = _promote(x, to_float=True)
+    return exp(x * math.log(2))
+
+
+def cbrt(x):
+    (x,) = _promote(x, to_float=True)
+    return sign(x) * power(abs(x), 1 / 3)
+
+
+def hypot(x, y):
+    x, y = _promote(x, y, to_float=True)
+    return sqrt(x * x + y * y)
+
+
+def logaddexp(x, y):
+    """log(exp(x) + exp(y)) without overflow."""
+    x, y = _promote(x, y, to_float=True)
+    m = maximum(x, y)
+    # where both are -inf (or equal infinities) the shift would be inf - inf
+    safe_m = where(isfinite(m), m, zeros((), _aval(m).dtype))
+    return safe_m + log1p(exp(-abs(x - y))) + (m - safe_m)
+
+
+def nan_to_num(x, copy=True, nan=0.0, posinf=None, neginf=None):
+    x = _operand(x)
+    d = _aval(x).dtype
+    if not _dt.is_float(d):
+        return x
+    fi = _dt.finfo(d)
+    x = where(isnan(x), nan, x)
+    x = where(equal(x, inf), float(fi.max) if posinf is None else posinf, x)
+    return where(equal(x, -inf), float(fi.min) if neginf is None else neginf, x)
+
+
+def isclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
+    a, b = _promote(a, b, to_float=True)
+    close = less_equal(abs(a - b), atol + rtol * abs(b))
+    close = logical_or(close, equal(a, b))  # equal infinities
+    if equal_nan:
+        close = logical_or(close, logical_and(isnan(a), isnan(b)))
+    return close
 
 
 def where(cond, x=None, y=None):
@@ -455,6 +522,69 @@ def vstack(arrays):
     return concatenate([atleast_2d(a) for a in arrays], 0)
 
 
+def atleast_3d(x):
+    x = _operand(x)
+    nd = ndim(x)
+    if nd == 0:
+        return reshape(x, (1, 1, 1))
+    if nd == 1:
+        return reshape(x, (1, shape(x)[0], 1))
+    return expand_dims(x, -1) if nd == 2 else x
+
+
+def broadcast_arrays(*xs):
+    return _broadcast_all(*(_operand(x) for x in xs))
+
+
+def roll(x, shift, axis=None):
+    x = _operand(x)
+    if axis is None:
+        return reshape(roll(ravel(x), shift, 0), shape(x))
+    shifts = (shift,) if isinstance(shift, (int, np.integer)) else tuple(shift)
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    if len(shifts) == 1:
+        shifts = shifts * len(axes)
+    for sh, ax in zip(shifts, axes):
+        ax = _norm_axis(ax, ndim(x))
+        n = shape(x)[ax]
+        k = int(sh) % n if n else 0
+        if k:
+            x = concatenate([_slice_axis(x, ax, n - k, n), _slice_axis(x, ax, 0, n - k)], ax)
+    return x
+
+
+def diagonal(x, offset=0, axis1=0, axis2=1):
+    """The diagonal of two axes, moved to the end (numpy's layout)."""
+    x = _operand(x)
+    nd = ndim(x)
+    a1, a2 = _norm_axis(axis1, nd), _norm_axis(axis2, nd)
+    if a1 == a2:
+        raise ShapeError(with_user_line("diagonal: axis1 and axis2 must differ"))
+    x = moveaxis(x, (a1, a2), (-2, -1))
+    n, m = shape(x)[-2:]
+    lo = builtins.max(0, -offset)
+    rows = np.arange(lo, builtins.max(lo, builtins.min(n, m - offset)))
+    flat = reshape(x, shape(x)[:-2] + (n * m,))
+    return take(flat, (rows * m + rows + offset).astype(np.int32), axis=-1)
+
+
+def trace(x, offset=0, axis1=0, axis2=1, dtype=None):
+    return sum(diagonal(x, offset, axis1, axis2), axis=-1, dtype=dtype)
+
+
+def diag(v, k=0):
+    v = _operand(v)
+    if ndim(v) == 2:
+        return diagonal(v, k)
+    if ndim(v) != 1:
+        raise ShapeError(with_user_line(f"diag: needs a 1-d or 2-d array, got shape {shape(v)}"))
+    n = shape(v)[0] + builtins.abs(k)
+    r = bind1(P.iota, dtype=int32, shape=(n, n), dimension=0)
+    c = bind1(P.iota, dtype=int32, shape=(n, n), dimension=1)
+    vals = bind1(P.gather, v, r if k >= 0 else c, axis=0)  # out-of-range rows clamp; masked below
+    return where(equal(c - r, k), vals, zeros((), _aval(v).dtype))
+
+
 def _slice_axis(x, axis, start, stop, step=1):
     a = _aval(x)
     starts = [0] * a.ndim
@@ -574,12 +704,23 @@ def min(x, axis=None, keepdims=False):
 amax, amin = max, min
 
 
+def _bool_reduce(prim, empty_value, x, axis, keepdims):
+    x = astype(x, bool_)
+    a = _aval(x)
+    axes = _norm_axes(axis, a.ndim)
+    if builtins.any(a.shape[i] == 0 for i in axes):  # min/max have no identity: the answer is known
+        out_shape = [1 if i in axes else n for i, n in enumerate(a.shape)] if keepdims else \
+            [n for i, n in enumerate(a.shape) if i not in axes]
+        return _wrap_result(broadcast_to(np.asarray(empty_value), tuple(out_shape)))
+    return _reduce(prim, x, axis, keepdims)
+
+
 def all(x, axis=None, keepdims=False):
-    return _reduce(P.reduce_min, astype(x, bool_), axis, keepdims)
+    return _bool_reduce(P.reduce_min, True, x, axis, keepdims)
 
 
 def any(x, axis=None, keepdims=False):
-    return _reduce(P.reduce_max, astype(x, bool_), axis, keepdims)
+    return _bool_reduce(P.reduce_max, False, x, axis, keepdims)
 
 
 def _count(x, axis):
@@ -608,6 +749,52 @@ def var(x, axis=None, ddof=0, keepdims=False):
 
 def std(x, axis=None, ddof=0, keepdims=False):
     return sqrt(var(x, axis, ddof, keepdims))
+
+
+def ptp(x, axis=None, keepdims=False):
+    return subtract(max(x, axis, keepdims), min(x, axis, keepdims))
+
+
+def count_nonzero(x, axis=None, keepdims=False):
+    return sum(not_equal(x, 0), axis, keepdims=keepdims)
+
+
+def average(x, axis=None, weights=None, keepdims=False):
+    if weights is None:
+        return mean(x, axis, keepdims=keepdims)
+    x, w = _promote(x, weights, to_float=True)
+    if ndim(w) == 1 and ndim(x) > 1 and axis is not None:  # weights along one axis
+        ax = _norm_axis(axis, ndim(x))
+        w = reshape(w, [-1 if i == ax else 1 for i in range(ndim(x))])
+    x, w = _broadcast_all(x, w)
+    return divide(sum(x * w, axis, keepdims=keepdims), sum(w, axis, keepdims=keepdims))
+
+
+def _norm(x, ord=None, axis=None, keepdims=False):
+    """numpy.linalg.norm for vectors (ord None/2/1/inf/-inf/0) and 'fro' for matrices."""
+    x = _operand(x)
+    (x,) = _promote(x, to_float=True)
+    if ord in (None, 2, "fro") or (ord == 2 and axis is not None):
+        if ord == 2 and (axis is None and ndim(x) == 2 or isinstance(axis, tuple) and len(axis) == 2):
+            raise TilefuseError(with_user_line("norm: the matrix 2-norm (spectral) is not supported"))
+        return sqrt(sum(x * x, axis, keepdims=keepdims))
+    if ord == 1:
+        return sum(abs(x), axis, keepdims=keepdims)
+    if ord == inf:
+        return max(abs(x), axis, keepdims=keepdims)
+    if ord == -inf:
+        return min(abs(x), axis, keepdims=keepdims)
+    if ord == 0:
+        return astype(count_nonzero(x, axis, keepdims), _aval(x).dtype)
+    return power(sum(power(abs(x), ord), axis, keepdims=keepdims), 1.0 / ord)
+
+
+class _Linalg:
+    """tnp.linalg: the part of numpy.linalg that models use."""
+    norm = staticmethod(_norm)
+
+
+linalg = _Linalg()
 
 
 def _arg_reduce(prim, x, axis, keepdims):
@@ -643,6 +830,32 @@ def cumsum(x, axis=None, dtype=None):
     tri = astype(tril(ones((n, n), dtype=bool_)), _aval(x).dtype)  # tri[i, j] = j <= i
     y = tensordot(moveaxis(x, axis, -1), tri, axes=([-1], [1]))
     return moveaxis(y, -1, axis)
+
+
+def _shift(x, axis, k, fill):
+    """x moved k places toward higher indices along axis, the vacated front filled with `fill`."""
+    n = shape(x)[axis]
+    k = builtins.min(k, n)
+    cfg = tuple((k, 0, 0) if i == axis else (0, 0, 0) for i in range(ndim(x)))
+    padded = bind1(P.pad, x, _convert(fill, _aval(x).dtype), padding_config=cfg)
+    return _slice_axis(padded, axis, 0, n)
+
+
+def cumprod(x, axis=None, dtype=None):
+    """Cumulative product by a log-step scan (log2(n) shifted multiplies)."""
+    x = _operand(x)
+    if axis is None:
+        x, axis = ravel(x), 0
+    if dtype is not None:
+        x = astype(x, dtype)
+    elif _dt.is_bool(_aval(x).dtype):
+        x = astype(x, int32)
+    axis = _norm_axis(axis, ndim(x))
+    n, k = shape(x)[axis], 1
+    while k < n:
+        x = x * _shift(x, axis, k, 1)
+        k *= 2
+    return x
 
 
 # ---- contraction -------------------------------------------------------------------------
@@ -704,34 +917,33 @@ def tensordot(a, b, axes=2):
     return _dot_general(a, b, ([_norm_axis(i, na) for i in ca], [_norm_axis(i, nb) for i in cb]))
 
 
-def einsum(subscripts: str, *operands):
-    """Einstein summation for one or more operands, lowered to dot_general and transposes."""
+def einsum(subscripts: str, *operands, optimize=None, precision=None):
+    """Einstein summation (explicit or implicit output, '...', repeated indices for diagonals),
+    lowered to dot_general, reductions and transposes, contracting left to right."""
     operands = [_operand(o) for o in operands]
-    subscripts = subscripts.replace(" ", "")
-    if "->" in subscripts:
-        ins, out = subscripts.split("->")
-    else:
-        ins = subscripts
-        flat = ins.replace(",", "")
-        out = "".join(sorted(c for c in set(flat) if flat.count(c) == 1))
+    ins, arrow, out = subscripts.replace(" ", "").partition("->")
     terms = ins.split(",")
     if len(terms) != len(operands):
         raise TilefuseError(with_user_line(f"einsum: {len(terms)} terms for {len(operands)} operands"))
-    if "." in subscripts:
-        raise TilefuseError("einsum: ellipsis ('...') is not supported; name the axes")
+    terms, out = _einsum_expand_ellipsis(terms, out if arrow else None, operands)
+    sizes: dict[str, int] = {}
     for t, o in zip(terms, operands):
         if len(t) != ndim(o):
             raise ShapeError(with_user_line(f"einsum: term {t!r} has {len(t)} axes but its operand "
                                             f"has shape {shape(o)}"))
-    sizes = {}
-    for t, o in zip(terms, operands):
         for c, n in zip(t, shape(o)):
-            if sizes.setdefault(c, n) != n and n != 1 and sizes[c] != 1:
+            if sizes.setdefault(c, n) != n and 1 not in (n, sizes[c]):
                 raise ShapeError(with_user_line(f"einsum: axis {c!r} has sizes {sizes[c]} and {n}"))
+            sizes[c] = builtins.max(sizes[c], n) if 0 not in (n, sizes[c]) else 0
+    if set(out) - set(sizes) or len(set(out)) != len(out):
+        raise TilefuseError(with_user_line(f"einsum: bad output subscripts {out!r}"))
+    # size-1 axes broadcast against the other operands' sizes
+    operands = [broadcast_to(o, tuple(sizes[c] for c in t)) for o, t in zip(operands, terms)]
     x, xt = _einsum_single(operands[0], terms[0], out, terms[1:])
-    for o, t in zip(operands[1:], terms[1:]):
-        rest = [tt for tt in terms[terms.index(t) + 1:]]
-        o, t = _einsum_single(o, t, out + xt, rest)
+    for k in range(1, len(operands)):
+        rest = terms[k + 1:]
+        o, t = _einsum_single(operands[k], terms[k], out + xt, rest)
+        x, xt = _einsum_single(x, xt, out + t, rest)
         keep = set(out) | set("".join(rest))
         batch = [c for c in xt if c in t and c in keep]
         contract = [c for c in xt if c in t and c not in keep]
@@ -743,10 +955,36 @@ def einsum(subscripts: str, *operands):
     return transpose(x, [xt.index(c) for c in out])
 
 
+def _einsum_expand_ellipsis(terms, out, operands):
+    """Name the axes '...' stands for with unused letters; derive the implicit output."""
+    used = {c for t in terms for c in t if c.isalpha()} | set(out or "")
+    free = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in used]
+    n_ell = builtins.max([ndim(o) - (len(t) - 3) for t, o in zip(terms, operands) if "..." in t], default=0)
+    if n_ell < 0:
+        raise ShapeError(with_user_line("einsum: an operand has fewer axes than its subscripts name"))
+    ell = "".join(free[:n_ell])
+    new_terms = []
+    for t, o in zip(terms, operands):
+        if "..." in t:
+            k = ndim(o) - (len(t) - 3)
+            t = t.replace("...", ell[n_ell - k:] if k > 0 else "")
+        new_terms.append(t)
+    if out is None:
+        flat = "".join(terms).replace(".", "")
+        out = ell + "".join(sorted(c for c in set(flat) if flat.count(c) == 1))
+    else:
+        out = out.replace("...", ell)
+    return new_terms, out
+
+
 def _einsum_single(x, t, out, others):
-    """Sum away axes of one operand that appear nowhere else; diagonals are not supported."""
-    if len(set(t)) != len(t):
-        raise TilefuseError(f"einsum: repeated index in {t!r} (diagonals) is not supported")
+    """Take diagonals of repeated indices, then sum away axes that appear nowhere else."""
+    while len(set(t)) != len(t):
+        c = next(c for c in t if t.count(c) > 1)
+        i = t.index(c)
+        j = t.index(c, i + 1)
+        x = diagonal(x, 0, i, j)
+        t = "".join(ch for k, ch in enumerate(t) if k not in (i, j)) + c
     needed = set(out) | set("".join(others))
     drop = [i for i, c in enumerate(t) if c not in needed]
     if drop:
@@ -766,6 +1004,8 @@ def full(shape, fill_value, dtype=None):
     fv = _operand(fill_value)
     dtype = _dt.canonicalize(dtype) if dtype is not None else _aval(fv).dtype
     fv = _convert(fv, dtype)
+    if _is_python_scalar(fv):  # an explicit dtype is a strong one
+        fv = np.asarray(fv, dtype)
     return _wrap_result(broadcast_to(fv, shape))
 
 
@@ -896,6 +1136,77 @@ def asarray(x, dtype=None):
     return default_device().put(arr.astype(dtype, copy=False))
 
 
+def argwhere(x):
+    return stack(nonzero(x), axis=-1) if ndim(x) else asarray(np.argwhere(np.asarray(x)).astype(np.int32))
+
+
+def meshgrid(*xs, indexing="xy"):
+    xs = [ravel(x) for x in xs]
+    n = len(xs)
+    shp = [size(x) for x in xs]
+    if indexing == "xy" and n >= 2:
+        shp[0], shp[1] = shp[1], shp[0]
+    out = []
+    for i, x in enumerate(xs):
+        ax = (1 - i if i < 2 else i) if indexing == "xy" and n >= 2 else i
+        out.append(broadcast_to(reshape(x, [-1 if k == ax else 1 for k in range(n)]), tuple(shp)))
+    return out
+
+
+def _concrete(x, what):
+    val = concrete_or_none(_operand(x))
+    if val is None:
+        raise ConcretizationError(with_user_line(f"{what} needs concrete values, not a traced array: "
+                                                 "it returns a Python bool"))
+    return np.asarray(val)
+
+
+def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
+    """A Python bool, so only on concrete arrays (use tnp.isclose(...).all() inside jit)."""
+    a, b = _concrete(a, "allclose"), _concrete(b, "allclose")
+    return bool(np.allclose(a.astype(np.float64), b.astype(np.float64), rtol, atol, equal_nan))
+
+
+def array_equal(a, b) -> bool:
+    a, b = _concrete(a, "array_equal"), _concrete(b, "array_equal")
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def triu_indices(n, k=0, m=None):
+    return tuple(asarray(i.astype(np.int32)) for i in np.triu_indices(n, k, m))
+
+
+def tril_indices(n, k=0, m=None):
+    return tuple(asarray(i.astype(np.int32)) for i in np.tril_indices(n, k, m))
+
+
+# dtype helpers: numpy's, aware of bfloat16 (which numpy does not count as floating)
+dtype, iinfo, finfo = np.dtype, np.iinfo, _dt.finfo
+floating, integer, inexact, number, signedinteger, bool8 = (np.floating, np.integer, np.inexact, np.number,
+                                                            np.signedinteger, np.bool_)
+
+
+def issubdtype(arg1, arg2) -> bool:
+    if _dt.canonicalize(arg1) == bfloat16 and arg2 in (np.floating, np.inexact, np.number, np.generic):
+        return True
+    return bool(np.issubdtype(arg1, arg2))
+
+
+def isscalar(x) -> bool:
+    return _is_python_scalar(x) or isinstance(x, np.generic)
+
+
+def promote_types(a, b) -> np.dtype:
+    return _dt.result_type((_dt.canonicalize(a), False), (_dt.canonicalize(b), False))[0]
+
+
+def can_cast(from_, to) -> bool:
+    """Whether the cast loses nothing: promotion of the two gives `to`."""
+    f = from_ if isinstance(from_, np.dtype) or isinstance(from_, type) or isinstance(from_, str) \
+        else _aval(_operand(from_)).dtype
+    return promote_types(f, to) == _dt.canonicalize(to)
+
+
 def _has_traced(v):
     return builtins.any(isinstance(u, (Tracer, Array)) or isinstance(u, (list, tuple)) and _has_traced(u)
                         for u in v)
@@ -922,23 +1233,45 @@ def _as_index_array(i):
     return None
 
 
+def _index_rank(i) -> int:
+    """How many axes of the operand an index entry consumes."""
+    if i is None or i is Ellipsis:
+        return 0
+    arr = _as_index_array(i) if not isinstance(i, (Tracer, Array)) else i
+    return _aval(arr).ndim if arr is not None and _aval(arr).dtype == bool_ else 1
+
+
+def _check_mask(mask_shape, x_shape, idx, pos):
+    """A boolean mask must match the shape of the axes it indexes (numpy's rule)."""
+    if builtins.any(i is Ellipsis for i in idx[:pos]):
+        start = len(x_shape) - builtins.sum(_index_rank(i) for i in idx[pos:])
+    else:
+        start = builtins.sum(_index_rank(i) for i in idx[:pos])
+    axes = x_shape[start:start + len(mask_shape)]
+    if start < 0 or tuple(axes) != tuple(mask_shape):
+        raise IndexError(with_user_line(f"boolean index of shape {tuple(mask_shape)} does not match the "
+                                        f"indexed axes {tuple(axes)} of an array of shape {tuple(x_shape)}"))
+
+
 def _getitem(x, idx):
     x = _operand(x)
     if not isinstance(idx, tuple):
         idx = (idx,)
     # concrete boolean masks become integer index arrays; traced ones cannot (data-dependent shape)
     expanded = []
-    for i in idx:
+    for pos, i in enumerate(idx):
         arr = _as_index_array(i) if not isinstance(i, (Tracer, Array)) else i
         if arr is not None and _aval(arr).dtype == bool_:
             val = concrete_or_none(arr)
             if val is None:
-                raise TilefuseError(with_user_line(
+                raise ConcretizationError(with_user_line(
                     f"boolean mask indexing with a traced mask {_aval(arr)} has a data-dependent "
-                    "shape; use tnp.where(mask, x, 0) instead"))
+                    "shape, which jit cannot stage; use tnp.where(mask, x, 0) (or x.at[mask].set(v)) "
+                    "to keep the shape, or pass the mask as a concrete (static) value"))
             val = np.asarray(val)
             if val.ndim == 0:
                 raise TilefuseError(with_user_line("indexing with a 0-d boolean mask is not supported"))
+            _check_mask(val.shape, _aval(x).shape, idx, pos)
             expanded.extend(val.nonzero())
         elif isinstance(i, (bool, np.bool_)):
             raise TilefuseError(with_user_line("indexing with a Python bool is not supported"))
@@ -1095,7 +1428,8 @@ def take_along_axis(arr, indices, axis):
 def nonzero(x):
     val = concrete_or_none(_operand(x))
     if val is None or isinstance(val, Tracer):
-        raise TilefuseError(with_user_line("nonzero of a traced array has a data-dependent shape"))
+        raise ConcretizationError(with_user_line(
+            "nonzero (and where(cond) with one argument) of a traced array has a data-dependent shape"))
     return tuple(asarray(i.astype(np.int32)) for i in np.asarray(val).nonzero())
 
 
@@ -1115,6 +1449,9 @@ class _IndexUpdateHelper:
 
 
 class _IndexUpdateRef:
+    """x.at[idx]: `set` follows numpy's x[idx] = v (the last of repeated indices wins, when the
+    index is concrete; with traced indices repeated positions get the mean of their values);
+    `add` accumulates repeated indices (np.add.at)."""
     __slots__ = ("x", "idx")
 
     def __init__(self, x, idx):
@@ -1123,28 +1460,71 @@ class _IndexUpdateRef:
     def get(self):
         return _getitem(self.x, self.idx)
 
-    def _positions(self):
-        n = size(self.x)
-        pos = reshape(arange(n, dtype=int32), shape(self.x))
-        return ravel(_getitem(pos, self.idx))
+    def _static_positions(self):
+        """Flat positions the index selects, as numpy, when the index holds no tracer."""
+        idx = self.idx if isinstance(self.idx, tuple) else (self.idx,)
+        if builtins.any(isinstance(i, Tracer) for i in idx):
+            return None
+        idx = tuple(np.asarray(i) if isinstance(i, Array) else i for i in idx)
+        try:
+            return np.arange(size(self.x), dtype=np.int32).reshape(shape(self.x))[idx]
+        except IndexError as err:
+            raise IndexError(with_user_line(f"{err} (indexing an array of shape {shape(self.x)})")) from None
+
+    def _updates(self, x, value, out_shape):
+        return ravel(broadcast_to(astype(value, _aval(x).dtype), out_shape))
 
     def add(self, value):
         x = _operand(self.x)
-        pos = self._positions()
-        upd = ravel(broadcast_to(astype(value, _aval(x).dtype), shape(_getitem(x, self.idx))))
-        flat = bind1(P.scatter_add, ravel(x), pos, upd, axis=0)
+        pos = self._static_positions()
+        if pos is None:
+            pos = ravel(_getitem(reshape(arange(size(x), dtype=int32), shape(x)), self.idx))
+        upd = self._updates(x, value, shape(pos))
+        flat = bind1(P.scatter_add, ravel(x), ravel(pos), upd, axis=0)
         return reshape(flat, shape(x))
 
     def set(self, value):
         x = _operand(self.x)
-        pos = self._positions()
+        dt = _aval(x).dtype
+        pos = self._static_positions()
+        if pos is None:
+            return self._set_traced(x, value)
+        upd = self._updates(x, value, pos.shape)
+        flat = pos.reshape(-1)
+        if np.unique(flat).size != flat.size:  # keep only the last write to each position
+            last = np.full(size(x), -1, np.int64)
+            last[flat] = np.arange(flat.size)
+            keep = last[last >= 0].astype(np.int32)
+            upd, flat = take(upd, keep), flat[keep]
+        if flat.size == 0:
+            return x
+        hit = np.zeros(size(x), bool)
+        hit[flat] = True
+        new = bind1(P.scatter_add, zeros(size(x), dt), flat, upd, axis=0)
+        return reshape(where(hit, new, ravel(x)), shape(x))
+
+    def _set_traced(self, x, value):
+        dt = _aval(x).dtype
+        pos = ravel(_getitem(reshape(arange(size(x), dtype=int32), shape(x)), self.idx))
+        upd = self._updates(x, value, shape(pos))
         hit = bind1(P.scatter_add, zeros(size(x), int32), pos, ones(size(pos), int32), axis=0)
-        upd = ravel(broadcast_to(astype(value, _aval(x).dtype), shape(_getitem(x, self.idx))))
-        new = bind1(P.scatter_add, zeros(size(x), _aval(x).dtype), pos, upd, axis=0)
+        new = bind1(P.scatter_add, zeros(size(x), dt), pos, upd, axis=0)
+        if not _dt.is_bool(dt):  # repeated positions summed their values: take the mean
+            many = greater(hit, 1)
+            n = astype(where(many, hit, 1), dt)
+            new = where(many, floor_divide(new, n) if _dt.is_int(dt) else new / n, new)
         return reshape(where(greater(hit, 0), new, ravel(x)), shape(x))
 
     def multiply(self, value):
         return self.set(self.get() * value)
+
+    mul = multiply
+
+    def min(self, value):
+        return self.set(minimum(self.get(), value))
+
+    def max(self, value):
+        return self.set(maximum(self.get(), value))
 
 
 # ---- operators on tracers and Arrays (the one place they are defined) ---------------------
@@ -1189,4 +1569,3 @@ def _install(cls):
 
 _install(Tracer)
 _install(Array)
-_ = (DTypeError, Sequence, string)

@@ -4,13 +4,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Graph, ShapedArray, eval_graph
-from tilefuse.ir.errors import TilefuseError, filter_traceback
+from tilefuse.ir.errors import TilefuseError, filter_traceback, user_line
 
 from . import pytree
 from .core import Tracer, bind, get_aval
@@ -24,27 +24,33 @@ class RuntimeHooks:
     resolve_device: Callable = None  # (device_arg, leaves) -> Device
     compile: Callable = None  # (graph, device) -> executable(list of leaves) -> list of Arrays
     config: Any = None  # tilefuse.config
+    array_type: type = None  # runtime.Array: the fast path recognises it by exact type
 
 
 hooks = RuntimeHooks()
 
+# Code objects of every function jitted so far: a fresh jit(f) of code seen before is the
+# commonest cause of retracing (jit inside a loop, a new lambda per call), so explain_retrace
+# names it. Bounded, since code objects cannot be weakly referenced.
+_seen_code: dict = {}
+_SEEN_CODE_MAX = 4096
 
-def _normalize_argnums(argnums, n=None) -> tuple[int, ...]:
-    if argnums is None:
-        return ()
-    if isinstance(argnums, int):
-        argnums = (argnums,)
-    return tuple(argnums)
+
+def _python_scalar_aval(x) -> ShapedArray | None:
+    if isinstance(x, int) and not isinstance(x, bool) and not -2**31 <= x < 2**31:
+        return None
+    return ShapedArray((), dtypes.python_scalar_dtype(x), True)
 
 
 def _leaf_aval(x, where: str) -> ShapedArray:
     if isinstance(x, Tracer) or hasattr(x, "aval"):
         return x.aval
     if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
-        if isinstance(x, int) and not isinstance(x, bool) and not -2**31 <= x < 2**31:
+        aval = _python_scalar_aval(x)
+        if aval is None:
             raise TilefuseError(f"{where} is the Python int {x}, which does not fit int32: "
                                 "pass np.int64(...) or an int64 array")
-        return ShapedArray((), dtypes.python_scalar_dtype(x), True)
+        return aval
     if isinstance(x, (np.ndarray, np.generic)):
         if x.dtype == object:
             raise TilefuseError(f"{where} is an object array; tilefuse needs numeric arrays")
@@ -70,7 +76,7 @@ class Lowered:
 
     def optimized_graph(self):
         """The graph after the device's pass pipeline (what its kernels are built from)."""
-        return self.compile().graph
+        return self.compile().optimized_graph
 
     def sources(self) -> dict[str, str]:
         """Every generated kernel's source text for the device (LLVM IR, OpenCL C, PTX)."""
@@ -78,66 +84,145 @@ class Lowered:
 
 
 class _Entry:
-    __slots__ = ("executable", "out_tree", "graph")
+    """A cache entry: the compiled executable and how to rebuild the output pytree."""
+    __slots__ = ("executable", "out_tree", "graph", "single")
 
     def __init__(self, executable, out_tree, graph):
         self.executable, self.out_tree, self.graph = executable, out_tree, graph
+        self.single = out_tree is pytree.LEAF
+
+    def run(self, leaves):
+        outs = self.executable(leaves)
+        return outs[0] if self.single else pytree.tree_unflatten(self.out_tree, outs)
 
 
 class JitFunction:
-    """A jitted function: a cache of compiled graphs keyed by the call's signature."""
+    """A jitted function: a cache of compiled graphs keyed by the call's signature
+    (treedef, avals, static arguments, device, configuration)."""
 
     def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), device=None):
         functools.update_wrapper(self, fun)
         self.fun = fun
         try:
-            self._sig = inspect.signature(fun)
-            params = list(self._sig.parameters.values())
+            params = list(inspect.signature(fun).parameters.values())
         except (TypeError, ValueError):
-            self._sig, params = None, []
+            params = []
         self._param_names = [p.name for p in params
                              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.static_argnums = set(_normalize_argnums(static_argnums))
+        n = len(self._param_names)
+        nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums or ())
+        self.static_argnums = {i + n if i < 0 and n else i for i in nums}
         self.static_argnames = set((static_argnames,) if isinstance(static_argnames, str)
                                    else static_argnames or ())
-        for n in list(self.static_argnums):  # a static position is static by name too
-            if n < len(self._param_names):
-                self.static_argnames.add(self._param_names[n])
+        for i in list(self.static_argnums):  # a static position is static by name too
+            if i < n:
+                self.static_argnames.add(self._param_names[i])
         for name in list(self.static_argnames):
             if name in self._param_names:
                 self.static_argnums.add(self._param_names.index(name))
         self.device = device
-        self._cache: dict = {}
+        self._method_self = False  # set when used as a method: `self` is static unless a pytree
+        self._cache: dict = {}  # full key -> _Entry
+        self._fast: dict = {}  # fast key (plain positional arrays) -> _Entry
         self._graphs: dict = {}
+        self._trace_keys: list = []  # keys traced so far, for explain_retrace
         self.trace_count = 0
-        self._last_keys: list = []
+        code = getattr(fun, "__code__", None)
+        self._code = code
+        self._code_seen_before = code is not None and code in _seen_code
+        if code is not None and len(_seen_code) < _SEEN_CODE_MAX:
+            _seen_code[code] = True
 
-    def __get__(self, obj, objtype=None):  # jit on a method: bind `self` as a static argument
+    def __repr__(self):
+        return f"<jit {getattr(self.fun, '__qualname__', self.fun)}>"
+
+    def __get__(self, obj, objtype=None):
         if obj is None:
             return self
-        bound = self.__dict__.setdefault("_bound", {})
-        key = id(type(obj))
-        if key not in bound:
-            bound[key] = JitFunction(self.fun, static_argnums={0} | {i + 1 for i in self.static_argnums
-                                                                   if i > 0} | self.static_argnums,
-                                     static_argnames=self.static_argnames, device=self.device)
-        return functools.partial(bound[key], obj)
+        self._method_self = True
+        return _BoundJit(self, obj)
 
-    # ---- the call path ------------------------------------------------------------------
+    # ---- the call path ----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if not kwargs and not self.static_argnums and not self._method_self:
+            key = self._fast_key(args)
+            if key is not None:
+                entry = self._fast.get(key)
+                if entry is not None:
+                    return self._run(entry, args)
+        else:
+            key = None
+        return self._call(args, kwargs, key)
+
+    def _fast_key(self, args):
+        """A cheap key for the common call: every argument a numpy array, an Array or a Python
+        scalar. None sends the call down the general path."""
+        sig = []
+        array_type = hooks.array_type
+        for a in args:
+            t = type(a)
+            if t is array_type:
+                sig.append((a.aval, a.device))
+            elif t is np.ndarray:
+                sig.append((a.shape, a.dtype))
+            elif t is float or t is bool or (t is int and -2**31 <= a < 2**31):
+                sig.append(t)
+            else:
+                return None
+        return tuple(sig), hooks.config.cache_key()
+
+    def _run(self, entry, leaves):
+        try:
+            return entry.run(leaves)
+        except TilefuseError as e:
+            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+
+    def _call(self, args, kwargs, fast_key):
+        dyn_args, dyn_kwargs, static = self._split(args, kwargs)
+        leaves, in_tree = pytree.tree_flatten((dyn_args, dyn_kwargs))
+        if any(isinstance(x, Tracer) for x in leaves):
+            # Under another transformation (grad, vmap, an outer jit): replay our graph on its
+            # tracers so that transformation sees every primitive.
+            avals = tuple(x.aval.strip_weak() if isinstance(x, Tracer) else get_aval(x) for x in leaves)
+            graph, out_tree = self._graph(static, avals, in_tree, (in_tree, avals, static))
+            if graph is None:
+                return self.fun(*args, **kwargs)
+            outs = eval_graph(graph, leaves, lambda e, xs: bind(e.prim, *xs, **e.params))
+            return pytree.tree_unflatten(out_tree, outs)
+        avals = self._avals(leaves, in_tree)
+        device = hooks.resolve_device(self.device, leaves)
+        key = (in_tree, avals, static, device, hooks.config.cache_key())
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(key, static, avals, in_tree, device)
+            if entry is None:  # it closes over tracers: no staging possible
+                return self.fun(*args, **kwargs)
+        if fast_key is not None:
+            self._fast[fast_key] = entry
+        return self._run(entry, leaves)
+
     def _split(self, args, kwargs):
-        dyn_args, static = [], []
-        for i, a in enumerate(args):
-            if i in self.static_argnums:
-                static.append((i, _hashable(a, self._argname(i))))
-            else:
-                dyn_args.append(a)
-        dyn_kwargs = {}
-        for k, v in kwargs.items():
-            if k in self.static_argnames:
-                static.append((k, _hashable(v, k)))
-            else:
-                dyn_kwargs[k] = v
-        return tuple(dyn_args), dyn_kwargs, tuple(static)
+        """Separate static arguments (part of the key, passed to fun as they are) from traced ones."""
+        static = []
+        if self.static_argnums or self._method_self:
+            dyn_args = []
+            for i, a in enumerate(args):
+                if i in self.static_argnums or (i == 0 and self._method_self and not pytree.is_node(a)):
+                    static.append((i, _hashable(a, self._argname(i))))
+                else:
+                    dyn_args.append(a)
+            dyn_args = tuple(dyn_args)
+        else:
+            dyn_args = args
+        dyn_kwargs = kwargs
+        if kwargs and self.static_argnames:
+            dyn_kwargs = {}
+            for k, v in kwargs.items():
+                if k in self.static_argnames:
+                    static.append((k, _hashable(v, repr(k))))
+                else:
+                    dyn_kwargs[k] = v
+        return dyn_args, dyn_kwargs, tuple(static)
 
     def _argname(self, i):
         return repr(self._param_names[i]) if i < len(self._param_names) else f"#{i}"
@@ -158,54 +243,32 @@ class JitFunction:
             return tuple(_leaf_aval(x, "") for x in leaves)
         except TilefuseError:
             pass
-        # name the offending argument
-        names = self._leaf_names(in_tree)
+        names = self._leaf_names(in_tree)  # name the offending argument
         return tuple(_leaf_aval(x, f"argument {names[i]} of {self.__name__}") for i, x in enumerate(leaves))
 
-    def _leaf_names(self, in_tree):
-        dyn_positions = [i for i in range(len(self._param_names) + 64) if i not in self.static_argnums]
+    def _leaf_names(self, in_tree, static=()):
+        """A readable name for every leaf: the parameter's name (and the leaf's path within it)."""
+        static_pos = {k for k, _ in static if isinstance(k, int)} | self.static_argnums
+        dyn_positions = [i for i in range(len(self._param_names) + 256) if i not in static_pos]
         args_def, kw_def = in_tree.children
         names = []
         for j, c in enumerate(args_def.children):
-            i = dyn_positions[j]
-            base = self._argname(i)
-            names += [base if c.n_leaves == 1 else f"{base} (leaf {k})" for k in range(c.n_leaves)]
+            base = self._argname(dyn_positions[j])
+            names += [base if c.node_type is None else f"{base}{p}" for p in _leaf_paths(c)]
         for key, c in zip(kw_def.aux or (), kw_def.children):
-            names += [repr(key)] * c.n_leaves
+            names += [repr(key) if c.node_type is None else f"{key!r}{p}" for p in _leaf_paths(c)]
         return names
 
-    def __call__(self, *args, **kwargs):
-        dyn_args, dyn_kwargs, static = self._split(args, kwargs)
-        leaves, in_tree = pytree.tree_flatten((dyn_args, dyn_kwargs))
-        if any(isinstance(x, Tracer) for x in leaves):
-            # Under another transformation (grad, vmap, an outer jit): replay our graph on its
-            # tracers so that transformation sees every primitive.
-            avals = tuple(x.aval.strip_weak() if isinstance(x, Tracer) else get_aval(x) for x in leaves)
-            graph, out_tree = self._graph(static, avals, in_tree)
-            if graph is None:
-                return self.fun(*args, **kwargs)
-            outs = eval_graph(graph, leaves, lambda e, xs: bind(e.prim, *xs, **e.params))
-            return pytree.tree_unflatten(out_tree, outs)
-        avals = self._avals(leaves, in_tree)
-        device = hooks.resolve_device(self.device, leaves)
-        key = (in_tree, avals, static, device, hooks.config.cache_key())
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._compile(key, static, avals, in_tree, device)
-            if entry is None:  # it closes over tracers: no staging possible
-                return self.fun(*args, **kwargs)
-        try:
-            outs = entry.executable(leaves)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
-        return pytree.tree_unflatten(entry.out_tree, outs)
-
-    def _graph(self, static, avals, in_tree):
+    def _graph(self, static, avals, in_tree, trace_key):
         gkey = (in_tree, avals, static)
         hit = self._graphs.get(gkey)
         if hit is not None:
             return hit
+        if hooks.config is not None and hooks.config.explain_retrace:
+            self._explain(trace_key, in_tree, static)
         self.trace_count += 1
+        if len(self._trace_keys) < 64:
+            self._trace_keys.append(trace_key)
 
         def flat_fun(*tracers):
             args, kwargs = self._rebuild_call(static, tracers, in_tree)
@@ -219,20 +282,15 @@ class JitFunction:
             return out_leaves, out_tree
 
         try:
-            graph, out_tree = trace_to_graph(flat_fun, [a for a in avals])
+            graph, out_tree = trace_to_graph(flat_fun, list(avals))
         except TilefuseError as e:
             raise e.with_traceback(filter_traceback(e.__traceback__)) from None
-        if any(isinstance(c, Tracer) for c in graph.consts):
-            result = (None, None)
-        else:
-            result = (graph, out_tree)
+        result = (None, None) if any(isinstance(c, Tracer) for c in graph.consts) else (graph, out_tree)
         self._graphs[gkey] = result
         return result
 
     def _compile(self, key, static, avals, in_tree, device):
-        if hooks.config.explain_retrace and self._last_keys:
-            log.warning("%s", explain_retrace(self.__name__, self._last_keys[-1], key))
-        graph, out_tree = self._graph(static, avals, in_tree)
+        graph, out_tree = self._graph(static, avals, in_tree, key)
         if graph is None:
             return None
         try:
@@ -241,19 +299,39 @@ class JitFunction:
             raise e.with_traceback(filter_traceback(e.__traceback__)) from None
         entry = _Entry(executable, out_tree, graph)
         self._cache[key] = entry
-        self._last_keys.append(key)
         return entry
+
+    def _explain(self, key, in_tree, static):
+        """Log why this call traces (explain_retrace), as JAX's explain_cache_misses does."""
+        name = getattr(self.fun, "__qualname__", self.__name__)
+        where = user_line()
+        at = f" at {where}" if where else ""
+        if self._trace_keys:
+            reasons = explain_retrace(self._trace_keys[-1], key, self._leaf_names(in_tree, static),
+                                      self._argname)
+            log.warning("tilefuse: %s traced again%s because: %s", name, at, "; ".join(reasons))
+        elif self._code_seen_before:
+            code = self._code
+            log.warning("tilefuse: %s traced%s because it is a new function object: code from %s:%d was "
+                        "jitted before as another function (jit(f) called anew, or a lambda/closure "
+                        "made afresh each time, starts an empty cache). Create the jitted function once "
+                        "and reuse it.", name, at, code.co_filename, code.co_firstlineno)
+        else:
+            log.info("tilefuse: %s traced for the first time%s", name, at)
 
     # ---- inspection -----------------------------------------------------------------------
     def lower(self, *args, device=None, **kwargs) -> Lowered:
+        """Trace for these arguments without running: `.graph` and str() show the graph."""
         dyn_args, dyn_kwargs, static = self._split(args, kwargs)
         leaves, in_tree = pytree.tree_flatten((dyn_args, dyn_kwargs))
         avals = tuple(x.aval.strip_weak() if isinstance(x, Tracer) else a
                       for x, a in zip(leaves, self._avals(leaves, in_tree)))
-        graph, out_tree = self._graph(static, avals, in_tree)
+        dev = hooks.resolve_device(device if device is not None else self.device,
+                                   [x for x in leaves if not isinstance(x, Tracer)])
+        key = (in_tree, avals, static, dev, hooks.config.cache_key())
+        graph, out_tree = self._graph(static, avals, in_tree, key)
         if graph is None:
             raise TilefuseError(f"{self.__name__} closes over traced values and cannot be lowered alone")
-        dev = hooks.resolve_device(device if device is not None else self.device, leaves)
         return Lowered(graph, out_tree, dev, in_tree)
 
     def cache_size(self) -> int:
@@ -261,7 +339,36 @@ class JitFunction:
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        self._fast.clear()
         self._graphs.clear()
+
+
+class _BoundJit:
+    """A jitted method bound to its instance: calls pass the instance first. The instance is a
+    static argument (hashed, by identity unless its class defines __hash__) unless it is a pytree
+    node (a registered dataclass, say), whose array leaves are then traced arguments. Arrays
+    held by a static instance are baked into the graph as constants when it is traced."""
+    __slots__ = ("_jit", "_obj")
+
+    def __init__(self, jf: JitFunction, obj):
+        self._jit, self._obj = jf, obj
+
+    def __call__(self, *args, **kwargs):
+        return self._jit(self._obj, *args, **kwargs)
+
+    def lower(self, *args, **kwargs) -> Lowered:
+        return self._jit.lower(self._obj, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._jit, name)
+
+
+def _leaf_paths(td) -> list[str]:
+    """Index paths ('[0]', "['w']") of the leaves of a treedef, in flattening order."""
+    if td.node_type is None:
+        return [""]
+    keys = td.aux if td.node_type is dict else range(len(td.children))
+    return [f"[{k!r}]{p}" for k, c in zip(keys, td.children) for p in _leaf_paths(c)]
 
 
 def _hashable(v, name):
@@ -273,34 +380,47 @@ def _hashable(v, name):
     return (v,)
 
 
-def explain_retrace(name, old, new) -> str:
-    """Why a jitted function traced again: compare the new cache key with the previous one."""
+def explain_retrace(old, new, names=None, static_name=None) -> list[str]:
+    """Why a call traced again: the differences between its key and an earlier one."""
     (ot, oa, os_, od, oc), (nt, na, ns, nd, nc) = old, new
     reasons = []
     if ot != nt:
         reasons.append(f"the argument structure changed: {ot} -> {nt}")
     elif oa != na:
         for i, (a, b) in enumerate(zip(oa, na)):
+            who = f"argument {names[i]}" if names and i < len(names) else f"input {i}"
             if a.shape != b.shape:
-                reasons.append(f"input {i}: new shape {a.shape} -> {b.shape}")
+                reasons.append(f"{who}: new shape {a.shape} -> {b.shape}")
             elif a.dtype != b.dtype:
-                reasons.append(f"input {i}: new dtype {a.dtype} -> {b.dtype}")
+                reasons.append(f"{who}: new dtype {a.dtype} -> {b.dtype}")
             elif a.weak_type != b.weak_type:
-                reasons.append(f"input {i}: a Python scalar became an array (or back)")
+                reasons.append(f"{who}: a Python scalar became an array (or back)")
     if os_ != ns:
-        reasons.append(f"a static argument changed: {os_} -> {ns}")
+        old_s, new_s = dict(os_), dict(ns)
+        for k in sorted(set(old_s) | set(new_s), key=str):
+            if old_s.get(k) != new_s.get(k):
+                who = repr(k) if isinstance(k, str) else static_name(k) if static_name else f"#{k}"
+                reasons.append(f"static argument {who}: new value {_short(old_s.get(k))} -> "
+                               f"{_short(new_s.get(k))}")
     if od != nd:
         reasons.append(f"the device changed: {od} -> {nd}")
     if oc != nc:
-        reasons.append("the configuration changed")
-    return f"tilefuse: {name} traced again: " + ("; ".join(reasons) or "first call")
+        reasons.append(f"the configuration changed: {oc} -> {nc}")
+    return reasons or ["an equal key was evicted (cache cleared)"]
 
 
-def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(), device=None):
-    """Compile `fun` for a device, tracing once per signature (use as a function or decorator)."""
+def _short(v) -> str:
+    if v is None:
+        return "(absent)"
+    s = repr(v[0])
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(), device=None,
+        donate_argnums=()):
+    """Compile `fun` for a device, tracing once per signature (use as a function or decorator).
+    donate_argnums is accepted for JAX compatibility and ignored."""
     if fun is None:
         return lambda f: jit(f, static_argnums=static_argnums, static_argnames=static_argnames,
                              device=device)
     return JitFunction(fun, static_argnums, static_argnames, device)
-
-

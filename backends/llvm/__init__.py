@@ -1,1 +1,121 @@
+"""The CPU backend: kernels rendered to LLVM IR with llvmlite, optimised for the host CPU, run
+through MCJIT and called via ctypes on a thread pool; buffers come from the caching pool."""
+from __future__ import annotations
 
+import importlib.util
+
+import numpy as np
+
+from tilefuse.ir.errors import DeviceError
+from tilefuse.runtime.hardware import host_info
+from tilefuse.runtime.memory import PoolAllocator
+
+from ..base import Backend
+from .compile import CompiledKernel, compile_kernel, memory_cache_stats
+
+ALIGN = 64
+
+
+def _raw_alloc(nbytes: int):
+    """An aligned block: (1-D uint8 view, its address); numpy frees it with the last reference."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    addr = raw.ctypes.data
+    off = (-addr) % ALIGN
+    return raw[off:off + nbytes], addr + off
+
+
+class _Owner:
+    """Owns one pool block while any view of its buffer lives, and hands it back to the pool
+    when the last view goes (or at an explicit free)."""
+    __slots__ = ("__array_interface__", "block", "pool")
+
+    def __init__(self, pool: PoolAllocator, block, nbytes: int):
+        self.block, self.pool = block, pool
+        self.__array_interface__ = {"data": (block[1], False), "shape": (nbytes,), "typestr": "|u1",
+                                    "version": 3}
+
+    def release(self):
+        block, self.block = self.block, None
+        if block is not None:
+            self.pool.free(block)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the pool may be gone already
+            pass
+
+
+class LLVMBackend(Backend):
+    """Host CPU through llvmlite."""
+    kind = "cpu"
+
+    def __init__(self):
+        self.pool = PoolAllocator(_raw_alloc, lambda block: None, name="cpu")
+
+    def discover(self):
+        import llvmlite.binding as llvm
+        llvm.check_jit_execution()  # OSError where executable memory is forbidden
+        if importlib.util.find_spec("tilefuse.runtime.compiler") is None:
+            # until the graph compiler exists, `cpu` would fail every call: stay unavailable
+            raise DeviceError("the graph compiler (tilefuse.runtime.compiler) is not installed")
+        return [host_info()]
+
+    @staticmethod
+    def _info(device):
+        return getattr(device, "info", None) or host_info()
+
+    # -- kernels ---------------------------------------------------------------------------
+    def compile_kernel(self, kernel, device=None) -> CompiledKernel:
+        return compile_kernel(kernel, self._info(device))
+
+    def compile(self, graph, device):
+        try:
+            from tilefuse.runtime.compiler import compile_graph
+        except ImportError as e:
+            raise NotImplementedError("the graph compiler (tilefuse.runtime.compiler) is missing") from e
+        return compile_graph(graph, device, self)
+
+    # -- memory ----------------------------------------------------------------------------
+    def alloc(self, nbytes: int, device=None) -> np.ndarray:
+        """A 64-byte aligned 1-D uint8 buffer of nbytes from the pool; it returns to the pool at
+        free() or when the last view of it is gone."""
+        return np.asarray(_Owner(self.pool, self.pool.alloc(nbytes), int(nbytes)))
+
+    def free(self, buffer, device=None) -> None:
+        """Give a buffer back to the pool now (the caller promises no view of it is used again).
+        Buffers that did not come from alloc are left alone."""
+        owner = buffer.base if isinstance(buffer, np.ndarray) else None
+        if isinstance(owner, _Owner):
+            owner.release()
+
+    def put(self, host, device=None) -> np.ndarray:
+        host = np.asarray(host)
+        buf = self.alloc(host.nbytes, device)
+        np.copyto(buf.view(host.dtype).reshape(host.shape), host, casting="no")
+        return buf
+
+    def to_host(self, buf, aval, device=None) -> np.ndarray:
+        """A zero-copy, read-only typed view of the buffer."""
+        dt = np.dtype(aval.dtype)
+        n = int(np.prod(aval.shape, dtype=np.int64)) * dt.itemsize
+        out = buf[:n].view(dt).reshape(aval.shape)
+        out.flags.writeable = False
+        return out
+
+    def memory_stats(self, device=None) -> dict:
+        return self.pool.stats()
+
+    def empty_cache(self, device=None) -> None:
+        self.pool.empty_cache()
+
+    def compile_stats(self) -> dict:
+        from tilefuse.runtime import compile_cache
+        return {**compile_cache.stats(), **memory_cache_stats()}
+
+
+def create() -> LLVMBackend:
+    return LLVMBackend()
+
+
+__all__ = ["LLVMBackend", "CompiledKernel", "create"]

@@ -1,1 +1,318 @@
+"""The OpenCL backend: kernel IR rendered to OpenCL C (render.py), built and launched with
+pyopencl on an in-order, profiling queue. Devices appear as opencl:0, opencl:1, ... (one per
+OpenCL device of every platform). On CPU devices (PoCL) buffers are allocated in host-visible
+memory and read back by mapping, so reading a result copies nothing."""
+from __future__ import annotations
 
+import sys
+import time
+
+import numpy as np
+
+from tilefuse.ir.errors import DeviceError, OutOfMemoryError
+from tilefuse.ir.kernel.ir import Kernel, pp_kernel
+from tilefuse.runtime.config import config
+from tilefuse.runtime.hardware import DeviceInfo, host_info
+from tilefuse.runtime.memory import PoolAllocator
+
+from ..base import Backend
+from .build import ProgramCache, translate
+from .render import F64, Rendered, render
+
+INSTALL_HINT = ("install an OpenCL driver (ICD): on Debian/Ubuntu `apt-get install pocl-opencl-icd "
+                "ocl-icd-libopencl1` for the CPU, or your GPU vendor's OpenCL runtime")
+
+
+def _import_cl():
+    try:
+        import pyopencl as cl
+    except ImportError as e:  # the wheel bundles the ICD loader; a failure means no pyopencl
+        raise DeviceError(f"OpenCL is unavailable: pyopencl is not installed ({e}); install it with "
+                          "`pip install pyopencl` (or `pip install tilefuse[opencl]`)") from None
+    return cl
+
+
+class _State:
+    """One OpenCL device: its context, in-order profiling queue and memory counters."""
+
+    def __init__(self, cl, cl_device, info: DeviceInfo):
+        self.cl, self.dev, self.info = cl, cl_device, info
+        self.ctx = cl.Context([cl_device])
+        self.queue = cl.CommandQueue(self.ctx, cl_device,
+                                     properties=cl.command_queue_properties.PROFILING_ENABLE)
+        self.host_memory = info.extra["host_unified_memory"]
+        mf = cl.mem_flags
+        self.flags = mf.READ_WRITE | (mf.ALLOC_HOST_PTR if self.host_memory else 0)
+        self.last_event = None
+        self.kernels: dict = {}
+        self.unaligned_views = 0
+        self.pool = PoolAllocator(self._raw_alloc, lambda mem: mem.release(), name=info.name)
+
+    def _raw_alloc(self, nbytes: int):
+        try:
+            return self.cl.Buffer(self.ctx, self.flags, size=max(4, nbytes))
+        except self.cl.Error as e:
+            err = translate(e, "allocate a buffer", self.info.name, nbytes)
+            if isinstance(err, OutOfMemoryError):  # the pool drops its cache and retries
+                raise MemoryError(str(err)) from None
+            raise err from None
+
+
+class DeviceBuffer:
+    """Device memory: a pool block (returned to the pool when the last reference goes, or at
+    free) or a view of one (a sub-buffer that keeps its parent alive)."""
+    __slots__ = ("mem", "nbytes", "_pool", "_parent")
+
+    def __init__(self, mem, nbytes: int, pool=None, parent=None):
+        self.mem, self.nbytes, self._pool, self._parent = mem, nbytes, pool, parent
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.free(self.mem)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the pool may be gone already
+            pass
+
+    def __repr__(self):
+        return f"<opencl buffer {self.nbytes} B{' view' if self._parent is not None else ''}>"
+
+
+class CompiledKernel:
+    """A built kernel: `ck(buffers)` enqueues it (buffers in the kernel's order, inputs first)
+    and returns the launch's event, also kept as `last_event` for the profiler."""
+
+    def __init__(self, kernel: Kernel, rendered: Rendered, cl_kernel, state: _State, global_size, local_size):
+        self.name, self.kernel, self.rendered = rendered.name, kernel, rendered
+        self.source, self.mode, self.width = rendered.source, rendered.mode, rendered.width
+        self.global_size, self.local_size = global_size, local_size
+        self._knl, self._state = cl_kernel, state
+        self.last_event = None
+
+    def __call__(self, buffers):
+        if not self.rendered.units:
+            return None
+        st = self._state
+        try:
+            self._knl.set_args(*[getattr(b, "mem", b) for b in buffers])
+            ev = st.cl.enqueue_nd_range_kernel(st.queue, self._knl, self.global_size, self.local_size)
+        except st.cl.Error as e:
+            raise translate(e, f"launch kernel {self.name}", st.info.name) from None
+        self.last_event = st.last_event = ev
+        return ev
+
+    def times(self) -> tuple[int, int]:
+        """(start, end) of the last launch in device nanoseconds (waits for it)."""
+        return event_times(self.last_event)
+
+    def __repr__(self):
+        return f"<opencl kernel {self.name} {self.mode} W={self.width} global={self.global_size} " \
+               f"local={self.local_size}>"
+
+
+def event_times(ev) -> tuple[int, int]:
+    if ev is None:
+        return (0, 0)
+    ev.wait()
+    return ev.profile.start, ev.profile.end
+
+
+class _HostView:
+    """Keeps a mapped device buffer alive for as long as the numpy view of it lives."""
+
+    def __init__(self, arr: np.ndarray, buf):
+        self.__array_interface__ = arr.__array_interface__
+        self._keep = (arr, buf)
+
+
+class OpenCLBackend(Backend):
+    kind = "opencl"
+
+    def __init__(self):
+        self._cl = None
+        self._found: list = []   # (cl device, DeviceInfo), in device-index order
+        self._states: dict = {}  # device index -> _State, created on first use
+        self.programs = ProgramCache()
+
+    # ---- devices ----
+    def discover(self) -> list[DeviceInfo]:
+        cl = self._cl = _import_cl()
+        try:
+            platforms = cl.get_platforms()
+        except cl.Error as e:
+            raise DeviceError(f"no OpenCL platform found ({e}); {INSTALL_HINT}") from None
+        found = []
+        for p in platforms:
+            try:
+                devs = p.get_devices()
+            except cl.Error:  # a platform with no devices of any type
+                continue
+            found.extend((d, device_info(cl, p, d)) for d in devs)
+        if not found:
+            raise DeviceError(f"no OpenCL device found (an ICD loader but no platform with devices); "
+                              f"{INSTALL_HINT}")
+        self._found = found
+        return [info for _, info in found]
+
+    def _state(self, device) -> _State:
+        i = device if isinstance(device, int) else getattr(device, "index", 0)
+        st = self._states.get(i)
+        if st is None:
+            if not self._found:
+                self.discover()
+            cl_device, info = self._found[i]
+            st = self._states[i] = _State(self._cl, cl_device, info)
+        return st
+
+    # ---- kernels ----
+    def compile_kernel(self, kernel: Kernel, device) -> CompiledKernel:
+        st = self._state(device)
+        key = (kernel.name, kernel.signature())
+        ck = st.kernels.get(key)
+        if ck is not None:
+            return ck
+        info = st.info
+        has_f64 = any(np.dtype(b.dtype) == F64 for b in kernel.buffers)
+        width = info.extra["preferred_width"]["double" if has_f64 else "float"]
+        t0 = time.perf_counter()
+        r = render(kernel, width=width, fp64=info.extra["fp64"], int64_atomics=info.extra["int64_atomics"])
+        knl = self.programs.kernel(st.ctx, st.dev, r.source, r.name, pp_kernel(kernel))
+        g, l = launch_dims(r, info)
+        ck = st.kernels[key] = CompiledKernel(kernel, r, knl, st, g, l)
+        if config.debug:
+            print(f"[tilefuse opencl] {ck!r} built in {time.perf_counter() - t0:.3f} s\n{r.source}",
+                  file=sys.stderr)
+        return ck
+
+    def compile(self, graph, device):
+        try:
+            from tilefuse.runtime.compiler import compile_graph
+        except ImportError:
+            raise NotImplementedError("opencl: the graph compiler (runtime/compiler.py) is not "
+                                      "there yet; compile kernels with compile_kernel") from None
+        return compile_graph(graph, device, self)
+
+    # ---- memory ----
+    def alloc(self, nbytes: int, device) -> DeviceBuffer:
+        """nbytes of device memory from the device's caching pool (runtime/memory.py)."""
+        pool = self._state(device).pool
+        return DeviceBuffer(pool.alloc(nbytes), int(nbytes), pool)
+
+    def free(self, buffer: DeviceBuffer, device=None) -> None:
+        """Give a buffer back to the pool now (the caller promises not to use it again)."""
+        buffer.release()
+
+    def view(self, buffer: DeviceBuffer, offset_bytes: int, nbytes: int) -> DeviceBuffer:
+        """nbytes of `buffer` from offset_bytes, as an OpenCL sub-buffer. Sub-buffers must start
+        at a multiple of the device's base-address alignment (DeviceInfo.extra["buffer_align"],
+        128 bytes on PoCL); a view elsewhere gets a block of its own from the pool instead
+        (correct for arena temporaries, which is what views are for; counted in memory_stats)."""
+        st = next(s for s in self._states.values() if s.pool is buffer._pool or
+                  s.ctx == buffer.mem.context)
+        if offset_bytes % st.info.extra["buffer_align"] or nbytes == 0:
+            if nbytes:
+                st.unaligned_views += 1
+            return DeviceBuffer(st.pool.alloc(nbytes), int(nbytes), st.pool)
+        try:
+            sub = buffer.mem.get_sub_region(offset_bytes, nbytes)
+        except self._cl.Error as e:
+            raise translate(e, f"make a view of {nbytes} bytes at offset {offset_bytes}", st.info.name) from None
+        return DeviceBuffer(sub, int(nbytes), parent=buffer)
+
+    def put(self, host: np.ndarray, device):
+        st = self._state(device)
+        host = np.ascontiguousarray(host)
+        buf = self.alloc(host.nbytes, device)
+        if host.nbytes:
+            try:  # blocking: the caller may reuse its array right away
+                self._cl.enqueue_copy(st.queue, buf.mem, host.view(np.uint8).reshape(-1), is_blocking=True)
+            except self._cl.Error as e:
+                raise translate(e, "copy to the device", st.info.name, host.nbytes) from None
+        return buf
+
+    def to_host(self, buf, aval, device) -> np.ndarray:
+        st = self._state(device)
+        dtype, shape = np.dtype(aval.dtype), tuple(aval.shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0:
+            return np.zeros(shape, dtype)
+        cl = self._cl
+        try:
+            if st.host_memory:  # zero-copy: map the host-visible buffer (waits for its writers)
+                raw, _ = cl.enqueue_map_buffer(st.queue, buf.mem, cl.map_flags.READ, 0, (nbytes,), np.uint8,
+                                               is_blocking=True)
+                out = np.asarray(_HostView(raw, buf)).view(dtype).reshape(shape)
+                out.flags.writeable = False  # the memory is the device buffer's: Arrays are immutable
+                return out
+            out = np.empty(nbytes, np.uint8)
+            cl.enqueue_copy(st.queue, out, buf.mem, is_blocking=True)
+        except cl.Error as e:
+            raise translate(e, "read a buffer back", st.info.name, nbytes) from None
+        return out.view(dtype).reshape(shape)
+
+    def synchronize(self, device) -> None:
+        st = self._state(device)
+        try:
+            st.queue.finish()
+        except self._cl.Error as e:
+            raise translate(e, "finish its queue", st.info.name) from None
+
+    def memory_stats(self, device) -> dict:
+        st = self._state(device)
+        return {**st.pool.stats(), "unaligned_views": st.unaligned_views}
+
+    def empty_cache(self, device) -> None:
+        self._state(device).pool.empty_cache()
+
+    def last_event(self, device):
+        """The event of the last kernel launched on a device (for the profiler)."""
+        return self._state(device).last_event
+
+
+def launch_dims(r: Rendered, info: DeviceInfo) -> tuple[tuple, tuple]:
+    """Global and local sizes: one work-group size per device (PoCL compiles a work-group function
+    per local size, so it stays fixed), the global size rounded up to it and capped at a few
+    waves of work-groups per compute unit, the grid-stride loop covering the rest."""
+    if r.mode == "serial" or r.units <= 1:
+        return (1,), (1,)
+    cpu = info.extra.get("device_type") == "cpu"
+    local = max(1, min(info.max_work_group, 1024 if cpu else 256))
+    groups = -(-r.units // local)
+    cap = info.compute_units * (16 if cpu else 1024)
+    return (min(groups, cap) * local,), (local,)
+
+
+def device_info(cl, platform, d) -> DeviceInfo:
+    """The hardware description, read from the device itself."""
+    ext = tuple(sorted(d.extensions.split()))
+    is_cpu = bool(d.type & cl.device_type.CPU)
+    widths = {t: getattr(d, f"preferred_vector_width_{t}", 1) or 1
+              for t in ("char", "short", "int", "long", "float", "double", "half")}
+    lanes = max(1, widths["float"])
+    ghz = (d.max_clock_frequency or 1000) / 1000
+    sub_group = 1
+    if "cl_nv_device_attribute_query" in ext:
+        sub_group = d.get_info(0x4003)  # CL_DEVICE_WARP_SIZE_NV
+    peak = d.max_compute_units * ghz * 2 * (lanes if is_cpu else 64)  # a rough FMA estimate
+    extra = {"platform": platform.name, "vendor": d.vendor.strip(), "version": d.version,
+             "driver_version": d.driver_version, "device_type": "cpu" if is_cpu else "gpu",
+             "fp64": "cl_khr_fp64" in ext,
+             "fp16": "cl_khr_fp16" in ext,
+             "int64_atomics": "cl_khr_int64_base_atomics" in ext,
+             "preferred_width": widths, "buffer_align": max(1, d.mem_base_addr_align // 8),
+             "max_alloc_bytes": d.max_mem_alloc_size,
+             "host_unified_memory": bool(d.host_unified_memory) or is_cpu}
+    return DeviceInfo(kind="opencl", name=f"{d.name.strip()} ({platform.name.strip()})",
+                      compute_units=d.max_compute_units, simd_lanes_f32=lanes,
+                      l2_bytes=d.global_mem_cache_size or 1 << 20, local_mem_bytes=d.local_mem_size,
+                      max_work_group=d.max_work_group_size, sub_group=sub_group,
+                      global_mem_bytes=d.global_mem_size, peak_gflops=float(peak),
+                      peak_gbps=host_info().peak_gbps if is_cpu else 0.0, features=ext,
+                      cpu_name=host_info().cpu_name if is_cpu else "", extra=extra)
+
+
+def create() -> OpenCLBackend:
+    return OpenCLBackend()

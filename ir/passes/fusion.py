@@ -7,9 +7,9 @@ operations of the reduction's output shape (an epilogue such as sum/n). All outp
 share one shape, the kernel's index space. Every other primitive is a region of its own; an
 effectful one (debug_print) is a host step.
 
-Regions grow greedily, producer into consumer, in program order. A merge is refused when it
-would create a cycle between regions (some other region on a path from the producer to the
-consumer): the region graph stays a DAG, checked with networkx."""
+Regions grow greedily, producer into consumer, from the last equation back. A merge is refused
+when it would create a cycle between regions (some other region on a path between the two):
+the region graph stays a DAG, checked with networkx."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -108,9 +108,6 @@ class _Partitioner:
             o.id not in self.graph_out and not self.consumers.get(o.id) for o in e.outputs)}
 
     # ---- questions about groups ----
-    def reduction(self, g: int) -> int | None:
-        return next((i for i in self.members[g] if self.eqns[i].prim.name in REDUCTIONS), None)
-
     def outputs(self, members: set[int]) -> list[Var]:
         outs = []
         for i in members:
@@ -119,37 +116,52 @@ class _Partitioner:
                     outs.append(o)
         return outs
 
-    def creates_cycle(self, p: int, c: int) -> bool:
-        """Whether some other group lies on a path p -> ... -> c."""
-        starts = [s for s in self.dag.successors(p) if s != c]
+    def _reaches(self, src: int, dst: int) -> bool:
+        """Whether a path of two or more edges leads from group src to group dst."""
+        starts = [s for s in self.dag.successors(src) if s != dst]
         seen = set(starts)
-        stack = list(starts)
-        while stack:
-            n = stack.pop()
-            if n == c:
+        while starts:
+            n = starts.pop()
+            if n == dst:
                 return True
             for s in self.dag.successors(n):
                 if s not in seen:
                     seen.add(s)
-                    stack.append(s)
+                    starts.append(s)
         return False
 
-    def can_merge(self, p: int, c: int) -> bool:
-        rp, rc = self.reduction(p), self.reduction(c)
-        if rp is not None and rc is not None:
+    def creates_cycle(self, a: int, b: int) -> bool:
+        """Whether merging groups a and b closes a cycle: some other group lies on a path
+        between them (in either direction)."""
+        return self._reaches(a, b) or self._reaches(b, a)
+
+    def valid(self, members: set[int]) -> bool:
+        """A region lowers to one kernel: one index space (all outputs share a shape) and at
+        most one reduction, followed only by elementwise operations of its output shape."""
+        reductions = [i for i in members if self.eqns[i].prim.name in REDUCTIONS]
+        if len(reductions) > 1:
             return False
-        if rp is not None:
-            # only an elementwise epilogue of the reduction's shape may follow it
-            shape = self.eqns[rp].outputs[0].aval.shape
-            if not all(is_elementwise(self.eqns[i]) and self.eqns[i].outputs[0].aval.shape == shape
-                       for i in self.members[c]):
-                return False
-        members = set(self.members[p]) | set(self.members[c])
         shapes = {o.aval.shape for o in self.outputs(members)}
-        r = rp if rp is not None else rc
-        if len(shapes) > 1 or (r is not None and shapes != {self.eqns[r].outputs[0].aval.shape}):
+        if len(shapes) != 1:
             return False
-        return not self.creates_cycle(p, c)
+        if reductions:
+            out = self.eqns[reductions[0]].outputs[0]
+            if shapes != {out.aval.shape}:
+                return False
+            frontier, seen = [out], set()
+            while frontier:  # everything downstream of the reduction inside the region
+                v = frontier.pop()
+                for c in self.consumers.get(v.id, ()):
+                    if c in members and c not in seen:
+                        seen.add(c)
+                        e = self.eqns[c]
+                        if not is_elementwise(e) or e.outputs[0].aval.shape != out.aval.shape:
+                            return False
+                        frontier.extend(e.outputs)
+        return True
+
+    def can_merge(self, p: int, c: int) -> bool:
+        return self.valid(set(self.members[p]) | set(self.members[c])) and not self.creates_cycle(p, c)
 
     def merge(self, p: int, c: int) -> None:
         for i in self.members[p]:
@@ -164,7 +176,10 @@ class _Partitioner:
         self.dag.remove_node(p)
 
     def run(self) -> None:
-        for i, e in enumerate(self.eqns):
+        # consumers first (as XLA does): a producer joins the region of its last consumer, and a
+        # value read by one consumer only is never written to memory
+        for i in reversed(range(len(self.eqns))):
+            e = self.eqns[i]
             if not is_fusible(e) or i in self.dead:
                 continue
             for a in e.inputs:

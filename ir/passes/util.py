@@ -65,10 +65,18 @@ class Rewriter:
         self.consts[var.id] = value
 
     def value(self, a):
-        """The concrete value of an atom if it is a literal or a small constant, else None."""
+        """The concrete value of an atom if it is a literal, a small constant or a small
+        broadcast of one, else None."""
         if isinstance(a, Literal):
             return a.val
-        return self.consts.get(a.id)
+        v = self.consts.get(a.id)
+        if v is None and a.aval.size <= FOLD_LIMIT:
+            p = self.producer.get(a.id)
+            if p is not None and p.prim.name == "broadcast_in_dim":
+                x = self.value(p.inputs[0])
+                if x is not None:
+                    v = p.prim.impl(x, **p.params)[0]
+        return v
 
     def uniform(self, a):
         """The scalar an atom holds everywhere (a literal, a broadcast of one, or a small constant

@@ -1,0 +1,284 @@
+"""LLVM IR → host machine code: the target machine, the optimisation pipeline (new pass manager,
+O3 with loop and SLP vectorisation), object code through the compile caches (in memory by kernel
+signature, on disk via runtime/compile_cache), loading, and the ctypes launcher that splits
+large index spaces over a thread pool sized to the cores.
+
+Loading uses llvmlite's ORC LLJIT with JITLink rather than MCJIT: JITLink keeps each object's
+code and constants in one allocation and makes GOT/PLT entries for libm calls, so the small code
+model is safe. Under MCJIT only the large model is, and it reloads every constant through a
+64-bit absolute address inside hot loops (tanh on AVX2: ~25% slower, measured)."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+import queue
+import threading
+
+import llvmlite
+import llvmlite.binding as llvm
+import numpy as np
+
+from tilefuse.ir.errors import CompileError, DeviceError
+from tilefuse.ir.kernel.ir import Buffer, Kernel
+from tilefuse.runtime import compile_cache
+from tilefuse.runtime.hardware import DeviceInfo
+
+from .render import render
+
+BACKEND_VERSION = "llvm-1"
+OPT_LEVEL = 3
+# Below this much work (parallel points × reduce points) a kernel runs on the calling thread:
+# handing chunks to the pool costs ~20-40 µs here, which a 2-core split only repays above
+# ~64k simple points (measured with benchmarks/bench_elementwise.py --threshold on znver3).
+PARALLEL_MIN_WORK = 1 << 16
+CHUNK_ALIGN = 64  # chunk boundaries on multiples of 64 points: whole cache lines per thread
+
+
+def _source_digest() -> str:
+    """A hash of this backend's code generator, so a changed renderer never reuses old objects."""
+    h = hashlib.sha256(BACKEND_VERSION.encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in ("render.py", "vecmath.py", "compile.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+class Target:
+    """The host target machine and the one LLJIT every kernel is linked into."""
+
+    def __init__(self, info: DeviceInfo):
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        self.cpu = llvm.get_host_cpu_name()
+        self.features = llvm.get_host_cpu_features().flatten()
+        target = llvm.Target.from_default_triple()
+        self.tm = target.create_target_machine(cpu=self.cpu, features=self.features, opt=OPT_LEVEL,
+                                               reloc="pic", codemodel="small")
+        self.triple = target.triple
+        self.data_layout = str(self.tm.target_data)
+        self.vector_bits = 32 * info.simd_lanes_f32
+        self.jit = llvm.create_lljit_compiler(self.tm, use_jit_link=True)
+        self.lock = threading.RLock()
+        self.loaded: dict[str, tuple] = {}  # symbol → (address, library that keeps it alive)
+        self.cache = compile_cache.CompileCache("llvm", compile_cache.default_dir())
+        self.fingerprint = (BACKEND_VERSION, _source_digest(), llvmlite.__version__,
+                            llvm.llvm_version_info, self.triple, self.cpu, self.features,
+                            self.vector_bits, OPT_LEVEL)
+
+    def optimize(self, mod: llvm.ModuleRef) -> None:
+        pto = llvm.create_pipeline_tuning_options(speed_level=OPT_LEVEL)
+        pto.loop_vectorization = True
+        pto.slp_vectorization = True
+        pb = llvm.create_pass_builder(self.tm, pto)
+        pb.getModulePassManager().run(mod, pb)
+
+    def compile_ir(self, text: str, fn_name: str, kernel_text: str) -> bytes:
+        """LLVM IR text → optimised object code; any LLVM failure is a CompileError."""
+        try:
+            mod = llvm.parse_assembly(text)
+            mod.triple, mod.data_layout = self.triple, self.data_layout
+            mod.verify()
+            self.optimize(mod)
+            return self.tm.emit_object(mod)
+        except RuntimeError as e:
+            raise CompileError(f"LLVM could not compile kernel {fn_name}: {e}", backend="llvm",
+                               kernel=kernel_text, source=text) from None
+
+    def load(self, obj: bytes, fn_name: str, ir_text=None, kernel_text="") -> int:
+        """Link object code into the JIT (once per symbol) and return the function's address."""
+        with self.lock:
+            hit = self.loaded.get(fn_name)
+            if hit is None:
+                try:
+                    lib = (llvm.JITLibraryBuilder().add_object_img(obj).add_current_process()
+                           .export_symbol(fn_name).link(self.jit, fn_name))
+                    addr = lib[fn_name]
+                except (RuntimeError, KeyError) as e:
+                    raise CompileError(f"linking kernel {fn_name} failed: {e}", backend="llvm",
+                                       kernel=kernel_text, source=ir_text or "") from None
+                if not addr:
+                    raise CompileError(f"the object code of kernel {fn_name} has no symbol {fn_name}",
+                                       backend="llvm", kernel=kernel_text, source=ir_text or "")
+                hit = self.loaded[fn_name] = (addr, lib)
+            return hit[0]
+
+
+_targets: dict = {}
+
+
+def get_target(info: DeviceInfo) -> Target:
+    t = _targets.get(info.fingerprint)
+    if t is None:
+        t = _targets[info.fingerprint] = Target(info)
+    return t
+
+
+def canonical(kernel: Kernel) -> Kernel:
+    """The kernel with its name and buffer names erased: equal code gets one cache entry."""
+    bufs = tuple(dataclasses.replace(b, name=f"b{i}") for i, b in enumerate(kernel.buffers))
+    return dataclasses.replace(kernel, name="k", buffers=bufs)
+
+
+# ---- launching ----------------------------------------------------------------------------------
+
+KernelFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+
+class ThreadPool:
+    """Persistent worker threads; the caller works too. ctypes drops the GIL during each call,
+    so the chunks really run in parallel."""
+
+    def __init__(self, n_threads: int):
+        self.n = max(1, n_threads)
+        self._queues: list = []
+        self._lock = threading.Lock()
+
+    def _start(self):
+        with self._lock:
+            while len(self._queues) < self.n - 1:
+                q = queue.SimpleQueue()
+                threading.Thread(target=self._worker, args=(q,), daemon=True,
+                                 name=f"tilefuse-cpu-{len(self._queues)}").start()
+                self._queues.append(q)
+
+    @staticmethod
+    def _worker(q):
+        while True:
+            job, done = q.get()
+            try:
+                job()
+                done.put(None)
+            except BaseException as e:  # handed back to the caller, which raises it
+                done.put(e)
+
+    def run(self, fn, ptrs, bounds):
+        """fn(ptrs, s, e) for every (s, e) in bounds, spread over the threads."""
+        if len(self._queues) < self.n - 1:
+            self._start()
+        chunks = iter(bounds)  # list_iterator.__next__ is atomic under the GIL
+
+        def job():
+            for s, e in chunks:
+                fn(ptrs, s, e)
+        helpers = min(self.n - 1, len(bounds) - 1)
+        done = queue.SimpleQueue()
+        for q in self._queues[:helpers]:
+            q.put((job, done))
+        job()
+        errors = [done.get() for _ in range(helpers)]
+        for e in errors:
+            if e is not None:
+                raise e
+
+
+_pools: dict = {}
+
+
+def get_pool(n: int) -> ThreadPool:
+    p = _pools.get(n)
+    if p is None:
+        p = _pools[n] = ThreadPool(n)
+    return p
+
+
+class CompiledKernel:
+    """A kernel's machine code: `ck(buffers)` runs it to completion on numpy buffers given in the
+    order of kernel.buffers (any dtype, C-contiguous; the kernel reads them as flat arrays)."""
+
+    def __init__(self, kernel: Kernel, fn_name: str, address: int, target: Target, threads: int):
+        self.kernel, self.name, self.address = kernel, fn_name, address
+        self._fn = KernelFn(address)
+        self._target = target
+        self._size = kernel.size
+        self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in kernel.buffers]
+        work = self._size * max(1, int(np.prod(kernel.reduce_shape, dtype=np.int64)))
+        self.threads = 1 if kernel.serial or work < PARALLEL_MIN_WORK else threads
+        self._bounds = _chunks(self._size, self.threads, work) if self.threads > 1 else None
+        self._pool = get_pool(threads) if self.threads > 1 else None
+
+    @property
+    def llvm_ir(self) -> str:
+        """The unoptimised LLVM IR (rendered again on demand)."""
+        return render(self.kernel, self.name, self._target.vector_bits)
+
+    def __call__(self, buffers) -> None:
+        if len(buffers) != len(self._nbytes):
+            raise DeviceError(f"kernel {self.kernel.name} takes {len(self._nbytes)} buffers, "
+                              f"got {len(buffers)}")
+        addrs = []
+        for i, (b, need) in enumerate(zip(buffers, self._nbytes)):
+            if b.nbytes < need or not b.flags.c_contiguous:
+                raise DeviceError(f"kernel {self.kernel.name}: buffer {i} "
+                                  f"({self.kernel.buffers[i].name}) needs {need} contiguous bytes, "
+                                  f"got {b.nbytes}{'' if b.flags.c_contiguous else ' non-contiguous'}")
+            addrs.append(b.ctypes.data)
+        self.call_addresses(addrs)
+
+    def call_addresses(self, addrs) -> None:
+        """Run on raw buffer addresses (no checks): the lean path for callers that know them."""
+        if self._size == 0:
+            return
+        ptrs = (ctypes.c_void_p * len(addrs))(*addrs)
+        if self._pool is None:
+            self._fn(ptrs, 0, self._size)
+        else:
+            self._pool.run(self._fn, ptrs, self._bounds)
+
+    def __repr__(self):
+        return f"<CompiledKernel {self.kernel.name} ({self.name}) on {self.threads} thread(s)>"
+
+
+def _chunks(size: int, threads: int, work: int) -> list:
+    """About 4 chunks per thread (balance on a busy machine), aligned to CHUNK_ALIGN points."""
+    n = max(1, min(threads * 4, work // (PARALLEL_MIN_WORK // 4) or 1))
+    step = -(-size // n)
+    if step > CHUNK_ALIGN:
+        step = -(-step // CHUNK_ALIGN) * CHUNK_ALIGN
+    return [(s, min(s + step, size)) for s in range(0, size, step)]
+
+
+# ---- the entry point ------------------------------------------------------------------------------
+
+_memory: dict = {}  # canonical key → (fn_name, address)
+_counts = {"memory_hits": 0}
+
+
+def compile_kernel(kernel: Kernel, info: DeviceInfo) -> CompiledKernel:
+    """Compile (or fetch from the caches) one kernel for the host CPU."""
+    target = get_target(info)
+    text = str(canonical(kernel))
+    key = compile_cache.make_key(text, target.fingerprint)
+    fn_name = "tf_" + key[:24]
+    hit = _memory.get(key)
+    if hit is None:
+        with target.lock:
+            hit = _memory.get(key)
+            if hit is None:
+                ir_text = None
+
+                def build() -> bytes:
+                    nonlocal ir_text
+                    try:
+                        ir_text = render(kernel, fn_name, target.vector_bits)
+                    except (KeyError, AssertionError, ValueError, TypeError) as e:
+                        raise CompileError(f"the llvm backend cannot render kernel {kernel.name}: "
+                                           f"{type(e).__name__}: {e}", backend="llvm",
+                                           kernel=str(kernel)) from e
+                    return target.compile_ir(ir_text, fn_name, str(kernel))
+                obj = target.cache.get_or_build(key, build) if kernel.size else b""
+                address = target.load(obj, fn_name, ir_text, str(kernel)) if kernel.size else 0
+                hit = _memory[key] = (fn_name, address)
+    else:
+        _counts["memory_hits"] += 1
+    return CompiledKernel(kernel, hit[0], hit[1], target, info.compute_units)
+
+
+def memory_cache_stats() -> dict:
+    """Kernels compiled or loaded in this process, and lookups answered from memory."""
+    return {"kernels": len(_memory), **_counts}
+
+
+__all__ = ["compile_kernel", "CompiledKernel", "Target", "get_target", "canonical", "Buffer"]

@@ -1,0 +1,731 @@
+"""Kernel IR → LLVM IR: one function `void f(i8** buffers, i64 start, i64 end)` per Kernel that
+runs the points [start, end) of the flattened parallel space.
+
+The loop nest is built for LLVM's loop vectoriser: index maps are recognised as affine forms,
+adjacent axes that every form walks contiguously are merged, and the innermost remaining axis
+becomes a plain counted loop whose loads/stores are consecutive (or invariant) in its counter.
+Reductions run in one fused loop nest per point (all `reduce` nodes accumulate together); when
+the reduced axes are strided but the innermost parallel axis is contiguous (a column sum), the
+loops are interchanged over a tile of that axis so the vectoriser still sees unit-stride loops.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import llvmlite.ir as ir
+import ml_dtypes
+import numpy as np
+
+from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr
+
+from . import vecmath
+from .vecmath import F32, F64, I32, I64, Emit
+
+I1, I8, I16 = ir.IntType(1), ir.IntType(8), ir.IntType(16)
+HALF = ir.HalfType()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+BOOL = np.dtype(np.bool_)
+UINT32 = np.dtype(np.uint32)
+# register type and memory type of each dtype (bfloat16 is kept as its 16 bits)
+TYPES = {np.dtype(np.bool_): (I1, I8), np.dtype(np.int32): (I32, I32), UINT32: (I32, I32),
+         np.dtype(np.int64): (I64, I64), F16: (HALF, HALF), BF16: (I16, I16),
+         np.dtype(np.float32): (F32, F32), np.dtype(np.float64): (F64, F64)}
+CONTRACT = ("contract",)  # lets LLVM fuse a*b+c into an FMA: ≤ 0.5 ulp from numpy per pair
+REASSOC = ("reassoc", "contract")  # reductions only: partial sums per SIMD lane (like pairwise)
+REDUCE_TILE = 256  # parallel points per tile when loops are interchanged for a strided reduction
+
+
+def is_float(d) -> bool:
+    return np.dtype(d) in (F16, BF16, np.dtype(np.float32), np.dtype(np.float64))
+
+
+def is_16(d) -> bool:
+    return np.dtype(d) in (F16, BF16)
+
+
+def is_unsigned(d) -> bool:
+    return np.dtype(d) in (UINT32, BOOL)
+
+
+# ---- analysis: affine index forms and axis merging ------------------------------------------
+
+def affine_forms(roots) -> dict:
+    """KExpr → {("idx"|"ridx", axis) | "c": coefficient} for every int64 node that is affine in
+    the indices (const, idx, ridx, add, sub, mul by a constant, neg)."""
+    forms: dict = {}
+    for root in roots:
+        for n in root.toposort():
+            if n in forms:
+                continue
+            f = None
+            if n.dtype == INDEX:
+                if n.op == "const":
+                    f = {"c": int(n.arg)}
+                elif n.op in ("idx", "ridx"):
+                    f = {(n.op, n.arg): 1}
+                elif n.op in ("add", "sub", "mul") or n.op == "neg":
+                    fs = [forms.get(s) for s in n.src]
+                    if all(x is not None for x in fs):
+                        f = _combine(n.op, fs)
+            forms[n] = f
+    return forms
+
+
+def _combine(op, fs):
+    if op == "neg":
+        return {k: -v for k, v in fs[0].items()}
+    a, b = fs
+    if op in ("add", "sub"):
+        s = -1 if op == "sub" else 1
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + s * v
+        return out
+    if set(a) <= {"c"}:
+        a, b = b, a
+    if not set(b) <= {"c"}:
+        return None  # a product of two indices is not affine
+    k = b.get("c", 0)
+    return {key: v * k for key, v in a.items()}
+
+
+@dataclass
+class Groups:
+    """Axes of one space merged into loop variables: groups[g] = (size, axes); an axis of size 1
+    belongs to no group (its index is 0)."""
+    groups: list
+    axis_group: dict  # axis -> group number
+
+    @property
+    def sizes(self):
+        return [s for s, _ in self.groups]
+
+
+def merge_axes(shape, kind: str, forms) -> Groups:
+    """Merge adjacent axes k, k+1 of `shape` when every form has c[k] == c[k+1]·shape[k+1]: then
+    Σ c·idx over the merged axes is c[last]·(merged counter) for every form."""
+    def coef(f, k):
+        return f.get((kind, k), 0)
+    groups = []  # built innermost first: [first_axis, ..., last_axis]
+    for k in reversed(range(len(shape))):
+        if shape[k] == 1:
+            continue
+        if groups:
+            first = groups[-1][0]
+            if shape[k] > 0 and shape[first] > 0 and all(
+                    coef(f, k) == coef(f, first) * shape[first] for f in forms):
+                groups[-1].insert(0, k)
+                continue
+        groups.append([k])
+    groups.reverse()
+    out = [(int(np.prod([shape[a] for a in axes], dtype=np.int64)), axes) for axes in groups]
+    return Groups(out, {a: g for g, (_, axes) in enumerate(out) for a in axes})
+
+
+# ---- the renderer -----------------------------------------------------------------------------
+
+class Renderer:
+    """Renders one Kernel into an llvmlite module holding one function."""
+
+    def __init__(self, kernel: Kernel, fn_name: str, vector_bits: int = 256,
+                 reduce_tile: int = REDUCE_TILE):
+        self.k, self.fn_name, self.vector_bits, self.tile = kernel, fn_name, vector_bits, reduce_tile
+        roots = [e for st in kernel.stores for e in (st.offset, st.value)]
+        self.nodes = {n for r in roots for n in r.toposort()}
+        self.reduces = [n for r in roots for n in r.toposort() if n.op == "reduce"]
+        self.reduces = list(dict.fromkeys(self.reduces))
+        self.forms = affine_forms(roots)
+        used = self._used_forms(roots)
+        self.par = merge_axes(kernel.shape, "idx", used)
+        self.red = merge_axes(kernel.reduce_shape, "ridx", used)
+        self.dep_ridx = self._depends_on_ridx(roots)
+        self.interchange = self._want_interchange(used)
+
+    def _used_forms(self, roots):
+        """Forms that are rendered as such: an index-bearing affine node whose parent is not
+        affine (or that is a root)."""
+        def bears(f):
+            return f is not None and any(k != "c" for k in f)
+        maximal = set()
+        for r in roots:
+            if bears(self.forms[r]):
+                maximal.add(r)
+        for n in self.nodes:
+            if self.forms[n] is None:
+                maximal.update(s for s in n.src if bears(self.forms[s]))
+        self.maximal = maximal
+        return [self.forms[n] for n in maximal]
+
+    def _depends_on_ridx(self, roots):
+        dep = {}
+        for r in roots:
+            for n in r.toposort():
+                if n not in dep:
+                    dep[n] = n.op == "ridx" or (n.op != "reduce" and any(dep[s] for s in n.src))
+        return dep
+
+    def _want_interchange(self, used) -> bool:
+        """Interchange the reduce loops with the innermost parallel axis when the loads inside
+        reductions are unit-stride along that axis but not along the innermost reduce axis."""
+        if not self.reduces or not self.par.groups or not self.red.groups:
+            return False
+        if self.par.sizes[-1] < 8:
+            return False
+        p_last = self.par.groups[-1][1][-1]
+        r_last = self.red.groups[-1][1][-1]
+        strides = [(f.get(("idx", p_last), 0), f.get(("ridx", r_last), 0))
+                   for n in self.nodes if n.op == "load" and self.dep_ridx[n]
+                   for f in [self.forms.get(n.src[0])] if f is not None]
+        if not strides:
+            return False
+        return all(p == 1 for p, _ in strides) and not any(r == 1 for _, r in strides)
+
+    # -- entry ---------------------------------------------------------------------------------
+    def render(self) -> ir.Module:
+        mod = ir.Module(name=self.fn_name)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.PointerType(), I64, I64])
+        fn = ir.Function(mod, fnty, name=self.fn_name)
+        fn.attributes.add("nounwind")
+        fn.attributes.add("norecurse")
+        fn.args[0].add_attribute("noalias")
+        self.fn = fn
+        entry = fn.append_basic_block("entry")
+        self.b = ir.IRBuilder(entry)
+        self.em = Emit(self.b)
+        self.allocas_at = entry
+        b = self.b
+        bufs, start, end = fn.args
+        self.ptrs = [b.load(b.gep(bufs, [ir.Constant(I64, i)], inbounds=True, source_etype=ir.PointerType()),
+                            typ=ir.PointerType(), name=f"buf{i}")
+                     for i in range(len(self.k.buffers))]
+        self.cache: dict = {}
+        self.env: dict = {}
+        self.red_vals: dict = {}
+        body = self.b.append_basic_block("body")
+        b.branch(body)
+        b.position_at_end(body)
+        self._parallel(start, end)
+        b.ret_void()
+        return mod
+
+    # -- loops ---------------------------------------------------------------------------------
+    def _loop(self, lo, hi, name, body):
+        """for (i = lo; i < hi; ++i) body(i): a plain counted loop the vectoriser recognises."""
+        b = self.b
+        pre = b.block
+        head = b.append_basic_block(name + ".head")
+        loop = b.append_basic_block(name + ".body")
+        done = b.append_basic_block(name + ".done")
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64, name=name)
+        i.add_incoming(lo, pre)
+        b.cbranch(b.icmp_signed("<", i, hi), loop, done)
+        b.position_at_end(loop)
+        body(i)
+        nxt = b.add(i, ir.Constant(I64, 1), flags=("nsw", "nuw"))
+        i.add_incoming(nxt, b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
+    def _parallel(self, start, end):
+        b, groups = self.b, self.par.groups
+        c = lambda v: ir.Constant(I64, v)  # noqa: E731
+        if not groups:  # one point (all axes of size 1)
+            with b.if_then(b.icmp_signed("<", start, end)):
+                self._point_scope()
+            return
+        n = groups[-1][0]
+        row_lo = b.sdiv(start, c(n))
+        row_hi = b.sdiv(b.add(end, c(n - 1)), c(n))
+
+        def row(r):
+            base = b.mul(r, c(n))
+            lo = self._smax(b.sub(start, base), c(0))
+            hi = self._smin(b.sub(end, base), c(n))
+            rest = r
+            for g in reversed(range(len(groups) - 1)):  # the outer counters from the row number
+                size = groups[g][0]
+                self.env[("idx", g)] = b.srem(rest, c(size)) if g else rest
+                rest = b.sdiv(rest, c(size)) if g else rest
+            if self.interchange:
+                self._tiled(lo, hi)
+            else:
+                self._loop(lo, hi, "i", self._point_at)
+        self._loop(row_lo, row_hi, "row", row)
+
+    def _smax(self, a, bb):
+        return self.b.select(self.b.icmp_signed(">", a, bb), a, bb)
+
+    def _smin(self, a, bb):
+        return self.b.select(self.b.icmp_signed("<", a, bb), a, bb)
+
+    def _point_at(self, i):
+        self.env[("idx", len(self.par.groups) - 1)] = i
+        self._point_scope()
+
+    def _point_scope(self):
+        """One parallel point: the fused reduce loop (if any), then the stores."""
+        saved = dict(self.cache)
+        if self.reduces:
+            self._reduce_point()
+        for st in self.k.stores:
+            self._store(st)
+        self.cache = saved
+
+    # -- reductions ----------------------------------------------------------------------------
+    def _alloca(self, ty, count=None):
+        b = self.b
+        with b.goto_block(self.allocas_at):
+            b.position_at_start(self.allocas_at)
+            return b.alloca(ty, size=None if count is None else ir.Constant(I64, count))
+
+    def _reduce_point(self):
+        """Accumulators in stack slots (SROA makes them registers), one loop nest for all."""
+        b = self.b
+        self._hoist_invariants()
+        accs = [self._acc_init(n) for n in self.reduces]
+        saved = dict(self.cache)
+
+        def inner():
+            for n, acc in zip(self.reduces, accs):
+                self._acc_step(n, acc, None)
+            self.cache = dict(saved)
+        self._reduce_nest(inner)
+        for n, acc in zip(self.reduces, accs):
+            self.cache[n] = b.load(acc[1] if acc[1] is not None else acc[0])
+
+    def _reduce_nest(self, inner):
+        groups = self.red.groups
+        if any(s == 0 for s in self.k.reduce_shape):
+            return  # an empty reduction: the accumulators keep their identities
+
+        def level(g):
+            if g == len(groups):
+                inner()
+                return
+
+            def body(i):
+                self.env[("ridx", g)] = i
+                level(g + 1)
+            self._loop(ir.Constant(I64, 0), ir.Constant(I64, groups[g][0]), f"r{g}", body)
+        level(0)
+
+    def _hoist_invariants(self):
+        """Evaluate the parts of reduce bodies that do not depend on ridx before the loop."""
+        for n in self.reduces:
+            stack = list(n.src)
+            while stack:
+                s = stack.pop()
+                if s in self.cache:
+                    continue
+                if not self.dep_ridx[s]:
+                    if s.op != "const":
+                        self.value(s)
+                else:
+                    stack.extend(s.src)
+
+    def _identity(self, op, dtype):
+        rt = TYPES[np.dtype(dtype)][0]
+        d = np.dtype(dtype)
+        if op in ("sum",):
+            v = 0
+        elif op == "prod":
+            v = 1
+        elif op in ("max", "argmax"):
+            v = -math.inf if is_float(d) else (0 if is_unsigned(d) else np.iinfo(d).min)
+        else:
+            v = math.inf if is_float(d) else (1 if d == BOOL else np.iinfo(d).max)
+        if d == BF16:
+            v = _bf16_bits(v)
+        return ir.Constant(rt, v if is_float(d) or d == BF16 else int(v))
+
+    def _acc_init(self, n, slots=None):
+        b = self.b
+        op, x = n.arg, n.src[0]
+        vt = TYPES[x.dtype][0]
+        val = self._alloca(vt, slots)
+        idx = self._alloca(I64, slots) if op in ("argmax", "argmin") else None
+        init_v = self._identity(op, x.dtype)
+        init_i = self._first_index(n) if idx is not None else None
+        if slots is None:
+            b.store(init_v, val)
+            if idx is not None:
+                b.store(init_i, idx)
+        return val, idx, init_v, init_i
+
+    def _first_index(self, n):
+        """The argmax index expression at ridx = 0 (the answer when nothing beats the identity)."""
+        saved_env, saved_cache = dict(self.env), self.cache
+        self.cache = {k: v for k, v in self.cache.items() if not self.dep_ridx.get(k, False)}
+        for g in range(len(self.red.groups)):
+            self.env[("ridx", g)] = ir.Constant(I64, 0)
+        v = self.value(n.src[1])
+        self.env, self.cache = saved_env, saved_cache
+        return v
+
+    def _acc_step(self, n, acc, slot):
+        b = self.b
+        op, x = n.arg, n.src[0]
+        val_p, idx_p = acc[0], acc[1]
+        if slot is not None:
+            val_p = b.gep(val_p, [slot], inbounds=True, source_etype=val_p.allocated_type)
+            idx_p = idx_p and b.gep(idx_p, [slot], inbounds=True, source_etype=I64)
+        a = b.load(val_p)
+        v = self.value(x)
+        if op in ("argmax", "argmin"):
+            better = self._better(op, x.dtype, v, a)
+            b.store(b.select(better, v, a), val_p)
+            b.store(b.select(better, self.value(n.src[1]), b.load(idx_p)), idx_p)
+        else:
+            b.store(self._combine_acc(op, x.dtype, a, v), val_p)
+
+    def _combine_acc(self, op, dtype, a, v):
+        b, d = self.b, np.dtype(dtype)
+        if d == BOOL:
+            return b.or_(a, v) if op in ("sum", "max") else b.and_(a, v)
+        if is_16(d):
+            w = self._combine_acc(op, np.float32, self._convert(a, d, np.float32),
+                                  self._convert(v, d, np.float32))
+            return self._convert(w, np.float32, d)
+        if is_float(d):
+            if op == "sum":
+                return b.fadd(a, v, flags=REASSOC)
+            if op == "prod":
+                return b.fmul(a, v, flags=REASSOC)
+            return self.em.intrinsic("maximum" if op == "max" else "minimum", a.type, [a, v])
+        if op == "sum":
+            return b.add(a, v)
+        if op == "prod":
+            return b.mul(a, v)
+        name = ("u" if is_unsigned(d) else "s") + op
+        return self.em.intrinsic(name, a.type, [a, v])
+
+    def _better(self, op, dtype, v, a):
+        """argmax: v > a, or v is the first NaN (numpy: NaN is the extreme; ties keep the first)."""
+        b, d = self.b, np.dtype(dtype)
+        if is_16(d):
+            v, a = self._convert(v, d, np.float32), self._convert(a, d, np.float32)
+            d = np.dtype(np.float32)
+        cmp = ">" if op == "argmax" else "<"
+        if is_float(d):
+            nan_first = b.and_(self.em.isnan(v), b.fcmp_ordered("ord", a, a))
+            return b.or_(b.fcmp_ordered(cmp, v, a), nan_first)
+        return (b.icmp_unsigned if is_unsigned(d) else b.icmp_signed)(cmp, v, a)
+
+    def _tiled(self, lo, hi):
+        """Interchanged loops over a tile of the innermost parallel axis: init the tile's
+        accumulators, run the reduce nest with the tile loop innermost, then store."""
+        b, tile = self.b, self.tile
+        c = lambda v: ir.Constant(I64, v)  # noqa: E731
+        gi = len(self.par.groups) - 1
+        accs = [self._acc_init(n, tile) for n in self.reduces]
+        n_tiles = b.sdiv(b.add(b.sub(hi, lo), c(tile - 1)), c(tile))
+
+        def per_tile(t):
+            t0 = b.add(lo, b.mul(t, c(tile)))
+            tn = self._smin(b.sub(hi, t0), c(tile))
+
+            def init(j):
+                self.env[("idx", gi)] = b.add(t0, j)
+                for n, acc in zip(self.reduces, accs):
+                    val, idx, init_v, _ = acc
+                    b.store(init_v, b.gep(val, [j], inbounds=True, source_etype=val.allocated_type))
+                    if idx is not None:
+                        saved = self.cache
+                        self.cache = {}
+                        b.store(self._first_index(n), b.gep(idx, [j], inbounds=True, source_etype=I64))
+                        self.cache = saved
+            self._loop(c(0), tn, "ti", init)
+            saved_cache = self.cache
+
+            def step(j):
+                self.env[("idx", gi)] = b.add(t0, j)
+                self.cache = {}
+                for n, acc in zip(self.reduces, accs):
+                    self._acc_step(n, acc, j)
+                self.cache = saved_cache
+            self._reduce_nest(lambda: self._loop(c(0), tn, "tj", step))
+
+            def finish(j):
+                self.env[("idx", gi)] = b.add(t0, j)
+                self.cache = {}
+                for n, acc in zip(self.reduces, accs):
+                    val = acc[1] if acc[1] is not None else acc[0]
+                    ety = I64 if acc[1] is not None else val.allocated_type
+                    self.cache[n] = b.load(b.gep(val, [j], inbounds=True, source_etype=ety))
+                for st in self.k.stores:
+                    self._store(st)
+                self.cache = saved_cache
+            self._loop(c(0), tn, "tk", finish)
+        self._loop(c(0), n_tiles, "tile", per_tile)
+
+    # -- stores --------------------------------------------------------------------------------
+    def _store(self, st):
+        b = self.b
+        d = np.dtype(self.k.buffers[st.buffer].dtype)
+        mt = TYPES[d][1]
+        ptr = b.gep(self.ptrs[st.buffer], [self._index(self.value(st.offset), st.offset.dtype)],
+                    inbounds=True, source_etype=mt)
+        v = self._convert(self.value(st.value), st.value.dtype, d)
+        if st.mode == "add":
+            old = self._from_mem(b.load(ptr, typ=mt), d)
+            v = self._binary("add", d, old, v)
+        b.store(self._to_mem(v, d), ptr)
+
+    def _index(self, v, dtype):
+        d = np.dtype(dtype)
+        if d == INDEX:
+            return v
+        return (self.b.zext if is_unsigned(d) else self.b.sext)(v, I64)
+
+    def _to_mem(self, v, d):
+        return self.b.zext(v, I8) if d == BOOL else v
+
+    def _from_mem(self, v, d):
+        return self.b.icmp_unsigned("!=", v, ir.Constant(I8, 0)) if d == BOOL else v
+
+    # -- expressions ---------------------------------------------------------------------------
+    def value(self, n: KExpr):
+        v = self.cache.get(n)
+        if v is None:
+            v = self._emit(n)
+            self.cache[n] = v
+        return v
+
+    def _emit(self, n: KExpr):
+        b = self.b
+        f = self.forms.get(n)
+        if f is not None and any(k != "c" for k in f):
+            return self._affine(f)
+        op = n.op
+        if op == "const":
+            return _constant(n.arg, n.dtype)
+        if op in ("idx", "ridx"):
+            return self._affine({(op, n.arg): 1})
+        if op == "load":
+            d = np.dtype(n.dtype)
+            mt = TYPES[d][1]
+            ptr = b.gep(self.ptrs[n.arg], [self._index(self.value(n.src[0]), n.src[0].dtype)],
+                        inbounds=True, source_etype=mt)
+            return self._from_mem(b.load(ptr, typ=mt), d)
+        if op == "reduce":
+            raise AssertionError(f"reduce node used outside its reduction: {n}")
+        if op == "cast":
+            return self._convert(self.value(n.src[0]), n.src[0].dtype, n.dtype)
+        if op == "select":
+            return b.select(*(self.value(s) for s in n.src))
+        xs = [self.value(s) for s in n.src]
+        d = np.dtype(n.src[0].dtype)
+        if is_16(d):  # 16-bit floats compute in float32
+            xs = [self._convert(x, d, np.float32) for x in xs]
+            r = self._op(op, np.dtype(np.float32), xs)
+            return r if n.dtype == BOOL else self._convert(r, np.float32, d)
+        return self._op(op, d, xs)
+
+    def _affine(self, f):
+        """c + Σ coefficient·counter over the loop groups (merged axes share a counter)."""
+        b = self.b
+        acc = ir.Constant(I64, f.get("c", 0))
+        terms = {}
+        for key, coef in f.items():
+            if key == "c" or coef == 0:
+                continue
+            kind, axis = key
+            groups = self.par if kind == "idx" else self.red
+            g = groups.axis_group.get(axis)
+            if g is None:
+                continue  # a size-1 axis: its index is 0
+            last = groups.groups[g][1][-1]
+            coefs = terms.setdefault((kind, g), f.get((kind, last), 0))
+            assert coefs == f.get((kind, last), 0)
+        for (kind, g), coef in terms.items():
+            v = self.env[(kind, g)]
+            acc = b.add(acc, v if coef == 1 else b.mul(v, ir.Constant(I64, coef)))
+        return acc
+
+    def _op(self, op, d, xs):
+        if op in UNARY_OPS:
+            return UNARY_OPS[op](self, d, xs[0])
+        return self._binary(op, d, *xs)
+
+    def _binary(self, op, d, x, y):
+        d = np.dtype(d)
+        if is_16(d):
+            r = self._binary(op, np.float32, self._convert(x, d, np.float32),
+                             self._convert(y, d, np.float32))
+            return r if op in CMP else self._convert(r, np.float32, d)
+        if op in CMP:
+            if is_float(d):
+                return self.b.fcmp_unordered("!=", x, y) if op == "ne" else \
+                    self.b.fcmp_ordered(CMP[op], x, y)
+            return (self.b.icmp_unsigned if is_unsigned(d) else self.b.icmp_signed)(CMP[op], x, y)
+        kind = "f" if is_float(d) else "b" if d == BOOL else "u" if d == UINT32 else "i"
+        return BINARY_OPS[op](self, kind, x, y)
+
+    # -- conversions ---------------------------------------------------------------------------
+    def _convert(self, v, src, dst):
+        b = self.b
+        src, dst = np.dtype(src), np.dtype(dst)
+        if src == dst:
+            return v
+        f32 = np.dtype(np.float32)
+        if is_16(src):  # widen to float32 first
+            v = b.bitcast(b.shl(b.zext(v, I32), ir.Constant(I32, 16)), F32) if src == BF16 \
+                else b.fpext(v, F32)
+            return self._convert(v, f32, dst)
+        if is_16(dst):  # narrow from float32 (float64 and ints go through float32)
+            if src != f32:
+                v, src = self._convert(v, src, f32), f32
+            if dst == F16:
+                return b.fptrunc(v, HALF)
+            return _f32_to_bf16(self.em, v)
+        rt = TYPES[dst][0]
+        if dst == BOOL:
+            zero = ir.Constant(v.type, 0)
+            return b.fcmp_unordered("!=", v, zero) if is_float(src) else b.icmp_unsigned("!=", v, zero)
+        if is_float(dst):
+            if is_float(src):
+                return b.fpext(v, rt) if rt == F64 else b.fptrunc(v, rt)
+            return (b.uitofp if is_unsigned(src) else b.sitofp)(v, rt)
+        if is_float(src):  # float → int truncates (C); uint32 wraps like numpy via int64
+            if dst == UINT32:
+                return b.trunc(b.fptosi(v, I64), I32)
+            return b.fptosi(v, rt)
+        if v.type.width == rt.width:
+            return v
+        if v.type.width > rt.width:
+            return b.trunc(v, rt)
+        return (b.zext if is_unsigned(src) else b.sext)(v, rt)
+
+
+CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+def _constant(value, dtype):
+    d = np.dtype(dtype)
+    rt = TYPES[d][0]
+    if d == BOOL:
+        return ir.Constant(I1, int(bool(value)))
+    if d == BF16:
+        return ir.Constant(I16, _bf16_bits(value))
+    if is_float(d):
+        return ir.Constant(rt, float(value))
+    return ir.Constant(rt, int(value) & ((1 << rt.width) - 1))
+
+
+def _bf16_bits(value) -> int:
+    return int(np.array(value, BF16).view(np.uint16))
+
+
+def _f32_to_bf16(em: Emit, v):
+    """Round to nearest even; NaN stays a (quiet) NaN."""
+    b = em.b
+    bits = b.bitcast(v, I32)
+    lsb = b.and_(b.lshr(bits, em.c(I32, 16)), em.c(I32, 1))
+    rounded = b.lshr(b.add(bits, b.add(lsb, em.c(I32, 0x7FFF))), em.c(I32, 16))
+    nan = b.or_(b.lshr(bits, em.c(I32, 16)), em.c(I32, 0x40))
+    return b.trunc(b.select(em.isnan(v), nan, rounded), I16)
+
+
+# ---- operation tables --------------------------------------------------------------------------
+
+def _int_div(r: Renderer, kind, x, y, rem=False):
+    """C division (truncating) guarded like the numpy reference: x/0 = 0, x%0 = x, and
+    INT_MIN/-1 wraps (LLVM would trap)."""
+    b, c = r.b, (lambda v: ir.Constant(x.type, v))
+    zero = b.icmp_signed("==", y, c(0))
+    if kind == "u":
+        safe = b.select(zero, c(1), y)
+        q = b.urem(x, safe) if rem else b.udiv(x, safe)
+        return b.select(zero, x if rem else c(0), q)
+    m1 = b.icmp_signed("==", y, c(-1))
+    safe = b.select(b.or_(zero, m1), c(1), y)
+    q = b.srem(x, safe) if rem else b.sdiv(x, safe)
+    q = b.select(m1, c(0) if rem else b.sub(c(0), x), q)
+    return b.select(zero, x if rem else c(0), q)
+
+
+def _shift(r: Renderer, kind, x, y, left):
+    """Shifts by ≥ the width (or negative amounts) give 0, as numpy's."""
+    b = r.b
+    width = ir.Constant(x.type, x.type.width)
+    big = b.icmp_unsigned(">=", y, width)
+    s = b.shl(x, y) if left else b.lshr(x, y)
+    return b.select(big, ir.Constant(x.type, 0), s)
+
+
+def _minmax(r: Renderer, kind, x, y, which):
+    if kind == "f":  # NaN propagates, as np.maximum/np.minimum
+        return r.em.intrinsic("maximum" if which == "max" else "minimum", x.type, [x, y])
+    if kind == "b":
+        return r.b.or_(x, y) if which == "max" else r.b.and_(x, y)
+    return r.em.intrinsic(("u" if kind == "u" else "s") + which, x.type, [x, y])
+
+
+BINARY_OPS = {
+    "add": lambda r, k, x, y: r.b.fadd(x, y, flags=CONTRACT) if k == "f" else r.b.or_(x, y) if k == "b"
+    else r.b.add(x, y),
+    "sub": lambda r, k, x, y: r.b.fsub(x, y, flags=CONTRACT) if k == "f" else r.b.sub(x, y),
+    "mul": lambda r, k, x, y: r.b.fmul(x, y, flags=CONTRACT) if k == "f" else r.b.and_(x, y) if k == "b"
+    else r.b.mul(x, y),
+    "div": lambda r, k, x, y: r.b.fdiv(x, y) if k == "f" else _int_div(r, k, x, y),
+    "rem": lambda r, k, x, y: r.b.frem(x, y) if k == "f" else _int_div(r, k, x, y, rem=True),
+    "pow": lambda r, k, x, y: vecmath.binary_pow(r.em, x, y),
+    "max": lambda r, k, x, y: _minmax(r, k, x, y, "max"),
+    "min": lambda r, k, x, y: _minmax(r, k, x, y, "min"),
+    "and": lambda r, k, x, y: r.b.and_(x, y),
+    "or": lambda r, k, x, y: r.b.or_(x, y),
+    "xor": lambda r, k, x, y: r.b.xor(x, y),
+    "shift_left": lambda r, k, x, y: _shift(r, k, x, y, True),
+    "shift_right_logical": lambda r, k, x, y: _shift(r, k, x, y, False),
+}
+
+
+def _sign(r: Renderer, d, x):
+    b = r.b
+    c = (lambda v: ir.Constant(x.type, v))
+    if is_float(d):  # ±0 and NaN give themselves
+        return b.select(b.fcmp_ordered(">", x, c(0.0)), c(1.0),
+                        b.select(b.fcmp_ordered("<", x, c(0.0)), c(-1.0), x))
+    pos = b.zext(b.icmp_unsigned(">", x, c(0)) if is_unsigned(d) else b.icmp_signed(">", x, c(0)), x.type)
+    if is_unsigned(d):
+        return pos
+    return b.sub(pos, b.zext(b.icmp_signed("<", x, c(0)), x.type))
+
+
+def _abs(r: Renderer, d, x):
+    if is_float(d):
+        return r.em.fabs(x)
+    if is_unsigned(d):
+        return x
+    neg = r.b.icmp_signed("<", x, ir.Constant(x.type, 0))
+    return r.b.select(neg, r.b.sub(ir.Constant(x.type, 0), x), x)
+
+
+UNARY_OPS = {
+    "neg": lambda r, d, x: r.b.fneg(x) if is_float(d) else r.b.sub(ir.Constant(x.type, 0), x),
+    "sqrt": lambda r, d, x: r.em.intrinsic("sqrt", x.type, [x]),
+    "rsqrt": lambda r, d, x: r.b.fdiv(ir.Constant(x.type, 1.0), r.em.intrinsic("sqrt", x.type, [x])),
+    "abs": _abs,
+    "sign": _sign,
+    "floor": lambda r, d, x: r.em.intrinsic("floor", x.type, [x]),
+    "ceil": lambda r, d, x: r.em.intrinsic("ceil", x.type, [x]),
+    "round": lambda r, d, x: r.em.intrinsic("roundeven", x.type, [x]),  # half to even, as numpy
+    "not": lambda r, d, x: r.b.not_(x),
+    "is_finite": lambda r, d, x: r.b.fcmp_ordered("<", r.em.fabs(x), ir.Constant(x.type, math.inf)),
+    **{op: (lambda op: lambda r, d, x: vecmath.unary(r.em, op, x))(op) for op in vecmath.LIBM},
+    "logistic": lambda r, d, x: vecmath.unary(r.em, "logistic", x),
+}
+
+
+def render(kernel: Kernel, fn_name: str, vector_bits: int = 256) -> str:
+    """The LLVM IR text of one kernel (function `fn_name`), tuned for `vector_bits` SIMD."""
+    text = str(Renderer(kernel, fn_name, vector_bits).render())
+    # llvmlite has no string attributes: add the vector width to the definition line
+    head = f'define void @"{fn_name}"'
+    i = text.index(head)
+    j = text.index("{", i)
+    return text[:j] + f'"prefer-vector-width"="{vector_bits}" ' + text[j:]

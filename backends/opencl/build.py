@@ -1,0 +1,82 @@
+"""Building OpenCL programs (cached) and turning pyopencl failures into tilefuse errors."""
+from __future__ import annotations
+
+import os
+import warnings
+
+from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError, TilefuseError
+
+# build options: plain IEEE semantics (no fast-math: NaN and inf must survive max/min/isnan)
+OPTIONS: tuple = ()
+
+
+def cache_dir() -> str:
+    """pyopencl's binary cache lives beside ours. PoCL and NVIDIA cache builds themselves (keyed
+    by source and device), so pyopencl skips its own cache there; other ICDs use this folder."""
+    root = os.environ.get("TILEFUSE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tilefuse")
+    return os.path.join(root, "opencl")
+
+
+_ALLOC_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_HOST_MEMORY", "INVALID_BUFFER_SIZE")
+
+
+def _code_name(e) -> str:
+    import pyopencl as cl
+    code = getattr(e, "code", None)
+    for name in dir(cl.status_code):
+        if not name.startswith("_") and getattr(cl.status_code, name) == code:
+            return name
+    return str(code)
+
+
+def translate(e: Exception, action: str, device, nbytes: int | None = None) -> TilefuseError:
+    """The tilefuse error for a pyopencl failure while doing `action` on `device`."""
+    code = _code_name(e)
+    if code in _ALLOC_CODES or (code == "OUT_OF_RESOURCES" and nbytes is not None):
+        size = f" of {nbytes} bytes" if nbytes is not None else ""
+        return OutOfMemoryError(f"{device}: could not {action}{size} ({code}); free arrays you no "
+                                "longer need or use smaller shapes")
+    if code == "OUT_OF_RESOURCES":
+        return DeviceError(f"{device}: the device ran out of resources to {action} (OUT_OF_RESOURCES); "
+                           "the kernel may need too many registers or too large a work-group")
+    return DeviceError(f"{device}: failed to {action}: {code}: {e}")
+
+
+class ProgramCache:
+    """Built kernels in memory, keyed by (source, device); building goes through pyopencl, whose
+    binary cache (or the ICD's own) makes a second process skip the compiler."""
+
+    def __init__(self):
+        self._mem: dict = {}
+        self.builds = 0  # source builds this process asked for (hits in memory do not count)
+
+    def kernel(self, ctx, cl_device, source: str, name: str, kernel_text: str = ""):
+        import pyopencl as cl
+        key = (source, cl_device.int_ptr)
+        knl = self._mem.get(key)
+        if knl is not None:
+            return knl
+        self.builds += 1
+        try:
+            with warnings.catch_warnings():  # a non-empty build log is not an error
+                warnings.simplefilter("ignore", cl.CompilerWarning)
+                prg = cl.Program(ctx, source).build(options=list(OPTIONS), devices=[cl_device],
+                                                    cache_dir=cache_dir())
+            knl = cl.Kernel(prg, name)
+        except cl.Error as e:
+            if _code_name(e) in _ALLOC_CODES + ("OUT_OF_RESOURCES",):
+                raise translate(e, f"build kernel {name}", cl_device.name) from None
+            raise CompileError(f"opencl: building kernel {name} for {cl_device.name.strip()} failed; "
+                               f"build log:\n{build_log(e)}", backend="opencl", kernel=kernel_text,
+                               source=source) from None
+        self._mem[key] = knl
+        return knl
+
+
+def build_log(e: Exception) -> str:
+    """The compiler's log from a failed build (pyopencl puts it in the message)."""
+    msg = str(e)
+    start = msg.find("Build on")
+    text = msg[start:] if start >= 0 else msg
+    return "\n".join(ln for ln in text.splitlines() if "(source saved as" not in ln).strip()

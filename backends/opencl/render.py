@@ -1,0 +1,673 @@
+"""Kernel IR → OpenCL C.
+
+One work unit per point of the parallel space, walked by a grid-stride loop (so a launch may
+cap its global size). Where it pays, one axis is *vectorised* to the device's preferred width W:
+
+- mode "par": W consecutive points of the last parallel axis per work unit (floatW values,
+  vloadW/vstoreW where the index map is contiguous, per-lane gathers where it is not), with a
+  scalar loop for the ragged end of the axis;
+- mode "red": W consecutive steps of the last reduction axis at once (W partial accumulators,
+  combined at the end), for reductions over the contiguous axis (row sums, softmax, argmax);
+- mode "scalar": everything scalar (small kernels, "add" stores).
+
+PoCL, like most OpenCL compilers, leaves calls such as exp/tanh scalar in per-work-item code,
+so the explicit vector types are what make elementwise chains fast (measured: about 10x).
+
+Semantics follow ir/primitives.py (numpy): integer div/rem truncate (x/0 = 0, x%0 = x),
+float→int truncates, max/min propagate NaN, argmax/argmin take the first index and count NaN
+as the extreme, round is half-to-even (rint), shifts past the width give 0. float16 lives in
+buffers as half (vload_half/vstore_half), bfloat16 as ushort bits; both compute in float.
+bool is uchar 0/1, int64 long, float64 double (only with cl_khr_fp64).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from tilefuse.ir import dtypes
+from tilefuse.ir.errors import CompileError
+from tilefuse.ir.kernel.ir import KExpr, Kernel, cast as kcast, pp_kernel
+
+F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
+BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
+
+# the C type a value of each dtype is computed in, and the element type of its buffer
+VALUE_T = {BOOL: "uchar", I32: "int", U32: "uint", I64: "long", F16: "float", BF16: "float",
+           F32: "float", F64: "double"}
+STORE_T = {**VALUE_T, F16: "half", BF16: "ushort"}
+MASK_T = {1: "char", 2: "short", 4: "int", 8: "long"}  # select() masks by element size
+LANE = "0123456789abcdef"
+
+FLOAT_FN = {"exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh",
+            "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "erf": "erf",
+            "floor": "floor", "ceil": "ceil", "round": "rint"}
+ARITH = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^"}
+COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """OpenCL C for one kernel, with what the launcher needs."""
+    name: str        # the __kernel function's name
+    source: str
+    units: int       # work units the grid-stride loop covers (0: nothing to launch)
+    mode: str        # "par" | "red" | "scalar" | "serial"
+    width: int       # vector width of the vectorised axis (1 in scalar modes)
+
+
+def cname(name: str) -> str:
+    return "tf_" + re.sub(r"\W", "_", name)
+
+
+def _is_float(d) -> bool:
+    return np.dtype(d) in (F16, BF16, F32, F64)
+
+
+def literal(value, dtype) -> str:
+    """A C literal of `value` in the value type of `dtype`."""
+    d = np.dtype(dtype)
+    if d == BOOL:
+        return "((uchar)1)" if value else "((uchar)0)"
+    if _is_float(d):
+        v = float(value)
+        t = "double" if d == F64 else "float"
+        if np.isnan(v):
+            return f"(({t})NAN)"
+        if np.isinf(v):
+            return f"(({t})INFINITY)" if v > 0 else f"(-({t})INFINITY)"
+        return f"({v.hex()}{'' if d == F64 else 'f'})"
+    v = int(value)
+    if d == U32:
+        return f"((uint){v & 0xFFFFFFFF}u)"
+    bits = 64 if d == I64 else 32
+    t, suffix = ("long", "L") if bits == 64 else ("int", "")
+    if v == -(1 << (bits - 1)):
+        return f"(({t})(-{(1 << (bits - 1)) - 1}{suffix}-1{suffix}))"
+    return f"(({t}){v}{suffix})"
+
+
+def _lowest(d) -> str:
+    d = np.dtype(d)
+    if _is_float(d):
+        return literal(-np.inf, d)
+    return literal(0 if d in (BOOL, U32) else np.iinfo(d).min, d)
+
+
+def _highest(d) -> str:
+    d = np.dtype(d)
+    if _is_float(d):
+        return literal(np.inf, d)
+    return literal(1 if d == BOOL else np.iinfo(d).max, d)
+
+
+class _Body:
+    """Emits the statements of one kernel body: the expression DAG in SSA order, with one axis
+    leaf (`vary`) carrying W lanes. A node is rendered as a vector when it depends on that leaf
+    (and `scalar` is off), else as a scalar; `memo` maps (node, is_scalar) to its variable."""
+
+    def __init__(self, k: Kernel, out: list, vary: tuple | None, width: int, base: str, indent: str):
+        self.k, self.out, self.vary, self.W, self.base, self.ind = k, out, vary, width, base, indent
+        self.memo: dict = {}
+        self.scalar = vary is None or width == 1
+        self._varying: dict = {}
+        self._n = 0
+
+    # ---- helpers ----
+    def line(self, s: str) -> None:
+        self.out.append(self.ind + s)
+
+    def tmp(self) -> str:
+        self._n += 1
+        return f"t{len(self.out)}_{self._n}"
+
+    def varying(self, n: KExpr) -> bool:
+        if self.vary is None:
+            return False
+        r = self._varying.get(n)
+        if r is None:
+            if n.op in ("idx", "ridx"):
+                r = (n.op, n.arg) == self.vary
+            elif n.op == "reduce" and self.vary[0] == "ridx":
+                r = False  # a reduction over the vector axis yields one value per point
+            else:
+                r = any(self.varying(s) for s in n.src)
+            self._varying[n] = r
+        return r
+
+    def ty(self, d, w: int) -> str:
+        t = VALUE_T[np.dtype(d)]
+        return t if w == 1 else f"{t}{w}"
+
+    def bc(self, name: str, n: KExpr, w: int, scalar: bool) -> str:
+        """`name` (the value of n) as width w: broadcast a scalar to a vector if needed."""
+        if w == 1 or (not scalar and self.varying(n)):
+            return name
+        return f"(({self.ty(n.dtype, w)})({name}))"
+
+    def mask(self, cond: str, d, w: int) -> str:
+        """A select() mask for values of dtype d from a bool (uchar 0/1) value."""
+        return f"(-convert_{MASK_T[_size(d)]}{w}({cond}))"
+
+    def to_bool(self, m: str, w: int) -> str:
+        """A comparison result (scalar 1/0, vector -1/0) as a bool value."""
+        return f"((uchar)({m}))" if w == 1 else f"convert_uchar{w}(({m}) & 1)"
+
+    # ---- nodes ----
+    def val(self, n: KExpr, scalar: bool = False) -> str:
+        s = scalar or self.scalar or not self.varying(n)
+        key = (n, s)
+        got = self.memo.get(key)
+        if got is not None:
+            return got
+        w = 1 if s else self.W
+        expr = self.render(n, s, w)
+        if n.op in ("const",) or (n.op in ("idx", "ridx") and w == 1):
+            self.memo[key] = expr
+            return expr
+        name = f"v{len(self.out)}_{len(self.memo)}"
+        self.line(f"{self.ty(n.dtype, w)} {name} = {expr};")
+        self.memo[key] = name
+        return name
+
+    def render(self, n: KExpr, s: bool, w: int) -> str:
+        op, d = n.op, np.dtype(n.dtype)
+        if op == "const":
+            return literal(n.arg, d)
+        if op == "idx" or op == "ridx":
+            v = f"i{n.arg}" if op == "idx" else f"r{n.arg}"
+            if (op, n.arg) == self.vary:
+                v = self.base
+                if w > 1:
+                    return f"({v} + (long{w})({', '.join(map(str, range(w)))}))"
+            return v
+        if op == "reduce":
+            raise AssertionError("reduce rendered before its accumulator was set up")
+        if op == "load":
+            return self.load(n, s, w)
+        args = [self.bc(self.val(x, s), x, w, s) for x in n.src]
+        if op == "select":
+            c, a, b = args
+            return f"({c} ? {a} : {b})" if w == 1 else f"select({b}, {a}, {self.mask(c, d, w)})"
+        if op == "cast":
+            return self.cast(args[0], n.src[0].dtype, d, w)
+        if len(args) == 1:
+            return self.unary(op, args[0], d, w)
+        return self.binary(op, args[0], args[1], n.src[0].dtype, w)
+
+    def unary(self, op: str, x: str, d, w: int) -> str:
+        if op in FLOAT_FN:
+            return f"{FLOAT_FN[op]}({x})"
+        one = literal(1, d)
+        if op == "neg":
+            return f"(-{x})"
+        if op == "logistic":
+            return f"({one} / ({one} + exp(-{x})))"
+        if op == "abs":
+            return f"fabs({x})" if _is_float(d) else f"as_{self.ty(d, w)}(abs({x}))"
+        if op == "sign":
+            zero = literal(0, d)
+            if w == 1:
+                return f"({x} > {zero} ? {one} : ({x} < {zero} ? -{one} : {x}))"
+            vt = self.ty(d, w)
+            return f"select(select({x}, ({vt})(-{one}), {x} < {zero}), ({vt})({one}), {x} > {zero})"
+        if op == "not":
+            return f"({x} ^ {one})" if d == BOOL else f"(~{x})"
+        if op == "is_finite":
+            return self.to_bool(f"isfinite({x})", w)
+        raise CompileError(f"opencl: no rendering for the unary op {op!r}", backend="opencl")
+
+    def binary(self, op: str, a: str, b: str, d, w: int) -> str:
+        d = np.dtype(d)
+        if d == BOOL and op in ("add", "mul"):  # numpy: bool + is or, bool * is and
+            op = "or" if op == "add" else "and"
+        if op in ARITH:
+            return f"({a} {ARITH[op]} {b})"
+        if op in COMPARE:
+            return self.to_bool(f"{a} {COMPARE[op]} {b}", w)
+        if op in ("max", "min"):
+            if not _is_float(d):
+                return f"{op}({a}, {b})"
+            cmp = ">" if op == "max" else "<"
+            if w == 1:  # np.maximum: a NaN on either side wins (fmax would drop it)
+                return f"(({a} {cmp} {b} || isnan({a})) ? {a} : {b})"
+            return f"select({b}, {a}, ({a} {cmp} {b}) | isnan({a}))"
+        if op == "pow":
+            return f"pow({a}, {b})"
+        if op in ("div", "rem"):
+            if _is_float(d):
+                return f"({a} / {b})" if op == "div" else f"fmod({a}, {b})"
+            return self.int_divrem(op, a, b, d, w)
+        if op in ("shift_left", "shift_right_logical"):
+            vt = self.ty(d, w)
+            ut = ("ulong" if d.itemsize == 8 else "uint") + ("" if w == 1 else str(w))
+            sh = f"({a} << {b})" if op == "shift_left" else f"as_{vt}(as_{ut}({a}) >> as_{ut}({b}))"
+            zero, bits = literal(0, d), literal(d.itemsize * 8, d)
+            bad = f"({b} >= {bits})" if d == U32 else f"(({b} < {zero}) | ({b} >= {bits}))"
+            if w == 1:  # numpy: shifting by the width or more (or by < 0) gives 0
+                return f"({bad} ? {zero} : {sh})"
+            return f"select({sh}, ({vt})({zero}), {bad})"
+        raise CompileError(f"opencl: no rendering for the binary op {op!r}", backend="opencl")
+
+    def int_divrem(self, op: str, a: str, b: str, d, w: int) -> str:
+        """C division with numpy's oracle at the edges: x/0 = 0, x%0 = x, MIN/-1 wraps."""
+        zero, one = literal(0, d), literal(1, d)
+        signed = d != U32
+        ut = {I32: "uint", I64: "ulong", U32: "uint"}[d]
+        if w == 1:
+            if op == "div":
+                neg = f"({self.ty(d, 1)})(({ut})0 - ({ut}){a})"
+                mid = f"({b} == -{one}) ? {neg} : " if signed else ""
+                return f"(({b} == {zero}) ? {zero} : {mid}({a} / {b}))"
+            mid = f"({b} == -{one}) ? {zero} : " if signed else ""
+            return f"(({b} == {zero}) ? {a} : {mid}({a} % {b}))"
+        vt = self.ty(d, w)
+        z, m1, ys, q = self.tmp(), self.tmp(), self.tmp(), self.tmp()
+        mt = f"{MASK_T[d.itemsize]}{w}"
+        self.line(f"{mt} {z} = ({b} == {zero});")
+        self.line(f"{mt} {m1} = {'(' + b + ' == -' + one + ')' if signed else '(' + mt + ')(0)'};")
+        self.line(f"{vt} {ys} = select({b}, ({vt})({one}), {z} | {m1});")
+        if op == "div":
+            self.line(f"{vt} {q} = select({a} / {ys}, as_{vt}(({ut}{w})(0) - as_{ut}{w}({a})), {m1});")
+            return f"select({q}, ({vt})({zero}), {z})"
+        self.line(f"{vt} {q} = select({a} % {ys}, ({vt})({zero}), {m1});")
+        return f"select({q}, {a}, {z})"
+
+    def cast(self, x: str, src, dst, w: int) -> str:
+        src, dst = np.dtype(src), np.dtype(dst)
+        vs, vd = VALUE_T[src], VALUE_T[dst]
+        if dst == BOOL:
+            return self.to_bool(f"{x} != {literal(0, src)}", w)
+        conv = x if vs == vd else (f"(({vd}){x})" if w == 1 else f"convert_{vd}{w}({x})")
+        if dst == F16:
+            return self.round_half(conv if vs != "double" else x, w)
+        if dst == BF16:
+            return self.round_bf16(conv, w)
+        return conv
+
+    def round_half(self, x: str, w: int) -> str:
+        t = self.tmp()
+        if w == 1:
+            self.line(f"ushort {t}; vstore_half_rte({x}, 0, (__private half*)&{t});")
+            return f"vload_half(0, (__private half*)&{t})"
+        self.line(f"ushort {t}[{w}]; vstore_half{w}_rte({x}, 0, (__private half*){t});")
+        return f"vload_half{w}(0, (__private half*){t})"
+
+    def bf16_bits(self, x: str, w: int) -> str:
+        """Round-to-nearest-even float → bfloat16, as the 32-bit pattern with the low half zero."""
+        u, t = self.tmp(), ("uint" if w == 1 else f"uint{w}")
+        self.line(f"{t} {u} = as_{t}({x});")
+        rne = f"(({u} + 0x7FFFu + (({u} >> 16) & 1u)) & 0xFFFF0000u)"
+        nan = f"(({u} | 0x400000u) & 0xFFFF0000u)"
+        return f"(isnan({x}) ? {nan} : {rne})" if w == 1 else f"select({rne}, {nan}, isnan({x}))"
+
+    def round_bf16(self, x: str, w: int) -> str:
+        return f"as_float{'' if w == 1 else w}({self.bf16_bits(x, w)})"
+
+    # ---- memory ----
+    def lin(self, n: KExpr):
+        """The constant coefficient of the vector leaf in an integer index expression, or None."""
+        if not self.varying(n):
+            return 0
+        if n.op in ("idx", "ridx"):
+            return 1
+        if n.op == "cast" and not _is_float(n.dtype) and not _is_float(n.src[0].dtype):
+            return self.lin(n.src[0])
+        if n.op in ("add", "sub"):
+            a, b = self.lin(n.src[0]), self.lin(n.src[1])
+            return None if a is None or b is None else a + b if n.op == "add" else a - b
+        if n.op == "mul":
+            x, y = n.src
+            if y.op == "const" and (c := self.lin(x)) is not None:
+                return c * int(y.arg)
+            if x.op == "const" and (c := self.lin(y)) is not None:
+                return c * int(x.arg)
+        return None
+
+    def scalar_load(self, buf: int, off: str) -> str:
+        d = np.dtype(self.k.buffers[buf].dtype)
+        if d == F16:
+            return f"vload_half({off}, b{buf})"
+        if d == BF16:
+            return f"as_float((uint)b{buf}[{off}] << 16)"
+        return f"b{buf}[{off}]"
+
+    def load(self, n: KExpr, s: bool, w: int) -> str:
+        buf, off = n.arg, n.src[0]
+        d = np.dtype(self.k.buffers[buf].dtype)
+        if w == 1:
+            return self.scalar_load(buf, self.val(off, True))
+        if self.lin(off) == 1:
+            o0 = self.val(off, True)
+            if d == F16:
+                return f"vload_half{w}(0, b{buf} + {o0})"
+            if d == BF16:
+                return f"as_float{w}(convert_uint{w}(vload{w}(0, b{buf} + {o0})) << 16)"
+            return f"vload{w}(0, b{buf} + {o0})"
+        o = self.bc(self.val(off, s), off, w, s)
+        lanes = ", ".join(self.scalar_load(buf, f"{o}.s{LANE[j]}") for j in range(w))
+        return f"(({self.ty(n.dtype, w)})({lanes}))"
+
+    def store(self, st, atomic: bool) -> None:
+        buf = self.k.buffers[st.buffer]
+        d = np.dtype(buf.dtype)
+        value = st.value if np.dtype(st.value.dtype) == d else kcast(st.value, d)
+        s = self.scalar or not (self.varying(value) or self.varying(st.offset))
+        w = 1 if s else self.W
+        v = self.bc(self.val(value, s), value, w, s)
+        if st.mode == "add":
+            assert w == 1, "add stores render scalar"
+            self.add_store(st.buffer, self.val(st.offset, True), v, d, atomic)
+        elif w == 1:
+            self.scalar_store(st.buffer, self.val(st.offset, True), v, d)
+        elif self.lin(st.offset) == 1:
+            o0 = self.val(st.offset, True)
+            if d == F16:
+                self.line(f"vstore_half{w}_rte({v}, 0, b{st.buffer} + {o0});")
+            elif d == BF16:
+                self.line(f"vstore{w}(convert_ushort{w}({self.bf16_bits(v, w)} >> 16), 0, "
+                          f"b{st.buffer} + {o0});")
+            else:
+                self.line(f"vstore{w}({v}, 0, b{st.buffer} + {o0});")
+        else:
+            o = self.bc(self.val(st.offset, s), st.offset, w, s)
+            for j in range(w):
+                self.scalar_store(st.buffer, f"{o}.s{LANE[j]}", f"{v}.s{LANE[j]}", d)
+
+    def scalar_store(self, buf: int, off: str, v: str, d) -> None:
+        if d == F16:
+            self.line(f"vstore_half_rte({v}, {off}, b{buf});")
+        elif d == BF16:
+            self.line(f"b{buf}[{off}] = (ushort)({self.bf16_bits(v, 1)} >> 16);")
+        else:
+            self.line(f"b{buf}[{off}] = {v};")
+
+    def add_store(self, buf: int, off: str, v: str, d, atomic: bool) -> None:
+        p = f"b{buf} + {off}"
+        if not atomic:  # serial kernel: a plain read-modify-write
+            if d == BOOL:
+                self.line(f"b{buf}[{off}] |= {v};")
+                return
+            self.scalar_store(buf, off, f"({self.scalar_load(buf, off)} + {v})", d)
+            return
+        if d in (I32, U32):
+            self.line(f"atomic_add((volatile __global {VALUE_T[d]}*)({p}), {v});")
+        elif d == I64:
+            self.line(f"atom_add((volatile __global long*)({p}), {v});")
+        else:  # float: compare-and-swap on the bits
+            ut, cas = ("uint", "atomic_cmpxchg") if d == F32 else ("ulong", "atom_cmpxchg")
+            ft = VALUE_T[d]
+            q, old, prev = self.tmp(), self.tmp(), self.tmp()
+            self.line(f"{{ volatile __global {ut}* {q} = (volatile __global {ut}*)({p}); "
+                      f"{ut} {old} = *{q}, {prev};")
+            self.line(f"  do {{ {prev} = {old}; {old} = {cas}({q}, {prev}, "
+                      f"as_{ut}(as_{ft}({prev}) + {v})); }} while ({old} != {prev}); }}")
+
+
+ATOMIC_DTYPES = (I32, U32, F32)
+ATOMIC64_DTYPES = (I64, F64)
+
+
+def _nodes(k: Kernel):
+    seen = []
+    for st in k.stores:
+        for root in (st.offset, st.value):
+            seen.extend(root.toposort())
+    return list(dict.fromkeys(seen))
+
+
+def _reduces(k: Kernel) -> list:
+    return [n for n in _nodes(k) if n.op == "reduce"]
+
+
+def _depends_on_ridx(n: KExpr, memo: dict) -> bool:
+    r = memo.get(n)
+    if r is None:
+        r = n.op == "ridx" or (n.op != "reduce" and any(_depends_on_ridx(s, memo) for s in n.src))
+        memo[n] = r
+    return r
+
+
+def _contiguous_loads(k: Kernel, vary: tuple) -> int:
+    """How many loads read consecutive elements along the axis `vary`."""
+    b = _Body(k, [], vary, 2, "x", "")
+    return sum(1 for n in _nodes(k) if n.op == "load" and b.lin(n.src[0]) == 1)
+
+
+def choose_mode(k: Kernel, width: int, *, int64_atomics: bool) -> str:
+    adds = [s for s in k.stores if s.mode == "add"]
+    if adds:
+        atomic_ok = all(np.dtype(k.buffers[s.buffer].dtype) in ATOMIC_DTYPES or
+                        (int64_atomics and np.dtype(k.buffers[s.buffer].dtype) in ATOMIC64_DTYPES)
+                        for s in adds)
+        set_bufs = {s.buffer for s in k.stores if s.mode == "set"}
+        if atomic_ok and not set_bufs & {s.buffer for s in adds}:
+            return "scalar"
+        return "serial"
+    if width <= 1 or not k.shape and not k.reduce_shape:
+        return "scalar"
+    par_ok = bool(k.shape) and k.shape[-1] >= width
+    red_ok = bool(k.reduce_shape) and k.reduce_shape[-1] >= width
+    if k.has_reduce:
+        par = _contiguous_loads(k, ("idx", len(k.shape) - 1)) if par_ok else -1
+        red = _contiguous_loads(k, ("ridx", len(k.reduce_shape) - 1)) if red_ok else -1
+        if red > par and red > 0:
+            return "red"
+        return "par" if par_ok and par >= 0 and (par > 0 or k.size >= width * 4) else "scalar"
+    return "par" if par_ok else "scalar"
+
+
+def _decompose(out: list, ind: str, var: str, axes: list) -> None:
+    """Split the flat unit number `var` into per-axis indices; axes = [(name, extent)] outer first."""
+    live = [(nm, n) for nm, n in axes if n != 1]
+    for nm, n in axes:
+        if n == 1:
+            out.append(f"{ind}const long {nm} = 0;")
+    if not live:
+        return
+    out.append(f"{ind}long q_ = {var};")
+    for nm, n in reversed(live[1:]):
+        out.append(f"{ind}const long {nm} = q_ % {n}L; q_ /= {n}L;")
+    out.append(f"{ind}const long {live[0][0]} = q_;")
+
+
+def _emit_body(k: Kernel, out: list, ind: str, vary, width: int, base: str, atomic: bool) -> None:
+    """Reductions (if any) then the stores, for the point(s) whose indices are in scope."""
+    b = _Body(k, out, vary, width, base, ind)
+    reds = _reduces(k)
+    if reds:
+        _emit_reductions(b, reds)
+    for st in k.stores:
+        b.store(st, atomic)
+
+
+def _identity(op: str, d) -> str:
+    return {"sum": literal(0, d), "prod": literal(1, d), "max": _lowest(d), "min": _highest(d),
+            "argmax": _lowest(d), "argmin": _highest(d)}[op]
+
+
+def _emit_reductions(b: _Body, reds: list) -> None:
+    k = b.k
+    dep: dict = {}
+    vec_red = b.vary is not None and b.vary[0] == "ridx" and not b.scalar
+    # hoist what the reduced expressions need that does not change inside the loops
+    for r in reds:
+        for n in r.toposort():
+            if n is not r and not _depends_on_ridx(n, dep):
+                b.val(n)
+    accs = {}
+    for r in reds:
+        src = r.src[0]
+        d = np.dtype(src.dtype)
+        w = b.W if (not b.scalar and b.varying(src)) else 1
+        names = _init_acc(b, r, d, w, "a")
+        tail = _init_acc(b, r, d, 1, "s") if vec_red else None
+        accs[r] = (names, w, tail)
+    nr = len(k.reduce_shape)
+    last = nr - 1
+    for ax in range(nr - 1 if vec_red else nr):
+        b.line(f"for (long r{ax} = 0; r{ax} < {k.reduce_shape[ax]}L; ++r{ax}) {{")
+        b.ind += "  "
+    if vec_red:
+        W, R = b.W, k.reduce_shape[last]
+        b.line(f"long r{last} = 0;")
+        b.line(f"for (; r{last} + {W} <= {R}L; r{last} += {W}) {{")
+        _loop_body(b, reds, accs, 0)
+        b.line("}")
+        b.line(f"for (; r{last} < {R}L; ++r{last}) {{")
+        _loop_body(b, reds, accs, 2)
+        b.line("}")
+    else:
+        _loop_body(b, reds, accs, 0, indent=False)
+    for ax in range(nr - 1 if vec_red else nr):
+        b.ind = b.ind[:-2]
+        b.line("}")
+    for r in reds:
+        (names, w, tail) = accs[r]
+        if vec_red:
+            names = _horizontal(b, r, names, w, tail)
+            w = 1
+        res = names[1] if r.arg in ("argmax", "argmin") else names[0]
+        s = w == 1
+        b.memo[(r, s)] = res
+        if s:
+            b.memo[(r, True)] = res
+
+
+def _init_acc(b: _Body, r: KExpr, d, w: int, tag: str) -> tuple:
+    vt = b.ty(d, w)
+    acc = f"{tag}{len(b.out)}"
+    b.line(f"{vt} {acc} = {_identity(r.arg, d)};")
+    if r.arg in ("argmax", "argmin"):
+        b.line(f"{b.ty(np.int64, w)} {acc}i = -1;")
+        return acc, acc + "i"
+    return (acc,)
+
+
+def _loop_body(b: _Body, reds, accs, which: int, indent: bool = True) -> None:
+    """One step of every reduction. which: 0 the (maybe vector) accumulators, 2 the scalar tail."""
+    saved = dict(b.memo)
+    if indent:
+        b.ind += "  "
+    for r in reds:
+        names, w, tail = accs[r]
+        if which == 2:
+            names, w = tail, 1
+        s = w == 1
+        v = b.bc(b.val(r.src[0], s), r.src[0], w, s)
+        ix = b.bc(b.val(r.src[1], s), r.src[1], w, s) if len(r.src) > 1 else None
+        _update(b, r.arg, np.dtype(r.src[0].dtype), names, v, ix, w)
+    if indent:
+        b.ind = b.ind[:-2]
+    b.memo = saved
+
+
+def _update(b: _Body, op: str, d, names, v: str, ix: str | None, w: int) -> None:
+    acc = names[0]
+    if op in ("sum", "prod"):
+        sym = ("|" if op == "sum" else "&") if d == BOOL else ("+" if op == "sum" else "*")
+        b.line(f"{acc} = {acc} {sym} {v};")
+    elif op in ("max", "min"):
+        b.line(f"{acc} = {b.binary(op, v, acc, d, w)};")
+    else:
+        _arg_update(b, op, d, names, v, ix, w)
+
+
+def _better(b: _Body, op: str, d, v: str, best: str, w: int) -> str:
+    """Mask: v beats the best so far (strictly; a NaN beats any number)."""
+    cmp = ">" if op == "argmax" else "<"
+    if not _is_float(d):
+        return f"({v} {cmp} {best})"
+    if w == 1:
+        return f"({v} {cmp} {best} || (isnan({v}) && !isnan({best})))"
+    return f"(({v} {cmp} {best}) | (isnan({v}) & ~isnan({best})))"
+
+
+def _arg_update(b: _Body, op, d, names, v, ix, w) -> None:
+    acc, ai = names
+    better = _better(b, op, d, v, acc, w)
+    if w == 1:
+        b.line(f"if ({ai} < 0 || {better}) {{ {acc} = {v}; {ai} = {ix}; }}")
+        return
+    m = b.tmp()
+    b.line(f"long{w} {m} = convert_long{w}({better}) | ({ai} < 0);")
+    mv = f"convert_{MASK_T[_size(d)]}{w}({m})"
+    b.line(f"{acc} = select({acc}, {v}, {mv}); {ai} = select({ai}, {ix}, {m});")
+
+
+def _size(d) -> int:
+    return 4 if np.dtype(d) in (F16, BF16) else np.dtype(d).itemsize
+
+
+def _horizontal(b: _Body, r: KExpr, names, w: int, tail) -> tuple:
+    """Combine W lane accumulators and the scalar tail accumulator into one (scalar) result."""
+    op, d = r.arg, np.dtype(r.src[0].dtype)
+    out = tail
+    for j in range(w):
+        lane = tuple(f"{n}.s{LANE[j]}" for n in names)
+        if op in ("argmax", "argmin"):
+            acc, ai = out
+            v, i = lane
+            # take the lane if it is better, or equal with a smaller index (first index wins)
+            better = _better(b, op, d, v, acc, 1)
+            same = f"({v} == {acc} || (isnan({v}) && isnan({acc})))" if _is_float(d) else f"({v} == {acc})"
+            b.line(f"if ({i} >= 0 && ({ai} < 0 || {better} || ({same} && {i} < {ai}))) "
+                   f"{{ {acc} = {v}; {ai} = {i}; }}")
+        else:
+            _update(b, op, d, out, lane[0], None, 1)
+    return out
+
+
+def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool = True) -> Rendered:
+    """OpenCL C for a kernel; `width` is the device's preferred vector width for its dtypes."""
+    used = {np.dtype(b.dtype) for b in k.buffers} | {np.dtype(n.dtype) for n in _nodes(k)}
+    if F64 in used and not fp64:
+        raise CompileError(f"opencl: kernel {k.name} needs float64, which this device lacks "
+                           "(no cl_khr_fp64); use float32", backend="opencl", kernel=pp_kernel(k))
+    name = cname(k.name)
+    mode = choose_mode(k, width, int64_atomics=int64_atomics)
+    W = width if mode in ("par", "red") else 1
+    head = ["// generated by tilefuse from:"] + ["// " + ln for ln in pp_kernel(k).splitlines()]
+    if F64 in used:
+        head.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
+    if any(s.mode == "add" and np.dtype(k.buffers[s.buffer].dtype) in ATOMIC64_DTYPES for s in k.stores):
+        head.append("#pragma OPENCL EXTENSION cl_khr_int64_base_atomics : enable")
+    params = ", ".join(f"__global {'const ' if i < k.n_inputs else ''}{STORE_T[np.dtype(b.dtype)]}* b{i}"
+                       for i, b in enumerate(k.buffers))
+    out = head + [f"__kernel void {name}({params}) {{"]
+    shape = tuple(k.shape)
+    atomic = mode != "serial"
+    if mode == "par":
+        n_last = shape[-1]
+        chunks = -(-n_last // W)
+        units = int(np.prod(shape[:-1], dtype=np.int64)) * chunks
+        out.append(f"  for (long u = get_global_id(0); u < {units}L; u += get_global_size(0)) {{")
+        last = len(shape) - 1
+        _decompose(out, "    ", "u", [(f"i{a}", n) for a, n in enumerate(shape[:-1])] + [("c_", chunks)])
+        out.append(f"    const long ib = c_ * {W}L;")
+        vary = ("idx", last)
+        if n_last % W:
+            out.append(f"    if (ib + {W}L <= {n_last}L) {{")
+            _emit_body(k, out, "      ", vary, W, "ib", atomic)
+            out.append("    } else {")
+            out.append(f"      for (long i{last} = ib; i{last} < {n_last}L; ++i{last}) {{")
+            _emit_body(k, out, "        ", None, 1, "", atomic)
+            out.append("      }")
+            out.append("    }")
+        else:
+            _emit_body(k, out, "    ", vary, W, "ib", atomic)
+        out.append("  }")
+    else:
+        units = k.size
+        if mode == "serial":
+            out.append(f"  if (get_global_id(0) != 0) return;  // \"add\" stores: one work-item, in order")
+            out.append(f"  for (long u = 0; u < {units}L; ++u) {{")
+        else:
+            out.append(f"  for (long u = get_global_id(0); u < {units}L; u += get_global_size(0)) {{")
+        _decompose(out, "    ", "u", [(f"i{a}", n) for a, n in enumerate(shape)])
+        vary = ("ridx", len(k.reduce_shape) - 1) if mode == "red" else None
+        _emit_body(k, out, "    ", vary, W, f"r{len(k.reduce_shape) - 1}", atomic)
+        out.append("  }")
+    out.append("}")
+    return Rendered(name, "\n".join(out) + "\n", units, mode, W)

@@ -1,0 +1,528 @@
+"""Lowering: a region of the graph (ir.passes.fusion.Region) -> kernel IR Kernels.
+
+The heart is `_Builder.value(var, index)`: the scalar expression of a variable at an index
+tuple (int64 KExprs). An equation inside the region is lowered by its rule in `VALUE_RULES`:
+elementwise ops apply to their operands at the same index, index maps (broadcast, transpose,
+slice, rev, reshape) rewrite the index, reductions and dot_general read their operand under a
+reduce node, gather reads through a data-dependent offset. A variable from outside the region
+is a load from a kernel input buffer at its row-major offset. Most regions are then one kernel
+storing each output at the index space's own offset; scatter_add, concatenate and pad lower to a
+short sequence of kernels (`REGION_RULES`).
+
+16-bit floats: loads cast to float32, arithmetic stays in float32, stores cast back; an explicit
+convert to a 16-bit type rounds (a cast there and back)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .. import dtypes
+from ..core import Literal, Var
+from ..errors import CompileError
+from .ir import (INDEX, Buffer, Kernel, KExpr, Store, binary, cast, const, idx, load, reduce, ridx,
+                 select, unary)
+
+
+@dataclass(frozen=True)
+class LoweredKernel:
+    """A kernel and the graph variables bound to its buffers, in kernel.buffers order."""
+    kernel: Kernel
+    args: tuple
+
+
+# ---- index arithmetic that folds constants (kernels stay small and readable) -----------------
+
+def _ic(v: int) -> KExpr:
+    return const(int(v), INDEX)
+
+
+def _is_const(a: KExpr, v=None) -> bool:
+    return a.op == "const" and (v is None or a.arg == v)
+
+
+def iadd(a: KExpr, b: KExpr) -> KExpr:
+    if _is_const(a) and _is_const(b):
+        return _ic(a.arg + b.arg)
+    if _is_const(a, 0):
+        return b
+    if _is_const(b, 0):
+        return a
+    return binary("add", a, b)
+
+
+def imul(a: KExpr, k: int) -> KExpr:
+    if k == 0:
+        return _ic(0)
+    if k == 1:
+        return a
+    return _ic(a.arg * k) if _is_const(a) else binary("mul", a, _ic(k))
+
+
+def idiv(a: KExpr, k: int) -> KExpr:
+    if k == 1:
+        return a
+    return _ic(a.arg // k) if _is_const(a) else binary("div", a, _ic(k))
+
+
+def imod(a: KExpr, k: int) -> KExpr:
+    if k == 1:
+        return _ic(0)
+    return _ic(a.arg % k) if _is_const(a) else binary("rem", a, _ic(k))
+
+
+def strides(shape) -> list[int]:
+    out, s = [], 1
+    for n in reversed(shape):
+        out.append(s)
+        s *= n
+    return out[::-1]
+
+
+def offset(index, shape) -> KExpr:
+    """The row-major element offset of `index` in an array of `shape`."""
+    off = _ic(0)
+    for i, s, n in zip(index, strides(shape), shape):
+        if n != 1:
+            off = iadd(off, imul(i, s))
+    return off
+
+
+def reshape_index(index, out_shape, in_shape) -> tuple:
+    """The operand index for `index` into reshape(operand, out_shape). Axes are matched in
+    blocks of equal size, so adding or removing unit axes and merging or splitting axes only
+    costs div/mod inside the block that changes."""
+    if 0 in out_shape or 0 in in_shape:
+        return tuple(_ic(0) for _ in in_shape)
+    outs = [k for k, n in enumerate(out_shape) if n != 1]
+    ins = [k for k, n in enumerate(in_shape) if n != 1]
+    J = [_ic(0)] * len(in_shape)
+    a = b = 0
+    while a < len(outs):
+        ob, ib = [outs[a]], [ins[b]]
+        po, pi = out_shape[outs[a]], in_shape[ins[b]]
+        a, b = a + 1, b + 1
+        while po != pi:
+            if po < pi:
+                ob.append(outs[a])
+                po *= out_shape[outs[a]]
+                a += 1
+            else:
+                ib.append(ins[b])
+                pi *= in_shape[ins[b]]
+                b += 1
+        if len(ob) == 1 and len(ib) == 1:
+            J[ib[0]] = index[ob[0]]
+            continue
+        flat = offset([index[k] for k in ob], [out_shape[k] for k in ob])
+        inner = 1
+        for k in reversed(ib):
+            J[k] = imod(idiv(flat, inner), in_shape[k]) if k != ib[0] else idiv(flat, inner)
+            inner *= in_shape[k]
+    return tuple(J)
+
+
+# ---- values ---------------------------------------------------------------------------------
+
+def compute(dtype) -> np.dtype:
+    return dtypes.compute_dtype(dtype)
+
+
+def to_storage(v: KExpr, dtype) -> KExpr:
+    return cast(v, dtype)
+
+
+def round_to(v: KExpr, dtype) -> KExpr:
+    """v (float32) rounded to a 16-bit float and widened again; other dtypes are exact."""
+    dtype = np.dtype(dtype)
+    return cast(cast(v, dtype), compute(dtype)) if compute(dtype) != dtype else v
+
+
+class _Builder:
+    """Collects a kernel's input buffers while expressions are built."""
+
+    def __init__(self, eqns=()):
+        self.defs = {o.id: e for e in eqns for o in e.outputs}
+        self.inputs: list[Var] = []
+        self.slot: dict[int, int] = {}
+        self.reduce_shape: tuple | None = None
+        self.memo: dict = {}
+
+    def set_reduce(self, shape) -> None:
+        assert self.reduce_shape is None, "a kernel holds at most one reduction"
+        self.reduce_shape = tuple(shape)
+
+    def load(self, v: Var, index) -> KExpr:
+        return self.load_flat(v, offset(index, v.aval.shape))
+
+    def load_flat(self, v: Var, flat: KExpr) -> KExpr:
+        """Element `flat` of an input (its buffer is contiguous, row-major)."""
+        if v.id not in self.slot:
+            self.slot[v.id] = len(self.inputs)
+            self.inputs.append(v)
+        return cast(load(self.slot[v.id], flat, v.aval.dtype), compute(v.aval.dtype))
+
+    def is_input(self, a) -> bool:
+        return isinstance(a, Var) and a.id not in self.defs
+
+    def value(self, a, index) -> KExpr:
+        """The expression of atom `a` at `index` (in its compute dtype)."""
+        if isinstance(a, Literal):
+            return const(a.val.astype(compute(a.aval.dtype)).item(), compute(a.aval.dtype))
+        key = (a.id, tuple(index))
+        hit = self.memo.get(key)
+        if hit is None:
+            e = self.defs.get(a.id)
+            if e is None:
+                hit = self.load(a, index)
+            else:
+                rule = VALUE_RULES.get(e.prim.name)
+                if rule is None:
+                    raise CompileError(f"no kernel lowering for the primitive {e.prim.name}")
+                hit = rule(self, e, tuple(index))
+            self.memo[key] = hit
+        return hit
+
+    def kernel(self, name, outputs, shape, stores, kind, eqns, out_bufs=None) -> LoweredKernel:
+        """Assemble: inputs first, then `outputs` (their Buffer numbers follow the inputs)."""
+        out_vars = list(outputs)
+        bufs = [Buffer(f"in{i}", np.dtype(v.aval.dtype), v.aval.size) for i, v in enumerate(self.inputs)]
+        bufs += [Buffer(f"out{i}", np.dtype(v.aval.dtype), v.aval.size) for i, v in enumerate(out_vars)]
+        k = Kernel(name, tuple(bufs), len(self.inputs), tuple(shape), self.reduce_shape or (),
+                   tuple(stores), meta=dict(kind=kind, eqns=tuple(eqns),
+                                            sources=tuple(e.source for e in eqns if e.source)))
+        return LoweredKernel(k, tuple(self.inputs) + tuple(out_vars))
+
+
+def _idx_space(shape) -> tuple:
+    return tuple(idx(k) for k in range(len(shape)))
+
+
+# ---- value rules: one per primitive ----------------------------------------------------------
+
+VALUE_RULES: dict[str, Callable] = {}
+
+
+def _rule(*names):
+    def register(fn):
+        for n in names:
+            VALUE_RULES[n] = fn
+        return fn
+    return register
+
+
+_UNARY = ("neg", "exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "sin", "cos",
+          "erf", "abs", "sign", "floor", "ceil", "round", "not")
+
+
+@_rule(*_UNARY)
+def _unary(b, e, I):
+    return unary(e.prim.name, b.value(e.inputs[0], I))
+
+
+@_rule("is_finite")
+def _is_finite(b, e, I):
+    return unary("is_finite", b.value(e.inputs[0], I), np.bool_)
+
+
+# bool arithmetic is logic: add is or, mul is and, max is or, min is and
+_BOOL_OPS = {"add": "or", "mul": "and", "max": "or", "min": "and"}
+_BINARY = ("add", "sub", "mul", "pow", "max", "min", "and", "or", "xor", "shift_left",
+           "shift_right_logical", "eq", "ne", "lt", "le", "gt", "ge")
+
+
+@_rule(*_BINARY)
+def _binary(b, e, I):
+    x, y = (b.value(a, I) for a in e.inputs)
+    op = _BOOL_OPS.get(e.prim.name, e.prim.name) if x.dtype == np.bool_ else e.prim.name
+    return binary(op, x, y)
+
+
+@_rule("div", "rem")
+def _div_rem(b, e, I):
+    x, y = (b.value(a, I) for a in e.inputs)
+    if not dtypes.is_int(x.dtype):
+        return binary(e.prim.name, x, y)
+    # the primitive defines x/0 = 0 and x%0 = x; the IR leaves division by zero undefined
+    zero = const(0, x.dtype)
+    is_zero = binary("eq", y, zero)
+    q = binary(e.prim.name, x, select(is_zero, const(1, x.dtype), y))
+    return select(is_zero, zero if e.prim.name == "div" else x, q)
+
+
+@_rule("integer_pow")
+def _integer_pow(b, e, I):
+    x = b.value(e.inputs[0], I)
+    n = abs(e.params["y"])
+    acc, base = const(1, x.dtype), x
+    while n:  # square and multiply
+        if n & 1:
+            acc = base if _is_const(acc, 1) else binary("mul", acc, base)
+        n >>= 1
+        if n:
+            base = binary("mul", base, base)
+    return binary("div", const(1, x.dtype), acc) if e.params["y"] < 0 else acc
+
+
+@_rule("select")
+def _select(b, e, I):
+    p, t, f = (b.value(a, I) for a in e.inputs)
+    return select(p, t, f)
+
+
+@_rule("convert_element_type")
+def _convert(b, e, I):
+    x = b.value(e.inputs[0], I)
+    to = np.dtype(e.params["new_dtype"])
+    if to == np.bool_:
+        return binary("ne", x, const(0, x.dtype))
+    if compute(to) != to:  # to a 16-bit float: round
+        return round_to(cast(x, compute(to)), to)
+    return cast(x, to)
+
+
+@_rule("stop_gradient")
+def _identity(b, e, I):
+    return b.value(e.inputs[0], I)
+
+
+@_rule("broadcast_in_dim")
+def _broadcast(b, e, I):
+    x = e.inputs[0]
+    J = tuple(_ic(0) if x.aval.shape[i] == 1 else I[d]
+              for i, d in enumerate(e.params["broadcast_dimensions"]))
+    return b.value(x, J)
+
+
+@_rule("transpose")
+def _transpose(b, e, I):
+    perm = e.params["permutation"]
+    J = [None] * len(perm)
+    for k, p in enumerate(perm):
+        J[p] = I[k]
+    return b.value(e.inputs[0], tuple(J))
+
+
+@_rule("slice")
+def _slice(b, e, I):
+    J = tuple(iadd(_ic(s), imul(i, st)) for i, s, st in
+              zip(I, e.params["start_indices"], e.params["strides"]))
+    return b.value(e.inputs[0], J)
+
+
+@_rule("rev")
+def _rev(b, e, I):
+    x = e.inputs[0]
+    J = tuple(binary("sub", _ic(x.aval.shape[k] - 1), i) if k in e.params["dimensions"] else i
+              for k, i in enumerate(I))
+    return b.value(x, J)
+
+
+@_rule("reshape")
+def _reshape(b, e, I):
+    x, shape = e.inputs[0], e.outputs[0].aval.shape
+    if b.is_input(x):  # a contiguous buffer: the flat offset is the same in both shapes
+        return b.load_flat(x, offset(I, shape))
+    return b.value(x, reshape_index(I, shape, x.aval.shape))
+
+
+@_rule("iota")
+def _iota(b, e, I):
+    d = np.dtype(e.params["dtype"])
+    return round_to(cast(I[e.params["dimension"]], compute(d)), d)
+
+
+_REDUCE_OPS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod"}
+_BOOL_REDUCE = {"sum": "max", "prod": "min"}  # any / all
+
+
+def _reduce_index(I, ndim, axes):
+    """Operand index: kept axes from the parallel index, reduced axes (sorted) from ridx."""
+    order = sorted(axes)
+    it = iter(I)
+    return tuple(ridx(order.index(k)) if k in axes else next(it) for k in range(ndim))
+
+
+@_rule(*_REDUCE_OPS)
+def _reduction(b, e, I):
+    x, axes = e.inputs[0], tuple(e.params["axes"])
+    if not axes:  # reducing no axis is the identity
+        return b.value(x, I)
+    b.set_reduce(tuple(x.aval.shape[a] for a in sorted(axes)))
+    v = b.value(x, _reduce_index(I, x.aval.ndim, axes))
+    op = _REDUCE_OPS[e.prim.name]
+    return reduce(_BOOL_REDUCE.get(op, op) if v.dtype == np.bool_ else op, v)
+
+
+@_rule("argmax", "argmin")
+def _arg_reduction(b, e, I):
+    x, axis = e.inputs[0], e.params["axis"]
+    b.set_reduce((x.aval.shape[axis],))
+    v = b.value(x, _reduce_index(I, x.aval.ndim, (axis,)))
+    return cast(reduce(e.prim.name, v, ridx(0)), e.params["index_dtype"])
+
+
+@_rule("dot_general")
+def _dot_general(b, e, I):
+    lhs, rhs = e.inputs
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    lfree = [i for i in range(lhs.aval.ndim) if i not in lc and i not in lb]
+    rfree = [i for i in range(rhs.aval.ndim) if i not in rc and i not in rb]
+    if lc:
+        b.set_reduce(tuple(lhs.aval.shape[a] for a in lc))
+    nb, nl = len(lb), len(lfree)
+
+    def operand_index(ndim, contract, batch, free, start):
+        return tuple(I[batch.index(k)] if k in batch else ridx(contract.index(k)) if k in contract
+                     else I[start + free.index(k)] for k in range(ndim))
+    x = b.value(lhs, operand_index(lhs.aval.ndim, lc, lb, lfree, nb))
+    y = b.value(rhs, operand_index(rhs.aval.ndim, rc, rb, rfree, nb + nl))
+    logic = x.dtype == np.bool_
+    acc = binary("and" if logic else "mul", x, y)
+    if lc:  # (an outer product contracts nothing)
+        acc = reduce("max" if logic else "sum", acc)
+    return cast(acc, compute(e.outputs[0].aval.dtype))
+
+
+def _clamped_index(b, indices, I, n: int) -> KExpr:
+    """A gather/scatter index read at I, clamped into [0, n) as the primitive defines."""
+    i = cast(b.value(indices, I), INDEX)
+    return binary("min", binary("max", i, _ic(0)), _ic(n - 1))
+
+
+@_rule("gather")
+def _gather(b, e, I):
+    operand, indices = e.inputs
+    axis, ni = e.params["axis"], indices.aval.ndim
+    n = operand.aval.shape[axis]
+    if n == 0:
+        return const(0, compute(operand.aval.dtype))
+    i = _clamped_index(b, indices, I[axis:axis + ni], n)
+    return b.value(operand, I[:axis] + (i,) + I[axis + ni:])
+
+
+# ---- regions -> kernels ------------------------------------------------------------------------
+
+_SHORT = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
+          "broadcast_in_dim": "broadcast", "convert_element_type": "convert"}
+_MAX_NAME_OPS = 8
+
+
+def kernel_name(eqns) -> str:
+    """`fused_mul_add_tanh_sum`: the region's distinct operations in order."""
+    names = []
+    for e in eqns:
+        n = _SHORT.get(e.prim.name, e.prim.name)
+        if n not in names:
+            names.append(n)
+    if len(eqns) == 1:
+        return eqns[0].prim.name
+    more = "_etc" if len(names) > _MAX_NAME_OPS else ""
+    return "fused_" + "_".join(names[:_MAX_NAME_OPS]) + more
+
+
+def _lower_generic(region, kind=None) -> list[LoweredKernel]:
+    """One kernel: every output evaluated over the outputs' common index space."""
+    b = _Builder(region.eqns)
+    shape = region.outputs[0].aval.shape
+    assert all(o.aval.shape == shape for o in region.outputs), region
+    I = _idx_space(shape)
+    values = [b.value(o, I) for o in region.outputs]
+    n_in = len(b.inputs)
+    stores = [Store(n_in + k, offset(I, shape), to_storage(v, o.aval.dtype))
+              for k, (v, o) in enumerate(zip(values, region.outputs))]
+    if kind is None:
+        kind = "reduce" if b.reduce_shape else "elementwise"
+    return [b.kernel(kernel_name(region.eqns), region.outputs, shape, stores, kind, region.eqns)]
+
+
+def _copy(src, dst, eqns, name: str, kind: str) -> LoweredKernel:
+    """dst = src (a Var or a scalar Literal broadcast over dst's shape)."""
+    b = _Builder()
+    shape = dst.aval.shape
+    assert src.aval.shape in (shape, ()), (src.aval, dst.aval)
+    I = _idx_space(shape)
+    v = b.value(src, I if src.aval.shape == shape else ())
+    stores = [Store(len(b.inputs), offset(I, shape), to_storage(v, dst.aval.dtype))]
+    return b.kernel(name, [dst], shape, stores, kind, eqns)
+
+
+def copy_kernel(src, dst) -> LoweredKernel:
+    """A kernel writing `dst` from `src` (a variable of the same shape, or a literal): for graph
+    outputs that are inputs, constants or literals."""
+    return _copy(src, dst, (), "copy", "copy")
+
+
+def _lower_scatter_add(region) -> list[LoweredKernel]:
+    (e,) = region.eqns
+    operand, indices, updates = e.inputs
+    out = e.outputs[0]
+    axis, ni = e.params["axis"], indices.aval.ndim
+    n = operand.aval.shape[axis]
+    kernels = [_copy(operand, out, region.eqns, "scatter_add_copy", "copy")]
+    if n == 0 or updates.aval.size == 0:
+        return kernels
+    b = _Builder()
+    U = _idx_space(updates.aval.shape)
+    i = _clamped_index(b, indices, U[axis:axis + ni], n)
+    target = offset(U[:axis] + (i,) + U[axis + ni:], operand.aval.shape)
+    v = to_storage(b.value(updates, U), out.aval.dtype)
+    stores = [Store(len(b.inputs), target, v, mode="add")]
+    kernels.append(b.kernel("scatter_add", [out], updates.aval.shape, stores, "scatter_add", region.eqns))
+    return kernels
+
+
+def _lower_concatenate(region) -> list[LoweredKernel]:
+    """One index-map kernel per operand, each writing its slab of the output."""
+    (e,) = region.eqns
+    out, d = e.outputs[0], e.params["dimension"]
+    kernels, start = [], 0
+    for x in e.inputs:
+        shape = x.aval.shape
+        if x.aval.size:
+            b = _Builder()
+            I = _idx_space(shape)
+            J = I[:d] + (iadd(I[d], _ic(start)),) + I[d + 1:]
+            v = to_storage(b.value(x, I), out.aval.dtype)
+            stores = [Store(len(b.inputs), offset(J, out.aval.shape), v)]
+            kernels.append(b.kernel("concatenate", [out], shape, stores, "concatenate", region.eqns))
+        start += shape[d]
+    return kernels
+
+
+def _lower_pad(region) -> list[LoweredKernel]:
+    """Fill the output with the padding value, then write the operand at its strided place."""
+    (e,) = region.eqns
+    x, pv = e.inputs
+    out = e.outputs[0]
+    kernels = [_copy(pv, out, region.eqns, "pad_fill", "pad")] if out.aval.size else []
+    if x.aval.size:
+        b = _Builder()
+        I = _idx_space(x.aval.shape)
+        J = tuple(iadd(_ic(lo), imul(i, it + 1)) for i, (lo, _, it) in zip(I, e.params["padding_config"]))
+        v = to_storage(b.value(x, I), out.aval.dtype)
+        stores = [Store(len(b.inputs), offset(J, out.aval.shape), v)]
+        kernels.append(b.kernel("pad", [out], x.aval.shape, stores, "pad", region.eqns))
+    return kernels
+
+
+REGION_RULES: dict[str, Callable] = {
+    "scatter_add": _lower_scatter_add,
+    "concatenate": _lower_concatenate,
+    "pad": _lower_pad,
+    "dot_general": lambda r: _lower_generic(r, "dot_general"),
+    "gather": lambda r: _lower_generic(r, "gather"),
+    "argmax": lambda r: _lower_generic(r, "arg_reduce"),
+    "argmin": lambda r: _lower_generic(r, "arg_reduce"),
+}
+
+
+def lower_region(region) -> list[LoweredKernel]:
+    """The kernels that compute a region's outputs, in launch order."""
+    if region.kind == "fused":
+        return _lower_generic(region)
+    rule = REGION_RULES.get(region.kind)
+    if rule is None:
+        raise CompileError(f"no kernel lowering for the primitive {region.kind}")
+    return rule(region)

@@ -1,0 +1,136 @@
+"""The persistent compile cache: compiled artefacts (object code, PTX, binaries) on disk, keyed by
+a sha256 of everything that decides them (kernel text, parameters, toolchain version, device
+fingerprint, backend version). Backend-neutral: payloads are bytes.
+
+Directory `TILEFUSE_CACHE_DIR` (default ~/.cache/tilefuse; "off" disables it), created 0700.
+Each entry is written atomically (temporary file + os.replace) with a header holding the key
+hash and a sha256 of the payload; an entry whose header, length or checksum does not match is
+counted as corrupt, removed, and rebuilt — never loaded. Nothing is pickled."""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import tempfile
+import threading
+from typing import Callable
+
+MAGIC = b"TFCACHE1"
+_HEADER = struct.Struct("<8s32sQ32s")  # magic, key digest, payload length, payload sha256
+
+_stats = {"compiles": 0, "disk_hits": 0, "disk_writes": 0, "corrupt": 0, "write_errors": 0}
+_lock = threading.Lock()
+
+
+def stats() -> dict:
+    """Process-wide counters: compiles (builds run), disk_hits (entries loaded), disk_writes,
+    corrupt (entries rejected), write_errors."""
+    with _lock:
+        return dict(_stats)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _stats:
+            _stats[k] = 0
+
+
+def _count(name: str) -> None:
+    with _lock:
+        _stats[name] += 1
+
+
+def make_key(*parts) -> str:
+    """The hex sha256 of the parts (strings, numbers, tuples of them), unambiguously joined."""
+    h = hashlib.sha256()
+    for p in parts:
+        b = repr(p).encode()
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def default_dir() -> str | None:
+    d = os.environ.get("TILEFUSE_CACHE_DIR")
+    if d is not None and d.strip().lower() in ("", "0", "off", "none"):
+        return None
+    return d or os.path.join(os.path.expanduser("~"), ".cache", "tilefuse")
+
+
+class CompileCache:
+    """One namespace (e.g. "llvm") of the on-disk cache. `directory=None` keeps nothing on disk."""
+
+    def __init__(self, namespace: str, directory: str | None = None):
+        self.namespace = namespace
+        self.dir = os.path.join(directory, namespace) if directory else None
+        if self.dir:
+            try:
+                os.makedirs(self.dir, mode=0o700, exist_ok=True)
+                for d in (directory, self.dir):
+                    if os.stat(d).st_uid == os.getuid():
+                        os.chmod(d, 0o700)
+            except OSError:
+                self.dir = None  # read-only home, no space, ...: compile without a disk cache
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.dir, key + ".bin")
+
+    def load(self, key: str) -> bytes | None:
+        """The payload stored under `key`, or None when absent or not trustworthy."""
+        if not self.dir:
+            return None
+        try:
+            with open(self.path(key), "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        payload = _check(data, key)
+        if payload is None:
+            _count("corrupt")
+            try:
+                os.unlink(self.path(key))
+            except OSError:
+                pass
+            return None
+        _count("disk_hits")
+        return payload
+
+    def store(self, key: str, payload: bytes) -> None:
+        if not self.dir:
+            return
+        header = _HEADER.pack(MAGIC, bytes.fromhex(key), len(payload), hashlib.sha256(payload).digest())
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(header)
+                    f.write(payload)
+                os.replace(tmp, self.path(key))
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError:
+            _count("write_errors")
+            return
+        _count("disk_writes")
+
+    def get_or_build(self, key: str, build: Callable[[], bytes]) -> bytes:
+        """The cached payload, or build() (counted as a compile) and store it."""
+        payload = self.load(key)
+        if payload is None:
+            _count("compiles")
+            payload = build()
+            self.store(key, payload)
+        return payload
+
+
+def _check(data: bytes, key: str) -> bytes | None:
+    if len(data) < _HEADER.size:
+        return None
+    magic, digest, length, checksum = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size:]
+    if magic != MAGIC or digest != bytes.fromhex(key) or length != len(payload):
+        return None
+    if hashlib.sha256(payload).digest() != checksum:
+        return None
+    return payload

@@ -1,0 +1,192 @@
+"""compile_graph: a Graph -> a Program of kernel launches with a static buffer plan, for any
+backend that renders the kernel IR (the CPU's LLVM, OpenCL, CUDA).
+
+The flow: the pass pipeline (ir.passes.PIPELINE), fusion into regions, lowering of each region
+to kernels, one compile per kernel through the dispatcher, then buffers: graph inputs are read
+in place, constants are placed on the device once, graph outputs get their own allocations
+(they outlive the call) and every intermediate gets an offset in one arena (runtime.planner)
+that each call allocates from the backend's pool and frees when it returns."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tilefuse.backends.base import Program
+from tilefuse.ir.core import Graph, Literal, Var
+from tilefuse.ir.kernel import copy_kernel, lower_region
+from tilefuse.ir.kernel.ir import Kernel
+from tilefuse.ir.passes import Dump, partition, run_passes
+
+from . import dispatch
+from .config import config
+from .planner import Interval, plan_buffers
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One step of a program: a kernel (or a host step) and the equations it computes."""
+    name: str
+    kind: str
+    eqns: tuple
+    kernel: Kernel | None = None
+    impl: str = ""
+    meta: dict = field(default_factory=dict, compare=False)
+
+
+def _nbytes(aval) -> int:
+    return aval.size * np.dtype(aval.dtype).itemsize
+
+
+def _trace_pass(name: str, graph: Graph) -> None:
+    print(f"--- tilefuse: after {name} ---\n{graph}", file=sys.stderr)
+
+
+class _Builder:
+    """Assigns buffer slots to variables and collects launches."""
+
+    def __init__(self, graph: Graph, device, backend):
+        self.graph, self.device, self.backend = graph, device, backend
+        self.slot: dict[int, int] = {}
+        self.kinds: list[str] = []  # per slot: input | const | temp | output
+        self.avals: list = []
+        self.steps: list[tuple] = []  # (run, arg slots, region index)
+        self.launches: list[Launch] = []
+        self.sources: dict[str, str] = {}
+        self._names: dict[str, int] = {}
+
+    def new_slot(self, kind: str, aval, var: Var | None = None) -> int:
+        s = len(self.kinds)
+        self.kinds.append(kind)
+        self.avals.append(aval)
+        if var is not None:
+            self.slot[var.id] = s
+        return s
+
+    def unique(self, name: str) -> str:
+        n = self._names.get(name, 0)
+        self._names[name] = n + 1
+        return name if n == 0 else f"{name}_{n}"
+
+    def add_kernel(self, lk, step: int) -> None:
+        k = lk.kernel
+        impl, run = dispatch.compile_kernel(k, self.device, self.backend)
+        name = self.unique(k.name)
+        self.sources[name] = str(k)
+        extra = getattr(run, "source", None)
+        if extra:
+            self.sources[f"{name}.{self.backend.kind}"] = extra
+        if config.debug >= 1:
+            print(f"--- tilefuse: kernel {name} ({impl.name}) ---\n{k}", file=sys.stderr)
+        self.steps.append((run, tuple(self.slot[v.id] for v in lk.args), step))
+        self.launches.append(Launch(name, k.meta.get("kind", ""), k.meta.get("eqns", ()), k, impl.name))
+
+    def add_host(self, region, step: int) -> None:
+        """An effectful equation (debug_print) runs on the host: a logged, counted fallback."""
+        (e,) = region.eqns
+        dispatch.record_fallback(e.prim.name, "an effectful primitive runs as a host callback")
+        backend, device = self.backend, self.device
+        args = [("lit", a.val) if isinstance(a, Literal) else ("buf", a.aval) for a in e.inputs]
+
+        def run(buffers):
+            backend.synchronize(device)
+            it = iter(buffers)
+            values = [x if tag == "lit" else backend.to_host(next(it), x, device) for tag, x in args]
+            e.prim.impl(*values, **e.params)
+        slots = tuple(self.slot[a.id] for a in e.inputs if isinstance(a, Var))
+        self.steps.append((run, slots, step))
+        self.launches.append(Launch(self.unique(e.prim.name), "host", region.eqns))
+
+
+def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) -> Program:
+    """Optimise, fuse, lower and compile `graph` for `device`; see the module docstring."""
+    dump = Dump(config.dump_dir, graph.meta.get("name", "graph"))
+    g = run_passes(graph, dump=dump, check=config.check,
+                   trace=_trace_pass if config.debug >= 2 else None)
+    regions = partition(g, fuse=config.fusion if fuse is None else fuse)
+    dump.text("regions", "\n".join(map(str, regions)))
+
+    b = _Builder(g, device, backend)
+    for v in g.invars:
+        b.new_slot("input", v.aval, v)
+    const_bufs = []
+    for v, c in zip(g.constvars, g.consts):
+        b.new_slot("const", v.aval, v)
+        const_bufs.append(backend.put(np.ascontiguousarray(np.asarray(c, v.aval.dtype)), device))
+
+    # graph outputs: one allocation per position; a region writes its output straight into it
+    out_slots, copies = [], []
+    for v in g.outvars:
+        if isinstance(v, Var) and v.id not in b.slot:
+            out_slots.append(b.new_slot("output", v.aval, v))
+        else:  # an input, a constant, a literal or a repeated output: copied at the end
+            s = b.new_slot("output", v.aval)
+            out_slots.append(s)
+            copies.append((v, s))
+
+    for step, region in enumerate(regions):
+        for o in region.outputs:
+            if o.id not in b.slot:
+                b.new_slot("temp", o.aval, o)
+        if region.kind == "host":
+            b.add_host(region, step)
+            continue
+        for lk in lower_region(region):
+            b.add_kernel(lk, step)
+    for v, s in copies:
+        dst = Var(v.aval)
+        b.slot[dst.id] = s
+        b.add_kernel(copy_kernel(v, dst), len(regions))
+    dump.text("kernels", "\n\n".join(f"{l.name}:\n{l.kernel}" if l.kernel else l.name
+                                     for l in b.launches))
+    return _program(g, b, const_bufs, out_slots)
+
+
+def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> Program:
+    backend, device = b.backend, b.device
+    # live ranges of intermediates, in region steps
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for _, args, step in b.steps:
+        for s in args:
+            if b.kinds[s] == "temp":
+                first.setdefault(s, step)
+                last[s] = step
+    temps = [Interval(s, _nbytes(b.avals[s]), first[s], last[s]) for s in first]
+    plan = plan_buffers(temps)
+    views = [(s, plan.offsets[s], _nbytes(b.avals[s])) for s in first]
+    n_slots, n_in = len(b.kinds), len(g.invars)
+    const_slots = [s for s, k in enumerate(b.kinds) if k == "const"]
+    out_bytes = [max(_nbytes(b.avals[s]), 1) for s in out_slots]
+    steps = [(run, args) for run, args, _ in b.steps]
+    arena_bytes = max(plan.arena_bytes, 1)
+
+    def run(buffers):
+        slots = [None] * n_slots
+        slots[:n_in] = buffers
+        for s, buf in zip(const_slots, const_bufs):
+            slots[s] = buf
+        outs = []
+        arena = backend.alloc(arena_bytes, device) if views else None
+        try:
+            for s, off, nbytes in views:
+                slots[s] = backend.view(arena, off, nbytes)
+            for s, nbytes in zip(out_slots, out_bytes):
+                outs.append(backend.alloc(nbytes, device))
+                slots[s] = outs[-1]
+            for fn, args in steps:
+                fn([slots[a] for a in args])
+        except BaseException:
+            for o in outs:
+                backend.free(o, device)
+            raise
+        finally:
+            if arena is not None:
+                backend.free(arena, device)
+        return outs
+
+    prog = Program(g, run, b.sources, tuple(b.launches))
+    prog.plan = plan
+    prog.const_buffers = const_bufs
+    return prog

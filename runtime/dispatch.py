@@ -1,0 +1,80 @@
+"""The implementation registry and the dispatcher.
+
+For each kernel kind (elementwise, reduce, dot_general, ...) and device kind the registry holds
+candidate implementations; the dispatcher picks the applicable one of highest priority and
+compiles the kernel with it. Today every kind has one generic candidate, "kernel_ir" (the
+backend renders the kernel IR); GEMM templates and vendor libraries register beside it, and a
+tuning database will rank them per device and shape.
+
+Host fallbacks (work done in Python on the host rather than by a compiled kernel) are logged
+and counted here: `stats["host_fallbacks"]`."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from tilefuse.ir.errors import CompileError
+
+log = logging.getLogger("tilefuse.dispatch")
+
+KERNEL_KINDS = ("elementwise", "reduce", "dot_general", "gather", "scatter_add", "concatenate",
+                "pad", "arg_reduce", "copy")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to run kernels of one kind: `build(kernel, device, backend) -> run(buffers)`."""
+    name: str
+    kind: str
+    build: Callable
+    device_kinds: tuple = ("*",)  # "*": any device
+    applies: Callable = lambda kernel, device: True
+    priority: int = 0
+
+
+_registry: dict[str, list[Implementation]] = {}
+stats = {"host_fallbacks": 0, "compiled": 0}
+
+
+def register(impl: Implementation) -> Implementation:
+    _registry.setdefault(impl.kind, []).append(impl)
+    _registry[impl.kind].sort(key=lambda i: -i.priority)
+    return impl
+
+
+def unregister(impl: Implementation) -> None:
+    _registry[impl.kind].remove(impl)
+
+
+def candidates(kind: str, device_kind: str) -> list[Implementation]:
+    """The implementations of `kind` for a device kind, best first."""
+    return [i for i in _registry.get(kind, ()) if "*" in i.device_kinds or device_kind in i.device_kinds]
+
+
+def choose(kernel, device) -> Implementation:
+    kind = kernel.meta.get("kind", "elementwise")
+    for impl in candidates(kind, getattr(device, "kind", "*")):
+        if impl.applies(kernel, device):
+            return impl
+    raise CompileError(f"no implementation of {kind} kernels for the device {device}",
+                       kernel=str(kernel))
+
+
+def compile_kernel(kernel, device, backend) -> tuple[Implementation, Callable]:
+    impl = choose(kernel, device)
+    stats["compiled"] += 1
+    return impl, impl.build(kernel, device, backend)
+
+
+def record_fallback(what: str, why: str) -> None:
+    stats["host_fallbacks"] += 1
+    log.info("tilefuse: %s runs on the host (%s)", what, why)
+
+
+def _kernel_ir(kernel, device, backend):
+    return backend.compile_kernel(kernel, device)
+
+
+for _kind in KERNEL_KINDS:
+    register(Implementation("kernel_ir", _kind, _kernel_ir))

@@ -1,0 +1,142 @@
+"""The caching pool allocator, shared by every backend: it takes the device's raw alloc/free and
+keeps freed blocks by size class for reuse, so a steady training step allocates nothing.
+
+Size classes: powers of two up to 1 MiB, then four steps per octave (1, 1.25, 1.5, 1.75 × 2**k),
+so a block wastes at most a quarter. `TILEFUSE_POOL_LIMIT` (bytes; "64M", "1.5G" work) caps the
+bytes held from the device: beyond it the pool first drops its cached blocks, then raises
+OutOfMemoryError and stays as it was."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+from tilefuse.ir.errors import OutOfMemoryError
+
+SMALL_LIMIT = 1 << 20
+MIN_BLOCK = 64
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text) -> int:
+    """'64M' → 67108864; accepts K/M/G/T with optional 'B'/'iB' (all powers of 1024)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    s = str(text).strip().upper().replace("IB", "").rstrip("B") if str(text).strip() else ""
+    num = s.rstrip("KMGT")
+    unit = s[len(num):]
+    try:
+        return int(float(num) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read {text!r} as a number of bytes (e.g. 1048576, 64M, 2G)") from None
+
+
+def env_limit() -> int | None:
+    v = os.environ.get("TILEFUSE_POOL_LIMIT", "").strip()
+    return parse_bytes(v) if v else None
+
+
+def size_class(nbytes: int) -> int:
+    """The block size that serves a request of nbytes."""
+    n = max(int(nbytes), MIN_BLOCK)
+    if n <= SMALL_LIMIT:
+        return 1 << (n - 1).bit_length()
+    step = (1 << (n.bit_length() - 1)) >> 2
+    return -(-n // step) * step
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class PoolAllocator:
+    """Blocks from `raw_alloc(nbytes)` handed out and taken back by size class.
+
+    raw_alloc(n) returns a block (anything) of at least n bytes, or raises MemoryError;
+    raw_free(block) gives it back to the device. Blocks are tracked by id(block)."""
+
+    def __init__(self, raw_alloc: Callable[[int], Any], raw_free: Callable[[Any], None], *,
+                 limit: int | None = None, name: str = "device"):
+        self._raw_alloc, self._raw_free, self.name = raw_alloc, raw_free, name
+        self.limit = env_limit() if limit is None else limit
+        self._free: dict[int, list] = {}  # size class → cached blocks
+        self._live: dict[int, tuple] = {}  # id(block) → (block, class, nbytes)
+        self._lock = threading.Lock()
+        self._s = dict(bytes_in_use=0, peak_bytes_in_use=0, bytes_reserved=0, peak_bytes_reserved=0,
+                       allocations=0, pool_hits=0, frees=0, system_frees=0, alloc_calls=0)
+
+    def alloc(self, nbytes: int):
+        cls = size_class(nbytes)
+        s = self._s
+        with self._lock:
+            s["alloc_calls"] += 1
+            cached = self._free.get(cls)
+            if cached:
+                block = cached.pop()
+                s["pool_hits"] += 1
+            else:
+                block = self._system_alloc(cls, nbytes)
+            self._live[id(block)] = (block, cls, nbytes)
+            s["bytes_in_use"] += nbytes
+            s["peak_bytes_in_use"] = max(s["peak_bytes_in_use"], s["bytes_in_use"])
+            return block
+
+    def _system_alloc(self, cls: int, nbytes: int):
+        s = self._s
+        if self.limit is not None and s["bytes_reserved"] + cls > self.limit:
+            self._release_cached()
+            if s["bytes_reserved"] + cls > self.limit:
+                raise OutOfMemoryError(
+                    f"{self.name}: cannot allocate {_fmt(nbytes)} (block {_fmt(cls)}): "
+                    f"{_fmt(s['bytes_in_use'])} in use, pool limit {_fmt(self.limit)} "
+                    f"(TILEFUSE_POOL_LIMIT)")
+        try:
+            block = self._raw_alloc(cls)
+        except MemoryError:
+            self._release_cached()
+            try:
+                block = self._raw_alloc(cls)
+            except MemoryError:
+                raise OutOfMemoryError(f"{self.name}: the device cannot allocate {_fmt(nbytes)} "
+                                       f"({_fmt(s['bytes_in_use'])} in use)") from None
+        s["allocations"] += 1
+        s["bytes_reserved"] += cls
+        s["peak_bytes_reserved"] = max(s["peak_bytes_reserved"], s["bytes_reserved"])
+        return block
+
+    def free(self, block) -> None:
+        """Return a block to the pool (it stays reserved, ready for the next request)."""
+        with self._lock:
+            entry = self._live.pop(id(block), None)
+            if entry is None:
+                raise ValueError(f"{self.name}: free of a block the pool did not hand out "
+                                 "(or freed twice)")
+            _, cls, nbytes = entry
+            self._free.setdefault(cls, []).append(block)
+            self._s["bytes_in_use"] -= nbytes
+            self._s["frees"] += 1
+
+    def _release_cached(self) -> None:
+        for cls, blocks in self._free.items():
+            for b in blocks:
+                self._raw_free(b)
+                self._s["bytes_reserved"] -= cls
+                self._s["system_frees"] += 1
+        self._free.clear()
+
+    def empty_cache(self) -> None:
+        """Give every cached (free) block back to the device."""
+        with self._lock:
+            self._release_cached()
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._s)
+            out["bytes_cached"] = sum(c * len(b) for c, b in self._free.items())
+            out["live_blocks"] = len(self._live)
+            out["limit"] = self.limit
+            return out

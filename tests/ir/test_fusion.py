@@ -1,0 +1,258 @@
+"""Fusion: regions are convex (no cycle between regions, ever), lower to one kernel each, and a
+2-layer MLP's forward and backward compile to far fewer kernels than primitives. Results are
+checked against the graph evaluated with the primitives' numpy implementations."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import networkx as nx
+import numpy as np
+import pytest
+
+import tilefuse as tx
+import tilefuse.numpy as tnp
+from conftest import assert_close
+from tilefuse.ir import primitives as P
+from tilefuse.ir.core import Graph, Literal, ShapedArray, Var, eval_graph
+from tilefuse.ir.kernel import InterpBackend
+from tilefuse.ir.passes import dce, partition, run_passes
+from tilefuse.ir.passes.fusion import REDUCTIONS
+from tilefuse.ir.passes.util import new_eqn
+from tilefuse.runtime.compiler import compile_graph
+
+F32 = np.dtype(np.float32)
+DEV = SimpleNamespace(kind="interp", name="interp")
+
+
+def ref_eval(g, args):
+    return eval_graph(g, args, lambda e, xs: e.prim.impl(*xs, **e.params))
+
+
+def run_compiled(g, args, fuse=True):
+    be = InterpBackend()
+    prog = compile_graph(g, DEV, be, fuse=fuse)
+    outs = prog([be.put(np.asarray(a), DEV) for a in args])
+    return prog, [be.to_host(o, v.aval, DEV) for o, v in zip(outs, g.outvars)]
+
+
+def check_regions(g: Graph, regions):
+    """Every value defined by exactly one region (constant broadcasts and iotas may be copied
+    into each consumer); each region one index space with at most one reduction; the regions'
+    data flow is acyclic and the list is in a valid order."""
+    defined = [o.id for r in regions for e in r.eqns for o in e.outputs]
+    assert len(defined) == len(set(defined))
+    for e in g.eqns:
+        copied = e.prim.name in ("iota", "broadcast_in_dim") and all(isinstance(a, Literal) for a in e.inputs)
+        assert copied or all(o.id in set(defined) for o in e.outputs), e.prim.name
+    defined_by = {}
+    for k, r in enumerate(regions):
+        for e in r.eqns:
+            for o in e.outputs:
+                defined_by[o.id] = k
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(regions)))
+    for k, r in enumerate(regions):
+        for v in r.inputs:
+            if v.id in defined_by:
+                assert defined_by[v.id] < k, "a region reads a value computed later"
+                dag.add_edge(defined_by[v.id], k)
+        if r.kind == "fused":
+            assert len({o.aval.shape for o in r.outputs}) == 1
+            assert sum(e.prim.name in REDUCTIONS for e in r.eqns) <= 1
+    assert nx.is_directed_acyclic_graph(dag)
+
+
+# ---- the 2-layer MLP ----------------------------------------------------------------------------
+
+def mlp_forward(W1, b1, W2, b2, x, y):
+    h = tnp.tanh(x @ W1 + b1)
+    out = h @ W2 + b2
+    return tnp.mean((out - y) ** 2)
+
+
+def mlp_forward_backward(W1, b1, W2, b2, x, y):
+    """The loss and its gradients, written by hand."""
+    h = tnp.tanh(x @ W1 + b1)
+    out = h @ W2 + b2
+    d = out - y
+    loss = tnp.mean(d * d)
+    dout = d * (2.0 / d.size)
+    dW2 = h.T @ dout
+    db2 = tnp.sum(dout, axis=0)
+    dh = dout @ W2.T
+    dz1 = dh * (1.0 - h * h)
+    dW1 = x.T @ dz1
+    db1 = tnp.sum(dz1, axis=0)
+    return loss, dW1, db1, dW2, db2
+
+
+def mlp_args(B=8, D=6, H=5, O=3):
+    r = np.random.default_rng(0)
+    return [r.standard_normal(s).astype(F32) for s in [(D, H), (H,), (H, O), (O,), (B, D), (B, O)]]
+
+
+def test_mlp_gradients_are_right():
+    """The hand-written backward matches finite differences, so the graphs below mean something."""
+    args = mlp_args()
+    _, dW1, db1, dW2, db2 = (np.asarray(v) for v in mlp_forward_backward(*[a.astype(np.float64) for a in args]))
+    eps = 1e-6
+    for k, grad in ((0, dW1), (1, db1), (2, dW2), (3, db2)):
+        a = [x.astype(np.float64) for x in args]
+        flat = a[k].reshape(-1)
+        j = flat.size // 2
+        flat[j] += eps
+        up = float(mlp_forward(*a))
+        flat[j] -= 2 * eps
+        down = float(mlp_forward(*a))
+        assert abs((up - down) / (2 * eps) - grad.reshape(-1)[j]) < 1e-5
+
+
+@pytest.mark.parametrize("fn,n_prims,n_kernels", [
+    (mlp_forward, 11, 4),            # 2 GEMMs, bias+tanh, bias+residual+square+mean
+    (mlp_forward_backward, 25, 11),  # 5 GEMMs, 6 fused elementwise/reduction kernels
+])
+def test_mlp_compiles_to_far_fewer_kernels_than_primitives(fn, n_prims, n_kernels):
+    args = mlp_args()
+    g = tx.make_graph(fn)(*args)
+    assert len(g.eqns) == n_prims
+    prog, outs = run_compiled(g, args)
+    assert len(prog.launches) == n_kernels
+    assert sum(1 for l in prog.launches if l.kind == "dot_general") == g.count("dot_general")
+    assert len(prog.launches) * 2 < len(g.eqns)
+    for o, w in zip(outs, ref_eval(g, args)):
+        assert_close(o, w, rtol=1e-5, atol=1e-6)
+    optimised = run_passes(g)
+    check_regions(optimised, partition(optimised))
+
+
+def test_without_fusion_every_equation_is_a_kernel():
+    args = mlp_args()
+    g = tx.make_graph(mlp_forward_backward)(*args)
+    prog, outs = run_compiled(g, args, fuse=False)
+    assert len(prog.launches) >= len(run_passes(g).eqns)
+    for o, w in zip(outs, ref_eval(g, args)):
+        assert_close(o, w, rtol=1e-5, atol=1e-6)
+
+
+# ---- convexity -----------------------------------------------------------------------------------
+
+def test_diamond_through_a_gemm_is_not_fused_into_a_cycle():
+    """exp -> dot -> add and exp -> add: exp and add are both elementwise, but one region holding
+    both would feed the dot and read from it."""
+    x, w = Var(ShapedArray((4, 4), F32)), Var(ShapedArray((4, 4), F32))
+    e1, (a,) = new_eqn(P.exp, [x], {})
+    e2, (d,) = new_eqn(P.dot_general, [a, w], dict(dimension_numbers=(((1,), (0,)), ((), ()))))
+    e3, (s,) = new_eqn(P.add, [a, d], {})
+    g = Graph((), (x, w), (e1, e2, e3), (s,))
+    regions = partition(g)
+    check_regions(g, regions)
+    assert [r.kind for r in regions] == ["fused", "dot_general", "fused"]
+    args = [np.random.default_rng(1).standard_normal((4, 4)).astype(F32) for _ in range(2)]
+    _, (out,) = run_compiled(g, args)
+    assert_close(out, ref_eval(g, args)[0], rtol=1e-5)
+
+
+def test_diamond_through_a_reduction_is_not_fused_into_a_cycle():
+    """softmax: exp feeds both the row sum and the division by it."""
+    g = tx.make_graph(lambda x: tnp.exp(x) / tnp.sum(tnp.exp(x), axis=1, keepdims=True))(np.ones((3, 5), F32))
+    g = run_passes(g)
+    regions = partition(g)
+    check_regions(g, regions)
+    region_of = {id(e): k for k, r in enumerate(regions) for e in r.eqns}
+    (exp,) = [e for e in g.eqns if e.prim.name == "exp"]
+    (div,) = [e for e in g.eqns if e.prim.name == "div"]
+    (red,) = [e for e in g.eqns if e.prim.name == "reduce_sum"]
+    assert region_of[id(red)] not in (region_of[id(exp)], region_of[id(div)])
+
+
+def test_reduction_takes_its_producers_and_an_epilogue():
+    g = run_passes(tx.make_graph(lambda x: tnp.sum(tnp.tanh(x * 2.0), axis=1) / 7.0 + 1.0)(np.ones((3, 7), F32)))
+    (region,) = partition(g)
+    names = [e.prim.name for e in region.eqns if e.prim.name != "broadcast_in_dim"]
+    assert names == ["mul", "tanh", "reduce_sum", "div", "add"]
+
+
+def test_a_broadcast_literal_fuses_into_each_consumer():
+    """A constant used by two kernels is recomputed in both, never written to memory."""
+    def f(x, w):
+        c = tnp.full((4, 4), 3.0)
+        return (x * c) @ w, tnp.sum(c * w, axis=0)
+    args = [np.ones((4, 4), F32), np.arange(16, dtype=F32).reshape(4, 4)]
+    g = run_passes(tx.make_graph(f)(*args))
+    regions = partition(g)
+    assert not any(r.kind == "fused" and [e.prim.name for e in r.eqns] == ["broadcast_in_dim"] for r in regions)
+    _, outs = run_compiled(tx.make_graph(f)(*args), args)
+    for o, w in zip(outs, ref_eval(g, args)):
+        assert_close(o, w)
+
+
+def _random_graph(rng, n_eqns=24):
+    """A random DAG over shapes (4,3), (3,), (4,) and (3,3): elementwise ops, broadcasts,
+    reductions, transposes and GEMMs, so that many fusion opportunities meet many diamonds."""
+    shapes = {"A": (4, 3), "B": (3,), "C": (4,), "D": (3, 3)}
+    pool = {k: [Var(ShapedArray(s, F32))] for k, s in shapes.items()}
+    invars = [vs[0] for vs in pool.values()]
+    eqns = []
+
+    def pick(k):
+        return pool[k][rng.integers(len(pool[k]))]
+
+    def emit(prim, ins, **params):
+        e, (o,) = new_eqn(prim, ins, params)
+        eqns.append(e)
+        pool[next(k for k, s in shapes.items() if s == o.aval.shape)].append(o)
+    for _ in range(n_eqns):
+        op = rng.integers(8)
+        k = list(shapes)[rng.integers(4)]
+        if op == 0:
+            emit([P.tanh, P.neg, P.sin][rng.integers(3)], [pick(k)])
+        elif op in (1, 2):
+            emit([P.add, P.mul, P.sub][rng.integers(3)], [pick(k), pick(k)])
+        elif op == 3:
+            emit(P.reduce_sum, [pick("A")], axes=(int(rng.integers(2)),))
+        elif op == 4:
+            if rng.integers(2):
+                emit(P.broadcast_in_dim, [pick("B")], shape=(4, 3), broadcast_dimensions=(1,))
+            else:
+                emit(P.broadcast_in_dim, [pick("C")], shape=(4, 3), broadcast_dimensions=(0,))
+        elif op == 5:
+            emit(P.dot_general, [pick("A"), pick("D")], dimension_numbers=(((1,), (0,)), ((), ())))
+        elif op == 6:
+            emit(P.transpose, [pick("D")], permutation=(1, 0))
+        else:
+            emit(P.add, [pick("A"), pick("A")])
+    outs = [eqns[-1].outputs[0]] + [e.outputs[0] for e in eqns[:-1] if rng.random() < 0.2]
+    return dce(Graph((), tuple(invars), tuple(eqns), tuple(outs)))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_graphs_fuse_without_cycles_and_compute_the_same(seed):
+    rng = np.random.default_rng(seed)
+    g = _random_graph(rng)
+    regions = partition(g)
+    check_regions(g, regions)
+    assert len(regions) <= len(g.eqns)
+    args = [rng.uniform(-1, 1, v.aval.shape).astype(F32) for v in g.invars]
+    _, outs = run_compiled(g, args)
+    for o, w in zip(outs, ref_eval(g, args)):
+        assert_close(o, w, rtol=1e-5, atol=1e-5)
+
+
+def test_random_graphs_fuse_a_lot():
+    graphs = [_random_graph(np.random.default_rng(seed)) for seed in range(30)]
+    n_eqns = sum(len(g.eqns) for g in graphs)
+    n_regions = sum(len(partition(g)) for g in graphs)
+    assert n_regions < 0.6 * n_eqns, (n_regions, n_eqns)
+
+
+def test_region_inputs_and_outputs():
+    x = Var(ShapedArray((3,), F32))
+    e1, (a,) = new_eqn(P.exp, [x], {})
+    e2, (b,) = new_eqn(P.mul, [a, a], {})
+    e3, (s,) = new_eqn(P.reduce_sum, [b], dict(axes=(0,)))
+    g = Graph((), (x,), (e1, e2, e3), (s, a))
+    regions = partition(g)
+    # a is a graph output of shape (3,), s of shape (): they cannot share one kernel
+    assert len(regions) == 2
+    assert regions[0].outputs == (a,) and regions[0].inputs == (x,)
+    assert regions[1].inputs == (a,) and regions[1].outputs == (s,)
