@@ -145,17 +145,17 @@ def generate(params, cfg: Config, vocab: data.CharVocab, key, prompt: str = "The
              length: int = 200, temperature: float = 0.8) -> str:
     """Sample `length` characters after `prompt`, one jitted forward pass per character."""
     @tx.jit
-    def next_token(params, window, pos, key):
+    def next_token(params, window, pos, key, i):
         logits = forward(params, window, cfg)[0]  # (seq, vocab); causal: padding after pos is unseen
         last = tnp.take(logits, tnp.reshape(pos, (1,)), axis=0)[0]
-        return random.categorical(key, last / temperature)
+        return random.categorical(random.fold_in(key, i), last / temperature)
 
     ids = list(vocab.encode(prompt)) or [0]
     for i in range(length):
         ctx = ids[-cfg.seq:]
         window = np.zeros((1, cfg.seq), np.int32)
         window[0, :len(ctx)] = ctx
-        tok = next_token(params, window, np.int32(len(ctx) - 1), random.fold_in(key, i))
+        tok = next_token(params, window, np.int32(len(ctx) - 1), key, np.int32(i))
         ids.append(int(tok))
     return vocab.decode(ids)
 

@@ -18,6 +18,13 @@ class ShapedArray:
     dtype: np.dtype
     weak_type: bool = False
 
+    def __hash__(self):  # cached: avals are hashed on every jit call (cache keys)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.dtype, self.weak_type))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

@@ -9,6 +9,7 @@ that each call allocates from the backend's pool and frees when it returns."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,27 @@ class Launch:
     kernel: Kernel | None = None
     impl: str = ""
     meta: dict = field(default_factory=dict, compare=False)
+
+
+class _Sources(Mapping):
+    """Kernel name -> source text, rendered only when read (a backend's text, such as LLVM IR,
+    is costly to produce and rarely wanted)."""
+
+    def __init__(self, entries: dict):
+        self._entries = entries
+
+    def __getitem__(self, name: str) -> str:
+        x = self._entries[name]
+        if isinstance(x, Kernel):
+            return str(x)
+        text = getattr(x, "source", None)
+        return text if isinstance(text, str) else x.llvm_ir
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self):
+        return len(self._entries)
 
 
 def _nbytes(aval) -> int:
@@ -73,10 +95,9 @@ class _Builder:
         k = lk.kernel
         impl, run = dispatch.compile_kernel(k, self.device, self.backend)
         name = self.unique(k.name)
-        self.sources[name] = str(k)
-        extra = getattr(run, "source", None)
-        if extra:
-            self.sources[f"{name}.{self.backend.kind}"] = extra
+        self.sources[name] = k
+        if hasattr(run, "source") or hasattr(run, "llvm_ir"):  # the backend's own text, on demand
+            self.sources[f"{name}.{self.backend.kind}"] = run
         if config.debug >= 1:
             print(f"--- tilefuse: kernel {name} ({impl.name}) ---\n{k}", file=sys.stderr)
         self.steps.append((run, tuple(self.slot[v.id] for v in lk.args), step))
@@ -186,7 +207,7 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
                 backend.free(arena, device)
         return outs
 
-    prog = Program(g, run, b.sources, tuple(b.launches))
+    prog = Program(g, run, _Sources(b.sources), tuple(b.launches))
     prog.plan = plan
     prog.const_buffers = const_bufs
     return prog

@@ -11,11 +11,11 @@ def _env_bool(name: str, default: bool = False) -> bool:
 
 class Config:
     """Settings read by jit, the passes and the dispatcher. Those that change compiled code are
-    part of every jit cache key (`cache_key`)."""
-
-    _COMPILE_KEYS = ("gemm", "fusion", "default_device")
+    part of every jit cache key (`cache_key`, kept ready because jit reads it on every call)."""
 
     def __init__(self):
+        object.__setattr__(self, "_compile_keys", ["gemm", "fusion", "default_device"])
+        object.__setattr__(self, "_key", None)
         self.default_device: str | None = os.environ.get("TILEFUSE_DEVICE") or None
         self.explain_retrace: bool = _env_bool("TILEFUSE_EXPLAIN_RETRACE")
         self.debug_nans: bool = _env_bool("TILEFUSE_DEBUG_NANS")
@@ -24,9 +24,35 @@ class Config:
         self.dump_dir: str | None = os.environ.get("TILEFUSE_DUMP") or None
         self.gemm: str = os.environ.get("TILEFUSE_GEMM", "auto")
         self.fusion: bool = _env_bool("TILEFUSE_FUSION", True)
+        object.__setattr__(self, "_frozen", True)  # from here on, only known settings can be set
+
+    def define(self, name: str, default, env: str | None = None, compiles: bool = False) -> None:
+        """Add a setting (for a later layer); `env` names its environment variable; `compiles`
+        makes it part of jit's cache key (it changes the compiled code)."""
+        if env is not None and env in os.environ:
+            raw = os.environ[env]
+            default = _env_bool(env) if isinstance(default, bool) else type(default)(raw) \
+                if default is not None else raw
+        if compiles and name not in self._compile_keys:
+            self._compile_keys.append(name)
+        object.__setattr__(self, name, default)
+        object.__setattr__(self, "_key", None)
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False) and not hasattr(self, name):
+            known = ", ".join(k for k in vars(self) if not k.startswith("_"))
+            raise AttributeError(f"tilefuse.config has no setting {name!r} (known: {known}); a new "
+                                 "setting is added with tx.config.define(name, default, env=...)")
+        object.__setattr__(self, name, value)
+        if name in self._compile_keys:
+            object.__setattr__(self, "_key", None)
 
     def cache_key(self) -> tuple:
-        return tuple(getattr(self, k) for k in self._COMPILE_KEYS)
+        key = self._key
+        if key is None:
+            key = tuple(getattr(self, k, None) for k in self._compile_keys)
+            object.__setattr__(self, "_key", key)
+        return key
 
     def update(self, **kw) -> None:
         for k, v in kw.items():
@@ -35,7 +61,8 @@ class Config:
             setattr(self, k, v)
 
     def __repr__(self):
-        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in vars(self).items()) + ")"
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
+                                     if not k.startswith("_")) + ")"
 
 
 config = Config()

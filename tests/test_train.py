@@ -134,3 +134,24 @@ def test_resume_from_a_corrupt_checkpoint_fails_clearly(tmp_path, on_ref):
     (tmp_path / T.CHECKPOINT).write_bytes(b"PK\x03\x04 garbage")
     with pytest.raises(TilefuseError, match=r"checkpoint\.npz cannot be used"):
         run("--steps", 2, "--out", tmp_path, "--resume")
+
+
+def test_model_shapes_and_sampling(on_ref):
+    n = sum(x.size for x in tx.tree_leaves(T.init_params(random.key(0), T.Config())))
+    assert n == 429_664  # the issue's benchmark model: about 430k parameters
+    cfg = T.Config(vocab=30, d_model=16, layers=2, heads=4, seq=8, tied=True)
+    params = T.init_params(random.key(1), cfg)
+    assert "head" not in params
+    x = np.arange(16, dtype=np.int32).reshape(2, 8) % 30
+    logits = np.asarray(T.forward(params, x, cfg))
+    assert logits.shape == (2, 8, 30) and np.isfinite(logits).all()
+    # causal: changing a later token leaves earlier positions' logits unchanged
+    x2 = x.copy()
+    x2[:, 5] = 0
+    np.testing.assert_allclose(np.asarray(T.forward(params, x2, cfg))[:, :5], logits[:, :5], rtol=1e-6)
+    loss = float(T.loss_fn(params, x, x, cfg))
+    assert abs(loss - np.log(30)) < 0.3  # near uniform at initialisation
+    vocab = T.data.CharVocab("abcdefghijklmnopqrstuvwxyz .,\n", size=30)
+    text = T.generate(params, cfg, vocab, random.key(2), prompt="ab", length=12)
+    assert len(text) == 14 and text.startswith("ab") and set(text) <= set(vocab.chars)
+    assert text == T.generate(params, cfg, vocab, random.key(2), prompt="ab", length=12)

@@ -91,10 +91,6 @@ class _Entry:
         self.executable, self.out_tree, self.graph = executable, out_tree, graph
         self.single = out_tree is pytree.LEAF
 
-    def run(self, leaves):
-        outs = self.executable(leaves)
-        return outs[0] if self.single else pytree.tree_unflatten(self.out_tree, outs)
-
 
 class JitFunction:
     """A jitted function: a cache of compiled graphs keyed by the call's signature
@@ -122,16 +118,13 @@ class JitFunction:
                 self.static_argnums.add(self._param_names.index(name))
         self.device = device
         self._method_self = False  # set when used as a method: `self` is static unless a pytree
+        self._general_only = bool(self.static_argnums)  # static arguments skip the fast path
         self._cache: dict = {}  # full key -> _Entry
         self._fast: dict = {}  # fast key (plain positional arrays) -> _Entry
         self._graphs: dict = {}
         self._trace_keys: list = []  # keys traced so far, for explain_retrace
         self.trace_count = 0
-        code = getattr(fun, "__code__", None)
-        self._code = code
-        self._code_seen_before = code is not None and code in _seen_code
-        if code is not None and len(_seen_code) < _SEEN_CODE_MAX:
-            _seen_code[code] = True
+        self._track_code = True
 
     def __repr__(self):
         return f"<jit {getattr(self.fun, '__qualname__', self.fun)}>"
@@ -139,20 +132,23 @@ class JitFunction:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
-        self._method_self = True
+        self._method_self = self._general_only = True
         return _BoundJit(self, obj)
 
     # ---- the call path ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if not kwargs and not self.static_argnums and not self._method_self:
-            key = self._fast_key(args)
-            if key is not None:
-                entry = self._fast.get(key)
-                if entry is not None:
-                    return self._run(entry, args)
-        else:
-            key = None
-        return self._call(args, kwargs, key)
+        # The cache-hit path for plain positional arrays: one cheap key, one dict lookup.
+        if kwargs or self._general_only:
+            return self._call(args, kwargs, None)
+        key = self._fast_key(args)
+        entry = self._fast.get(key) if key is not None else None
+        if entry is None:
+            return self._call(args, kwargs, key)
+        try:
+            outs = entry.executable(args)
+        except TilefuseError as e:
+            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        return outs[0] if entry.single else pytree.tree_unflatten(entry.out_tree, outs)
 
     def _fast_key(self, args):
         """A cheap key for the common call: every argument a numpy array, an Array or a Python
@@ -173,9 +169,10 @@ class JitFunction:
 
     def _run(self, entry, leaves):
         try:
-            return entry.run(leaves)
+            outs = entry.executable(leaves)
         except TilefuseError as e:
             raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        return outs[0] if entry.single else pytree.tree_unflatten(entry.out_tree, outs)
 
     def _call(self, args, kwargs, fast_key):
         dyn_args, dyn_kwargs, static = self._split(args, kwargs)
@@ -254,9 +251,9 @@ class JitFunction:
         names = []
         for j, c in enumerate(args_def.children):
             base = self._argname(dyn_positions[j])
-            names += [base if c.node_type is None else f"{base}{p}" for p in _leaf_paths(c)]
+            names += [base if c.node_type is None else f"{base}{p}" for p in pytree.leaf_paths(c)]
         for key, c in zip(kw_def.aux or (), kw_def.children):
-            names += [repr(key) if c.node_type is None else f"{key!r}{p}" for p in _leaf_paths(c)]
+            names += [repr(key) if c.node_type is None else f"{key!r}{p}" for p in pytree.leaf_paths(c)]
         return names
 
     def _graph(self, static, avals, in_tree, trace_key):
@@ -264,8 +261,12 @@ class JitFunction:
         hit = self._graphs.get(gkey)
         if hit is not None:
             return hit
+        code = getattr(self.fun, "__code__", None)
+        seen_before = self.trace_count == 0 and code is not None and code in _seen_code
         if hooks.config is not None and hooks.config.explain_retrace:
-            self._explain(trace_key, in_tree, static)
+            self._explain(trace_key, in_tree, static, seen_before)
+        if self._track_code and code is not None and len(_seen_code) < _SEEN_CODE_MAX:
+            _seen_code[code] = True
         self.trace_count += 1
         if len(self._trace_keys) < 64:
             self._trace_keys.append(trace_key)
@@ -301,7 +302,7 @@ class JitFunction:
         self._cache[key] = entry
         return entry
 
-    def _explain(self, key, in_tree, static):
+    def _explain(self, key, in_tree, static, seen_before):
         """Log why this call traces (explain_retrace), as JAX's explain_cache_misses does."""
         name = getattr(self.fun, "__qualname__", self.__name__)
         where = user_line()
@@ -310,8 +311,8 @@ class JitFunction:
             reasons = explain_retrace(self._trace_keys[-1], key, self._leaf_names(in_tree, static),
                                       self._argname)
             log.warning("tilefuse: %s traced again%s because: %s", name, at, "; ".join(reasons))
-        elif self._code_seen_before:
-            code = self._code
+        elif seen_before:
+            code = self.fun.__code__
             log.warning("tilefuse: %s traced%s because it is a new function object: code from %s:%d was "
                         "jitted before as another function (jit(f) called anew, or a lambda/closure "
                         "made afresh each time, starts an empty cache). Create the jitted function once "
@@ -361,14 +362,6 @@ class _BoundJit:
 
     def __getattr__(self, name):
         return getattr(self._jit, name)
-
-
-def _leaf_paths(td) -> list[str]:
-    """Index paths ('[0]', "['w']") of the leaves of a treedef, in flattening order."""
-    if td.node_type is None:
-        return [""]
-    keys = td.aux if td.node_type is dict else range(len(td.children))
-    return [f"[{k!r}]{p}" for k, c in zip(keys, td.children) for p in _leaf_paths(c)]
 
 
 def _hashable(v, name):

@@ -54,9 +54,10 @@ class GraphBuilder:
         entry = self.consts.get(id(t))
         if entry is not None:
             var, val = entry
-            if var.aval.shape == ():
-                return Literal(np.asarray(val if not hasattr(val, "__array__") else np.asarray(val)),
-                               var.aval)
+            # a captured concrete scalar is written into the equation; a tracer of an outer
+            # transformation stays a constant input (its value is not ours to bake in)
+            if var.aval.shape == () and not isinstance(val, Tracer):
+                return Literal(np.asarray(val), var.aval)
         return self.vars[id(t)]
 
     def build(self, in_tracers: Sequence[Tracer], out_tracers: Sequence[Tracer]) -> Graph:
@@ -69,7 +70,7 @@ class GraphBuilder:
         in_ids = {v.id for v in invars}
         constvars, consts = [], []
         for var, val in self.consts.values():
-            if var.aval.shape != () and var.id in used and var.id not in in_ids:
+            if (var.aval.shape != () or isinstance(val, Tracer)) and var.id in used and var.id not in in_ids:
                 constvars.append(var)
                 consts.append(val)
         return Graph(tuple(constvars), invars, tuple(self.eqns), outvars, tuple(consts))

@@ -29,10 +29,15 @@ from .render import render
 
 BACKEND_VERSION = "llvm-1"
 OPT_LEVEL = 3
-# Below this much work (parallel points × reduce points) a kernel runs on the calling thread:
-# handing chunks to the pool costs ~20-40 µs here, which a 2-core split only repays above
-# ~64k simple points (measured with benchmarks/bench_elementwise.py --threshold on znver3).
-PARALLEL_MIN_WORK = 1 << 16
+# Threads or not: a kernel's time is estimated as points × reduce points × Σ op costs × NS_PER_OP;
+# handing chunks to the pool costs ~20-40 µs here (benchmarks/bench_elementwise.py --threshold:
+# x*2+1 takes 12 µs for 64k points on one thread, 51 µs through the pool; 0.19 ns a point, i.e.
+# ~0.05 ns per op with 8 float lanes), so a 2-core split pays off above ~60 µs of estimated work:
+# ~300k points of x*2+1, ~25k points of the tanh/sigmoid/exp chain.
+PARALLEL_MIN_NS = 60_000
+NS_PER_OP = 0.05
+OP_COST = {"exp": 12, "log": 12, "log1p": 14, "expm1": 14, "tanh": 14, "logistic": 10, "erf": 16,
+           "sin": 14, "cos": 14, "pow": 40, "div": 4, "rem": 8, "sqrt": 4, "rsqrt": 5}
 CHUNK_ALIGN = 64  # chunk boundaries on multiples of 64 points: whole cache lines per thread
 
 
@@ -194,9 +199,9 @@ class CompiledKernel:
         self._target = target
         self._size = kernel.size
         self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in kernel.buffers]
-        work = self._size * max(1, int(np.prod(kernel.reduce_shape, dtype=np.int64)))
-        self.threads = 1 if kernel.serial or work < PARALLEL_MIN_WORK else threads
-        self._bounds = _chunks(self._size, self.threads, work) if self.threads > 1 else None
+        self.est_ns = estimate_ns(kernel)
+        self.threads = 1 if kernel.serial or self.est_ns < PARALLEL_MIN_NS or self._size < 2 else threads
+        self._bounds = _chunks(self._size, self.threads, self.est_ns) if self.threads > 1 else None
         self._pool = get_pool(threads) if self.threads > 1 else None
 
     @property
@@ -231,9 +236,18 @@ class CompiledKernel:
         return f"<CompiledKernel {self.kernel.name} ({self.name}) on {self.threads} thread(s)>"
 
 
-def _chunks(size: int, threads: int, work: int) -> list:
-    """About 4 chunks per thread (balance on a busy machine), aligned to CHUNK_ALIGN points."""
-    n = max(1, min(threads * 4, work // (PARALLEL_MIN_WORK // 4) or 1))
+def estimate_ns(kernel: Kernel) -> float:
+    """A rough run time on one thread, from the op mix (see PARALLEL_MIN_NS)."""
+    nodes = {n for st in kernel.stores for root in (st.offset, st.value) for n in root.toposort()}
+    units = len(kernel.stores) + sum(OP_COST.get(n.op, 1) for n in nodes if n.op not in ("const", "idx", "ridx"))
+    work = kernel.size * max(1, int(np.prod(kernel.reduce_shape, dtype=np.int64)))
+    return work * units * NS_PER_OP
+
+
+def _chunks(size: int, threads: int, est_ns: float) -> list:
+    """Up to 4 chunks per thread (balance on a busy machine), each worth ≥ PARALLEL_MIN_NS / 4,
+    aligned to CHUNK_ALIGN points."""
+    n = max(1, min(threads * 4, int(est_ns // (PARALLEL_MIN_NS / 4))))
     step = -(-size // n)
     if step > CHUNK_ALIGN:
         step = -(-step // CHUNK_ALIGN) * CHUNK_ALIGN

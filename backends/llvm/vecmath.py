@@ -162,6 +162,24 @@ def exp(em: Emit, x):
     return em.sel(em.isnan(x), x, em.scale2(y, n))
 
 
+EXP_CORE_LO, EXP_CORE_HI = -86.5, 88.3  # 2**n·y stays a normal float: n in [-125, 127]
+
+
+def exp_core(em: Emit, x):
+    """e**x for x known to lie in [EXP_CORE_LO, EXP_CORE_HI] (no NaN): the scale 2**n goes
+    straight into the exponent bits, the cheap form for tanh, logistic and erf."""
+    b = em.b
+    n, r = _exp_reduce(em, x)
+    y = b.fadd(_exp_poly(em, r), em.c(x.type, 1.0))
+    ity = _like(x.type, I32)
+    bits = b.add(b.bitcast(y, ity), b.shl(b.fptosi(n, ity), em.c(ity, 23)))
+    return b.bitcast(bits, x.type)
+
+
+def _clamp(em: Emit, x, lo, hi):
+    return em.fmin(em.fmax(x, em.c(x.type, lo)), em.c(x.type, hi))
+
+
 LOG_P = (7.0376836292E-2, -1.1514610310E-1, 1.1676998740E-1, -1.2420140846E-1, 1.4249322787E-1,
          -1.6668057665E-1, 2.0000714765E-1, -2.4999993993E-1, 3.3333331174E-1)  # cephes logf
 
@@ -245,23 +263,27 @@ TANH_P = (-5.70498872745E-3, 2.06390887954E-2, -5.37397155531E-2, 1.33314422036E
 
 
 def tanh(em: Emit, x):
+    """Odd: computed on |x| and given the sign of x at the end (which also keeps -0.0)."""
     b = em.b
     ty = x.type
     ax = em.fabs(x)
     z = b.fmul(x, x)
-    small = em.fma(b.fmul(x, z), em.poly(z, TANH_P), x)
-    # 1 - 2/(e**(2|x|) + 1) = e/(e + 2) with e = expm1(2|x|): no cancellation near 0.625
-    e = expm1(em, b.fmul(ax, em.c(ty, 2.0)))
-    big = b.fdiv(e, b.fadd(e, em.c(ty, 2.0)))
-    big = em.sel(em.gt(ax, em.c(ty, 9.0)), em.c(ty, 1.0), big)  # also keeps inf/inf away
-    big = em.copysign(big, x)
-    return em.sel(em.lt(ax, em.c(ty, 0.625)), small, em.sel(em.isnan(x), x, big))
+    small = em.fma(b.fmul(ax, z), em.poly(z, TANH_P), ax)
+    # (e - 1)/(e + 1) with e = e**(2|x|) ≥ 3.49: the rounding of e costs < 1 ulp; |x| ≥ 9 is ±1
+    e = exp_core(em, b.fmul(em.fmin(ax, em.c(ty, 9.0)), em.c(ty, 2.0)))
+    big = b.fdiv(b.fsub(e, em.c(ty, 1.0)), b.fadd(e, em.c(ty, 1.0)))
+    r = em.copysign(em.sel(em.lt(ax, em.c(ty, 0.625)), small, big), x)
+    return em.sel(em.isnan(x), x, r)
 
 
 def logistic(em: Emit, x):
+    """1/(1 + e**-x); below x = -88.3 (true value < 5e-39) it returns 0."""
     b = em.b
     ty = x.type
-    return b.fdiv(em.c(ty, 1.0), b.fadd(em.c(ty, 1.0), exp(em, b.fneg(x))))
+    t = exp_core(em, _clamp(em, b.fneg(x), EXP_CORE_LO, EXP_CORE_HI))
+    r = b.fdiv(em.c(ty, 1.0), b.fadd(em.c(ty, 1.0), t))
+    r = em.sel(em.lt(x, em.c(ty, -EXP_CORE_HI)), em.c(ty, 0.0), r)
+    return em.sel(em.isnan(x), x, r)
 
 
 # erf: |x| < 0.9: x·P(x²); 0.9 ≤ |x| < 3.95: 1 - exp(Q(|x| - 2.425)), Q ≈ log erfc; beyond: ±1.
@@ -279,7 +301,7 @@ def erf(em: Emit, x):
     ax = em.fabs(x)
     small = b.fmul(x, em.poly(b.fmul(x, x), ERF_SMALL))
     t = b.fsub(em.fmin(ax, em.c(ty, 3.95)), em.c(ty, 2.425))
-    big = b.fsub(em.c(ty, 1.0), exp(em, em.poly(t, ERF_LARGE)))
+    big = b.fsub(em.c(ty, 1.0), exp_core(em, em.poly(t, ERF_LARGE)))  # log erfc in [-18.3, -1.6]
     big = em.sel(em.lt(ax, em.c(ty, 3.95)), big, em.c(ty, 1.0))
     big = em.copysign(big, x)
     return em.sel(em.lt(ax, em.c(ty, 0.9)), small, em.sel(em.isnan(x), x, big))
@@ -292,8 +314,9 @@ PIO2_LO = 6.123233995736766e-17
 
 
 def _sincos(em: Emit, x, cosine: bool):
-    """Reduce in float64 (x - k·pi/2 with FMA: accurate for |x| up to ~1e20), polynomials in
-    float32, then pick sin/cos of the remainder and its sign from the quadrant k mod 4."""
+    """Reduce in float64 (x - k·pi/2 with FMA and pi/2 to 107 bits: ≤ 2 ulp for |x| up to
+    ~1e9, degrading beyond ~1e15), polynomials in float32, then pick sin/cos of the remainder
+    and its sign from the quadrant k mod 4."""
     b = em.b
     ty = x.type
     dty = _like(ty, F64)
@@ -311,6 +334,7 @@ def _sincos(em: Emit, x, cosine: bool):
     odd = b.or_(em.eq(q, em.c(dty, 1.0)), em.eq(q, em.c(dty, 3.0)))
     v = em.sel(odd, c, s)
     v = em.sel(b.fcmp_ordered(">=", q, em.c(dty, 2.0)), b.fneg(v), v)
+    v = _clamp(em, v, -1.0, 1.0)  # past |x| ~ 1e15 the reduction is lost: stay in range
     v = em.sel(em.isnan(r), r, v)
     if cosine:
         return v
@@ -380,11 +404,12 @@ def pow(em: Emit, x, y):
     neg = b.fcmp_ordered("<", x, em.c(ty, 0.0))
     signbit = b.icmp_signed("<", b.bitcast(x, _like(ty, I32)), em.c(_like(ty, I32), 0))
     r = em.sel(b.and_(odd, signbit), b.fneg(r), r)
-    r = em.sel(b.and_(neg, b.not_(is_int)), em.c(ty, math.nan), r)
+    xfin = em.lt(em.fabs(x), em.c(ty, math.inf))
+    r = em.sel(b.and_(b.and_(neg, xfin), b.not_(is_int)), em.c(ty, math.nan), r)
     r = em.sel(b.or_(em.isnan(x), em.isnan(y)), em.c(ty, math.nan), r)
     one = em.c(ty, 1.0)
-    r = em.sel(em.eq(em.fabs(x), one), em.sel(b.and_(odd, neg), em.c(ty, -1.0), one), r)
-    r = em.sel(b.and_(em.eq(x, em.c(ty, -1.0)), em.eq(em.fabs(y), em.c(ty, math.inf))), one, r)
+    # |x| = 1: 1, or -1 for x = -1 and an odd y; ±inf counts as an even integer (C99)
+    r = em.sel(b.and_(em.eq(x, em.c(ty, -1.0)), is_int), em.sel(odd, em.c(ty, -1.0), one), r)
     r = em.sel(em.eq(x, one), one, r)
     return em.sel(em.eq(y, em.c(ty, 0.0)), one, r)
 

@@ -12,7 +12,21 @@ Store modes: "set" writes; "add" accumulates (scatter-add: backends must make co
 to one element race-free, e.g. by running the kernel serially or with atomics).
 
 16-bit floats are stored narrow and computed in float32: loads of float16/bfloat16 are followed
-by a `cast` to float32 and stores cast back, so expressions only see 32/64-bit types.
+by a `cast` to float32 and stores cast back, so expressions only see 32/64-bit types — except
+for an explicit rounding (a graph convert to a 16-bit type), lowered as a cast to it and
+straight back to float32.
+
+Op semantics every renderer implements (ir/kernel/interp.py is the reference):
+- `cast` float -> int truncates toward zero (C); int/bool -> float is exact where representable.
+  Casts to bool are not emitted (the lowering writes `ne x, 0`).
+- integer `div`/`rem` are C's (truncating; `rem` takes the dividend's sign, as float `rem` = fmod);
+  division by zero is undefined (the lowering guards it where the primitive defines it).
+- `round` rounds half to even; `sign` is -1/0/1 (NaN for NaN); `logistic` is 1/(1+exp(-x)).
+- bool values only meet `and`/`or`/`xor`/`not`, comparisons, `select` and casts (the lowering
+  turns bool add/mul/max/min into or/and), and the reductions max (any) and min (all).
+- A kernel holds at most one distinct `reduce` node, present iff `reduce_shape` is non-empty;
+  over an empty reduction space sum gives 0 and prod 1 (max/min/argmax never see one).
+  argmax/argmin give the index of the first extreme; NaN counts as the extreme (numpy's rule).
 """
 from __future__ import annotations
 

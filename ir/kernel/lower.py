@@ -434,6 +434,8 @@ def _lower_generic(region, kind=None) -> list[LoweredKernel]:
               for k, (v, o) in enumerate(zip(values, region.outputs))]
     if kind is None:
         kind = "reduce" if b.reduce_shape else "elementwise"
+    reductions = {n for v in values for n in v.toposort() if n.op == "reduce"}
+    assert len(reductions) == (1 if b.reduce_shape else 0), (region, len(reductions))
     return [b.kernel(kernel_name(region.eqns), region.outputs, shape, stores, kind, region.eqns)]
 
 

@@ -91,8 +91,9 @@ def mlp_args(B=8, D=6, H=5, O=3):
     return [r.standard_normal(s).astype(F32) for s in [(D, H), (H,), (H, O), (O,), (B, D), (B, O)]]
 
 
-def test_mlp_gradients_are_right():
+def test_mlp_gradients_are_right(monkeypatch):
     """The hand-written backward matches finite differences, so the graphs below mean something."""
+    monkeypatch.setattr(tx.config, "default_device", "ref")  # eager float64 on the numpy oracle
     args = mlp_args()
     _, dW1, db1, dW2, db2 = (np.asarray(v) for v in mlp_forward_backward(*[a.astype(np.float64) for a in args]))
     eps = 1e-6

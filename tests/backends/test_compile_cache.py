@@ -1,0 +1,112 @@
+"""The persistent compile cache: entries round-trip, corrupt/truncated/stale entries are rebuilt,
+and a second process compiles nothing."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tilefuse.runtime import compile_cache as cc
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return cc.CompileCache("test", str(tmp_path))
+
+
+def test_roundtrip_and_permissions(cache, tmp_path):
+    key = cc.make_key("kernel text", ("params", 1))
+    assert key != cc.make_key("kernel text", ("params", 2))
+    cache.store(key, b"object code")
+    assert cache.load(key) == b"object code"
+    assert stat.S_IMODE(os.stat(cache.dir).st_mode) == 0o700
+    assert os.listdir(cache.dir) == [key + ".bin"]  # no temporary files left
+
+
+def _built(cache, key, payload=b"fresh"):
+    calls = []
+
+    def build():
+        calls.append(1)
+        return payload
+    return cache.get_or_build(key, build), len(calls)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "other_key", "magic"])
+def test_damaged_entry_is_rebuilt(cache, damage):
+    key, other = cc.make_key("a"), cc.make_key("b")
+    cache.store(key, b"original payload")
+    path = cache.path(key)
+    data = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        data[-3] ^= 0xFF
+    elif damage == "truncate":
+        data = data[:-4]
+    elif damage == "empty":
+        data = b""
+    elif damage == "other_key":  # a stale entry written for another key
+        cache.store(other, b"original payload")
+        data = open(cache.path(other), "rb").read()
+    else:
+        data[:8] = b"NOTCACHE"
+    open(path, "wb").write(bytes(data))
+    before = cc.stats()
+    payload, builds = _built(cache, key)
+    after = cc.stats()
+    assert payload == b"fresh" and builds == 1
+    assert after["corrupt"] == before["corrupt"] + 1 and after["compiles"] == before["compiles"] + 1
+    assert cache.load(key) == b"fresh"  # rewritten
+
+
+def test_disabled(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", "off")
+    assert cc.default_dir() is None
+    c = cc.CompileCache("x", None)
+    assert _built(c, cc.make_key("k")) == (b"fresh", 1)
+
+
+CHILD = r"""
+import json, sys
+import numpy as np
+from tilefuse.backends.llvm import create
+from tilefuse.ir.kernel import ir as K
+from tilefuse.runtime import compile_cache
+f32 = np.dtype(np.float32)
+x = K.load(0, K.idx(0), f32)
+ks = [K.Kernel("k%d" % i, (K.Buffer("x", f32, 100), K.Buffer("y", f32, 100)), 1, (100,), (),
+               (K.Store(1, K.idx(0), K.unary(op, x) + float(i)),)) for i, op in enumerate(["exp", "tanh"])]
+be = create()
+xs = np.linspace(-1, 1, 100).astype(np.float32)
+ok = True
+for i, (k, f) in enumerate(zip(ks, [np.exp, np.tanh])):
+    y = np.empty(100, np.float32)
+    be.compile_kernel(k)([xs, y])
+    ok &= bool(np.allclose(y, f(xs) + i, rtol=1e-6))
+print(json.dumps({**compile_cache.stats(), "ok": ok}))
+"""
+
+
+def _child(tmp_path):
+    env = {**os.environ, "TILEFUSE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_compiles_nothing_and_corrupt_entry_recompiles(tmp_path):
+    first = _child(tmp_path)
+    assert first["ok"] and first["compiles"] == 2 and first["disk_writes"] == 2
+    second = _child(tmp_path)
+    assert second["ok"] and second["compiles"] == 0 and second["disk_hits"] == 2
+    d = os.path.join(str(tmp_path), "llvm")
+    victim = os.path.join(d, sorted(os.listdir(d))[0])
+    with open(victim, "r+b") as f:  # damage the object code inside a valid-looking header
+        f.seek(200)
+        f.write(b"\x00" * 64)
+    third = _child(tmp_path)
+    assert third["ok"] and third["compiles"] == 1 and third["corrupt"] == 1 and third["disk_hits"] == 1

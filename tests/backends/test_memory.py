@@ -1,0 +1,156 @@
+"""The caching pool allocator (runtime/memory.py) and the CPU backend's buffers."""
+from __future__ import annotations
+
+import gc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tilefuse.backends.llvm import create
+from tilefuse.ir.core import ShapedArray
+from tilefuse.ir.errors import OutOfMemoryError
+from tilefuse.runtime.memory import PoolAllocator, parse_bytes, size_class
+
+
+class Device:
+    """A fake device: counts raw allocations and frees."""
+
+    def __init__(self):
+        self.live, self.allocs = {}, 0
+
+    def alloc(self, n):
+        self.allocs += 1
+        block = bytearray(n)
+        self.live[id(block)] = n
+        return block
+
+    def free(self, block):
+        del self.live[id(block)]
+
+
+def pool(limit=None):
+    d = Device()
+    return PoolAllocator(d.alloc, d.free, limit=limit), d
+
+
+def test_parse_bytes():
+    assert parse_bytes("64M") == 64 << 20
+    assert parse_bytes("1.5G") == 3 << 29
+    assert parse_bytes("512KiB") == 512 << 10
+    assert parse_bytes("4096") == 4096
+    assert parse_bytes(" 2 mb ") == 2 << 20
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_size_classes():
+    assert size_class(0) == size_class(1) == 64
+    assert size_class(65) == 128
+    assert size_class(1 << 20) == 1 << 20
+    assert size_class((1 << 20) + 1) == (1 << 20) + (1 << 18)  # 1.25 MiB
+    assert size_class(3 << 20) == 3 << 20  # 1.5 × 2 MiB
+    for n in (100, 5000, 123456, 10 ** 7, 3 * 10 ** 8):
+        c = size_class(n)
+        assert n <= c <= max(2 * n, 64) and (n <= 1 << 20 or c <= 1.25 * n)
+
+
+def test_reuse_and_stats():
+    p, d = pool()
+    a = p.alloc(1000)
+    b = p.alloc(3000)
+    p.free(a)
+    c = p.alloc(900)  # same class as a: reused
+    assert c is a
+    s = p.stats()
+    assert s["allocations"] == 2 and s["pool_hits"] == 1 and d.allocs == 2
+    assert s["bytes_in_use"] == 3900 and s["peak_bytes_in_use"] == 4000
+    assert s["bytes_reserved"] == 1024 + 4096
+    p.free(b)
+    p.free(c)
+    assert p.stats()["bytes_in_use"] == 0 and p.stats()["bytes_cached"] == 1024 + 4096
+    p.empty_cache()
+    assert d.live == {} and p.stats()["bytes_reserved"] == 0
+    with pytest.raises(ValueError):
+        p.free(b)  # freed twice
+
+
+def test_limit_oom_leaves_pool_consistent():
+    p, d = pool(limit=1 << 20)
+    a = p.alloc(600 << 10)  # 1 MiB class? no: 1 MiB power of two for 600 KiB
+    with pytest.raises(OutOfMemoryError, match="pool limit"):
+        p.alloc(600 << 10)
+    s = p.stats()
+    assert s["bytes_in_use"] == 600 << 10 and s["live_blocks"] == 1 and len(d.live) == 1
+    p.free(a)
+    b = p.alloc(100 << 10)  # under the limit: cached 1 MiB block is dropped to make room
+    assert p.stats()["bytes_reserved"] <= 1 << 20
+    p.free(b)
+    assert p.alloc(900 << 10) is not None
+
+
+def test_device_memory_error_becomes_oom():
+    def raw(n):
+        raise MemoryError
+    p = PoolAllocator(raw, lambda b: None)
+    with pytest.raises(OutOfMemoryError):
+        p.alloc(10)
+    assert p.stats()["live_blocks"] == 0
+
+
+def test_env_limit(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_POOL_LIMIT", "64K")
+    p, _ = pool()
+    assert p.limit == 64 << 10
+    with pytest.raises(OutOfMemoryError):
+        p.alloc(100 << 10)
+
+
+# ---- the CPU backend's buffers ------------------------------------------------------------------
+
+def test_cpu_buffers_aligned_reused_and_returned():
+    be = create()
+    a = be.alloc(1000)
+    assert a.dtype == np.uint8 and a.shape == (1000,) and a.ctypes.data % 64 == 0
+    addr = a.ctypes.data
+    view = a[:400].view(np.float32)
+    del a
+    gc.collect()
+    assert be.memory_stats()["bytes_in_use"] == 1000  # a view keeps the block
+    del view
+    assert be.memory_stats()["bytes_in_use"] == 0
+    b = be.alloc(900)
+    assert b.ctypes.data == addr and be.memory_stats()["pool_hits"] == 1
+    be.free(b)
+    assert be.memory_stats()["bytes_in_use"] == 0
+    del b  # no double return
+    assert be.memory_stats()["frees"] == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.bool_, ml_dtypes.bfloat16, np.float16])
+def test_put_to_host_roundtrip(dtype):
+    be = create()
+    x = (np.arange(24).reshape(4, 6) % 5).astype(dtype)[:, ::2]  # non-contiguous source
+    buf = be.put(x)
+    y = be.to_host(buf, ShapedArray(x.shape, np.dtype(dtype)))
+    np.testing.assert_array_equal(y, x)
+    assert not y.flags.writeable and np.shares_memory(y, buf)
+
+
+def test_second_identical_step_allocates_nothing():
+    be = create()
+    for _ in range(3):
+        bufs = [be.alloc(n) for n in (4096, 10 ** 6, 77)]
+        del bufs
+    s = be.memory_stats()
+    assert s["allocations"] == 3 and s["pool_hits"] == 6
+
+
+def test_cpu_pool_limit(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_POOL_LIMIT", "1M")
+    be = create()
+    a = be.alloc(600 << 10)
+    with pytest.raises(OutOfMemoryError):
+        be.alloc(600 << 10)
+    del a
+    assert be.alloc(900 << 10).nbytes == 900 << 10
