@@ -234,15 +234,22 @@ def _vmap():
     return vmap
 
 
-def _map_basis(fn: Callable, basis: list, out_avals: list) -> list:
-    """Stack fn over the rows of the basis arrays (a leading axis of length n each): returns
-    one (n, *aval.shape) array per entry of out_avals."""
+def _map_basis(fn: Callable, basis: list):
+    """Map fn over the rows of the basis arrays (a leading axis of length n each).
+    fn(row) -> (fixed, per_row): `fixed` does not depend on the row (primal outputs, aux),
+    `per_row` is a list of arrays. Returns (fixed, one (n, *shape) array per per_row entry)."""
     vmap = _vmap()
-    if vmap is not None:
-        return list(vmap(fn)(basis))
-    n = basis[0].shape[0] if basis else 0
+    if vmap is not None:  # one batched call
+        fixed, per_row = vmap(fn, out_axes=(None, 0))(basis)
+        return fixed, list(per_row)
+    n = basis[0].shape[0]
     rows = [fn([b[k] for b in basis]) for k in range(n)]
-    return [ops.stack([r[i] for r in rows], a.shape, a.dtype) for i, a in enumerate(out_avals)]
+    if not rows:  # an empty input: one call on a zero row, for the shapes
+        rows = [fn([np.zeros(b.shape[1:], b.dtype) for b in basis])]
+    fixed, sample = rows[0]
+    stacked = [ops.stack([r[1][i] for r in rows[:n]], get_aval(s).shape, get_aval(s).dtype)
+               for i, s in enumerate(sample)]
+    return fixed, stacked
 
 
 def _std_basis(avals) -> list[np.ndarray]:
@@ -276,8 +283,8 @@ def jacrev(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
         outs, pullback, aux = vjp_flat(flat, leaves)
         _check_float_outputs("jacrev", fun, outs)
         out_avals, in_avals = [get_aval(o) for o in outs], [get_aval(x) for x in leaves]
-        stacked = _map_basis(lambda cts: _materialize_all(pullback(cts), leaves),
-                             _std_basis(out_avals), in_avals)
+        _, stacked = _map_basis(lambda cts: ((), _materialize_all(pullback(cts), leaves)),
+                                _std_basis(out_avals))
         jac, off = [], 0
         for oa in out_avals:
             jac.append(_unflatten_args(in_tree, [
@@ -297,14 +304,14 @@ def jacfwd(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
         leaves, in_tree = _check_leaves("jacfwd", fun, args, nums)
         store: dict = {}
         flat = _flat_fun("jacfwd", fun, args, kwargs, nums, in_tree, has_aux, store)
-        outs, aux = flat(*leaves)  # the primal pass: output shapes, structure and aux
-        _check_float_outputs("jacfwd", fun, outs)
-        out_avals, in_avals = [get_aval(o) for o in outs], [get_aval(x) for x in leaves]
+        in_avals = [get_aval(x) for x in leaves]
 
         def push(ts):
-            o, t, _ = jvp_flat(flat, leaves, ts)
-            return _materialize_all(t, o)
-        stacked = _map_basis(push, _std_basis(in_avals), out_avals)
+            o, t, aux = jvp_flat(flat, leaves, ts)
+            return (o, aux), _materialize_all(t, o)
+        (outs, aux), stacked = _map_basis(push, _std_basis(in_avals))
+        _check_float_outputs("jacfwd", fun, outs)
+        out_avals = [get_aval(o) for o in outs]
         jac = []
         for s, oa in zip(stacked, out_avals):
             per_in, off = [], 0

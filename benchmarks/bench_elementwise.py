@@ -40,7 +40,7 @@ def tilefuse_fns(n):
         tx.get_device("cpu")
 
         def chain(x):
-            return tnp.tanh(x * 1.7 + 0.3) * tx.nn.sigmoid(x) + tnp.exp(-x * x) * 0.5
+            return tnp.tanh(x * 1.7 + 0.3) * tnp.sigmoid(x) + tnp.exp(-x * x) * 0.5
 
         def softmax(x):
             e = tnp.exp(x - tnp.max(x, axis=1, keepdims=True))

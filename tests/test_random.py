@@ -183,3 +183,10 @@ def test_bad_keys_are_reported():
         random.uniform(random.split(random.key(0), 2), (2,))
     with pytest.raises(TilefuseError, match="float dtype"):
         random.uniform(random.key(0), (2,), tnp.int32)
+
+
+def test_vmap_over_keys_equals_one_key_at_a_time():
+    keys = random.split(random.key(0), 4)
+    batched = np.asarray(tx.vmap(lambda k: random.normal(k, (3,)))(keys))
+    one_by_one = np.stack([np.asarray(random.normal(keys[i], (3,))) for i in range(4)])
+    np.testing.assert_array_equal(batched, one_by_one)

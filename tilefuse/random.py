@@ -55,14 +55,14 @@ def threefry_2x32(k0, k1, x0, x1, rounds: int = 20):
 
 # ---- keys ---------------------------------------------------------------------------------------
 
-def _check_key(k, fn: str):
-    k = tnp.asarray(k) if isinstance(k, (list, tuple, np.ndarray)) else k
-    if tnp.shape(k) != (2,) or np.dtype(k.dtype) != _U32:
+def _check_key(key, fn: str):
+    key = tnp.asarray(key) if isinstance(key, (list, tuple, np.ndarray)) else key
+    if tnp.shape(key) != (2,) or np.dtype(key.dtype) != _U32:
         raise TilefuseError(with_user_line(
-            f"random.{fn}: expected a key (uint32 array of shape (2,)), got {k.dtype}"
-            f"{list(tnp.shape(k))}; make one with tilefuse.random.key(seed), and split a batch of keys "
-            "with k[i] or vmap"))
-    return k
+            f"random.{fn}: expected a key (uint32 array of shape (2,)), got {key.dtype}"
+            f"{list(tnp.shape(key))}; make one with tilefuse.random.key(seed), and split a batch of keys "
+            "with key[i] or vmap"))
+    return key
 
 
 def key(seed) -> "tnp.ndarray":
@@ -90,33 +90,33 @@ def _flat_counter(shape):
     return tnp.arange(n, dtype=_U32)
 
 
-def _words(k, shape):
+def _words(key, shape):
     """Two independent uint32 words per element of `shape`."""
     shape = tuple(int(s) for s in shape)
     c = _flat_counter(shape)
-    w0, w1 = threefry_2x32(k[0], k[1], tnp.zeros_like(c), c)
+    w0, w1 = threefry_2x32(key[0], key[1], tnp.zeros_like(c), c)
     return tnp.reshape(w0, shape), tnp.reshape(w1, shape)
 
 
-def split(k, num: int = 2):
+def split(key, num: int = 2):
     """`num` new keys from one, as an array of shape (num, 2)."""
-    k = _check_key(k, "split")
-    w0, w1 = _words(k, (int(num),))
+    key = _check_key(key, "split")
+    w0, w1 = _words(key, (int(num),))
     return tnp.stack([w0, w1], axis=1)
 
 
-def fold_in(k, data):
+def fold_in(key, data):
     """A new key from a key and an integer (a step number, a layer index, a device rank)."""
-    k = _check_key(k, "fold_in")
+    key = _check_key(key, "fold_in")
     d = tnp.astype(data if not isinstance(data, int) else np.array(data & 0xFFFFFFFF, np.uint32), _U32)
-    w0, w1 = threefry_2x32(k[0], k[1], tnp.zeros((1,), _U32), tnp.reshape(d, (1,)))
+    w0, w1 = threefry_2x32(key[0], key[1], tnp.zeros((1,), _U32), tnp.reshape(d, (1,)))
     return tnp.concatenate([w0, w1])
 
 
-def bits(k, shape=()):
+def bits(key, shape=()):
     """Uniform random uint32 bits of the given shape."""
-    k = _check_key(k, "bits")
-    w0, w1 = _words(k, _shape(shape))
+    key = _check_key(key, "bits")
+    w0, w1 = _words(key, _shape(shape))
     return w0 ^ w1
 
 
@@ -135,19 +135,19 @@ def _unit(w, dtype, open_low=False):
     """Floats in [0, 1) from uint32 words, with as many random bits as dtype's mantissa holds
     (so the value is exact in dtype and never rounds up to 1); open_low gives (0, 1)."""
     m = min(_dt.finfo(dtype).nmant, 23)  # float64: 23 bits from one word are plenty here
-    k = tnp.astype(_shift(P.shift_right_logical, w, 32 - m), tnp.float32)
+    n = tnp.astype(_shift(P.shift_right_logical, w, 32 - m), tnp.float32)
     if open_low:
-        k = k + 0.5
-    return tnp.astype(k * float(2.0 ** -m), dtype)
+        n = n + 0.5
+    return tnp.astype(n * float(2.0 ** -m), dtype)
 
 
 # ---- distributions ---------------------------------------------------------------------------
 
-def uniform(k, shape=(), dtype=tnp.float32, minval=0.0, maxval=1.0):
+def uniform(key, shape=(), dtype=tnp.float32, minval=0.0, maxval=1.0):
     """Uniform floats in [minval, maxval)."""
-    k = _check_key(k, "uniform")
+    key = _check_key(key, "uniform")
     dtype = _float_dtype(dtype, "uniform")
-    w0, w1 = _words(k, _shape(shape))
+    w0, w1 = _words(key, _shape(shape))
     u = _unit(w0 ^ w1, dtype)
     if isinstance(minval, (int, float)) and isinstance(maxval, (int, float)) and (minval, maxval) == (0, 1):
         return u
@@ -156,37 +156,37 @@ def uniform(k, shape=(), dtype=tnp.float32, minval=0.0, maxval=1.0):
     return tnp.maximum(minval, u * (maxval - minval) + minval)
 
 
-def normal(k, shape=(), dtype=tnp.float32):
+def normal(key, shape=(), dtype=tnp.float32):
     """Standard normal floats (Box-Muller on the two words of each element's counter)."""
-    k = _check_key(k, "normal")
+    key = _check_key(key, "normal")
     dtype = _float_dtype(dtype, "normal")
-    w0, w1 = _words(k, _shape(shape))
+    w0, w1 = _words(key, _shape(shape))
     u1 = _unit(w0, tnp.float32, open_low=True)  # in (0, 1): log is finite
     u2 = _unit(w1, tnp.float32)
     z = tnp.sqrt(-2.0 * tnp.log(u1)) * tnp.cos(float(2 * np.pi) * u2)
     return tnp.astype(z, dtype)
 
 
-def bernoulli(k, p=0.5, shape=None):
+def bernoulli(key, p=0.5, shape=None):
     """Booleans that are True with probability p (p broadcasts against shape)."""
-    k = _check_key(k, "bernoulli")
+    key = _check_key(key, "bernoulli")
     shape = tnp.shape(p) if shape is None else _shape(shape)
-    return tnp.less(uniform(k, shape), p)
+    return tnp.less(uniform(key, shape), p)
 
 
-def gumbel(k, shape=(), dtype=tnp.float32):
+def gumbel(key, shape=(), dtype=tnp.float32):
     """Standard Gumbel floats: -log(-log(u)) for u in (0, 1)."""
-    k = _check_key(k, "gumbel")
+    key = _check_key(key, "gumbel")
     dtype = _float_dtype(dtype, "gumbel")
-    w0, w1 = _words(k, _shape(shape))
+    w0, w1 = _words(key, _shape(shape))
     u = _unit(w0 ^ w1, tnp.float32, open_low=True)
     return tnp.astype(-tnp.log(-tnp.log(u)), dtype)
 
 
-def categorical(k, logits, axis: int = -1, shape=None):
+def categorical(key, logits, axis: int = -1, shape=None):
     """Indices drawn from the softmax of `logits` along `axis` (the Gumbel-max trick). `shape`,
     if given, is the output shape; it must end with the logits' batch shape."""
-    k = _check_key(k, "categorical")
+    key = _check_key(key, "categorical")
     logits = tnp.asarray(logits)
     axis = axis % tnp.ndim(logits)
     batch = tnp.shape(logits)[:axis] + tnp.shape(logits)[axis + 1:]
@@ -198,33 +198,33 @@ def categorical(k, logits, axis: int = -1, shape=None):
                                         f"logits' batch shape {batch}"))
     n = tnp.shape(logits)[axis]
     lead = shape[:len(shape) - len(batch)]
-    g = gumbel(k, lead + batch[:axis] + (n,) + batch[axis:], logits.dtype)
+    g = gumbel(key, lead + batch[:axis] + (n,) + batch[axis:], logits.dtype)
     return tnp.argmax(g + logits, axis=len(lead) + axis)
 
 
-def randint(k, shape, minval, maxval, dtype=tnp.int32):
+def randint(key, shape, minval, maxval, dtype=tnp.int32):
     """Integers uniform in [minval, maxval) (the span must be below 2**31; the modulo bias is
     below span / 2**31)."""
-    k = _check_key(k, "randint")
-    r = _shift(P.shift_right_logical, bits(k, shape), 1)  # 31 bits: fits int32 on every backend
+    key = _check_key(key, "randint")
+    r = _shift(P.shift_right_logical, bits(key, shape), 1)  # 31 bits: fits int32 on every backend
     r = tnp.astype(r, tnp.int32)
     lo = tnp.astype(minval, tnp.int32)
     span = tnp.maximum(tnp.astype(maxval, tnp.int32) - lo, 1)
     return tnp.astype(lo + r % span, dtype)
 
 
-def permutation(k, x, axis: int = 0):
+def permutation(key, x, axis: int = 0):
     """A random permutation of range(x) if x is an int, else x shuffled along `axis`.
 
     Without a sort primitive the ranks of random keys are counted by comparing all pairs:
     O(n**2) work and memory, fine up to a few thousand elements."""
-    k = _check_key(k, "permutation")
+    key = _check_key(key, "permutation")
     n = int(x) if isinstance(x, (int, np.integer)) else tnp.shape(x)[axis]
     if n > 8192:
         raise TilefuseError(with_user_line(
             f"random.permutation: n={n} is too large for the all-pairs ranking (O(n^2) memory); "
             "permute on the host with numpy, or draw batches with random.randint"))
-    r = tnp.astype(_shift(P.shift_right_logical, bits(k, (n,)), 1), tnp.int32)
+    r = tnp.astype(_shift(P.shift_right_logical, bits(key, (n,)), 1), tnp.int32)
     i = tnp.arange(n, dtype=tnp.int32)
     # rank_i = #{j : r_j < r_i, or r_j == r_i and j < i}: distinct ranks, uniformly permuted
     before = tnp.logical_or(tnp.less(r[None, :], r[:, None]),

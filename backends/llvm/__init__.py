@@ -89,6 +89,10 @@ class LLVMBackend(Backend):
         if isinstance(owner, _Owner):
             owner.release()
 
+    def view(self, buf, offset: int, nbytes: int) -> np.ndarray:
+        """A sub-buffer of an arena: a slice (it keeps the arena's block alive)."""
+        return buf[offset:offset + nbytes]
+
     def put(self, host, device=None) -> np.ndarray:
         host = np.asarray(host)
         buf = self.alloc(host.nbytes, device)
