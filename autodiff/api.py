@@ -10,7 +10,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
-from tilefuse.ir.errors import TransformError, with_user_line
+from tilefuse.ir.errors import TilefuseError, TransformError, filter_traceback, with_user_line
 from tilefuse.tracer.core import bind1, bind_custom_vjp, get_aval, is_array_like
 from tilefuse.tracer.pytree import PyTreeDef, tree_flatten, tree_map, tree_unflatten
 
@@ -21,6 +21,17 @@ from .vjp import vjp_flat
 
 def _error(msg: str) -> TransformError:
     return TransformError(with_user_line(msg))
+
+
+def _user_frames(fn: Callable) -> Callable:
+    """Re-raise tilefuse errors with our internal frames dropped from the traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TilefuseError as e:
+            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+    return wrapper
 
 
 def _fname(fun) -> str:
@@ -122,6 +133,7 @@ def _unflatten_args(in_tree, leaves, single):
 
 # ---- reverse mode ------------------------------------------------------------------------------
 
+@_user_frames
 def vjp(fun: Callable, *primals, has_aux: bool = False):
     """(out, vjp_fn) or (out, vjp_fn, aux): vjp_fn(cotangent shaped like out) returns a tuple
     with one cotangent per primal, each shaped like it."""
@@ -132,6 +144,7 @@ def vjp(fun: Callable, *primals, has_aux: bool = False):
     outs, pullback, aux = vjp_flat(flat, leaves)
     out_tree = store["out_tree"]
 
+    @_user_frames
     def vjp_fn(cotangent):
         ct_leaves, ct_tree = tree_flatten(cotangent)
         if ct_tree != out_tree:
@@ -175,6 +188,7 @@ def _value_and_grad(where, fun, argnums, has_aux, args, kwargs):
 
 def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
     """f -> (value, gradient) of a scalar function; with has_aux, ((value, aux), gradient)."""
+    @_user_frames
     @functools.wraps(fun)
     def value_and_grad_f(*args, **kwargs):
         return _value_and_grad("value_and_grad", fun, argnums, has_aux, args, kwargs)
@@ -184,6 +198,7 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
 def grad(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
     """f -> the gradient of scalar f with respect to argument(s) argnums (pytrees welcome);
     with has_aux, f returns (value, aux) and grad(f) returns (gradient, aux)."""
+    @_user_frames
     @functools.wraps(fun)
     def grad_f(*args, **kwargs):
         value, g = _value_and_grad("grad", fun, argnums, has_aux, args, kwargs)
@@ -193,6 +208,7 @@ def grad(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
 
 # ---- forward mode ------------------------------------------------------------------------------
 
+@_user_frames
 def jvp(fun: Callable, primals: Sequence, tangents: Sequence, has_aux: bool = False):
     """(out, tangent_out) of fun at primals along tangents (tuples, one entry per argument)."""
     for name, v in (("primals", primals), ("tangents", tangents)):
@@ -234,21 +250,25 @@ def _vmap():
     return vmap
 
 
-def _map_basis(fn: Callable, basis: list):
+def _map_basis(fn: Callable, basis: list, axis: int):
     """Map fn over the rows of the basis arrays (a leading axis of length n each).
     fn(row) -> (fixed, per_row): `fixed` does not depend on the row (primal outputs, aux),
-    `per_row` is a list of arrays. Returns (fixed, one (n, *shape) array per per_row entry)."""
+    `per_row` is a list of arrays. Returns (fixed, the per_row arrays stacked along `axis`,
+    0 or -1)."""
     vmap = _vmap()
     if vmap is not None:  # one batched call
-        fixed, per_row = vmap(fn, out_axes=(None, 0))(basis)
+        fixed, per_row = vmap(fn, out_axes=(None, axis))(basis)
         return fixed, list(per_row)
     n = basis[0].shape[0]
     rows = [fn([b[k] for b in basis]) for k in range(n)]
     if not rows:  # an empty input: one call on a zero row, for the shapes
         rows = [fn([np.zeros(b.shape[1:], b.dtype) for b in basis])]
     fixed, sample = rows[0]
-    stacked = [ops.stack([r[1][i] for r in rows[:n]], get_aval(s).shape, get_aval(s).dtype)
-               for i, s in enumerate(sample)]
+    stacked = []
+    for i, s in enumerate(sample):
+        a = get_aval(s)
+        st = ops.stack([r[1][i] for r in rows[:n]], a.shape, a.dtype)
+        stacked.append(st if axis == 0 else ops.transpose(st, (*range(1, a.ndim + 1), 0)))
     return fixed, stacked
 
 
@@ -284,7 +304,7 @@ def jacrev(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
         _check_float_outputs("jacrev", fun, outs)
         out_avals, in_avals = [get_aval(o) for o in outs], [get_aval(x) for x in leaves]
         _, stacked = _map_basis(lambda cts: ((), _materialize_all(pullback(cts), leaves)),
-                                _std_basis(out_avals))
+                                _std_basis(out_avals), axis=0)
         jac, off = [], 0
         for oa in out_avals:
             jac.append(_unflatten_args(in_tree, [
@@ -293,7 +313,7 @@ def jacrev(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
             off += oa.size
         jac = tree_unflatten(store["out_tree"], jac)
         return (jac, aux) if has_aux else jac
-    return functools.wraps(fun)(jacfun)
+    return _user_frames(functools.wraps(fun)(jacfun))
 
 
 def jacfwd(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
@@ -309,21 +329,20 @@ def jacfwd(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
         def push(ts):
             o, t, aux = jvp_flat(flat, leaves, ts)
             return (o, aux), _materialize_all(t, o)
-        (outs, aux), stacked = _map_basis(push, _std_basis(in_avals))
+        (outs, aux), stacked = _map_basis(push, _std_basis(in_avals), axis=-1)
         _check_float_outputs("jacfwd", fun, outs)
         out_avals = [get_aval(o) for o in outs]
         jac = []
         for s, oa in zip(stacked, out_avals):
             per_in, off = [], 0
-            for ia in in_avals:  # (n_in, *out_shape) -> (*out_shape, *in_shape)
-                block = ops.slice_axis(s, 0, off, off + ia.size)
-                block = ops.transpose(block, tuple(range(1, oa.ndim + 1)) + (0,))
+            for ia in in_avals:  # (*out_shape, n_in) -> (*out_shape, *in_shape)
+                block = ops.slice_axis(s, oa.ndim, off, off + ia.size)
                 per_in.append(ops.reshape(block, oa.shape + ia.shape))
                 off += ia.size
             jac.append(_unflatten_args(in_tree, per_in, single))
         jac = tree_unflatten(store["out_tree"], jac)
         return (jac, aux) if has_aux else jac
-    return functools.wraps(fun)(jacfun)
+    return _user_frames(functools.wraps(fun)(jacfun))
 
 
 def hessian(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
@@ -351,6 +370,7 @@ class custom_vjp:
         self.fwd, self.bwd = fwd, bwd
         return self
 
+    @_user_frames
     def __call__(self, *args, **kwargs):
         name = _fname(self.fun)
         if self.fwd is None:

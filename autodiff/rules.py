@@ -21,11 +21,11 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
-
 from tilefuse.tracer.core import bind1
 
-from .ops import (add_any, aval, broadcast, convert, div, eq, expand_reduced, indicator, instantiate, like, mul,
-                  neg, reduce_sum, reshape, select, slice_axis, sub, transpose, zeros)
+from .ops import (add_any, aval, broadcast, convert, div, eq, expand_reduced, indicator,
+                  instantiate, like, mul, neg, reduce_sum, reshape, select, slice_axis, sub,
+                  transpose, zeros)
 
 vjp_rules: dict = {}
 jvp_rules: dict = {}

@@ -65,7 +65,9 @@ class PoolAllocator:
         self.limit = env_limit() if limit is None else limit
         self._free: dict[int, list] = {}  # size class → cached blocks
         self._live: dict[int, tuple] = {}  # id(block) → (block, class, nbytes)
-        self._lock = threading.Lock()
+        # re-entrant: a buffer's owner may be collected (and free its block) while this thread is
+        # inside alloc, e.g. when the raw allocation triggers the garbage collector
+        self._lock = threading.RLock()
         self._s = dict(bytes_in_use=0, peak_bytes_in_use=0, bytes_reserved=0, peak_bytes_reserved=0,
                        allocations=0, pool_hits=0, frees=0, system_frees=0, alloc_calls=0)
 
@@ -121,12 +123,12 @@ class PoolAllocator:
             self._s["frees"] += 1
 
     def _release_cached(self) -> None:
-        for cls, blocks in self._free.items():
+        cached, self._free = self._free, {}
+        for cls, blocks in cached.items():
             for b in blocks:
                 self._raw_free(b)
                 self._s["bytes_reserved"] -= cls
                 self._s["system_frees"] += 1
-        self._free.clear()
 
     def empty_cache(self) -> None:
         """Give every cached (free) block back to the device."""

@@ -75,14 +75,15 @@ def _promote(*xs, to_float=False):
     return [_convert(x, dtype) for x in xs]
 
 
-def broadcast_shapes(*shapes) -> tuple[int, ...]:
+def broadcast_shapes(*shapes, _op: str | None = None) -> tuple[int, ...]:
     nd = builtins.max((len(s) for s in shapes), default=0)
     out = []
     for i in range(nd):
         dims = {s[i - nd + len(s)] for s in shapes if i - nd + len(s) >= 0} - {1}
         if len(dims) > 1:
             raise ShapeError(with_user_line(
-                f"shapes {', '.join(str(tuple(s)) for s in shapes)} cannot be broadcast together"))
+                f"{_op + ': ' if _op else ''}operands of shapes "
+                f"{', '.join(str(tuple(s)) for s in shapes)} cannot be broadcast together"))
         out.append(dims.pop() if dims else 1)
     return tuple(out)
 
@@ -99,8 +100,8 @@ def broadcast_to(x, shape):
                  broadcast_dimensions=tuple(range(len(shape) - a.ndim, len(shape))))
 
 
-def _broadcast_all(*xs):
-    shape = broadcast_shapes(*(_aval(x).shape for x in xs))
+def _broadcast_all(*xs, op: str | None = None):
+    shape = broadcast_shapes(*(_aval(x).shape for x in xs), _op=op)
     return [broadcast_to(x, shape) for x in xs]
 
 
@@ -123,7 +124,7 @@ def _unary(prim, to_float=True, kinds=None):
 
 def _binary(prim, to_float=False, name=None):
     def f(x, y):
-        x, y = _broadcast_all(*_promote(x, y, to_float=to_float))
+        x, y = _broadcast_all(*_promote(x, y, to_float=to_float), op=f.__name__)
         return bind1(prim, x, y)
     f.__name__ = name or prim.name
     return f
@@ -142,8 +143,19 @@ cos = _unary(P.cos)
 erf = _unary(P.erf)
 floor = _unary(P.floor)
 ceil = _unary(P.ceil)
-round = _unary(P.round_)
-rint = round
+rint = _unary(P.round_)
+
+
+def round(x, decimals=0):
+    """Round half to even (numpy's rule), to `decimals` places."""
+    if decimals == 0:
+        return rint(x)
+    (x,) = _promote(x, to_float=True)
+    scale = 10.0 ** decimals
+    return rint(x * scale) / scale
+
+
+around = round
 negative = _unary(P.neg, to_float=False)
 abs = absolute = _unary(P.abs_, to_float=False)
 sign = _unary(P.sign, to_float=False)
@@ -191,19 +203,20 @@ def sigmoid(x):
 
 
 def power(x, y):
-    if _is_python_scalar(y) and not isinstance(y, bool) and float(y) == int(y) and builtins.abs(y) <= 64:
+    if _is_python_scalar(y) and not isinstance(y, bool) and math.isfinite(y) and float(y) == int(y) \
+            and builtins.abs(y) <= 64:
         if not (_dt.is_int(_aval(x).dtype) and y < 0):
             return integer_pow(x, int(y))
     x, y = _promote(x, y)
     if not _dt.is_float(_aval(x).dtype):  # integer ** integer array: compute in float, cast back
         d = _aval(x).dtype
         return astype(power(astype(x, float64 if d == int64 else float32), astype(y, float32)), d)
-    x, y = _broadcast_all(x, y)
+    x, y = _broadcast_all(x, y, op="power")
     return bind1(P.pow_, x, y)
 
 
 def floor_divide(x, y):
-    x, y = _broadcast_all(*_promote(x, y))
+    x, y = _broadcast_all(*_promote(x, y), op="floor_divide")
     if _dt.is_float(_aval(x).dtype):
         return floor(bind1(P.div, x, y))
     q = bind1(P.div, x, y)  # truncated; step down where the signs differ and it was inexact
@@ -214,7 +227,7 @@ def floor_divide(x, y):
 
 
 def remainder(x, y):
-    x, y = _broadcast_all(*_promote(x, y))
+    x, y = _broadcast_all(*_promote(x, y), op="remainder")
     r = bind1(P.rem, x, y)
     zero = zeros_like(r)
     fix = logical_and(not_equal(r, zero), not_equal(less(r, zero), less(y, zero)))
@@ -225,7 +238,7 @@ mod = remainder
 
 
 def fmod(x, y):
-    x, y = _broadcast_all(*_promote(x, y))
+    x, y = _broadcast_all(*_promote(x, y), op="fmod")
     return bind1(P.rem, x, y)
 
 
@@ -338,7 +351,7 @@ def where(cond, x=None, y=None):
         return nonzero(cond)
     cond = astype(cond, bool_)
     x, y = _promote(x, y)
-    cond, x, y = _broadcast_all(cond, x, y)
+    cond, x, y = _broadcast_all(cond, x, y, op="where")
     return bind1(P.select, cond, x, y)
 
 
@@ -737,18 +750,18 @@ def mean(x, axis=None, dtype=None, keepdims=False):
     return divide(s, float(n)) if n else divide(s, nan)
 
 
-def var(x, axis=None, ddof=0, keepdims=False):
+def var(x, axis=None, dtype=None, ddof=0, keepdims=False):
     x = _operand(x)
     d = _aval(x).dtype
-    x = astype(x, d if _dt.is_float(d) else float32)
+    x = astype(x, dtype or (d if _dt.is_float(d) else float32))
     m = mean(x, axis, keepdims=True)
     c = x - m
     n = _count(x, axis) - ddof
-    return divide(sum(c * c, axis, keepdims=keepdims), float(builtins.max(n, 0)) if n > 0 else nan)
+    return divide(sum(c * c, axis, keepdims=keepdims), float(n) if n > 0 else nan)
 
 
-def std(x, axis=None, ddof=0, keepdims=False):
-    return sqrt(var(x, axis, ddof, keepdims))
+def std(x, axis=None, dtype=None, ddof=0, keepdims=False):
+    return sqrt(var(x, axis, dtype, ddof, keepdims))
 
 
 def ptp(x, axis=None, keepdims=False):
@@ -1533,8 +1546,18 @@ def _swap(f):
     return lambda x, y: f(y, x)
 
 
-def _astype_method(x, dtype):
+def _astype_method(x, dtype, copy=True):
     return astype(x, dtype)
+
+
+def _method(fn):
+    """An array method that numpy's functions may call with out=None (np.sum(x) calls x.sum)."""
+    def method(x, *args, out=None, **kwargs):
+        if out is not None:
+            raise TypeError(f"{fn.__name__}: tilefuse arrays are immutable; out= is not supported")
+        return fn(x, *args, **kwargs)
+    method.__name__ = fn.__name__
+    return method
 
 
 _METHODS = {
@@ -1550,10 +1573,11 @@ _METHODS = {
     "__setitem__": _setitem,
     "reshape": reshape, "transpose": lambda x, *axes: transpose(
         x, axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else (axes or None)),
-    "astype": _astype_method, "sum": sum, "mean": mean, "max": max, "min": min, "prod": prod,
-    "argmax": argmax, "argmin": argmin, "var": var, "std": std, "squeeze": squeeze,
-    "ravel": ravel, "flatten": ravel, "swapaxes": swapaxes, "clip": clip, "all": all, "any": any,
-    "dot": dot, "cumsum": cumsum, "repeat": repeat, "take": take,
+    "astype": _astype_method, "squeeze": squeeze, "ravel": ravel, "flatten": ravel, "swapaxes": swapaxes,
+    "dot": dot, "repeat": repeat, "diagonal": diagonal, "nonzero": nonzero,
+    **{f.__name__: _method(f) for f in (sum, mean, max, min, prod, argmax, argmin, var, std, all, any, clip,
+                                        cumsum, cumprod, take, ptp, trace)},
+    "round": _method(round),
 }
 _PROPERTIES = {"T": lambda x: transpose(x), "mT": lambda x: swapaxes(x, -1, -2),
                "at": lambda x: _IndexUpdateHelper(x)}

@@ -72,7 +72,8 @@ class GraphBuilder:
         for var, val in self.consts.values():
             if (var.aval.shape != () or isinstance(val, Tracer)) and var.id in used and var.id not in in_ids:
                 constvars.append(var)
-                consts.append(val)
+                # graph constants are host arrays (backends upload them), or outer tracers
+                consts.append(val if isinstance(val, (Tracer, np.ndarray)) else np.asarray(val))
         return Graph(tuple(constvars), invars, tuple(self.eqns), outvars, tuple(consts))
 
 

@@ -35,6 +35,9 @@ TYPES = {np.dtype(np.bool_): (I1, I8), np.dtype(np.int32): (I32, I32), UINT32: (
 CONTRACT = ("contract",)  # lets LLVM fuse a*b+c into an FMA: ≤ 0.5 ulp from numpy per pair
 REASSOC = ("reassoc", "contract")  # reductions only: partial sums per SIMD lane (like pairwise)
 REDUCE_TILE = 256  # parallel points per tile when loops are interchanged for a strided reduction
+# Interleave the vectorised point loop 4 ways: LLVM picks 1 for long bodies, but the transcendental
+# chains are latency-bound (tanh/sigmoid/exp chain: 3.0 → 2.1 ns a point on one znver3 core).
+INTERLEAVE = 4
 
 
 def is_float(d) -> bool:
@@ -211,7 +214,7 @@ class Renderer:
         return mod
 
     # -- loops ---------------------------------------------------------------------------------
-    def _loop(self, lo, hi, name, body):
+    def _loop(self, lo, hi, name, body, interleave=None):
         """for (i = lo; i < hi; ++i) body(i): a plain counted loop the vectoriser recognises."""
         b = self.b
         pre = b.block
@@ -227,8 +230,18 @@ class Renderer:
         body(i)
         nxt = b.add(i, ir.Constant(I64, 1), flags=("nsw", "nuw"))
         i.add_incoming(nxt, b.block)
-        b.branch(head)
+        latch = b.branch(head)
+        if interleave:
+            self._loop_hint(latch, name, "llvm.loop.interleave.count", interleave)
         b.position_at_end(done)
+
+    def _loop_hint(self, latch, name, key, value):
+        """Attach loop metadata (a self-referential loop ID) to a loop's back edge."""
+        mod = latch.module
+        hint = mod.add_metadata([ir.MetaDataString(mod, key), ir.Constant(I32, value)])
+        loop_id = mod.add_metadata([None, hint, ir.MetaDataString(mod, f"{self.fn_name}.{name}")])
+        loop_id.operands = (loop_id, hint)
+        latch.set_metadata("llvm.loop", loop_id)
 
     def _parallel(self, start, end):
         b, groups = self.b, self.par.groups
@@ -253,7 +266,7 @@ class Renderer:
             if self.interchange:
                 self._tiled(lo, hi)
             else:
-                self._loop(lo, hi, "i", self._point_at)
+                self._loop(lo, hi, "i", self._point_at, interleave=INTERLEAVE)
         self._loop(row_lo, row_hi, "row", row)
 
     def _smax(self, a, bb):

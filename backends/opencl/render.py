@@ -451,7 +451,10 @@ def choose_mode(k: Kernel, width: int, *, int64_atomics: bool) -> str:
     red_ok = bool(k.reduce_shape) and k.reduce_shape[-1] >= width
     if k.has_reduce:
         par = _contiguous_loads(k, ("idx", len(k.shape) - 1)) if par_ok else -1
-        red = _contiguous_loads(k, ("ridx", len(k.reduce_shape) - 1)) if red_ok else -1
+        red_axis = ("ridx", len(k.reduce_shape) - 1)
+        b = _Body(k, [], red_axis, 2, "", "")
+        red_ok = red_ok and all(b.varying(r.src[0]) for r in _reduces(k))  # W steps at once
+        red = _contiguous_loads(k, red_axis) if red_ok else -1
         if red > par and red > 0:
             return "red"
         return "par" if par_ok and par >= 0 and (par > 0 or k.size >= width * 4) else "scalar"

@@ -34,6 +34,10 @@ def binary(prim):
     return lambda x, y: bind1(prim, x, y)
 
 
+def dot(contract, batch=((), ())):
+    return lambda a, b: bind1(P.dot_general, a, b, dimension_numbers=(contract, batch))
+
+
 IDX = np.array([0, 2, 2, 3], np.int32)
 IDX2 = np.array([[1, 0], [1, 1]], np.int32)
 PRED = np.array([[True, False, True], [False, False, True]])
@@ -65,7 +69,8 @@ CASES = [
     ("max", P.max_, binary(P.max_), (np.array([0.1, -0.5, 0.9, 0.3]), np.array([0.4, -0.9, 0.2, -0.3]))),
     ("min", P.min_, binary(P.min_), (np.array([0.1, -0.5, 0.9, 0.3]), np.array([0.4, -0.9, 0.2, -0.3]))),
     ("select", P.select, lambda t, f: bind1(P.select, PRED, t, f), (u(2, 3), u(2, 3))),
-    ("broadcast_in_dim", P.broadcast_in_dim, unary(P.broadcast_in_dim, shape=(2, 3), broadcast_dimensions=(1,)),
+    ("broadcast_in_dim", P.broadcast_in_dim,
+     unary(P.broadcast_in_dim, shape=(2, 3), broadcast_dimensions=(1,)),
      (u(3),)),
     ("broadcast_in_dim_unit", P.broadcast_in_dim, unary(P.broadcast_in_dim, shape=(3, 2, 4),
                                     broadcast_dimensions=(0, 2)), (u(3, 1),)),
@@ -84,20 +89,14 @@ CASES = [
     ("reduce_prod", P.reduce_prod, unary(P.reduce_prod, axes=(1,)), (u(2, 3, lo=0.5, hi=1.5),)),
     ("reduce_prod_zero", P.reduce_prod, unary(P.reduce_prod, axes=(0, 1)),
      (np.array([[1.0, 0.5, 0.0], [1.2, 0.7, 1.5]]),)),
-    ("dot_matmul", P.dot_general, lambda a, b: bind1(P.dot_general, a, b, dimension_numbers=(((1,), (0,)), ((), ()))),
-     (u(2, 3), u(3, 4))),
-    ("dot_batched", P.dot_general, lambda a, b: bind1(P.dot_general, a, b,
-                                       dimension_numbers=(((2,), (1,)), ((0,), (0,)))),
-     (u(2, 3, 4), u(2, 4, 2))),
-    ("dot_two_contractions", P.dot_general, lambda a, b: bind1(P.dot_general, a, b,
-                                                dimension_numbers=(((0, 2), (2, 0)), ((), ()))),
-     (u(3, 2, 4), u(4, 5, 3))),
-    ("dot_inner_batch", P.dot_general, lambda a, b: bind1(P.dot_general, a, b,
-                                           dimension_numbers=(((2,), (0,)), ((1,), (1,)))),
-     (u(3, 2, 4), u(4, 2))),
+    ("dot_matmul", P.dot_general, dot(((1,), (0,))), (u(2, 3), u(3, 4))),
+    ("dot_batched", P.dot_general, dot(((2,), (1,)), ((0,), (0,))), (u(2, 3, 4), u(2, 4, 2))),
+    ("dot_two_contractions", P.dot_general, dot(((0, 2), (2, 0))), (u(3, 2, 4), u(4, 5, 3))),
+    ("dot_inner_batch", P.dot_general, dot(((2,), (0,)), ((1,), (1,))), (u(3, 2, 4), u(4, 2))),
     ("gather", P.gather, lambda x: bind1(P.gather, x, IDX, axis=0), (u(4, 3),)),
     ("gather_axis1", P.gather, lambda x: bind1(P.gather, x, IDX2, axis=1), (u(3, 2),)),
-    ("scatter_add", P.scatter_add, lambda x, upd: bind1(P.scatter_add, x, IDX, upd, axis=0), (u(5, 2), u(4, 2))),
+    ("scatter_add", P.scatter_add, lambda x, upd: bind1(P.scatter_add, x, IDX, upd, axis=0),
+     (u(5, 2), u(4, 2))),
 ]
 
 
