@@ -80,7 +80,8 @@ def _kernel_softmax(n):
     rows = n // COLS
     X, R = K.Buffer("x", f32, n), K.Buffer("r", f32, rows)
     ld = K.load(0, K.affine([COLS], reduce_strides=[1]), f32)
-    kmax = be.compile_kernel(K.Kernel("max", (X, R), 1, (rows,), (COLS,), (K.Store(1, K.idx(0), K.reduce("max", ld)),)))
+    kmax = be.compile_kernel(K.Kernel("max", (X, R), 1, (rows,), (COLS,),
+                                      (K.Store(1, K.idx(0), K.reduce("max", ld)),)))
     e = K.unary("exp", K.binary("sub", ld, K.load(1, K.idx(0), f32)))
     ksum = be.compile_kernel(K.Kernel("sum", (X, R, R), 2, (rows,), (COLS,),
                                       (K.Store(2, K.idx(0), K.reduce("sum", e)),)))
@@ -170,11 +171,12 @@ def main():
 
 def print_table(rows):
     print(f"\n{CHAIN} and row softmax (rows of {COLS}), float32; median (min) of the runs\n")
-    print(f"| size | benchmark | implementation | median ms | min ms | vs numpy | vs JAX jit |")
+    print("(ratios: the other's median / this one's; above 1 = faster than it)\n")
+    print("| size | benchmark | implementation | median ms | min ms | vs numpy | vs JAX jit |")
     print("|---|---|---|---|---|---|---|")
     for size, bench, name, med, best in rows:
         ref = {r[2]: r[3] for r in rows if r[0] == size and r[1] == bench}
-        vs_np = f"{ref['numpy'] / med:.1f}x faster" if "numpy" in ref else ""
+        vs_np = f"{ref['numpy'] / med:.1f}x" if "numpy" in ref else ""
         vs_jax = f"{ref['JAX jit'] / med:.2f}x" if "JAX jit" in ref else "—"
         print(f"| {size} | {bench} | {name} | {med:.2f} | {best:.2f} | {vs_np} | {vs_jax} |")
 

@@ -144,6 +144,12 @@ class Graph:
     def to_dot(self, name: str = "graph") -> str:
         return graph_to_dot(self, name)
 
+    def eqn_text(self, eqn: "Eqn") -> str:
+        """One equation as it reads in str(graph), with the same variable names."""
+        i = next(k for k, e in enumerate(self.eqns) if e is eqn)
+        line = pp_graph(self).splitlines()[1 + i].strip()
+        return line[4:] if line.startswith("let ") else line
+
     def count(self, prim_name: str | None = None) -> int:
         """Number of equations (of one primitive, if named)."""
         return sum(1 for e in self.eqns if prim_name is None or e.prim.name == prim_name)

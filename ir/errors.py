@@ -62,6 +62,11 @@ class ConcretizationError(TilefuseError):
     """A Python value was needed from a traced (abstract) value."""
 
 
+class ArgumentError(TilefuseError, TypeError):
+    """An argument a function or transformation cannot take: not an array and not static,
+    an unhashable static argument, a non-array output."""
+
+
 class TracerLeakError(TilefuseError):
     """A tracer was used after the transformation that created it had finished."""
 
@@ -110,9 +115,9 @@ def filter_traceback(tb):
     return frames[0]
 
 
-__all__ = [n for n in dir() if n.endswith("Error")] + ["user_line", "user_frame",
-                                                      "with_user_line", "filter_traceback"]
-
-
 class NaNError(TilefuseError, FloatingPointError):
     """debug_nans found a NaN; names the equation and the user's line that produced it."""
+
+
+__all__ = [n for n in dir() if n.endswith("Error")] + ["user_line", "user_frame",
+                                                      "with_user_line", "filter_traceback"]

@@ -1,6 +1,8 @@
 """Array: a buffer on a device with its aval; stays on its device until someone reads it."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from tilefuse.ir.core import ShapedArray
@@ -71,8 +73,9 @@ class Array:
 
     def __repr__(self):
         body = np.array_repr(self.numpy())
-        body = "Array" + body[len("array"):]
-        return body
+        # numpy writes extension dtypes as dtype(bfloat16); name them as it names its own
+        body = re.sub(r"dtype=dtype\((\w+)\)", r"dtype=\1", body)
+        return "Array" + body[len("array"):]
 
     def __str__(self):
         return str(self.numpy())

@@ -8,9 +8,10 @@ in place, constants are placed on the device once, graph outputs get their own a
 that each call allocates from the backend's pool and frees when it returns."""
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,8 +33,7 @@ class Launch:
     kind: str
     eqns: tuple
     kernel: Kernel | None = None
-    impl: str = ""
-    meta: dict = field(default_factory=dict, compare=False)
+    impl: str = ""  # the implementation the dispatcher chose
 
 
 class _Sources(Mapping):
@@ -75,7 +75,7 @@ class _Builder:
         self.avals: list = []
         self.steps: list[tuple] = []  # (run, arg slots, region index)
         self.launches: list[Launch] = []
-        self.sources: dict[str, str] = {}
+        self.sources: dict[str, object] = {}  # name -> Kernel, or a compiled kernel with text
         self._names: dict[str, int] = {}
 
     def new_slot(self, kind: str, aval, var: Var | None = None) -> int:
@@ -126,7 +126,8 @@ def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) ->
     g = run_passes(graph, dump=dump, check=config.check,
                    trace=_trace_pass if config.debug >= 2 else None)
     regions = partition(g, fuse=config.fusion if fuse is None else fuse)
-    dump.text("regions", "\n".join(map(str, regions)))
+    if dump.dir:
+        dump.text("regions", "\n".join(map(str, regions)))
 
     b = _Builder(g, device, backend)
     for v in g.invars:
@@ -159,9 +160,18 @@ def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) ->
         dst = Var(v.aval)
         b.slot[dst.id] = s
         b.add_kernel(copy_kernel(v, dst), len(regions))
-    dump.text("kernels", "\n\n".join(f"{l.name}:\n{l.kernel}" if l.kernel else l.name
-                                     for l in b.launches))
+    if dump.dir:
+        dump.text("kernels", "\n\n".join(f"{l.name}:\n{l.kernel}" if l.kernel else l.name
+                                         for l in b.launches))
     return _program(g, b, const_bufs, out_slots)
+
+
+def _gather(args: tuple):
+    """slots -> the buffers of one launch, as a tuple (itemgetter: no Python frame per call)."""
+    if len(args) == 1:
+        a = args[0]
+        return lambda slots: (slots[a],)
+    return operator.itemgetter(*args) if args else (lambda slots: ())
 
 
 def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> Program:
@@ -177,34 +187,36 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
     temps = [Interval(s, _nbytes(b.avals[s]), first[s], last[s]) for s in first]
     plan = plan_buffers(temps)
     views = [(s, plan.offsets[s], _nbytes(b.avals[s])) for s in first]
-    n_slots, n_in = len(b.kinds), len(g.invars)
-    const_slots = [s for s, k in enumerate(b.kinds) if k == "const"]
-    out_bytes = [max(_nbytes(b.avals[s]), 1) for s in out_slots]
-    steps = [(run, args) for run, args, _ in b.steps]
+    n_in = len(g.invars)
+    template = [None] * len(b.kinds)  # constants sit in their slots already
+    for s, buf in zip([s for s, k in enumerate(b.kinds) if k == "const"], const_bufs):
+        template[s] = buf
+    outs_spec = [(s, max(_nbytes(b.avals[s]), 1)) for s in out_slots]
+    steps = [(fn, _gather(args)) for fn, args, _ in b.steps]
     arena_bytes = max(plan.arena_bytes, 1)
+    alloc, free, view = backend.alloc, backend.free, getattr(backend, "view", None)
 
+    # the hot path of every call: keep it lean
     def run(buffers):
-        slots = [None] * n_slots
+        slots = template.copy()
         slots[:n_in] = buffers
-        for s, buf in zip(const_slots, const_bufs):
-            slots[s] = buf
         outs = []
-        arena = backend.alloc(arena_bytes, device) if views else None
+        arena = alloc(arena_bytes, device) if views else None
         try:
             for s, off, nbytes in views:
-                slots[s] = backend.view(arena, off, nbytes)
-            for s, nbytes in zip(out_slots, out_bytes):
-                outs.append(backend.alloc(nbytes, device))
-                slots[s] = outs[-1]
-            for fn, args in steps:
-                fn([slots[a] for a in args])
+                slots[s] = view(arena, off, nbytes)
+            for s, nbytes in outs_spec:
+                slots[s] = buf = alloc(nbytes, device)
+                outs.append(buf)
+            for fn, gather in steps:
+                fn(gather(slots))
         except BaseException:
             for o in outs:
-                backend.free(o, device)
+                free(o, device)
             raise
         finally:
             if arena is not None:
-                backend.free(arena, device)
+                free(arena, device)
         return outs
 
     prog = Program(g, run, _Sources(b.sources), tuple(b.launches))

@@ -108,9 +108,9 @@ def check_nans(graph: Graph, args, outputs) -> None:
     def apply(e: Eqn, xs):
         outs = e.prim.impl(*xs, **e.params)
         if any(has_nan(o) for o in outs) and not any(has_nan(x) for x in xs):
-            where = f" at {e.source}" if e.source else ""
-            raise NaNError(f"debug_nans: the primitive {e.prim.name} produced a NaN{where} "
-                           f"(inputs {', '.join(str(np.asarray(x).shape) for x in xs)})")
+            where = f"at {e.source}" if e.source else "(no source line recorded)"
+            raise NaNError(f"debug_nans: the first equation to produce a NaN (from inputs without "
+                           f"one) is\n    {graph.eqn_text(e)}\n  {where}")
         return outs
 
     with np.errstate(all="ignore"):

@@ -94,7 +94,8 @@ def broadcast_to(x, shape):
     a = _aval(x)
     if a.shape == shape:
         return x
-    if len(shape) < a.ndim or broadcast_shapes(a.shape, shape) != shape:
+    lead = len(shape) - a.ndim
+    if lead < 0 or builtins.any(n not in (1, m) for n, m in zip(a.shape, shape[lead:])):
         raise ShapeError(with_user_line(f"cannot broadcast an array of shape {a.shape} to {shape}"))
     return bind1(P.broadcast_in_dim, x, shape=shape,
                  broadcast_dimensions=tuple(range(len(shape) - a.ndim, len(shape))))

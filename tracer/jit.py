@@ -10,7 +10,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Graph, ShapedArray, eval_graph
-from tilefuse.ir.errors import TilefuseError, filter_traceback, user_line
+from tilefuse.ir.errors import ArgumentError, TilefuseError, filter_traceback, user_line
 
 from . import pytree
 from .core import Tracer, bind, get_aval
@@ -48,14 +48,14 @@ def _leaf_aval(x, where: str) -> ShapedArray:
     if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
         aval = _python_scalar_aval(x)
         if aval is None:
-            raise TilefuseError(f"{where} is the Python int {x}, which does not fit int32: "
+            raise ArgumentError(f"{where} is the Python int {x}, which does not fit int32: "
                                 "pass np.int64(...) or an int64 array")
         return aval
     if isinstance(x, (np.ndarray, np.generic)):
         if x.dtype == object:
-            raise TilefuseError(f"{where} is an object array; tilefuse needs numeric arrays")
+            raise ArgumentError(f"{where} is an object array; tilefuse needs numeric arrays")
         return ShapedArray(x.shape, dtypes.canonicalize(x.dtype))
-    raise TilefuseError(f"{where} is a {type(x).__name__}, not an array: pass arrays (or pytrees "
+    raise ArgumentError(f"{where} is a {type(x).__name__}, not an array: pass arrays (or pytrees "
                         "of arrays), or mark it static with static_argnums=/static_argnames=")
 
 
@@ -138,17 +138,18 @@ class JitFunction:
     # ---- the call path ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         # The cache-hit path for plain positional arrays: one cheap key, one dict lookup.
-        if kwargs or self._general_only:
-            return self._call(args, kwargs, None)
-        key = self._fast_key(args)
-        entry = self._fast.get(key) if key is not None else None
-        if entry is None:
-            return self._call(args, kwargs, key)
+        # A TilefuseError leaves with our frames cut from its traceback (this one boundary stays).
         try:
+            if kwargs or self._general_only:
+                return self._call(args, kwargs, None)
+            key = self._fast_key(args)
+            entry = self._fast.get(key) if key is not None else None
+            if entry is None:
+                return self._call(args, kwargs, key)
             outs = entry.executable(args)
+            return outs[0] if entry.single else pytree.tree_unflatten(entry.out_tree, outs)
         except TilefuseError as e:
             raise e.with_traceback(filter_traceback(e.__traceback__)) from None
-        return outs[0] if entry.single else pytree.tree_unflatten(entry.out_tree, outs)
 
     def _fast_key(self, args):
         """A cheap key for the common call: every argument a numpy array, an Array or a Python
@@ -168,10 +169,7 @@ class JitFunction:
         return tuple(sig), hooks.config.cache_key()
 
     def _run(self, entry, leaves):
-        try:
-            outs = entry.executable(leaves)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        outs = entry.executable(leaves)
         return outs[0] if entry.single else pytree.tree_unflatten(entry.out_tree, outs)
 
     def _call(self, args, kwargs, fast_key):
@@ -278,14 +276,11 @@ class JitFunction:
             for i, o in enumerate(out_leaves):
                 if not (isinstance(o, Tracer) or hasattr(o, "aval") or
                         isinstance(o, (np.ndarray, np.generic, bool, int, float))):
-                    raise TilefuseError(f"{self.__name__} returned a {type(o).__name__} (output leaf "
+                    raise ArgumentError(f"{self.__name__} returned a {type(o).__name__} (output leaf "
                                         f"{i}); jitted functions must return arrays or pytrees of arrays")
             return out_leaves, out_tree
 
-        try:
-            graph, out_tree = trace_to_graph(flat_fun, list(avals))
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        graph, out_tree = trace_to_graph(flat_fun, list(avals))
         result = (None, None) if any(isinstance(c, Tracer) for c in graph.consts) else (graph, out_tree)
         self._graphs[gkey] = result
         return result
@@ -294,10 +289,7 @@ class JitFunction:
         graph, out_tree = self._graph(static, avals, in_tree, key)
         if graph is None:
             return None
-        try:
-            executable = hooks.compile(graph, device)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        executable = hooks.compile(graph, device)
         entry = _Entry(executable, out_tree, graph)
         self._cache[key] = entry
         return entry
@@ -323,6 +315,12 @@ class JitFunction:
     # ---- inspection -----------------------------------------------------------------------
     def lower(self, *args, device=None, **kwargs) -> Lowered:
         """Trace for these arguments without running: `.graph` and str() show the graph."""
+        try:
+            return self._lower(args, kwargs, device)
+        except TilefuseError as e:
+            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+
+    def _lower(self, args, kwargs, device) -> Lowered:
         dyn_args, dyn_kwargs, static = self._split(args, kwargs)
         leaves, in_tree = pytree.tree_flatten((dyn_args, dyn_kwargs))
         avals = tuple(x.aval.strip_weak() if isinstance(x, Tracer) else a
@@ -368,7 +366,7 @@ def _hashable(v, name):
     try:
         hash(v)
     except TypeError as e:
-        raise TilefuseError(f"static argument {name} must be hashable, got a {type(v).__name__}; "
+        raise ArgumentError(f"static argument {name} must be hashable, got a {type(v).__name__}; "
                             "pass a tuple instead of a list, or make it a traced argument") from e
     return (v,)
 

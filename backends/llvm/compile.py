@@ -21,7 +21,7 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from tilefuse.ir.errors import CompileError, DeviceError
-from tilefuse.ir.kernel.ir import Buffer, Kernel
+from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.runtime import compile_cache
 from tilefuse.runtime.hardware import DeviceInfo
 
@@ -130,6 +130,7 @@ def canonical(kernel: Kernel) -> Kernel:
 # ---- launching ----------------------------------------------------------------------------------
 
 KernelFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+_addressof = ctypes.addressof
 
 
 class ThreadPool:
@@ -140,9 +141,12 @@ class ThreadPool:
         self.n = max(1, n_threads)
         self._queues: list = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def _start(self):
         with self._lock:
+            if self._pid != os.getpid():  # a forked child inherits no threads: start afresh
+                self._queues, self._pid = [], os.getpid()
             while len(self._queues) < self.n - 1:
                 q = queue.SimpleQueue()
                 threading.Thread(target=self._worker, args=(q,), daemon=True,
@@ -161,7 +165,7 @@ class ThreadPool:
 
     def run(self, fn, ptrs, bounds):
         """fn(ptrs, s, e) for every (s, e) in bounds, spread over the threads."""
-        if len(self._queues) < self.n - 1:
+        if len(self._queues) < self.n - 1 or self._pid != os.getpid():
             self._start()
         chunks = iter(bounds)  # list_iterator.__next__ is atomic under the GIL
 
@@ -199,6 +203,8 @@ class CompiledKernel:
         self._target = target
         self._size = kernel.size
         self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in kernel.buffers]
+        self._views = [ctypes.c_char * max(n, 1) for n in self._nbytes]
+        self._ptrs_t = ctypes.c_void_p * len(self._nbytes)
         self.est_ns = estimate_ns(kernel)
         self.threads = 1 if kernel.serial or self.est_ns < PARALLEL_MIN_NS or self._size < 2 else threads
         self._bounds = _chunks(self._size, self.threads, self.est_ns) if self.threads > 1 else None
@@ -213,20 +219,26 @@ class CompiledKernel:
         if len(buffers) != len(self._nbytes):
             raise DeviceError(f"kernel {self.kernel.name} takes {len(self._nbytes)} buffers, "
                               f"got {len(buffers)}")
-        addrs = []
-        for i, (b, need) in enumerate(zip(buffers, self._nbytes)):
-            if b.nbytes < need or not b.flags.c_contiguous:
-                raise DeviceError(f"kernel {self.kernel.name}: buffer {i} "
-                                  f"({self.kernel.buffers[i].name}) needs {need} contiguous bytes, "
-                                  f"got {b.nbytes}{'' if b.flags.c_contiguous else ' non-contiguous'}")
-            addrs.append(b.ctypes.data)
+        try:  # one C call per buffer checks writable, contiguous and large enough (the fast path)
+            addrs = [_addressof(t.from_buffer(b)) for t, b in zip(self._views, buffers)]
+        except (TypeError, ValueError, BufferError):  # read-only, empty or bad: check one by one
+            addrs = [self._address(i, b) for i, b in enumerate(buffers)]
         self.call_addresses(addrs)
+
+    def _address(self, i, b) -> int:
+        need = self._nbytes[i]
+        if not isinstance(b, np.ndarray) or b.nbytes < need or not b.flags.c_contiguous:
+            got = f"{b.nbytes} bytes{'' if b.flags.c_contiguous else ', not contiguous'}" \
+                if isinstance(b, np.ndarray) else type(b).__name__
+            raise DeviceError(f"kernel {self.kernel.name}: buffer {i} ({self.kernel.buffers[i].name}) "
+                              f"needs {need} contiguous bytes, got {got}")
+        return b.ctypes.data
 
     def call_addresses(self, addrs) -> None:
         """Run on raw buffer addresses (no checks): the lean path for callers that know them."""
         if self._size == 0:
             return
-        ptrs = (ctypes.c_void_p * len(addrs))(*addrs)
+        ptrs = self._ptrs_t(*addrs)
         if self._pool is None:
             self._fn(ptrs, 0, self._size)
         else:
@@ -239,7 +251,8 @@ class CompiledKernel:
 def estimate_ns(kernel: Kernel) -> float:
     """A rough run time on one thread, from the op mix (see PARALLEL_MIN_NS)."""
     nodes = {n for st in kernel.stores for root in (st.offset, st.value) for n in root.toposort()}
-    units = len(kernel.stores) + sum(OP_COST.get(n.op, 1) for n in nodes if n.op not in ("const", "idx", "ridx"))
+    units = len(kernel.stores) + sum(OP_COST.get(n.op, 1) for n in nodes
+                                     if n.op not in ("const", "idx", "ridx"))
     work = kernel.size * max(1, int(np.prod(kernel.reduce_shape, dtype=np.int64)))
     return work * units * NS_PER_OP
 
@@ -295,4 +308,4 @@ def memory_cache_stats() -> dict:
     return {"kernels": len(_memory), **_counts}
 
 
-__all__ = ["compile_kernel", "CompiledKernel", "Target", "get_target", "canonical", "Buffer"]
+__all__ = ["compile_kernel", "CompiledKernel", "Target", "get_target", "canonical"]

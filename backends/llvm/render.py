@@ -36,7 +36,9 @@ CONTRACT = ("contract",)  # lets LLVM fuse a*b+c into an FMA: ≤ 0.5 ulp from n
 REASSOC = ("reassoc", "contract")  # reductions only: partial sums per SIMD lane (like pairwise)
 REDUCE_TILE = 256  # parallel points per tile when loops are interchanged for a strided reduction
 # Interleave the vectorised point loop 4 ways: LLVM picks 1 for long bodies, but the transcendental
-# chains are latency-bound (tanh/sigmoid/exp chain: 3.0 → 2.1 ns a point on one znver3 core).
+# chains are latency-bound (tanh/sigmoid/exp chain on one znver3 core: 3.0 ns a point as LLVM
+# chooses, 2.1 interleaved 4 ways, 2.2-2.5 with llvm.loop.vectorize.width 16 instead). The SIMD
+# width itself comes from DeviceInfo through the "prefer-vector-width" function attribute.
 INTERLEAVE = 4
 
 
@@ -132,9 +134,8 @@ def merge_axes(shape, kind: str, forms) -> Groups:
 class Renderer:
     """Renders one Kernel into an llvmlite module holding one function."""
 
-    def __init__(self, kernel: Kernel, fn_name: str, vector_bits: int = 256,
-                 reduce_tile: int = REDUCE_TILE):
-        self.k, self.fn_name, self.vector_bits, self.tile = kernel, fn_name, vector_bits, reduce_tile
+    def __init__(self, kernel: Kernel, fn_name: str, reduce_tile: int = REDUCE_TILE):
+        self.k, self.fn_name, self.tile = kernel, fn_name, reduce_tile
         roots = [e for st in kernel.stores for e in (st.offset, st.value)]
         self.nodes = {n for r in roots for n in r.toposort()}
         self.reduces = [n for r in roots for n in r.toposort() if n.op == "reduce"]
@@ -144,7 +145,7 @@ class Renderer:
         self.par = merge_axes(kernel.shape, "idx", used)
         self.red = merge_axes(kernel.reduce_shape, "ridx", used)
         self.dep_ridx = self._depends_on_ridx(roots)
-        self.interchange = self._want_interchange(used)
+        self.interchange = self._want_interchange()
 
     def _used_forms(self, roots):
         """Forms that are rendered as such: an index-bearing affine node whose parent is not
@@ -169,21 +170,23 @@ class Renderer:
                     dep[n] = n.op == "ridx" or (n.op != "reduce" and any(dep[s] for s in n.src))
         return dep
 
-    def _want_interchange(self, used) -> bool:
-        """Interchange the reduce loops with the innermost parallel axis when the loads inside
-        reductions are unit-stride along that axis but not along the innermost reduce axis."""
+    def _want_interchange(self) -> bool:
+        """Interchange the reduce loops with the innermost parallel axis when fewer of the loads
+        inside reductions are strided along that axis than along the innermost reduce axis
+        (a column sum; a matrix product's B operand), so the vectoriser gets unit strides."""
         if not self.reduces or not self.par.groups or not self.red.groups:
             return False
         if self.par.sizes[-1] < 8:
             return False
         p_last = self.par.groups[-1][1][-1]
         r_last = self.red.groups[-1][1][-1]
-        strides = [(f.get(("idx", p_last), 0), f.get(("ridx", r_last), 0))
-                   for n in self.nodes if n.op == "load" and self.dep_ridx[n]
-                   for f in [self.forms.get(n.src[0])] if f is not None]
-        if not strides:
-            return False
-        return all(p == 1 for p, _ in strides) and not any(r == 1 for _, r in strides)
+        forms = [self.forms.get(n.src[0]) for n in self.nodes if n.op == "load" and self.dep_ridx[n]]
+        if not forms or any(f is None for f in forms):
+            return False  # gathers: keep the plain order
+        strides = [(f.get(("idx", p_last), 0), f.get(("ridx", r_last), 0)) for f in forms]
+        strided_outer = sum(p not in (0, 1) for p, _ in strides)
+        strided_inner = sum(r not in (0, 1) for _, r in strides)
+        return strided_outer < strided_inner
 
     # -- entry ---------------------------------------------------------------------------------
     def render(self) -> ir.Module:
@@ -205,7 +208,6 @@ class Renderer:
                      for i in range(len(self.k.buffers))]
         self.cache: dict = {}
         self.env: dict = {}
-        self.red_vals: dict = {}
         body = self.b.append_basic_block("body")
         b.branch(body)
         b.position_at_end(body)
@@ -736,7 +738,7 @@ UNARY_OPS = {
 
 def render(kernel: Kernel, fn_name: str, vector_bits: int = 256) -> str:
     """The LLVM IR text of one kernel (function `fn_name`), tuned for `vector_bits` SIMD."""
-    text = str(Renderer(kernel, fn_name, vector_bits).render())
+    text = str(Renderer(kernel, fn_name).render())
     # llvmlite has no string attributes: add the vector width to the definition line
     head = f'define void @"{fn_name}"'
     i = text.index(head)

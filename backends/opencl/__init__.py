@@ -168,17 +168,21 @@ class OpenCLBackend(Backend):
         return st
 
     # ---- kernels ----
-    def compile_kernel(self, kernel: Kernel, device) -> CompiledKernel:
+    def compile_kernel(self, kernel: Kernel, device, mode: str | None = None) -> CompiledKernel:
+        """Render, build (cached) and size one kernel; `mode` forces a rendering (render.py)."""
         st = self._state(device)
-        key = (kernel.name, kernel.signature())
+        key = (kernel.signature(), mode)
         ck = st.kernels.get(key)
         if ck is not None:
             return ck
-        info = st.info
+        info, x = st.info, st.info.extra
         has_f64 = any(np.dtype(b.dtype) == F64 for b in kernel.buffers)
-        width = info.extra["preferred_width"]["double" if has_f64 else "float"]
+        width = x["preferred_width"]["double" if has_f64 else "float"]
+        tree = 0 if x["device_type"] == "cpu" else 1 << (min(256, info.max_work_group).bit_length() - 1)
         t0 = time.perf_counter()
-        r = render(kernel, width=width, fp64=info.extra["fp64"], int64_atomics=info.extra["int64_atomics"])
+        r = render(kernel, width=width, fp64=x["fp64"], int64_atomics=x["int64_atomics"],
+                   tree=tree if mode in (None, "tree") else 0, tree_below=4 * info.compute_units,
+                   mode=mode)
         knl = self.programs.kernel(st.ctx, st.dev, r.source, r.name, pp_kernel(kernel))
         g, l = launch_dims(r, info)
         ck = st.kernels[key] = CompiledKernel(kernel, r, knl, st, g, l)
@@ -273,14 +277,17 @@ class OpenCLBackend(Backend):
 
 
 def launch_dims(r: Rendered, info: DeviceInfo) -> tuple[tuple, tuple]:
-    """Global and local sizes: one work-group size per device (PoCL compiles a work-group function
-    per local size, so it stays fixed), one work unit per work-item, the global size rounded up
-    to whole work-groups. Only beyond a million work-groups (a huge kernel) does the grid-stride
-    loop give a work-item several units: on PoCL, capping earlier measured slower (fewer, longer
-    work-groups balance worse over the cores)."""
+    """Global and local sizes: one work unit per work-item, the global size rounded up to whole
+    work-groups of 256 (capped at a million work-groups, beyond which the grid-stride loop gives
+    a work-item several units). On CPU devices a work-group runs on one core, so kernels of few
+    units get smaller work-groups, at least four per compute unit."""
+    if r.local:  # a work-group per point
+        return (min(r.units, 1 << 16) * r.local,), (r.local,)
     if r.mode == "serial" or r.units <= 1:
         return (1,), (1,)
     local = max(1, min(info.max_work_group, 256))
+    if info.extra.get("device_type") == "cpu":
+        local = max(1, min(local, r.units // (4 * info.compute_units)))
     groups = min(-(-r.units // local), 1 << 20)
     return (groups * local,), (local,)
 

@@ -7,7 +7,7 @@ import warnings
 from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError, TilefuseError
 
 # build options: plain IEEE semantics (no fast-math: NaN and inf must survive max/min/isnan)
-OPTIONS: tuple = ()
+OPTIONS: tuple = ("-w",)  # warnings (e.g. the float16 ABI note without AVX-512) are noise
 
 
 def cache_dir() -> str:

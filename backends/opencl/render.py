@@ -8,7 +8,10 @@ cap its global size). Where it pays, one axis is *vectorised* to the device's pr
   scalar loop for the ragged end of the axis;
 - mode "red": W consecutive steps of the last reduction axis at once (W partial accumulators,
   combined at the end), for reductions over the contiguous axis (row sums, softmax, argmax);
-- mode "scalar": everything scalar (small kernels, "add" stores).
+- mode "scalar": everything scalar (small kernels, "add" stores; "serial" when they need one
+  work-item);
+- mode "tree" (GPUs): a work-group per point for long reductions over few points, partial
+  results combined through local memory.
 
 PoCL, like most OpenCL compilers, leaves calls such as exp/tanh scalar in per-work-item code,
 so the explicit vector types are what make elementwise chains fast (measured: about 10x).
@@ -55,6 +58,7 @@ class Rendered:
     units: int       # work units the grid-stride loop covers (0: nothing to launch)
     mode: str        # "par" | "red" | "scalar" | "serial"
     width: int       # vector width of the vectorised axis (1 in scalar modes)
+    local: int = 0   # the work-group size the kernel needs (tree mode), else 0: any
 
 
 def cname(name: str) -> str:
@@ -435,6 +439,12 @@ def _contiguous_loads(k: Kernel, vary: tuple) -> int:
     return sum(1 for n in _nodes(k) if n.op == "load" and b.lin(n.src[0]) == 1)
 
 
+def red_width(width: int) -> int:
+    """Lanes of a vectorised reduction: twice the preferred width (at most 16, OpenCL's widest
+    vector), so that two independent add chains hide the latency of one."""
+    return min(16, 2 * width) if width > 1 else 1
+
+
 def choose_mode(k: Kernel, width: int, *, int64_atomics: bool) -> str:
     adds = [s for s in k.stores if s.mode == "add"]
     if adds:
@@ -448,7 +458,7 @@ def choose_mode(k: Kernel, width: int, *, int64_atomics: bool) -> str:
     if width <= 1 or not k.shape and not k.reduce_shape:
         return "scalar"
     par_ok = bool(k.shape) and k.shape[-1] >= width
-    red_ok = bool(k.reduce_shape) and k.reduce_shape[-1] >= width
+    red_ok = bool(k.reduce_shape) and k.reduce_shape[-1] >= red_width(width)
     if k.has_reduce:
         par = _contiguous_loads(k, ("idx", len(k.shape) - 1)) if par_ok else -1
         red_axis = ("ridx", len(k.reduce_shape) - 1)
@@ -461,7 +471,7 @@ def choose_mode(k: Kernel, width: int, *, int64_atomics: bool) -> str:
     return "par" if par_ok else "scalar"
 
 
-def _decompose(out: list, ind: str, var: str, axes: list) -> None:
+def _decompose(out: list, ind: str, var: str, axes: list, tmp: str = "q_") -> None:
     """Split the flat unit number `var` into per-axis indices; axes = [(name, extent)] outer first."""
     live = [(nm, n) for nm, n in axes if n != 1]
     for nm, n in axes:
@@ -469,10 +479,10 @@ def _decompose(out: list, ind: str, var: str, axes: list) -> None:
             out.append(f"{ind}const long {nm} = 0;")
     if not live:
         return
-    out.append(f"{ind}long q_ = {var};")
+    out.append(f"{ind}long {tmp} = {var};")
     for nm, n in reversed(live[1:]):
-        out.append(f"{ind}const long {nm} = q_ % {n}L; q_ /= {n}L;")
-    out.append(f"{ind}const long {live[0][0]} = q_;")
+        out.append(f"{ind}const long {nm} = {tmp} % {n}L; {tmp} /= {n}L;")
+    out.append(f"{ind}const long {live[0][0]} = {tmp};")
 
 
 def _emit_body(k: Kernel, out: list, ind: str, vary, width: int, base: str, atomic: bool) -> None:
@@ -532,10 +542,8 @@ def _emit_reductions(b: _Body, reds: list) -> None:
             names = _horizontal(b, r, names, w, tail)
             w = 1
         res = names[1] if r.arg in ("argmax", "argmin") else names[0]
-        s = w == 1
-        b.memo[(r, s)] = res
-        if s:
-            b.memo[(r, True)] = res
+        b.memo[(r, w == 1)] = res
+        b.memo[(r, True)] = res if w == 1 else f"{res}.s0"
 
 
 def _init_acc(b: _Body, r: KExpr, d, w: int, tag: str) -> tuple:
@@ -603,34 +611,100 @@ def _size(d) -> int:
     return 4 if np.dtype(d) in (F16, BF16) else np.dtype(d).itemsize
 
 
+def _combine(b: _Body, op: str, d, acc: tuple, other: tuple) -> None:
+    """acc ⊕= other for two scalar partial results of one reduction (lanes or work-items, each
+    over a subset of the steps): argmax/argmin take the better, on a tie the smaller index."""
+    if op not in ("argmax", "argmin"):
+        _update(b, op, d, acc, other[0], None, 1)
+        return
+    (a, ai), (v, i) = acc, other
+    better = _better(b, op, d, v, a, 1)
+    same = f"({v} == {a} || (isnan({v}) && isnan({a})))" if _is_float(d) else f"({v} == {a})"
+    b.line(f"if ({i} >= 0 && ({ai} < 0 || {better} || ({same} && {i} < {ai}))) {{ {a} = {v}; {ai} = {i}; }}")
+
+
 def _horizontal(b: _Body, r: KExpr, names, w: int, tail) -> tuple:
     """Combine W lane accumulators and the scalar tail accumulator into one (scalar) result."""
-    op, d = r.arg, np.dtype(r.src[0].dtype)
-    out = tail
     for j in range(w):
-        lane = tuple(f"{n}.s{LANE[j]}" for n in names)
-        if op in ("argmax", "argmin"):
-            acc, ai = out
-            v, i = lane
-            # take the lane if it is better, or equal with a smaller index (first index wins)
-            better = _better(b, op, d, v, acc, 1)
-            same = f"({v} == {acc} || (isnan({v}) && isnan({acc})))" if _is_float(d) else f"({v} == {acc})"
-            b.line(f"if ({i} >= 0 && ({ai} < 0 || {better} || ({same} && {i} < {ai}))) "
-                   f"{{ {acc} = {v}; {ai} = {i}; }}")
-        else:
-            _update(b, op, d, out, lane[0], None, 1)
-    return out
+        _combine(b, r.arg, np.dtype(r.src[0].dtype), tail, tuple(f"{n}.s{LANE[j]}" for n in names))
+    return tail
 
 
-def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool = True) -> Rendered:
-    """OpenCL C for a kernel; `width` is the device's preferred vector width for its dtypes."""
+def _emit_tree(k: Kernel, out: list, ind: str, local: int) -> None:
+    """One work-group per point: its work-items stride over the flattened reduction space, then
+    combine their partial results through local memory in a tree; work-item 0 stores."""
+    b = _Body(k, out, None, 1, "", ind)
+    reds = _reduces(k)
+    dep: dict = {}
+    for r in reds:
+        for n in r.toposort():
+            if n is not r and not _depends_on_ridx(n, dep):
+                b.val(n)
+    accs = {r: _init_acc(b, r, np.dtype(r.src[0].dtype), 1, "a") for r in reds}
+    total = int(np.prod(k.reduce_shape, dtype=np.int64))
+    b.line(f"for (long rf = lid; rf < {total}L; rf += {local}L) {{")
+    b.ind += "  "
+    _decompose(out, b.ind, "rf", [(f"r{a}", n) for a, n in enumerate(k.reduce_shape)], tmp="qr_")
+    _loop_body(b, reds, {r: (names, 1, None) for r, names in accs.items()}, 0, indent=False)
+    b.ind = b.ind[:-2]
+    b.line("}")
+    for j, r in enumerate(reds):
+        names = accs[r]
+        b.line(f"sh{j}[lid] = {names[0]};" + (f" sh{j}i[lid] = {names[1]};" if len(names) > 1 else ""))
+    b.line("barrier(CLK_LOCAL_MEM_FENCE);")
+    b.line(f"for (int s = {local // 2}; s > 0; s >>= 1) {{")
+    b.line("  if (lid < s) {")
+    b.ind += "    "
+    for j, r in enumerate(reds):
+        names = accs[r]
+        other = (f"sh{j}[lid + s]",) + ((f"sh{j}i[lid + s]",) if len(names) > 1 else ())
+        _combine(b, r.arg, np.dtype(r.src[0].dtype), names, other)
+        b.line(f"sh{j}[lid] = {names[0]};" + (f" sh{j}i[lid] = {names[1]};" if len(names) > 1 else ""))
+    b.ind = b.ind[:-4]
+    b.line("  }")
+    b.line("  barrier(CLK_LOCAL_MEM_FENCE);")
+    b.line("}")
+    b.line("if (lid == 0) {")
+    b.ind += "  "
+    for r in reds:
+        names = accs[r]
+        b.memo[(r, True)] = names[1] if r.arg in ("argmax", "argmin") else names[0]
+    for st in k.stores:
+        b.store(st, True)
+    b.ind = b.ind[:-2]
+    b.line("}")
+    b.line("barrier(CLK_LOCAL_MEM_FENCE);  // the next point reuses the local arrays")
+
+
+def _local_arrays(k: Kernel, local: int) -> list:
+    lines = []
+    for j, r in enumerate(_reduces(k)):
+        lines.append(f"  __local {VALUE_T[np.dtype(r.src[0].dtype)]} sh{j}[{local}];")
+        if r.arg in ("argmax", "argmin"):
+            lines.append(f"  __local long sh{j}i[{local}];")
+    return lines
+
+
+def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool = True,
+           tree: int = 0, tree_below: int = 0, mode: str | None = None) -> Rendered:
+    """OpenCL C for a kernel. `width`: the device's preferred vector width for its dtypes;
+    `tree`: the work-group size of tree reductions (0: none, as on CPU devices, where one
+    work-group runs on one core), used for kernels of fewer than `tree_below` points reducing
+    at least 8 steps per work-item; `mode` overrides the choice (tests, the tuner)."""
     used = {np.dtype(b.dtype) for b in k.buffers} | {np.dtype(n.dtype) for n in _nodes(k)}
     if F64 in used and not fp64:
         raise CompileError(f"opencl: kernel {k.name} needs float64, which this device lacks "
                            "(no cl_khr_fp64); use float32", backend="opencl", kernel=pp_kernel(k))
     name = cname(k.name)
-    mode = choose_mode(k, width, int64_atomics=int64_atomics)
-    W = width if mode in ("par", "red") else 1
+    if mode is None:
+        mode = choose_mode(k, width, int64_atomics=int64_atomics)
+        steps = int(np.prod(k.reduce_shape, dtype=np.int64)) if k.has_reduce else 0
+        if tree and mode != "serial" and not k.serial and k.size < tree_below and steps >= 8 * tree:
+            mode = "tree"
+    assert mode in ("par", "red", "scalar", "serial", "tree"), mode
+    if mode == "tree":
+        assert tree and tree & (tree - 1) == 0 and k.has_reduce, "tree mode: a power-of-two work-group"
+    W = width if mode == "par" else red_width(width) if mode == "red" else 1
     head = ["// generated by tilefuse from:"] + ["// " + ln for ln in pp_kernel(k).splitlines()]
     if F64 in used:
         head.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
@@ -661,6 +735,14 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
         else:
             _emit_body(k, out, "    ", vary, W, "ib", atomic)
         out.append("  }")
+    elif mode == "tree":
+        units = k.size
+        out += _local_arrays(k, tree)
+        out.append("  const int lid = get_local_id(0);")
+        out.append(f"  for (long u = get_group_id(0); u < {units}L; u += get_num_groups(0)) {{")
+        _decompose(out, "    ", "u", [(f"i{a}", n) for a, n in enumerate(shape)])
+        _emit_tree(k, out, "    ", tree)
+        out.append("  }")
     else:
         units = k.size
         if mode == "serial":
@@ -673,4 +755,4 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
         _emit_body(k, out, "    ", vary, W, f"r{len(k.reduce_shape) - 1}", atomic)
         out.append("  }")
     out.append("}")
-    return Rendered(name, "\n".join(out) + "\n", units, mode, W)
+    return Rendered(name, "\n".join(out) + "\n", units, mode, W, tree if mode == "tree" else 0)

@@ -27,6 +27,7 @@ Op semantics every renderer implements (ir/kernel/interp.py is the reference):
 - A kernel holds at most one distinct `reduce` node, present iff `reduce_shape` is non-empty;
   over an empty reduction space sum gives 0 and prod 1 (max/min/argmax never see one).
   argmax/argmin give the index of the first extreme; NaN counts as the extreme (numpy's rule).
+  Nodes that read no `ridx` may appear both under the reduce node and outside it.
 """
 from __future__ import annotations
 

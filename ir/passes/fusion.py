@@ -67,16 +67,16 @@ def _split_sources(eqns: list[Eqn]) -> list[Eqn]:
     out = []
     for e in eqns:
         if e.outputs and e.outputs[0].id in sources:
-            out.append(e)  # the original stays for graph outputs; dce'd by nobody, harmless
+            out.append(e)  # the original stays for a graph output; else the partitioner drops it
             continue
-        new_inputs = list(e.inputs)
-        for k, a in enumerate(e.inputs):
+        copies: dict[int, Var] = {}
+        for a in e.inputs:
             src = sources.get(getattr(a, "id", None))
-            if src is not None:
-                v = Var(a.aval)
-                out.append(src.replace(outputs=(v,)))
-                new_inputs[k] = v
-        out.append(e if new_inputs == list(e.inputs) else e.replace(inputs=tuple(new_inputs)))
+            if src is not None and a.id not in copies:
+                copies[a.id] = Var(a.aval)
+                out.append(src.replace(outputs=(copies[a.id],)))
+        inputs = tuple(copies.get(getattr(a, "id", None), a) for a in e.inputs)
+        out.append(e.replace(inputs=inputs) if copies else e)
     return out
 
 

@@ -4,6 +4,7 @@ Skips, with the reason, where no OpenCL platform is present. Several checks shar
 (one store per op) because every kernel is a program build (about 0.3 s cold on PoCL)."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import ml_dtypes
@@ -230,6 +231,28 @@ def test_argmax_outer_axis_int(be, rng):
     np.testing.assert_array_equal(y, np.argmax(x, axis=0))
 
 
+@pytest.mark.parametrize("op", ["sum", "max", "argmax", "argmin"])
+def test_tree_reduction(be, rng, op, monkeypatch):
+    """The GPU rendering (a work-group per point, a local-memory tree), forced here: it must
+    agree with numpy on any device, including ties (first index) and NaN."""
+    import tilefuse.backends.opencl as ocl
+    shape = (3, 2100)
+    x = rng.integers(-4, 5, shape).astype(F32)
+    x[1, 1500] = np.nan
+    x[1, 700] = np.nan
+    k = reduce_kernel(f"tree_{op}", shape, (1,), op)
+    st = be._state(DEV)
+    monkeypatch.setitem(st.info.extra, "device_type", "gpu")  # CPU devices never choose it
+    ck = be.compile_kernel(k, DEV, mode="tree")
+    assert ck.mode == "tree" and ck.local_size[0] > 1
+    monkeypatch.setitem(st.kernels, (k.signature(), None), ck)
+    (y,) = run(be, k, x)
+    if op in ("argmax", "argmin"):
+        np.testing.assert_array_equal(y, oracle(op, x, axis=1, index_dtype=I32))
+    else:
+        assert_close(y, oracle(f"reduce_{op}", x, axes=(1,)), rtol=1e-6)
+
+
 def test_softmax_rows_two_reductions(be, rng):
     """A row max and a row sum of exp in one kernel (two reduce nodes, one loop nest)."""
     r, n = 6, 300
@@ -372,7 +395,7 @@ def test_build_failure_raises_compile_error_with_log(be, monkeypatch):
 
     def broken(k, **kw):
         r = real(k, **kw)
-        return type(r)(r.name, r.source.replace("{", "{ this_is_not_c;", 1), r.units, r.mode, r.width)
+        return dataclasses.replace(r, source=r.source.replace("{", "{ this_is_not_c;", 1))
     monkeypatch.setattr(opencl, "render", broken)
     k = elementwise("broken", [F32], (8,), lambda x: [x + 1.0], [F32])
     with pytest.raises(CompileError) as info:

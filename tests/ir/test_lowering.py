@@ -86,7 +86,8 @@ CASES["is_finite"] = [C(np.array([1.0, np.inf, -np.inf, np.nan, 0.0], F32)),
                       C(np.array([1.0, np.inf, np.nan], F16))]
 CASES["not"] = [C(b(3, 4)), C(i(6))]
 for _n in _ARITH:
-    CASES[_n] = [C(f(3, 4), f(3, 4, lo=0.5)), C(_INT_X, _INT_Y), C(f(5, dtype=BF16), f(5, lo=0.5, dtype=BF16))]
+    CASES[_n] = [C(f(3, 4), f(3, 4, lo=0.5)), C(_INT_X, _INT_Y),
+                 C(f(5, dtype=BF16), f(5, lo=0.5, dtype=BF16))]
 for _n in ("add", "mul", "max", "min"):
     CASES[_n].append(C(b(2, 5), b(2, 5)))
 CASES["pow"] = [C(f(3, 4, lo=0.1), f(3, 4)), C(f(3, dtype=F16, lo=0.5), f(3, dtype=F16))]

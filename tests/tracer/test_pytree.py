@@ -88,7 +88,7 @@ def _same(a, b):
     return type(a) is type(b) and a == b
 
 
-@pytest.mark.parametrize("tree", TREES, ids=[repr(t)[:30] for t in TREES])
+@pytest.mark.parametrize("tree", TREES, ids=[f"{i}-{type(t).__name__}" for i, t in enumerate(TREES)])
 def test_round_trip(tree):
     leaves, td = tx.tree_flatten(tree)
     assert td.n_leaves == len(leaves)

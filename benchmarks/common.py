@@ -1,0 +1,149 @@
+"""Shared helpers for the benchmarks: median timing after warm-up, peak memory, running one
+framework per subprocess (so its peak RSS is its own), and a side-by-side table with ratios.
+
+    from common import time_median, side_by_side
+    t = time_median(lambda: f(x), warmup=2, repeat=10)      # Timing: .median (s), .samples
+    print(side_by_side({"tilefuse": {"step ms": 12.0}, "numpy": {"step ms": 30.0}},
+                       ["step ms"], baseline="tilefuse"))
+
+The machines are shared and noisy: quote medians, compare within one run, read ratios."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+RESULT_TAG = "@@bench-result "  # marks the worker's JSON line among whatever else it prints
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall-clock samples of one measured call, in seconds."""
+    samples: tuple
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    def __str__(self):
+        return f"{fmt_seconds(self.median)} (median of {len(self.samples)}, min {fmt_seconds(self.min)})"
+
+
+def time_median(fn: Callable[[], object], *, warmup: int = 2, repeat: int = 10,
+                max_seconds: float | None = None) -> Timing:
+    """Call fn `warmup` times unmeasured, then up to `repeat` times measured (fewer, but at least
+    one, once max_seconds of measuring have passed). fn must wait for its own result
+    (block_until_ready, .item(), a device synchronise): an asynchronous call times nothing."""
+    for _ in range(warmup):
+        fn()
+    samples, start = [], time.perf_counter()
+    for _ in range(max(repeat, 1)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+    return Timing(tuple(samples))
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far, in MiB (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+# ---- one framework per subprocess ------------------------------------------------------------
+
+def emit(result: dict) -> None:
+    """In a worker: hand `result` (JSON-able) back to run_worker, with the peak RSS added."""
+    result = {**result, "peak_rss_mib": peak_rss_mib()}
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def run_worker(argv: Sequence[str], *, env: dict | None = None, timeout: float | None = None,
+               echo: bool = False) -> dict:
+    """Run `python argv...` and return the dict its emit() printed; on failure
+    {"error": the reason and the last lines it printed}."""
+    full_env = {**os.environ, **(env or {})}
+    try:
+        p = subprocess.run([sys.executable, *argv], env=full_env, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if echo and p.stderr:
+        sys.stderr.write(p.stderr)
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-6:])
+    return {"error": f"exit {p.returncode}: {tail}"}
+
+
+# ---- tables ------------------------------------------------------------------------------------
+
+def fmt_seconds(s: float) -> str:
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "-"
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def fmt_value(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
+    """A Markdown table (readable as text too), columns padded to their widest cell."""
+    cells = [[str(h) for h in headers]] + [[fmt_value(c) if not isinstance(c, str) else c for c in r]
+                                           for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    out = [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells[1:]]
+    return (f"{title}\n\n" if title else "") + "\n".join(out)
+
+
+def ratio(value, base) -> str:
+    """value / base as '2.50x', or '' when either is missing or base is 0."""
+    if not isinstance(value, (int, float)) or not isinstance(base, (int, float)) or not base:
+        return ""
+    return f"{value / base:.2f}x"
+
+
+def side_by_side(results: dict[str, dict], metrics: Sequence[str], baseline: str | None = None,
+                 formats: dict[str, Callable] | None = None, title: str | None = None) -> str:
+    """One row per entry of `results` (name -> {metric: number or str}), one column per metric;
+    numeric cells also show value / baseline's value (so 2.00x = twice the baseline's time or
+    memory). Missing metrics print '-'; `formats` maps a metric to a formatter of its value."""
+    formats = formats or {}
+    base = results.get(baseline, {}) if baseline else {}
+    rows = []
+    for name, res in results.items():
+        row = [name]
+        for m in metrics:
+            v = res.get(m)
+            text = formats[m](v) if m in formats and isinstance(v, (int, float)) else fmt_value(v)
+            r = ratio(v, base.get(m)) if name != baseline else ""
+            row.append(f"{text} ({r})" if r else text)
+        rows.append(row)
+    note = f"ratios: value / {baseline}'s" if baseline else None
+    text = table(["", *metrics], rows, title)
+    return f"{text}\n\n{note}" if note else text
