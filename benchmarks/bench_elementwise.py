@@ -196,7 +196,7 @@ def threshold():
         xs, ys = np.ones(n, np.float32), np.empty(n, np.float32)
         ptrs = (ctypes.c_void_p * 2)(xs.ctypes.data, ys.ctypes.data)
         pool = C.get_pool(be._info(None).compute_units)
-        bounds = [(0, n // 2), (n // 2, n)]  # one chunk per core
+        bounds = C._chunks(n, pool.n, max(C.estimate_ns(k), 2 * C.PARALLEL_MIN_NS))  # as if parallel
         one = median_ms(lambda _: ck._fn(ptrs, 0, n), None, 200)[0] * 1e3
         par = median_ms(lambda _: pool.run(ck._fn, ptrs, bounds), None, 200)[0] * 1e3
         print(f"| {n} | {one:.1f} | {par:.1f} |")

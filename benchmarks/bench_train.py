@@ -92,8 +92,12 @@ def prepare(path: str, steps: int, seed: int) -> None:
     corpus = data.Corpus()
     cfg = tt.Config(vocab=corpus.vocab.size)
     assert cfg.vocab == VOCAB, cfg
-    init_key, _ = random.split(random.key(seed))
-    params = tt.init_params(tx.device_put(init_key, "ref"), cfg)
+    saved, tx.config.default_device = tx.config.default_device, "ref"  # numpy: no compiling
+    try:
+        init_key, _ = random.split(random.key(seed))
+        params = tx.tree_map(np.asarray, tt.init_params(init_key, cfg))
+    finally:
+        tx.config.default_device = saved
     sampler = data.WindowSampler(corpus.train, BATCH, SEQ, seed)
     xs, ys = zip(*(sampler.next() for _ in range(steps)))
     arrays = {f"p/{k}": v for k, v in flatten(params).items()}

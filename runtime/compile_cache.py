@@ -5,7 +5,8 @@ fingerprint, backend version). Backend-neutral: payloads are bytes.
 Directory `TILEFUSE_CACHE_DIR` (default ~/.cache/tilefuse; "off" disables it), created 0700.
 Each entry is written atomically (temporary file + os.replace) with a header holding the key
 hash and a sha256 of the payload; an entry whose header, length or checksum does not match is
-counted as corrupt, removed, and rebuilt — never loaded. Nothing is pickled."""
+counted as corrupt, removed, and rebuilt — never loaded. Nothing is pickled. A namespace keeps at
+most MAX_ENTRIES entries: opening it drops the least recently used beyond that."""
 from __future__ import annotations
 
 import hashlib
@@ -16,6 +17,7 @@ import threading
 from typing import Callable
 
 MAGIC = b"TFCACHE1"
+MAX_ENTRIES = 8192
 _HEADER = struct.Struct("<8s32sQ32s")  # magic, key digest, payload length, payload sha256
 
 _stats = {"compiles": 0, "disk_hits": 0, "disk_writes": 0, "corrupt": 0, "write_errors": 0}
@@ -71,6 +73,25 @@ class CompileCache:
                         os.chmod(d, 0o700)
             except OSError:
                 self.dir = None  # read-only home, no space, ...: compile without a disk cache
+            else:
+                self.prune(MAX_ENTRIES)
+
+    def prune(self, max_entries: int) -> int:
+        """Remove the least recently used entries beyond max_entries; returns how many."""
+        try:
+            entries = [e for e in os.scandir(self.dir) if e.name.endswith(".bin")]
+        except OSError:
+            return 0
+        if len(entries) <= max_entries:
+            return 0
+        entries.sort(key=lambda e: e.stat().st_mtime)
+        drop = entries[:len(entries) - int(max_entries * 0.8)]
+        for e in drop:
+            try:
+                os.unlink(e.path)
+            except OSError:
+                pass
+        return len(drop)
 
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key + ".bin")
@@ -85,6 +106,11 @@ class CompileCache:
         except OSError:
             return None
         payload = _check(data, key)
+        if payload is not None:
+            try:
+                os.utime(self.path(key))  # recently used: kept by prune
+            except OSError:
+                pass
         if payload is None:
             _count("corrupt")
             try:

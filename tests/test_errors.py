@@ -182,6 +182,9 @@ def test_index_and_update_errors_name_the_shape():
         x[0, 3]
     with pytest.raises(IndexError, match=r"shape \(2, 3\)"):
         x.at[5].set(1.0)
+    with pytest.raises(IndexError, match="index 3 is out of bounds for axis 1 with size 3"):
+        tnp.take(x, np.array([0, 3]), axis=1)
+    np.testing.assert_array_equal(tnp.take(np.arange(3), np.array([5, -9]), mode="clip"), [2, 0])
     with pytest.raises(tx.ShapeError, match=r"cannot broadcast an array of shape \(4,\) to \(3,\)"):
         x.at[0].set(np.ones(4, np.float32))
 

@@ -1398,7 +1398,8 @@ def _advanced_index(x, axes, indexes):
 
 
 def take(x, indices, axis=None, mode=None):
-    """numpy.take; out-of-range indices clamp to the edge (as in JAX's 'clip' mode)."""
+    """numpy.take. Concrete indices out of range raise IndexError (numpy's rule) unless
+    mode='clip'; traced ones cannot be checked and clamp to the edge (JAX's 'clip' mode)."""
     x = _operand(x)
     if axis is None:
         x, axis = ravel(x), 0
@@ -1407,6 +1408,9 @@ def take(x, indices, axis=None, mode=None):
     i = _as_index_array(indices)
     if i is None:
         i = np.asarray(indices, np.int32)
+    if isinstance(i, np.ndarray) and mode != "clip" and i.size and (i.max() >= n or i.min() < -n):
+        bad = int(i.max() if i.max() >= n else i.min())
+        raise IndexError(with_user_line(f"take: index {bad} is out of bounds for axis {axis} with size {n}"))
     i = astype(i, int32) if not isinstance(i, np.ndarray) else i.astype(np.int32)
     if mode != "clip":
         i = where(less(i, 0), i + n, i) if not isinstance(i, np.ndarray) else np.where(i < 0, i + n, i)

@@ -99,6 +99,7 @@ class JitFunction:
     def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), device=None):
         functools.update_wrapper(self, fun)
         self.fun = fun
+        self._name = getattr(fun, "__name__", type(fun).__name__)  # partials and callables have none
         try:
             params = list(inspect.signature(fun).parameters.values())
         except (TypeError, ValueError):
@@ -239,7 +240,7 @@ class JitFunction:
         except TilefuseError:
             pass
         names = self._leaf_names(in_tree)  # name the offending argument
-        return tuple(_leaf_aval(x, f"argument {names[i]} of {self.__name__}") for i, x in enumerate(leaves))
+        return tuple(_leaf_aval(x, f"argument {names[i]} of {self._name}") for i, x in enumerate(leaves))
 
     def _leaf_names(self, in_tree, static=()):
         """A readable name for every leaf: the parameter's name (and the leaf's path within it)."""
@@ -276,7 +277,7 @@ class JitFunction:
             for i, o in enumerate(out_leaves):
                 if not (isinstance(o, Tracer) or hasattr(o, "aval") or
                         isinstance(o, (np.ndarray, np.generic, bool, int, float))):
-                    raise ArgumentError(f"{self.__name__} returned a {type(o).__name__} (output leaf "
+                    raise ArgumentError(f"{self._name} returned a {type(o).__name__} (output leaf "
                                         f"{i}); jitted functions must return arrays or pytrees of arrays")
             return out_leaves, out_tree
 
@@ -296,7 +297,7 @@ class JitFunction:
 
     def _explain(self, key, in_tree, static, seen_before):
         """Log why this call traces (explain_retrace), as JAX's explain_cache_misses does."""
-        name = getattr(self.fun, "__qualname__", self.__name__)
+        name = getattr(self.fun, "__qualname__", self._name)
         where = user_line()
         at = f" at {where}" if where else ""
         if self._trace_keys:
@@ -330,7 +331,7 @@ class JitFunction:
         key = (in_tree, avals, static, dev, hooks.config.cache_key())
         graph, out_tree = self._graph(static, avals, in_tree, key)
         if graph is None:
-            raise TilefuseError(f"{self.__name__} closes over traced values and cannot be lowered alone")
+            raise TilefuseError(f"{self._name} closes over traced values and cannot be lowered alone")
         return Lowered(graph, out_tree, dev, in_tree)
 
     def cache_size(self) -> int:

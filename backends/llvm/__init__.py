@@ -1,5 +1,6 @@
-"""The CPU backend: kernels rendered to LLVM IR with llvmlite, optimised for the host CPU, run
-through MCJIT and called via ctypes on a thread pool; buffers come from the caching pool."""
+"""The CPU backend: kernels rendered to LLVM IR with llvmlite (render.py, vecmath.py), optimised
+for the host CPU, linked with ORC LLJIT/JITLink and called via ctypes on a thread pool
+(compile.py); buffers come from the caching pool (runtime/memory.py)."""
 from __future__ import annotations
 
 import numpy as np

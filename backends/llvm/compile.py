@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import itertools
 import os
 import queue
 import threading
@@ -29,12 +30,13 @@ from .render import render
 
 BACKEND_VERSION = "llvm-1"
 OPT_LEVEL = 3
-# Threads or not: a kernel's time is estimated as points × reduce points × Σ op costs × NS_PER_OP;
-# handing chunks to the pool costs ~20-40 µs here (benchmarks/bench_elementwise.py --threshold:
-# x*2+1 takes 12 µs for 64k points on one thread, 51 µs through the pool; 0.19 ns a point, i.e.
-# ~0.05 ns per op with 8 float lanes), so a 2-core split pays off above ~60 µs of estimated work:
-# ~300k points of x*2+1, ~25k points of the tanh/sigmoid/exp chain.
-PARALLEL_MIN_NS = 60_000
+# Threads or not: a kernel's time is estimated as points × reduce points × Σ op costs × NS_PER_OP
+# (x*2+1: 0.19 ns a point on one znver3 thread, ~0.05 ns an op with 8 float lanes; the estimate
+# is within 20% for the tanh/sigmoid/exp chain: 74 µs estimated, 84 µs measured at 32k points).
+# Waking the pool costs 10-50 µs here (benchmarks/bench_elementwise.py --threshold; the high end
+# with the 2 cores shared by other work), so a split pays off above ~100 µs of estimated work:
+# ~500k points of x*2+1, ~40k points of the chain.
+PARALLEL_MIN_NS = 100_000
 NS_PER_OP = 0.05
 OP_COST = {"exp": 12, "log": 12, "log1p": 14, "expm1": 14, "tanh": 14, "logistic": 10, "erf": 16,
            "sin": 14, "cos": 14, "pow": 40, "div": 4, "rem": 8, "sqrt": 4, "rsqrt": 5}
@@ -135,7 +137,8 @@ _addressof = ctypes.addressof
 
 class ThreadPool:
     """Persistent worker threads; the caller works too. ctypes drops the GIL during each call,
-    so the chunks really run in parallel."""
+    so the chunks really run in parallel. The caller waits for the chunks, not for the workers:
+    on a busy machine a worker that wakes late finds nothing left, and the call is not held up."""
 
     def __init__(self, n_threads: int):
         self.n = max(1, n_threads)
@@ -156,31 +159,30 @@ class ThreadPool:
     @staticmethod
     def _worker(q):
         while True:
-            job, done = q.get()
-            try:
-                job()
-                done.put(None)
-            except BaseException as e:  # handed back to the caller, which raises it
-                done.put(e)
+            q.get()()
 
     def run(self, fn, ptrs, bounds):
         """fn(ptrs, s, e) for every (s, e) in bounds, spread over the threads."""
         if len(self._queues) < self.n - 1 or self._pid != os.getpid():
             self._start()
-        chunks = iter(bounds)  # list_iterator.__next__ is atomic under the GIL
+        chunks = iter(bounds)  # list_iterator.__next__ and count.__next__ are atomic under the GIL
+        finished = itertools.count(1)
+        n, all_done, errors = len(bounds), threading.Event(), []
 
         def job():
             for s, e in chunks:
-                fn(ptrs, s, e)
-        helpers = min(self.n - 1, len(bounds) - 1)
-        done = queue.SimpleQueue()
-        for q in self._queues[:helpers]:
-            q.put((job, done))
+                try:
+                    fn(ptrs, s, e)
+                except BaseException as ex:  # handed to the caller, which raises it
+                    errors.append(ex)
+                if next(finished) == n:
+                    all_done.set()
+        for q in self._queues[:min(self.n - 1, n - 1)]:
+            q.put(job)
         job()
-        errors = [done.get() for _ in range(helpers)]
-        for e in errors:
-            if e is not None:
-                raise e
+        all_done.wait()
+        if errors:
+            raise errors[0]
 
 
 _pools: dict = {}

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from tilefuse.ir.errors import DeviceError, OutOfMemoryError
+from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
 from tilefuse.ir.kernel.ir import Kernel, pp_kernel
 from tilefuse.runtime.config import config
 from tilefuse.runtime.hardware import DeviceInfo, host_info
@@ -173,18 +173,45 @@ class OpenCLBackend(Backend):
         st = self._state(device)
         key = (kernel.signature(), mode)
         ck = st.kernels.get(key)
-        if ck is not None:
-            return ck
+        if ck is None:
+            t0 = time.perf_counter()
+            r = self._render(kernel, st, mode)
+            knl = self.programs.kernel(st.ctx, st.dev, r.source, r.name, pp_kernel(kernel))
+            ck = self._finish(kernel, key, r, knl, st, t0)
+        return ck
+
+    def compile_kernels(self, kernels, device) -> list[CompiledKernel]:
+        """Several kernels (a graph's) with one program build; a failing batch is built again
+        kernel by kernel, so that the CompileError names the kernel at fault."""
+        st = self._state(device)
+        todo = {}
+        for k in kernels:
+            if (k.signature(), None) not in st.kernels:
+                todo.setdefault(k.signature(), k)
+        if len(todo) > 1:
+            t0 = time.perf_counter()
+            rs = [self._render(k, st, None) for k in todo.values()]
+            try:
+                knls = self.programs.kernels(st.ctx, st.dev, "\n".join(r.source for r in rs),
+                                             [r.name for r in rs])
+            except CompileError:
+                knls = None
+            if knls is not None:
+                for (sig, k), r, knl in zip(todo.items(), rs, knls):
+                    self._finish(k, (sig, None), r, knl, st, t0)
+        return [self.compile_kernel(k, device) for k in kernels]
+
+    def _render(self, kernel: Kernel, st: _State, mode: str | None) -> Rendered:
         info, x = st.info, st.info.extra
         has_f64 = any(np.dtype(b.dtype) == F64 for b in kernel.buffers)
         width = x["preferred_width"]["double" if has_f64 else "float"]
         tree = 0 if x["device_type"] == "cpu" else 1 << (min(256, info.max_work_group).bit_length() - 1)
-        t0 = time.perf_counter()
-        r = render(kernel, width=width, fp64=x["fp64"], int64_atomics=x["int64_atomics"],
-                   tree=tree if mode in (None, "tree") else 0, tree_below=4 * info.compute_units,
-                   mode=mode)
-        knl = self.programs.kernel(st.ctx, st.dev, r.source, r.name, pp_kernel(kernel))
-        g, l = launch_dims(r, info)
+        return render(kernel, width=width, fp64=x["fp64"], int64_atomics=x["int64_atomics"],
+                      tree=tree if mode in (None, "tree") else 0, tree_below=4 * info.compute_units,
+                      mode=mode)
+
+    def _finish(self, kernel, key, r: Rendered, knl, st: _State, t0: float) -> CompiledKernel:
+        g, l = launch_dims(r, st.info)
         ck = st.kernels[key] = CompiledKernel(kernel, r, knl, st, g, l)
         if config.debug:
             print(f"[tilefuse opencl] {ck!r} built in {time.perf_counter() - t0:.3f} s\n{r.source}",
@@ -223,7 +250,8 @@ class OpenCLBackend(Backend):
         try:
             sub = buffer.mem.get_sub_region(offset_bytes, nbytes)
         except self._cl.Error as e:
-            raise translate(e, f"make a view of {nbytes} bytes at offset {offset_bytes}", st.info.name) from None
+            raise translate(e, f"make a view of {nbytes} bytes at offset {offset_bytes}",
+                            st.info.name) from None
         return DeviceBuffer(sub, int(nbytes), parent=buffer)
 
     def put(self, host: np.ndarray, device):

@@ -45,33 +45,38 @@ def translate(e: Exception, action: str, device, nbytes: int | None = None) -> T
 
 class ProgramCache:
     """Built kernels in memory, keyed by (source, device); building goes through pyopencl, whose
-    binary cache (or the ICD's own) makes a second process skip the compiler."""
+    binary cache (or the ICD's own) makes a second process skip the compiler. One program may
+    hold several kernels: PoCL spends most of a build in fixed costs, so a batch builds faster."""
 
     def __init__(self):
         self._mem: dict = {}
-        self.builds = 0  # source builds this process asked for (hits in memory do not count)
+        self.builds = 0  # program builds this process asked for (hits in memory do not count)
 
-    def kernel(self, ctx, cl_device, source: str, name: str, kernel_text: str = ""):
+    def kernels(self, ctx, cl_device, source: str, names: list, kernel_text: str = "") -> list:
         import pyopencl as cl
         key = (source, cl_device.int_ptr)
-        knl = self._mem.get(key)
-        if knl is not None:
-            return knl
+        got = self._mem.get(key)
+        if got is not None:
+            return got
         self.builds += 1
+        what = f"kernel {names[0]}" if len(names) == 1 else f"{len(names)} kernels"
         try:
             with warnings.catch_warnings():  # a non-empty build log is not an error
                 warnings.simplefilter("ignore", cl.CompilerWarning)
                 prg = cl.Program(ctx, source).build(options=list(OPTIONS), devices=[cl_device],
                                                     cache_dir=cache_dir())
-            knl = cl.Kernel(prg, name)
+            got = [cl.Kernel(prg, n) for n in names]
         except cl.Error as e:
             if _code_name(e) in _ALLOC_CODES + ("OUT_OF_RESOURCES",):
-                raise translate(e, f"build kernel {name}", cl_device.name) from None
-            raise CompileError(f"opencl: building kernel {name} for {cl_device.name.strip()} failed; "
+                raise translate(e, f"build {what}", cl_device.name) from None
+            raise CompileError(f"opencl: building {what} for {cl_device.name.strip()} failed; "
                                f"build log:\n{build_log(e)}", backend="opencl", kernel=kernel_text,
                                source=source) from None
-        self._mem[key] = knl
-        return knl
+        self._mem[key] = got
+        return got
+
+    def kernel(self, ctx, cl_device, source: str, name: str, kernel_text: str = ""):
+        return self.kernels(ctx, cl_device, source, [name], kernel_text)[0]
 
 
 def build_log(e: Exception) -> str:

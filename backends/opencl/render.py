@@ -6,8 +6,9 @@ cap its global size). Where it pays, one axis is *vectorised* to the device's pr
 - mode "par": W consecutive points of the last parallel axis per work unit (floatW values,
   vloadW/vstoreW where the index map is contiguous, per-lane gathers where it is not), with a
   scalar loop for the ragged end of the axis;
-- mode "red": W consecutive steps of the last reduction axis at once (W partial accumulators,
-  combined at the end), for reductions over the contiguous axis (row sums, softmax, argmax);
+- mode "red": consecutive steps of the last reduction axis at once (2W lanes of partial
+  accumulators, combined at the end), for reductions over the contiguous axis (row sums,
+  softmax, argmax);
 - mode "scalar": everything scalar (small kernels, "add" stores; "serial" when they need one
   work-item);
 - mode "tree" (GPUs): a work-group per point for long reductions over few points, partial
@@ -24,6 +25,7 @@ bool is uchar 0/1, int64 long, float64 double (only with cl_khr_fp64).
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -56,13 +58,15 @@ class Rendered:
     name: str        # the __kernel function's name
     source: str
     units: int       # work units the grid-stride loop covers (0: nothing to launch)
-    mode: str        # "par" | "red" | "scalar" | "serial"
+    mode: str        # "par" | "red" | "scalar" | "serial" | "tree"
     width: int       # vector width of the vectorised axis (1 in scalar modes)
     local: int = 0   # the work-group size the kernel needs (tree mode), else 0: any
 
 
-def cname(name: str) -> str:
-    return "tf_" + re.sub(r"\W", "_", name)
+def cname(k: Kernel) -> str:
+    """The C name: the kernel's name and a hash of its text, unique within a batched program."""
+    digest = hashlib.sha1(pp_kernel(k).encode()).hexdigest()[:8]
+    return f"tf_{re.sub(r'[^A-Za-z0-9_]', '_', k.name)}_{digest}"
 
 
 def _is_float(d) -> bool:
@@ -695,7 +699,7 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
     if F64 in used and not fp64:
         raise CompileError(f"opencl: kernel {k.name} needs float64, which this device lacks "
                            "(no cl_khr_fp64); use float32", backend="opencl", kernel=pp_kernel(k))
-    name = cname(k.name)
+    name = cname(k)
     if mode is None:
         mode = choose_mode(k, width, int64_atomics=int64_atomics)
         steps = int(np.prod(k.reduce_shape, dtype=np.int64)) if k.has_reduce else 0

@@ -110,3 +110,14 @@ def test_second_process_compiles_nothing_and_corrupt_entry_recompiles(tmp_path):
         f.write(b"\x00" * 64)
     third = _child(tmp_path)
     assert third["ok"] and third["compiles"] == 1 and third["corrupt"] == 1 and third["disk_hits"] == 1
+
+
+def test_prune_keeps_recent(cache, monkeypatch):
+    keys = [cc.make_key(i) for i in range(10)]
+    for i, k in enumerate(keys):
+        cache.store(k, b"x")
+        os.utime(cache.path(k), (1000 + i, 1000 + i))
+    assert cache.load(keys[0]) == b"x"  # used now: the most recent
+    assert cache.prune(5) == 6  # down to 80% of 5
+    left = sorted(os.listdir(cache.dir))
+    assert len(left) == 4 and keys[0] + ".bin" in left and keys[9] + ".bin" in left

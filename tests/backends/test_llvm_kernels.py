@@ -462,3 +462,14 @@ def test_matmul_as_reduction(be, m, k, n):
                   reduce_shape=(k,))
     (y,) = run(be, kern, a, b)
     np.testing.assert_allclose(y.reshape(m, n), a @ b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_float_rem_and_pow(be, dtype):
+    """rem is C's fmod (the dividend's sign); float64 pow and rem call libm."""
+    a = np.array([5.5, -5.5, 5.5, -5.5, 0.0, 3.0, 2.0, 0.5], dtype)
+    b = np.array([2.0, 2.0, -2.0, -2.0, 1.0, 0.0, 10.0, -3.0], dtype)
+    with np.errstate(all="ignore"):
+        for op, ref in (("rem", np.fmod(a, b)), ("pow", np.power(a, b))):
+            (y,) = run(be, _binop_kernel(op, dtype, a.size), a, b)
+            np.testing.assert_allclose(y, ref, rtol=1e-6, equal_nan=True, err_msg=op)

@@ -297,3 +297,31 @@ def test_jit_is_fast_on_a_cache_hit():
     per_call = (time.perf_counter() - t) / 200
     assert per_call < 2e-3, per_call
     assert f.trace_count == 1
+
+
+def test_jit_of_partials_and_callable_objects():
+    def f(a, x):
+        return a * x
+
+    g = tx.jit(functools.partial(f, 2.0))
+    np.testing.assert_array_equal(g(np.ones(2, np.float32)), [2, 2])
+
+    class AddOne:
+        def __call__(self, x):
+            return x + 1
+
+    h = tx.jit(AddOne())
+    np.testing.assert_array_equal(h(np.ones(2, np.float32)), [2, 2])
+    with pytest.raises(tx.TilefuseError, match="argument 'x' of AddOne is a str"):
+        h("nope")
+
+
+def test_lowered_compiles_for_its_device(device):
+    x = np.arange(4, dtype=np.float32)
+    lowered = tx.jit(lambda v: tnp.exp(v) * 2.0).lower(x)
+    assert lowered.device is device
+    exe = lowered.compile()
+    assert_close(exe([x])[0], np.exp(x) * 2)
+    assert lowered.optimized_graph().count("exp") == 1
+    assert isinstance(lowered.sources(), dict)
+    assert tx.jit(lambda v: v).lower(x, device="ref").device.name == "ref"
