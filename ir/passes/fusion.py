@@ -20,8 +20,6 @@ from ..core import Eqn, Graph, Literal, Var
 
 INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
-# cheap producers that are recomputed in each consumer rather than shared through memory
-_SOURCES = frozenset({"iota", "broadcast_in_dim"})
 
 
 def is_elementwise(e: Eqn) -> bool:
@@ -53,31 +51,100 @@ class Region:
                f"out={[str(v.aval) for v in self.outputs]}"
 
 
-def _split_sources(eqns: list[Eqn]) -> list[Eqn]:
-    """Give each consumer of a literal broadcast or an iota its own copy, so the producer fuses
-    into every consumer instead of being written to memory once and read back."""
-    uses: dict[int, int] = {}
+def _copy_index_maps(eqns: list[Eqn]) -> list[Eqn]:
+    """Give each consumer of an index map (a broadcast, reshape, transpose, slice, rev or iota)
+    its own copy: recomputing one is index arithmetic, so it fuses into every consumer instead of
+    being written to memory once and read back. Chains of index maps are copied whole."""
+    for _ in range(8):  # one more link of a chain per sweep; chains are short
+        uses: dict[int, int] = {}
+        for e in eqns:
+            for a in e.inputs:
+                if isinstance(a, Var):
+                    uses[a.id] = uses.get(a.id, 0) + 1
+        shared = {e.outputs[0].id: e for e in eqns
+                  if e.prim.name in INDEX_MAPS and uses.get(e.outputs[0].id, 0) > 1}
+        if not shared:
+            break
+        out = []
+        for e in eqns:
+            copies: dict[int, Var] = {}
+            for a in e.inputs:
+                src = shared.get(getattr(a, "id", None))
+                if src is not None and a.id not in copies:
+                    copies[a.id] = Var(a.aval)
+                    out.append(src.replace(outputs=(copies[a.id],)))
+            # the original stays (for a graph output; the partitioner drops it if unused)
+            out.append(e.replace(inputs=tuple(copies.get(getattr(a, "id", None), a) for a in e.inputs))
+                       if copies else e)
+        eqns = out
+    return eqns
+
+
+_CLONE_LIMIT = 16  # equations a reduction may copy from a shared producer
+
+
+def _cone(v: Var, producer: dict) -> list[Eqn] | None:
+    """The elementwise/index-map equations that compute `v`, up to non-fusible producers,
+    reductions and the operands of broadcasts (recomputing those per element would multiply
+    their cost); None if more than _CLONE_LIMIT."""
+    cone: dict[int, Eqn] = {}
+    stack = [v]
+    while stack:
+        p = producer.get(stack.pop().id)
+        if p is None or id(p) in cone or not is_fusible(p) or p.prim.name in REDUCTIONS:
+            continue
+        cone[id(p)] = p
+        if len(cone) > _CLONE_LIMIT:
+            return None
+        if p.prim.name != "broadcast_in_dim":
+            stack.extend(a for a in p.inputs if isinstance(a, Var))
+    return list(cone.values())
+
+
+def _clone_into_reductions(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
+    """A reduction whose operand's producers are also read by other fusible consumers gets its
+    own copy of them (softmax's exp(x - max), layernorm's x - mean), so no value is written to
+    memory only to be read back: each consumer recomputes it from one full-size input.
+
+    Only when the copy reads at most one array as large as the operand: then recomputing costs
+    fewer bytes (one read per consumer) than writing the operand once and reading it twice."""
+    producer = {o.id: e for e in eqns for o in e.outputs}
+    consumers: dict[int, list[Eqn]] = {}
     for e in eqns:
         for a in e.inputs:
             if isinstance(a, Var):
-                uses[a.id] = uses.get(a.id, 0) + 1
-    sources = {e.outputs[0].id: e for e in eqns
-               if e.prim.name in _SOURCES and all(isinstance(a, Literal) for a in e.inputs)
-               and uses.get(e.outputs[0].id, 0) > 1}
+                consumers.setdefault(a.id, []).append(e)
+    order = {id(e): i for i, e in enumerate(eqns)}
     out = []
     for e in eqns:
-        if e.outputs and e.outputs[0].id in sources:
-            out.append(e)  # the original stays for a graph output; else the partitioner drops it
-            continue
-        copies: dict[int, Var] = {}
-        for a in e.inputs:
-            src = sources.get(getattr(a, "id", None))
-            if src is not None and a.id not in copies:
-                copies[a.id] = Var(a.aval)
-                out.append(src.replace(outputs=(copies[a.id],)))
-        inputs = tuple(copies.get(getattr(a, "id", None), a) for a in e.inputs)
-        out.append(e.replace(inputs=inputs) if copies else e)
+        v = e.inputs[0] if e.prim.name in REDUCTIONS else None
+        cone = _cone(v, producer) if isinstance(v, Var) else None
+        if cone:
+            cone.sort(key=lambda c: order[id(c)])
+            inside = {id(c) for c in cone} | {id(e)}
+            outs = [o for c in cone for o in c.outputs]
+            others = [u for o in outs for u in consumers.get(o.id, ()) if id(u) not in inside]
+            ids = {o.id for o in outs}
+            reads = {a.id: a for c in cone for a in c.inputs if isinstance(a, Var) and a.id not in ids}
+            if others and all(is_fusible(u) for u in others) and not ids & graph_out and \
+                    sum(a.aval.size >= v.aval.size for a in reads.values()) <= 1:
+                copy: dict[int, Var] = {}
+                for c in cone:
+                    outs = tuple(Var(o.aval) for o in c.outputs)
+                    copy.update((o.id, n) for o, n in zip(c.outputs, outs))
+                    out.append(c.replace(inputs=tuple(copy.get(getattr(a, "id", None), a) for a in c.inputs),
+                                         outputs=outs))
+                e = e.replace(inputs=(copy[v.id],) + tuple(e.inputs[1:]))
+        out.append(e)
     return out
+
+
+def _bits(x: int):
+    """The positions of the set bits of x."""
+    while x:
+        low = x & -x
+        yield low.bit_length() - 1
+        x ^= low
 
 
 class _Partitioner:
@@ -103,9 +170,17 @@ class _Partitioner:
                     self.dag.add_edge(j, i)
         effects = [i for i, e in enumerate(eqns) if e.prim.effectful]
         self.dag.add_edges_from(zip(effects, effects[1:]))  # effects stay in program order
-        # drop the unused originals of split sources (they have no consumer and are no output)
-        self.dead = {i for i, e in enumerate(eqns) if not e.prim.effectful and all(
-            o.id not in self.graph_out and not self.consumers.get(o.id) for o in e.outputs)}
+        # a topological position per group, kept valid across merges (Pearce-Kelly style): a
+        # cycle search then only visits the groups placed between the two it would merge
+        self.pos = {i: i for i in range(len(eqns))}
+        # equations nobody needs any more (originals of copied producers) are dropped
+        live, self.dead = set(self.graph_out), set()
+        for i in reversed(range(len(eqns))):
+            e = eqns[i]
+            if e.prim.effectful or any(o.id in live for o in e.outputs):
+                live.update(a.id for a in e.inputs if isinstance(a, Var))
+            else:
+                self.dead.add(i)
 
     # ---- questions about groups ----
     def outputs(self, members: set[int]) -> list[Var]:
@@ -116,24 +191,30 @@ class _Partitioner:
                     outs.append(o)
         return outs
 
-    def _reaches(self, src: int, dst: int) -> bool:
-        """Whether a path of two or more edges leads from group src to group dst."""
-        starts = [s for s in self.dag.successors(src) if s != dst]
-        seen = set(starts)
-        while starts:
-            n = starts.pop()
-            if n == dst:
-                return True
-            for s in self.dag.successors(n):
-                if s not in seen:
-                    seen.add(s)
-                    starts.append(s)
-        return False
+    def _between(self, p: int, c: int, forward: bool) -> tuple[bool, set[int]]:
+        """Groups placed between p and c that p reaches (forward) or that reach c (backward),
+        not through the edge p -> c; and whether c (p) is among what p reaches (reaches p)."""
+        lo, hi = self.pos[p], self.pos[c]
+        start, goal = (p, c) if forward else (c, p)
+        step = self.dag.successors if forward else self.dag.predecessors
+        seen: set[int] = set()
+        stack = [n for n in step(start) if n != goal]
+        hit = False
+        while stack:
+            n = stack.pop()
+            if n == goal:
+                hit = True
+                continue
+            if n in seen or not lo < self.pos[n] < hi:
+                continue
+            seen.add(n)
+            stack.extend(step(n))
+        return hit, seen
 
-    def creates_cycle(self, a: int, b: int) -> bool:
-        """Whether merging groups a and b closes a cycle: some other group lies on a path
-        between them (in either direction)."""
-        return self._reaches(a, b) or self._reaches(b, a)
+    def creates_cycle(self, p: int, c: int) -> bool:
+        """Whether merging producer group p into its consumer c closes a cycle: some other group
+        lies on a path from p to c. Positions are topological, so such a group sits between."""
+        return self._between(p, c, forward=True)[0]
 
     def valid(self, members: set[int]) -> bool:
         """A region lowers to one kernel: one index space (all outputs share a shape) and at
@@ -167,6 +248,15 @@ class _Partitioner:
         for i in self.members[p]:
             self.group[i] = c
         self.members[c] += self.members.pop(p)
+        # keep positions topological: what reaches c goes before the merged group, what p
+        # reaches after it, each in its old order, in the positions they held together
+        _, after = self._between(p, c, forward=True)
+        _, before = self._between(p, c, forward=False)
+        pool = sorted([self.pos[p], self.pos[c]] + [self.pos[n] for n in before | after])
+        order = sorted(before, key=self.pos.get) + [c] + sorted(after, key=self.pos.get)
+        for n, k in zip(order, pool):
+            self.pos[n] = k
+        del self.pos[p]
         for q in list(self.dag.predecessors(p)):
             if q != c:
                 self.dag.add_edge(q, c)
@@ -220,7 +310,10 @@ class _Partitioner:
 def partition(graph: Graph, fuse: bool = True) -> list[Region]:
     """The graph's equations grouped into regions, in an order that respects their data flow
     (and keeps effects in program order). With fuse=False each equation is its own region."""
-    eqns = _split_sources(list(graph.eqns)) if fuse else list(graph.eqns)
+    eqns = list(graph.eqns)
+    if fuse:
+        graph_out = {v.id for v in graph.outvars if isinstance(v, Var)}
+        eqns = _copy_index_maps(_clone_into_reductions(eqns, graph_out))
     p = _Partitioner(graph, eqns)
     if fuse:
         p.run()

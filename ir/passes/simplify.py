@@ -9,7 +9,7 @@ from typing import Callable
 
 from .. import primitives as P
 from ..core import Eqn, Graph
-from .util import Rewriter
+from .util import Rewriter, literal, new_eqn
 
 
 def _is(rw: Rewriter, a, value) -> bool:
@@ -102,6 +102,35 @@ def broadcast_of_broadcast(e: Eqn, rw: Rewriter):
                      params=dict(shape=e.params["shape"], broadcast_dimensions=tuple(d2[d] for d in d1)))
 
 
+def sink_reshape(e: Eqn, rw: Rewriter):
+    """op(reshape(y), c...) -> reshape(op(y, c...)) when the other operands are uniform: the
+    operation then runs in y's shape, where it can join y's kernel (mean(x, keepdims=True) is
+    sum -> reshape -> div; the div becomes the reduction's epilogue)."""
+    if len(e.outputs) != 1:
+        return None
+    shaped = [a for a in e.inputs if _producer(rw, a, "reshape") is not None]
+    if len({a.id for a in shaped}) != 1:
+        return None
+    y = _producer(rw, shaped[0], "reshape").inputs[0]
+    inputs = []
+    for a in e.inputs:
+        if a is shaped[0]:
+            inputs.append(y)
+            continue
+        u = rw.uniform(a)
+        if u is None:
+            return None
+        lit = literal(u, a.aval.dtype, a.aval.weak_type)
+        if y.aval.shape == ():
+            inputs.append(lit)
+        else:
+            b, (bv,) = new_eqn(P.broadcast_in_dim, [lit], dict(shape=y.aval.shape, broadcast_dimensions=()))
+            inputs.append(bv)
+            rw.emit(b)
+    inner, (z,) = new_eqn(e.prim, inputs, e.params, e.source)
+    return [inner, e.replace(prim=P.reshape, inputs=(z,), params=dict(new_sizes=e.outputs[0].aval.shape))]
+
+
 # The table: primitive name -> rules tried in order.
 RULES: dict[str, list[Callable]] = {
     "mul": [right_identity(1), left_identity(1)],
@@ -114,26 +143,37 @@ RULES: dict[str, list[Callable]] = {
     "broadcast_in_dim": [broadcast_identity, broadcast_of_broadcast],
     "stop_gradient": [identity],
 }
+for _name, _prim in P.PRIMITIVES.items():
+    if _prim.elementwise and not _prim.effectful and _name != "stop_gradient":
+        RULES.setdefault(_name, []).append(sink_reshape)
+
+
+def _apply(rules: dict, e: Eqn, rw: Rewriter) -> None:
+    """Rewrite one equation until no rule matches, then emit it (or alias its output)."""
+    while True:
+        for rule in rules.get(e.prim.name, ()):
+            r = rule(e, rw)
+            if r is not None:
+                break
+        else:
+            rw.emit(e)
+            return
+        if isinstance(r, list):  # new equations, the last defining e's outputs
+            for extra in r[:-1]:
+                _apply(rules, extra, rw)
+            r = r[-1]
+        if isinstance(r, Eqn):
+            e = r
+            continue
+        rw.alias(e.outputs[0], r)
+        return
 
 
 def rewrite_with(rules: dict[str, list[Callable]], graph: Graph) -> Graph:
     """Apply a pattern table in one forward sweep, re-simplifying each rewritten equation."""
     rw = Rewriter(graph)
     for e in graph.eqns:
-        e = rw.rewrite_inputs(e)
-        while True:
-            for rule in rules.get(e.prim.name, ()):
-                r = rule(e, rw)
-                if r is not None:
-                    break
-            else:
-                rw.emit(e)
-                break
-            if isinstance(r, Eqn):
-                e = r
-                continue
-            rw.alias(e.outputs[0], r)
-            break
+        _apply(rules, rw.rewrite_inputs(e), rw)
     return rw.finish()
 
 
