@@ -53,16 +53,18 @@ class Region:
 
 def _copy_index_maps(eqns: list[Eqn]) -> list[Eqn]:
     """Give each consumer of an index map (a broadcast, reshape, transpose, slice, rev or iota)
-    its own copy: recomputing one is index arithmetic, so it fuses into every consumer instead of
-    being written to memory once and read back. Chains of index maps are copied whole."""
+    its own copy when all its consumers can fuse it: recomputing one is index arithmetic, so it
+    joins every consumer instead of being written to memory and read back. Chains of index maps
+    are copied whole."""
     for _ in range(8):  # one more link of a chain per sweep; chains are short
-        uses: dict[int, int] = {}
+        users: dict[int, list[Eqn]] = {}
         for e in eqns:
             for a in e.inputs:
                 if isinstance(a, Var):
-                    uses[a.id] = uses.get(a.id, 0) + 1
-        shared = {e.outputs[0].id: e for e in eqns
-                  if e.prim.name in INDEX_MAPS and uses.get(e.outputs[0].id, 0) > 1}
+                    users.setdefault(a.id, []).append(e)
+        # only when every consumer can fuse it: a GEMM's operand is written to memory anyway
+        shared = {e.outputs[0].id: e for e in eqns if e.prim.name in INDEX_MAPS and
+                  len(users.get(e.outputs[0].id, ())) > 1 and all(map(is_fusible, users[e.outputs[0].id]))}
         if not shared:
             break
         out = []
@@ -137,14 +139,6 @@ def _clone_into_reductions(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
                 e = e.replace(inputs=(copy[v.id],) + tuple(e.inputs[1:]))
         out.append(e)
     return out
-
-
-def _bits(x: int):
-    """The positions of the set bits of x."""
-    while x:
-        low = x & -x
-        yield low.bit_length() - 1
-        x ^= low
 
 
 class _Partitioner:
@@ -253,8 +247,10 @@ class _Partitioner:
         _, after = self._between(p, c, forward=True)
         _, before = self._between(p, c, forward=False)
         pool = sorted([self.pos[p], self.pos[c]] + [self.pos[n] for n in before | after])
-        order = sorted(before, key=self.pos.get) + [c] + sorted(after, key=self.pos.get)
-        for n, k in zip(order, pool):
+        low = sorted(before, key=self.pos.get)
+        high = [c] + sorted(after, key=self.pos.get)
+        # each group only moves away from what it connects to: those before down, after up
+        for n, k in zip(low + high, pool[:len(low)] + pool[len(pool) - len(high):]):
             self.pos[n] = k
         del self.pos[p]
         for q in list(self.dag.predecessors(p)):
@@ -286,6 +282,7 @@ class _Partitioner:
                 self.members.pop(g)
                 self.dag.remove_node(g)
         assert nx.is_directed_acyclic_graph(self.dag), "fusion created a cycle between regions"
+        assert all(self.pos[u] < self.pos[v] for u, v in self.dag.edges), "positions not topological"
         out = []
         for g in nx.lexicographical_topological_sort(self.dag, key=lambda g: min(self.members[g])):
             idx = sorted(self.members[g])

@@ -349,3 +349,17 @@ def test_check_names_the_pass_that_breaks_the_graph():
     with pytest.raises(AssertionError, match="after pass broken"):
         run_passes(g, (("broken", broken),), check=True)
     run_passes(g, (("broken", broken),), check=False)  # unchecked, nobody notices
+
+
+def test_elementwise_with_constants_moves_above_a_reshape():
+    """mean(x, keepdims=True) is sum -> reshape -> div: the div moves before the reshape, where it
+    can be the reduction's epilogue."""
+    g = make(lambda x: tnp.sqrt(tnp.mean(x, axis=1, keepdims=True) + 1.0) * x, (3, 4))
+    out = dce(simplify(g))
+    producer = {o.id: e for e in out.eqns for o in e.outputs}
+    (div,) = [e for e in out.eqns if e.prim.name == "div"]
+    (sqrt,) = [e for e in out.eqns if e.prim.name == "sqrt"]
+    assert producer[div.inputs[0].id].prim.name == "reduce_sum"
+    assert div.outputs[0].aval.shape == (3,) and sqrt.outputs[0].aval.shape == (3,)
+    assert out.count("reshape") == 1
+    assert_same(g, out)
