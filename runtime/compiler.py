@@ -57,6 +57,13 @@ class _Sources(Mapping):
         return len(self._entries)
 
 
+def _has_text(compiled) -> bool:
+    """Whether a compiled kernel offers its source (without evaluating a property: rendering
+    LLVM IR again costs milliseconds)."""
+    return any(hasattr(type(compiled), n) or n in getattr(compiled, "__dict__", {})
+               for n in ("source", "llvm_ir"))
+
+
 def _nbytes(aval) -> int:
     return aval.size * np.dtype(aval.dtype).itemsize
 
@@ -96,7 +103,7 @@ class _Builder:
         impl, run = dispatch.compile_kernel(k, self.device, self.backend)
         name = self.unique(k.name)
         self.sources[name] = k
-        if hasattr(run, "source") or hasattr(run, "llvm_ir"):  # the backend's own text, on demand
+        if _has_text(run):  # the backend's own text, rendered when read
             self.sources[f"{name}.{self.backend.kind}"] = run
         if config.debug >= 1:
             print(f"--- tilefuse: kernel {name} ({impl.name}) ---\n{k}", file=sys.stderr)

@@ -207,3 +207,11 @@ def test_debug_nans_environment_variable():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "caught" in out.stdout and "log" in out.stdout
+
+
+def test_explain_retrace_under_grad(explain):
+    f = tx.jit(lambda x: (x * x).sum())
+    f(np.ones(3, np.float32))
+    g = tx.grad(f)(np.ones(4, np.float32))  # traced anew, inside grad: explained, no crash
+    np.testing.assert_allclose(np.asarray(g), [2, 2, 2, 2])
+    assert any("new shape (3,) -> (4,)" in m for m in _warnings(explain))

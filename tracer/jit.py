@@ -180,7 +180,8 @@ class JitFunction:
             # Under another transformation (grad, vmap, an outer jit): replay our graph on its
             # tracers so that transformation sees every primitive.
             avals = tuple(x.aval.strip_weak() if isinstance(x, Tracer) else get_aval(x) for x in leaves)
-            graph, out_tree = self._graph(static, avals, in_tree, (in_tree, avals, static))
+            graph, out_tree = self._graph(static, avals, in_tree,
+                                          (in_tree, avals, static, None, hooks.config.cache_key()))
             if graph is None:
                 return self.fun(*args, **kwargs)
             outs = eval_graph(graph, leaves, lambda e, xs: bind(e.prim, *xs, **e.params))

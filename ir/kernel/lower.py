@@ -409,15 +409,18 @@ _SHORT = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce
 _MAX_NAME_OPS = 8
 
 
+_UNNAMED = ("broadcast_in_dim", "reshape")  # mere layout: left out of fused kernels' names
+
+
 def kernel_name(eqns) -> str:
     """`fused_mul_add_tanh_sum`: the region's distinct operations in order."""
+    if len(eqns) == 1:
+        return eqns[0].prim.name
     names = []
     for e in eqns:
         n = _SHORT.get(e.prim.name, e.prim.name)
-        if n not in names:
+        if n not in names and (e.prim.name not in _UNNAMED or all(x.prim.name in _UNNAMED for x in eqns)):
             names.append(n)
-    if len(eqns) == 1:
-        return eqns[0].prim.name
     more = "_etc" if len(names) > _MAX_NAME_OPS else ""
     return "fused_" + "_".join(names[:_MAX_NAME_OPS]) + more
 

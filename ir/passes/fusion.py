@@ -85,22 +85,24 @@ def _copy_index_maps(eqns: list[Eqn]) -> list[Eqn]:
 _CLONE_LIMIT = 16  # equations a reduction may copy from a shared producer
 
 
-def _cone(v: Var, producer: dict) -> list[Eqn] | None:
-    """The elementwise/index-map equations that compute `v`, up to non-fusible producers,
-    reductions and the operands of broadcasts (recomputing those per element would multiply
-    their cost); None if more than _CLONE_LIMIT."""
+def _cone(v: Var, producer: dict, stored) -> list[Eqn] | None:
+    """The elementwise/index-map equations that compute `v`, up to values `stored` in memory
+    anyway, non-fusible producers, reductions and the operands of broadcasts (recomputing those
+    per element would multiply their cost); None if more than _CLONE_LIMIT."""
     cone: dict[int, Eqn] = {}
     stack = [v]
     while stack:
-        p = producer.get(stack.pop().id)
-        if p is None or id(p) in cone or not is_fusible(p) or p.prim.name in REDUCTIONS:
+        a = stack.pop()
+        p = producer.get(a.id)
+        if p is None or id(p) in cone or not is_fusible(p) or p.prim.name in REDUCTIONS or \
+                (a is not v and stored(a)):
             continue
         cone[id(p)] = p
         if len(cone) > _CLONE_LIMIT:
             return None
         if p.prim.name != "broadcast_in_dim":
-            stack.extend(a for a in p.inputs if isinstance(a, Var))
-    return list(cone.values())
+            stack.extend(x for x in p.inputs if isinstance(x, Var))
+    return sorted(cone.values(), key=lambda e: e.outputs[0].id if e.outputs else 0)
 
 
 def _clone_into_reductions(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
@@ -116,20 +118,21 @@ def _clone_into_reductions(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
         for a in e.inputs:
             if isinstance(a, Var):
                 consumers.setdefault(a.id, []).append(e)
+
+    def stored(a: Var) -> bool:  # a graph output, or read by a kernel that cannot fuse it
+        return a.id in graph_out or not all(map(is_fusible, consumers.get(a.id, ())))
     order = {id(e): i for i, e in enumerate(eqns)}
     out = []
     for e in eqns:
         v = e.inputs[0] if e.prim.name in REDUCTIONS else None
-        cone = _cone(v, producer) if isinstance(v, Var) else None
+        cone = _cone(v, producer, stored) if isinstance(v, Var) and not stored(v) else None
         if cone:
             cone.sort(key=lambda c: order[id(c)])
-            inside = {id(c) for c in cone} | {id(e)}
-            outs = [o for c in cone for o in c.outputs]
-            others = [u for o in outs for u in consumers.get(o.id, ()) if id(u) not in inside]
-            ids = {o.id for o in outs}
+            ids = {o.id for c in cone for o in c.outputs}
+            shared = any(id(u) != id(e) for o in ids for u in consumers.get(o, ()) if u.outputs and
+                         u.outputs[0].id not in ids)
             reads = {a.id: a for c in cone for a in c.inputs if isinstance(a, Var) and a.id not in ids}
-            if others and all(is_fusible(u) for u in others) and not ids & graph_out and \
-                    sum(a.aval.size >= v.aval.size for a in reads.values()) <= 1:
+            if shared and sum(a.aval.size >= v.aval.size for a in reads.values()) <= 1:
                 copy: dict[int, Var] = {}
                 for c in cone:
                     outs = tuple(Var(o.aval) for o in c.outputs)
