@@ -7,16 +7,19 @@ operations of the reduction's output shape (an epilogue such as sum/n). All outp
 share one shape, the kernel's index space. Every other primitive is a region of its own; an
 effectful one (debug_print) is a host step.
 
-Regions grow greedily, producer into consumer, from the last equation back. A merge is refused
-when it would create a cycle between regions (some other region on a path between the two):
-the region graph stays a DAG, checked with networkx."""
+Before grouping, cheap producers are copied where that keeps values out of memory: index maps
+go to each consumer, and a reduction gets its own copy of an operand's producers when they
+read one full-size array (softmax: max, sum(exp(x - max)), exp(x - max) / sum: three kernels).
+Regions then grow greedily, producer into consumer, from the last equation back. A merge is
+refused when it would create a cycle between regions (some other region on a path between the
+two): the region graph stays a DAG, checked with networkx."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import networkx as nx
 
-from ..core import Eqn, Graph, Literal, Var
+from ..core import Eqn, Graph, Var
 
 INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
@@ -102,7 +105,7 @@ def _cone(v: Var, producer: dict, stored) -> list[Eqn] | None:
             return None
         if p.prim.name != "broadcast_in_dim":
             stack.extend(x for x in p.inputs if isinstance(x, Var))
-    return sorted(cone.values(), key=lambda e: e.outputs[0].id if e.outputs else 0)
+    return list(cone.values())
 
 
 def _clone_into_reductions(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
