@@ -33,7 +33,7 @@ def _import_cl():
 
 
 class _State:
-    """One OpenCL device: its context, in-order profiling queue and memory counters."""
+    """One OpenCL device: its context, in-order profiling queue, buffer pool and built kernels."""
 
     def __init__(self, cl, cl_device, info: DeviceInfo):
         self.cl, self.dev, self.info = cl, cl_device, info
@@ -85,7 +85,8 @@ class CompiledKernel:
     """A built kernel: `ck(buffers)` enqueues it (buffers in the kernel's order, inputs first)
     and returns the launch's event, also kept as `last_event` for the profiler."""
 
-    def __init__(self, kernel: Kernel, rendered: Rendered, cl_kernel, state: _State, global_size, local_size):
+    def __init__(self, kernel: Kernel, rendered: Rendered, cl_kernel, state: _State, global_size,
+                 local_size):
         self.name, self.kernel, self.rendered = rendered.name, kernel, rendered
         self.source, self.mode, self.width = rendered.source, rendered.mode, rendered.width
         self.global_size, self.local_size = global_size, local_size
@@ -129,6 +130,7 @@ class _HostView:
 
 
 class OpenCLBackend(Backend):
+    """Every OpenCL device of every platform (pyopencl); see the module docstring."""
     kind = "opencl"
 
     def __init__(self):

@@ -1,0 +1,241 @@
+"""The CUDA backend without a GPU: every kernel of a primitive table and of fused programs (an MLP
+forward and backward, softmax, layer norm) compiles to PTX that `ptxas` assembles for sm_80 and
+sm_90; the launch configuration against DeviceInfo values; the driver's absence is reported."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tilefuse as tx
+import tilefuse.numpy as tnp
+from tilefuse.backends import cuda
+from tilefuse.backends.cuda import device_info, launch_config, offline_device, ptx_for, sm_target
+from tilefuse.ir import primitives as P
+from tilefuse.ir.errors import DeviceError
+from tilefuse.tracer.core import bind1
+
+PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
+need_ptxas = pytest.mark.skipif(PTXAS is None, reason="ptxas (CUDA toolkit) is not installed")
+ARCHS = ("sm_80", "sm_90")
+
+R = np.random.default_rng(0)
+F32, F64, I32 = np.float32, np.float64, np.int32
+
+
+def u(*shape, dtype=F32):
+    return R.uniform(0.5, 1.5, shape).astype(dtype)
+
+
+def i(*shape):
+    return R.integers(-5, 6, shape).astype(I32)
+
+
+def un(prim, **kw):
+    return lambda x: bind1(prim, x, **kw)
+
+
+def bi(prim):
+    return lambda x, y: bind1(prim, x, y)
+
+
+def dot(contract, batch=((), ())):
+    return lambda a, b: bind1(P.dot_general, a, b, dimension_numbers=(contract, batch))
+
+
+IDX = np.array([0, 2, 2, 3], I32)
+UNARY_F = ("neg", "exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "sin", "cos",
+           "erf", "abs_", "sign", "floor", "ceil", "round_", "stop_gradient")
+BINARY_F = ("add", "sub", "mul", "div", "rem", "pow_", "max_", "min_")
+CMP = ("eq", "ne", "lt", "le", "gt", "ge")
+
+# name -> (function, args): one row per primitive (a few more for dtypes the GPU path treats apart)
+TABLE = {
+    **{p: (un(getattr(P, p)), (u(3, 5),)) for p in UNARY_F},
+    **{f"{p}_f64": (un(getattr(P, p)), (u(3, 5, dtype=F64),)) for p in UNARY_F},
+    **{p: (bi(getattr(P, p)), (u(3, 5), u(3, 5))) for p in BINARY_F + CMP},
+    **{f"{p}_f64": (bi(getattr(P, p)), (u(3, 5, dtype=F64), u(3, 5, dtype=F64))) for p in BINARY_F},
+    **{f"{p}_i32": (bi(getattr(P, p)), (i(3, 5), i(3, 5)))
+       for p in ("add", "mul", "div", "rem", "max_", "min_", "and_", "or_", "xor", "shift_left",
+                 "shift_right_logical")},
+    "not_": (un(P.not_), (i(3, 5) > 0,)),
+    "is_finite": (un(P.is_finite), (u(3, 5),)),
+    "integer_pow": (un(P.integer_pow, y=3), (u(3, 5),)),
+    "convert_element_type": (lambda x: (bind1(P.convert_element_type, x, new_dtype=np.dtype(I32)),
+                                        bind1(P.convert_element_type, x, new_dtype=np.dtype(np.float16)),
+                                        bind1(P.convert_element_type, x,
+                                              new_dtype=np.dtype(ml_dtypes.bfloat16))), (u(3, 5),)),
+    "bf16_tanh": (un(P.tanh), (u(3, 5).astype(ml_dtypes.bfloat16),)),
+    "f16_exp": (un(P.exp), (u(3, 5).astype(np.float16),)),
+    "select": (lambda p, a, b: bind1(P.select, p, a, b), (i(3, 5) > 0, u(3, 5), u(3, 5))),
+    "iota": (lambda x: x + bind1(P.iota, dtype=np.dtype(F32), shape=(3, 5), dimension=1), (u(3, 5),)),
+    "broadcast_in_dim": (un(P.broadcast_in_dim, shape=(2, 3), broadcast_dimensions=(1,)), (u(3),)),
+    "reshape": (lambda x: bind1(P.reshape, x * 2, new_sizes=(3, 2)), (u(2, 3),)),
+    "transpose": (lambda x: bind1(P.transpose, x * 2, permutation=(2, 0, 1)), (u(2, 3, 4),)),
+    "rev": (un(P.rev, dimensions=(0, 2)), (u(2, 3, 2),)),
+    "slice_": (un(P.slice_, start_indices=(1, 0), limit_indices=(5, 6), strides=(2, 3)), (u(5, 6),)),
+    "concatenate": (lambda a, b: bind1(P.concatenate, a, b, dimension=1), (u(2, 1), u(2, 3))),
+    "pad": (lambda x, v: bind1(P.pad, x, v, padding_config=((1, 2, 1), (0, 1, 0))),
+            (u(3, 2), np.float32(0.5))),
+    "reduce_sum": (un(P.reduce_sum, axes=(0, 2)), (u(2, 3, 2),)),
+    "reduce_sum_col": (un(P.reduce_sum, axes=(0,)), (u(64, 33),)),
+    "reduce_max": (un(P.reduce_max, axes=(1,)), (u(2, 4),)),
+    "reduce_min": (un(P.reduce_min, axes=(0, 1)), (u(2, 4),)),
+    "reduce_prod": (un(P.reduce_prod, axes=(1,)), (u(2, 3),)),
+    "reduce_sum_i32": (un(P.reduce_sum, axes=(1,)), (i(2, 7),)),
+    "argmax": (un(P.argmax, axis=1, index_dtype=np.dtype(I32)), (u(3, 5),)),
+    "argmin": (un(P.argmin, axis=0, index_dtype=np.dtype(I32)), (u(3, 5),)),
+    "dot_general": (dot(((1,), (0,))), (u(4, 3), u(3, 5))),
+    "dot_general_batched": (dot(((2,), (1,)), ((0,), (0,))), (u(2, 3, 4), u(2, 4, 2))),
+    "gather": (lambda x: bind1(P.gather, x, IDX, axis=0), (u(4, 3),)),
+    "scatter_add": (lambda x, upd: bind1(P.scatter_add, x, IDX, upd, axis=0), (u(5, 2), u(4, 2))),
+    "scatter_add_f64": (lambda x, upd: bind1(P.scatter_add, x, IDX, upd, axis=0),
+                        (u(5, 2, dtype=F64), u(4, 2, dtype=F64))),
+}
+
+
+def softmax(x):
+    e = tnp.exp(x - tnp.max(x, axis=-1, keepdims=True))
+    return e / tnp.sum(e, axis=-1, keepdims=True)
+
+
+def layernorm(x, g, b):
+    mu = tnp.mean(x, axis=-1, keepdims=True)
+    var = tnp.mean((x - mu) ** 2, axis=-1, keepdims=True)
+    return (x - mu) / tnp.sqrt(var + 1e-5) * g + b
+
+
+def mlp_loss(params, x, y):
+    w1, b1, w2, b2 = params
+    h = tnp.tanh(x @ w1 + b1)
+    logits = h @ w2 + b2
+    return tnp.mean(tnp.sum((softmax(logits) - y) ** 2, axis=-1))
+
+
+def mlp_value_and_grad(params, x, y):
+    return mlp_loss(params, x, y), tx.grad(mlp_loss)(params, x, y)
+
+
+PROGRAMS = {
+    "softmax": (softmax, (u(4, 33),)),
+    "layernorm": (layernorm, (u(3, 40), u(40), u(40))),
+    "mlp forward+backward": (mlp_value_and_grad,
+                             ((u(8, 16), u(16), u(16, 4), u(4)), u(5, 8), u(5, 4))),
+}
+ALL = {**TABLE, **PROGRAMS}
+
+
+def test_the_table_covers_every_primitive():
+    prims = {n for n in dir(P) if isinstance(getattr(P, n), P.Primitive)} - {"debug_print"}
+    names = {k.removesuffix("_f64").removesuffix("_i32").removesuffix("_col").removesuffix("_batched")
+             for k in TABLE}
+    assert prims <= names | {"stop_gradient"}, sorted(prims - names)
+
+
+def _ptxas(ptx: str, arch: str, path: str):
+    with open(path, "w") as f:
+        f.write(ptx)
+    return subprocess.run([PTXAS, f"-arch={arch}", path, "-o", os.devnull],
+                          capture_output=True, text=True, timeout=60)
+
+
+@need_ptxas
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_assembles_with_ptxas(arch):
+    """All the PTX of the table and the programs, for `arch`; each text assembled once."""
+    texts: dict[str, str] = {}
+    for name, (fn, args) in ALL.items():
+        srcs = ptx_for(fn, *args, sm=arch)
+        assert srcs, f"{name}: no kernels"
+        for k, ptx in srcs.items():
+            assert f".target {arch}" in ptx and ".entry" in ptx, (name, k)
+            texts.setdefault(ptx, f"{name}/{k}")
+    failures = []
+    with tempfile.TemporaryDirectory() as d:
+        for n, (ptx, where) in enumerate(texts.items()):
+            r = _ptxas(ptx, arch, os.path.join(d, f"k{n}.ptx"))
+            if r.returncode:
+                failures.append(f"{where}: {r.stderr.strip()[:400]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_ptx_uses_thread_indices_and_atomics():
+    ptx = ptx_for(*TABLE["scatter_add"][:1], *TABLE["scatter_add"][1])
+    text = "\n".join(ptx.values())
+    assert "%ctaid.x" in text and "%ntid.x" in text and "%tid.x" in text and "%nctaid.x" in text
+    assert "atom.global.add.f32" in text or "red.global.add.f32" in text
+    # a reduction runs its loop per thread: no call to anything external
+    red = "\n".join(ptx_for(softmax, u(4, 33)).values())
+    assert "call" not in red and ".extern" not in red
+
+
+def test_lower_sources_on_an_offline_device_include_ptx():
+    dev = offline_device("sm_80")
+    srcs = tx.jit(softmax).lower(u(2, 8), device=dev).sources()
+    ptx = [k for k in srcs if k.endswith(".cuda")]
+    assert ptx and all(".target sm_80" in srcs[k] for k in ptx)
+    with pytest.raises(DeviceError, match="offline"):
+        tx.jit(softmax, device=dev)(u(2, 8))
+
+
+def test_cuda_is_absent_with_the_reason_when_there_is_no_driver():
+    try:
+        cuda.driver.lib()
+    except DeviceError:
+        pass
+    else:
+        pytest.skip("a CUDA driver is present on this machine")
+    devs, why = tx.devices(all=True)
+    assert all(d.kind != "cuda" for d in devs)
+    assert "cuda" in why and "CUDA" in why["cuda"]
+
+
+# ---- launch configuration -----------------------------------------------------------------
+
+H100 = device_info("H100", (9, 0), 132)
+A100 = device_info("A100", (8, 0), 108)
+
+
+def test_large_spaces_fill_one_wave_of_resident_blocks():
+    assert launch_config(10**8, H100) == (132 * 8, 256)  # 2048 threads/SM ÷ 256 = 8 blocks per SM
+    assert launch_config(10**8, A100) == (108 * 8, 256)
+    few = device_info("small", (8, 6), 4, max_threads_per_sm=1536)
+    assert launch_config(10**6, few) == (4 * 6, 256)
+
+
+def test_medium_spaces_get_one_thread_per_point():
+    assert launch_config(132 * 256, H100) == (132, 256)
+    assert launch_config(100_000, H100) == (391, 256)  # ceil(100000 / 256) < one wave
+
+
+def test_small_spaces_shrink_the_block_to_reach_every_sm():
+    assert launch_config(1000, H100) == (32, 32)  # 256 → 128 → 64 → 32: 32 blocks of a warp
+    assert launch_config(132 * 64, H100) == (132, 64)
+    assert launch_config(1, H100) == (1, 32)
+    assert launch_config(0, H100) == (0, 256)  # nothing to launch
+
+
+def test_block_respects_the_device_limits():
+    tiny = device_info("tiny", (9, 0), 1, max_threads_per_block=96)
+    assert launch_config(10**6, tiny) == (2048 // 96, 96)
+    wide_warp = device_info("w64", (9, 0), 1, warp=64, max_threads_per_block=200)
+    grid, block = launch_config(10**6, wide_warp)
+    assert block == 192 and block % 64 == 0 and grid == 2048 // 192
+
+
+def test_device_info_and_targets_from_driver_attributes():
+    info = device_info("H200", (9, 0), 132, shared_per_block=48 << 10, l2_bytes=60 << 20,
+                       clock_khz=1_980_000, mem_clock_khz=2_619_000, bus_bits=6144)
+    assert info.kind == "cuda" and info.compute_units == 132 and info.sub_group == 32
+    assert info.local_mem_bytes == 48 << 10 and info.extra["sm"] == "sm_90"
+    assert info.peak_gflops == pytest.approx(132 * 128 * 2 * 1.98)
+    assert info.peak_gbps == pytest.approx(2 * 2.619e9 * 6144 / 8 / 1e9)
+    assert sm_target((8, 0)) == "sm_80" and sm_target((8, 6)) == "sm_86"
+    assert sm_target((8, 7)) == "sm_80" and sm_target((10, 0)) == "sm_90"
+    with pytest.raises(DeviceError, match="older"):
+        sm_target((7, 5))
