@@ -106,7 +106,11 @@ def test_jit_equals_eager():
         "randint": lambda k: random.randint(k, (8,), 3, 17),
     }
     for name, f in draws.items():
-        np.testing.assert_array_equal(np.asarray(tx.jit(f)(k)), np.asarray(f(k)), err_msg=name)
+        got, want = np.asarray(tx.jit(f)(k)), np.asarray(f(k))
+        if got.dtype.kind == "f":  # the bits are exact; fusion may round the float maths once more
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 def _ks_uniform(u):

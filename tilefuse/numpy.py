@@ -885,9 +885,9 @@ def matmul(a, b):
     sa, sb = _aval(a).shape, _aval(b).shape
     if len(sa) == 0 or len(sb) == 0:
         raise ShapeError(with_user_line("matmul: operands must not be scalars (use *)"))
-    if sa[-1] != sb[-2 if len(sb) > 1 else 0]:
-        raise ShapeError(with_user_line(
-            f"matmul: contracting dimensions differ: {sa} @ {sb} ({sa[-1]} vs {sb[-2 if len(sb) > 1 else 0]})"))
+    k_b = sb[-2 if len(sb) > 1 else 0]
+    if sa[-1] != k_b:
+        raise ShapeError(with_user_line(f"matmul: contracting dimensions differ: {sa} @ {sb} ({sa[-1]} vs {k_b})"))
     if len(sb) <= 2:  # a weight matrix (or vector): contract without broadcasting it
         return _dot_general(a, b, ((len(sa) - 1,), (0,)))
     if len(sa) == 1:
@@ -1135,7 +1135,8 @@ def asarray(x, dtype=None):
         try:
             arr = np.asarray(x)
         except ValueError as err:
-            raise TilefuseError(with_user_line(f"cannot make an array from a ragged nested list: {err}")) from None
+            raise TilefuseError(with_user_line(
+                f"cannot make an array from a ragged nested list: {err}")) from None
         if arr.dtype == object:
             raise TilefuseError(with_user_line("cannot make an array of Python objects"))
         if dtype is None:
