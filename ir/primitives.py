@@ -122,7 +122,7 @@ def _int_div(x, y):
     if np.issubdtype(x.dtype, np.integer):  # C semantics: round toward zero
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(y == 0, 0, x // np.where(y == 0, 1, y))
-            fix = (q * y != x) & ((x < 0) != (y < 0))
+            fix = (q * y != x) & ((x < 0) != (y < 0)) & (y != 0)
             return (q + fix).astype(x.dtype)
     return np.divide(x, y)
 

@@ -11,11 +11,13 @@ from tilefuse.ir.core import ShapedArray
 class Array:
     """A tilefuse array: a device buffer, its aval and its device. Operators come from
     tilefuse.numpy; reading (np.asarray, print, .item()) copies to the host when needed."""
-    __slots__ = ("_buf", "aval", "device", "__weakref__")
+    __slots__ = ("_buf", "aval", "device", "committed", "__weakref__")
     __array_priority__ = 1000
 
-    def __init__(self, buf, aval: ShapedArray, device):
-        self._buf, self.aval, self.device = buf, aval, device
+    def __init__(self, buf, aval: ShapedArray, device, committed: bool = True):
+        # committed: placed on its device on purpose (device_put, or computed from committed
+        # Arrays); uncommitted Arrays (tnp.asarray, tnp.zeros, ...) follow the data they meet
+        self._buf, self.aval, self.device, self.committed = buf, aval, device, committed
 
     shape = property(lambda self: self.aval.shape)
     dtype = property(lambda self: self.aval.dtype)

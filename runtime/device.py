@@ -39,12 +39,12 @@ class Device:
         return (get_device, (self.name,))
 
     # memory
-    def put(self, host) -> Array:
+    def put(self, host, committed: bool = True) -> Array:
         host = np.asarray(host)
         aval = ShapedArray(host.shape, dtypes.canonicalize(host.dtype))
         if host.dtype != aval.dtype:
             host = host.astype(aval.dtype)
-        return Array(self.backend.put(host, self), aval, self)
+        return Array(self.backend.put(host, self), aval, self, committed)
 
     def to_host(self, buf, aval) -> np.ndarray:
         return self.backend.to_host(buf, aval, self)
@@ -186,8 +186,8 @@ def resolve_device(device, leaves) -> Device:
     if device is not None:
         return get_device(device)
     found = None
-    for x in leaves:
-        if isinstance(x, Array):
+    for x in leaves:  # committed Arrays decide; uncommitted ones follow them
+        if isinstance(x, Array) and x.committed:
             if found is None:
                 found = x.device
             elif x.device is not found:
@@ -214,6 +214,14 @@ _eager_cache: dict = {}
 
 
 def apply_primitive(prim, values, params) -> list:
+    outs = _apply_primitive(prim, values, params)
+    if not any(isinstance(v, Array) and v.committed for v in values):
+        for o in outs:
+            o.committed = False
+    return outs
+
+
+def _apply_primitive(prim, values, params) -> list:
     dev = resolve_device(None, values)
     avals = tuple(aval_of_value(v) for v in values)
     backend_apply = getattr(dev.backend, "apply_primitive", None)

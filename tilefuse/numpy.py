@@ -112,7 +112,7 @@ def _wrap_result(x):
         return x
     if _is_python_scalar(x):
         x = np.asarray(x, _dt.python_scalar_dtype(x))
-    return default_device().put(np.asarray(x))
+    return default_device().put(np.asarray(x), committed=False)
 
 
 def _unary(prim, to_float=True, kinds=None):
@@ -1148,7 +1148,7 @@ def asarray(x, dtype=None):
         if arr.dtype == object:
             raise TilefuseError(with_user_line("cannot make an array of Python objects"))
     dtype = _dt.canonicalize(arr.dtype if dtype is None else dtype)
-    return default_device().put(arr.astype(dtype, copy=False))
+    return default_device().put(arr.astype(dtype, copy=False), committed=False)
 
 
 def argwhere(x):
