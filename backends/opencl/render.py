@@ -438,9 +438,11 @@ def _depends_on_ridx(n: KExpr, memo: dict) -> bool:
 
 
 def _contiguous_loads(k: Kernel, vary: tuple) -> int:
-    """How many loads read consecutive elements along the axis `vary`."""
-    b = _Body(k, [], vary, 2, "x", "")
-    return sum(1 for n in _nodes(k) if n.op == "load" and b.lin(n.src[0]) == 1)
+    """How many loads read consecutive elements along the axis `vary` (in a reduction kernel,
+    only those inside the reduction loop count: they run once per step)."""
+    b, dep = _Body(k, [], vary, 2, "x", ""), {}
+    return sum(1 for n in _nodes(k) if n.op == "load" and b.lin(n.src[0]) == 1 and
+               (not k.has_reduce or _depends_on_ridx(n, dep)))
 
 
 def red_width(width: int) -> int:

@@ -327,7 +327,6 @@ def test_int_ops(be, rng, dtype):
     b = rng.integers(-20, 20, n).astype(dtype)
     b[:3] = [0, -1, 7]
     a[:3] = [5, np.iinfo(dtype).min, -9]
-    a[b == 0] = np.abs(a[b == 0])  # the oracle's x/0 for negative x is an artefact (see report)
     sh = rng.integers(0, 40 if dtype == I32 else 70, n).astype(dtype)
     ops = ["add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor"]
     k = elementwise(f"int_{dtype}", [dtype, dtype, dtype], (n,), lambda x, y, s: [
