@@ -159,8 +159,8 @@ class JitFunction:
         array_type = hooks.array_type
         for a in args:
             t = type(a)
-            if t is array_type:
-                sig.append((a.aval, a.device))
+            if t is array_type:  # an uncommitted Array follows the others: a different key
+                sig.append((a.aval, a.device, a.committed))
             elif t is np.ndarray:
                 sig.append((a.shape, a.dtype))
             elif t is float or t is bool or (t is int and -2**31 <= a < 2**31):

@@ -330,12 +330,14 @@ class Renderer:
 
     def _hoist_invariants(self):
         """Evaluate the parts of reduce bodies that do not depend on ridx before the loop."""
+        seen = set()  # a DAG: without it shared subexpressions are walked exponentially often
         for n in self.reduces:
             stack = list(n.src)
             while stack:
                 s = stack.pop()
-                if s in self.cache:
+                if s in self.cache or s in seen:
                     continue
+                seen.add(s)
                 if not self.dep_ridx[s]:
                     if s.op != "const":
                         self.value(s)

@@ -132,31 +132,35 @@ def test_decorator_forms():
     np.testing.assert_array_equal(tx.jit(a)(np.zeros(1, np.float32)), [1])  # jit of jit
 
 
-class Scaler:
-    def __init__(self, k):
-        self.k = k
+def _classes():
+    """Fresh classes per test (a class-level jit keeps its trace count across tests)."""
+    class Scaler:
+        def __init__(self, k):
+            self.k = k
 
-    @tx.jit
-    def __call__(self, x):
-        return x * self.k
+        @tx.jit
+        def __call__(self, x):
+            return x * self.k
 
-    @functools.partial(tx.jit, static_argnums=2)
-    def power(self, x, n):
-        return x ** n
+        @functools.partial(tx.jit, static_argnums=2)
+        def power(self, x, n):
+            return x ** n
 
+    @tx.register_dataclass
+    @dataclass
+    class Linear:
+        w: np.ndarray
+        b: np.ndarray
 
-@tx.register_dataclass
-@dataclass
-class Linear:
-    w: np.ndarray
-    b: np.ndarray
+        @tx.jit
+        def apply(self, x):
+            return x @ self.w + self.b
 
-    @tx.jit
-    def apply(self, x):
-        return x @ self.w + self.b
+    return Scaler, Linear
 
 
 def test_jit_on_methods(device):
+    Scaler, Linear = _classes()
     x = np.array([1.0, 2.0], np.float32)
     s2, s3 = Scaler(2.0), Scaler(3.0)
     np.testing.assert_array_equal(s2(x), [2, 4])
@@ -325,3 +329,17 @@ def test_lowered_compiles_for_its_device(device):
     assert lowered.optimized_graph().count("exp") == 1
     assert isinstance(lowered.sources(), dict)
     assert tx.jit(lambda v: v).lower(x, device="ref").device.name == "ref"
+
+
+def test_committed_and_uncommitted_arrays_do_not_share_a_fast_key(device):
+    f = tx.jit(lambda x: x + 1)
+    placed = tx.device_put(np.ones(2, np.float32), "ref")  # committed to ref
+    assert f(placed).device.name == "ref"
+    loose = tnp.ones(2)  # uncommitted: runs on the default device (the one under test)
+    if loose.device.name == "ref":
+        loose_on_ref = loose
+    else:
+        loose_on_ref = tx.device_put(np.ones(2, np.float32), "ref")
+        loose_on_ref.committed = False
+    assert f(loose_on_ref).device is device
+    assert f(placed).device.name == "ref"
