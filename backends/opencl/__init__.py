@@ -353,3 +353,6 @@ def device_info(cl, platform, d) -> DeviceInfo:
 
 def create() -> OpenCLBackend:
     return OpenCLBackend()
+
+
+from . import gemm  # noqa: E402,F401  (registers the GEMM template with the dispatcher)

@@ -1,0 +1,219 @@
+"""The OpenCL GEMM template: dot_general as a tiled kernel staged through local memory.
+
+A work-group computes a TM x TN tile of C[b] (one batch per grid row z); each work-item keeps a
+WM x WN block of it in registers, at rows ty + i*LY and columns tx + j*LX, so that neighbouring
+work-items touch neighbouring addresses (coalesced on GPUs, vectorised across work-items by
+PoCL on CPUs). Panels of A (TK x TM) and B (TK x TN) are loaded cooperatively into local
+memory, with zeros past the edges, so every shape runs without bounds checks in the inner loop.
+Strides come from the dot_general's layout (ir/kernel/matmul.py) and are compiled in, so
+transposed and batched operands are read in place. The parameters are a `GemmTiles`, from
+DeviceInfo by default and open to the tuner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tilefuse.ir.kernel.matmul import MatmulLayout, matmul_layout
+from tilefuse.runtime import dispatch
+
+from .render import Rendered, cname
+
+VECTOR_TILE = (6, 16, 2)  # CPU devices: rows, vector width, vectors per row (12 accumulators)
+MIN_FLOPS = 1 << 18  # below this the generic kernel is as fast and needs no tile padding
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    tm: int = 64   # rows of C per work-group
+    tn: int = 64   # columns of C per work-group
+    tk: int = 16   # depth of the local-memory panels
+    wm: int = 4    # rows per work-item
+    wn: int = 4    # columns per work-item
+
+    @property
+    def local(self) -> tuple[int, int]:
+        return self.tn // self.wn, self.tm // self.wm
+
+    def valid(self, info) -> bool:
+        lx, ly = self.local
+        local_bytes = 8 * self.tk * (self.tm + self.tn + 2)
+        return (self.tm % self.wm == 0 and self.tn % self.wn == 0 and lx * ly <= info.max_work_group
+                and local_bytes <= info.local_mem_bytes)
+
+
+def default_tiles(info) -> GemmTiles:
+    """64 x 64 tiles of 4 x 4 per work-item (256 work-items) where the device allows, halved
+    until the work-group and the panels fit."""
+    t = GemmTiles()
+    while not t.valid(info) and t.tm > 8:
+        t = GemmTiles(t.tm // 2, t.tn // 2, t.tk, t.wm, t.wn)
+    return t
+
+
+def _source(name: str, lay: MatmulLayout, t: GemmTiles, ctype: str, a: int, b: int,
+            n_inputs: int) -> str:
+    lx, ly = t.local
+    sab, sam, sak = lay.a_strides
+    sbb, sbk, sbn = lay.b_strides
+    params = ", ".join([f"__global const {ctype}* restrict in{i}" for i in range(n_inputs)]
+                       + [f"__global {ctype}* restrict out0"])
+    # load the panels walking the operand's unit-stride axis fastest
+    a_idx = ("kk = i % TK, mm = i / TK" if sak == 1 else "mm = i % TM, kk = i / TM")
+    b_idx = ("nn = i % TN, kk = i / TN" if sbn == 1 or sbk != 1 else "kk = i % TK, nn = i / TK")
+    return f"""
+#define M {lay.m}
+#define N {lay.n}
+#define K {lay.k}
+#define TM {t.tm}
+#define TN {t.tn}
+#define TK {t.tk}
+#define LX {lx}
+#define LY {ly}
+__kernel __attribute__((reqd_work_group_size(LX, LY, 1)))
+void {name}({params}) {{
+    __local {ctype} As[TK][TM + 1];
+    __local {ctype} Bs[TK][TN + 1];
+    const int tx = get_local_id(0), ty = get_local_id(1), tid = ty * LX + tx;
+    const long m0 = (long)get_group_id(1) * TM, n0 = (long)get_group_id(0) * TN;
+    const long z = get_group_id(2);
+    __global const {ctype}* A = in{a} + z * {sab}L;
+    __global const {ctype}* B = in{b} + z * {sbb}L;
+    {ctype} acc[{t.wm}][{t.wn}];
+    for (int i = 0; i < {t.wm}; i++)
+        for (int j = 0; j < {t.wn}; j++) acc[i][j] = 0;
+    for (long k0 = 0; k0 < K; k0 += TK) {{
+        for (int i = tid; i < TK * TM; i += LX * LY) {{
+            const int {a_idx};
+            const long m = m0 + mm, k = k0 + kk;
+            As[kk][mm] = (m < M && k < K) ? A[m * {sam}L + k * {sak}L] : 0;
+        }}
+        for (int i = tid; i < TK * TN; i += LX * LY) {{
+            const int {b_idx};
+            const long n = n0 + nn, k = k0 + kk;
+            Bs[kk][nn] = (n < N && k < K) ? B[k * {sbk}L + n * {sbn}L] : 0;
+        }}
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int kk = 0; kk < TK; kk++) {{
+            {ctype} ra[{t.wm}], rb[{t.wn}];
+            for (int i = 0; i < {t.wm}; i++) ra[i] = As[kk][ty + i * LY];
+            for (int j = 0; j < {t.wn}; j++) rb[j] = Bs[kk][tx + j * LX];
+            for (int i = 0; i < {t.wm}; i++)
+                for (int j = 0; j < {t.wn}; j++) acc[i][j] = fma(ra[i], rb[j], acc[i][j]);
+        }}
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }}
+    __global {ctype}* C = out0 + z * ((long)M * N);
+    for (int i = 0; i < {t.wm}; i++) {{
+        const long m = m0 + ty + i * LY;
+        for (int j = 0; j < {t.wn}; j++) {{
+            const long n = n0 + tx + j * LX;
+            if (m < M && n < N) C[m * N + n] = acc[i][j];
+        }}
+    }}
+}}
+"""
+
+
+def _vector_source(name: str, lay: MatmulLayout, wm: int, vw: int, nv: int, ctype: str, a: int,
+                   b: int, n_inputs: int) -> str:
+    """CPU devices: one work-item per work-group computes a wm x (nv*vw) tile of C in explicit
+    vector registers, k innermost, B's rows read as vectors (B must be unit-stride along n). A
+    work-group of one has no barriers and no per-work-item context for PoCL to spill, so the
+    accumulators stay in registers, as in a BLIS micro-kernel (without the packing)."""
+    sab, sam, sak = lay.a_strides
+    sbb, sbk, _ = lay.b_strides
+    v = f"{ctype}{vw}"
+    params = ", ".join([f"__global const {ctype}* restrict in{i}" for i in range(n_inputs)]
+                       + [f"__global {ctype}* restrict out0"])
+    acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(wm)]
+    decl = "\n    ".join(f"{v} {', '.join(f'{c} = 0' for c in row)};" for row in acc)
+    fmas = "\n        ".join(
+        f"{{ const {v} a = ({v})(A[r{i} * {sam}L + k * {sak}L]); "
+        + " ".join(f"{acc[i][j]} = fma(a, b{j}, {acc[i][j]});" for j in range(nv)) + " }"
+        for i in range(wm))
+    rows = "\n    ".join(f"const long r{i} = min(m0 + {i}L, (long)M - 1);" for i in range(wm))
+    stores = "\n    ".join(
+        f"if (m0 + {i} < M) {{ __global {ctype}* Ci = C + (m0 + {i}) * N + n0; "
+        + " ".join(f"store(Ci + {j * vw}, {acc[i][j]}, N - n0 - {j * vw});" for j in range(nv))
+        + " }" for i in range(wm))
+    return f"""
+#define M {lay.m}
+#define N {lay.n}
+#define K {lay.k}
+static inline void store(__global {ctype}* p, {v} x, long left) {{
+    if (left >= {vw}) {{ vstore{vw}(x, 0, p); return; }}
+    {ctype} t[{vw}];
+    vstore{vw}(x, 0, t);
+    for (long i = 0; i < left; i++) p[i] = t[i];
+}}
+static inline {v} load_tail(__global const {ctype}* p, long left) {{
+    {ctype} t[{vw}];
+    for (int i = 0; i < {vw}; i++) t[i] = i < left ? p[i] : 0;
+    return vload{vw}(0, t);
+}}
+__kernel void {name}({params}) {{
+    const long m0 = (long)get_global_id(0) * {wm}, n0 = (long)get_global_id(1) * {nv * vw};  // m fastest: neighbours share B's strip
+    const long z = get_global_id(2);
+    __global const {ctype}* A = in{a} + z * {sab}L;
+    __global const {ctype}* B = in{b} + z * {sbb}L;
+    __global {ctype}* C = out0 + z * ((long)M * N);
+    {rows}
+    {decl}
+    const int full = n0 + {nv * vw} <= N;
+    for (long k = 0; k < K; k++) {{
+        __global const {ctype}* Bk = B + k * {sbk}L + n0;
+        {v} {", ".join(f"b{j}" for j in range(nv))};
+        if (full) {{ {" ".join(f"b{j} = vload{vw}(0, Bk + {j * vw});" for j in range(nv))} }}
+        else {{ {" ".join(f"b{j} = load_tail(Bk + {j * vw}, N - n0 - {j * vw});" for j in range(nv))} }}
+        {fmas}
+    }}
+    {stores}
+}}
+"""
+
+
+_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+def _layout(kernel):
+    (e,) = kernel.meta["eqns"]
+    if any(not hasattr(v, "id") for v in e.inputs):  # a literal operand
+        return None, e
+    return matmul_layout(e), e
+
+
+def _use_vector(info, lay: MatmulLayout) -> bool:
+    return info.extra["device_type"] == "cpu" and lay.b_strides[2] == 1
+
+
+def applies(kernel, device) -> bool:
+    lay, e = _layout(kernel)
+    return (lay is not None and lay.dtype in _CTYPES and np.dtype(e.outputs[0].aval.dtype) == lay.dtype
+            and lay.flops >= MIN_FLOPS and (lay.dtype != np.float64 or device.info.extra["fp64"]))
+
+
+def build(kernel, device, backend, tiles: GemmTiles | None = None):
+    from . import CompiledKernel
+    st = backend._state(device)
+    lay, e = _layout(kernel)
+    t = tiles or default_tiles(st.info)
+    operands = kernel.meta["operands"]
+    pos = {v.id: i for i, v in enumerate(operands)}
+    name = cname(kernel) + "_gemm"
+    a, b, ctype = pos[e.inputs[0].id], pos[e.inputs[1].id], _CTYPES[lay.dtype]
+    units = lay.batch * lay.m * lay.n
+    if _use_vector(st.info, lay):
+        wm, vw, nv = VECTOR_TILE
+        src = _vector_source(name, lay, wm, vw, nv, ctype, a, b, kernel.n_inputs)
+        grid, local, mode = (-(-lay.m // wm), -(-lay.n // (vw * nv)), lay.batch), (1, 1, 1), "gemm_vector"
+    else:
+        src = _source(name, lay, t, ctype, a, b, kernel.n_inputs)
+        lx, ly = t.local
+        grid, local, mode = (-(-lay.n // t.tn) * lx, -(-lay.m // t.tm) * ly, lay.batch), (lx, ly, 1), "gemm"
+    knl = backend.programs.kernel(st.ctx, st.dev, src, name, str(kernel))
+    return CompiledKernel(kernel, Rendered(name, src, units, mode, 1), knl, st, grid, local)
+
+
+IMPLEMENTATION = dispatch.register(dispatch.Implementation(
+    "tiled_gemm", "dot_general", build, device_kinds=("opencl",), applies=applies, priority=10))

@@ -1,0 +1,62 @@
+"""The strided batched-GEMM view of a dot_general, shared by every backend's GEMM template.
+
+A dot_general over row-major operands is `C[b, m, n] = sum_k A[b, m, k] * B[b, k, n]` when each
+group of axes (batch, free, contracting) of each operand collapses into one strided axis: the
+axes of a group, in the group's order, must be laid out like one row-major block. That covers
+`x @ w`, batched matmuls, every transposed form and the (B, H, S, D) einsums of attention,
+without copying an operand; a dot_general that does not collapse keeps the generic kernel."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class MatmulLayout:
+    """Extents and element strides of C[b, m, n] = sum_k A[b, m, k] B[b, k, n]; C is dense
+    (strides M*N, N, 1). `a`/`b` are the operands' positions among the equation's inputs."""
+    batch: int
+    m: int
+    n: int
+    k: int
+    a_strides: tuple  # (batch, m, k)
+    b_strides: tuple  # (batch, k, n)
+    dtype: np.dtype
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
+
+
+def _row_major_strides(shape) -> list[int]:
+    strides, s = [], 1
+    for d in reversed(shape):
+        strides.append(s)
+        s *= d
+    return strides[::-1]
+
+
+def _collapse(shape, strides, axes) -> tuple[int, int] | None:
+    """(extent, stride) of `axes` taken as one axis, or None when they are not one block."""
+    axes = [a for a in axes if shape[a] != 1]  # a size-1 axis has no stride to respect
+    extent = int(np.prod([shape[a] for a in axes], dtype=np.int64)) if axes else 1
+    for a, b in zip(axes, axes[1:]):
+        if strides[a] != strides[b] * shape[b]:
+            return None
+    return extent, (strides[axes[-1]] if axes else 0)
+
+
+def matmul_layout(eqn) -> MatmulLayout | None:
+    """The batched-GEMM view of a dot_general equation, or None where there is none."""
+    lhs, rhs = (v.aval for v in eqn.inputs[:2])  # fused_gemm's epilogue operands follow
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
+    rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+    ls, rs = _row_major_strides(lhs.shape), _row_major_strides(rhs.shape)
+    groups = [_collapse(lhs.shape, ls, g) for g in (lb, lfree, lc)]
+    groups += [_collapse(rhs.shape, rs, g) for g in (rb, rc, rfree)]
+    if any(g is None for g in groups):
+        return None
+    (nb, sab), (m, sam), (k, sak), (_, sbb), (_, sbk), (n, sbn) = groups
+    return MatmulLayout(nb, m, n, k, (sab, sam, sak), (sbb, sbk, sbn), np.dtype(lhs.dtype))

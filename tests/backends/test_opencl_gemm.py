@@ -1,0 +1,67 @@
+"""The OpenCL GEMM template (backends/opencl/gemm.py) and the batched-GEMM view of dot_general
+it reads (ir/kernel/matmul.py): every layout against numpy, both tile variants."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tilefuse as tx
+import tilefuse.numpy as tnp
+from tilefuse.ir.errors import DeviceError
+from tilefuse.ir.kernel.matmul import matmul_layout
+
+# (lhs shape, rhs shape, einsum): plain, transposed operands, batched, attention's layouts, edges
+CASES = [((64, 64), (64, 64), "ij,jk->ik"), ((100, 37), (37, 129), "ij,jk->ik"),
+         ((37, 100), (37, 129), "ji,jk->ik"), ((100, 37), (129, 37), "ij,kj->ik"),
+         ((37, 100), (129, 37), "ji,kj->ik"), ((3, 50, 40), (3, 40, 70), "bij,bjk->bik"),
+         ((2, 3, 65, 16), (2, 3, 70, 16), "bhqd,bhkd->bhqk"), ((67, 131), (131, 1), "ij,jk->ik"),
+         ((1, 300), (300, 301), "ij,jk->ik")]
+
+
+def _opencl():
+    try:
+        return next(d for d in tx.devices() if d.kind == "opencl")
+    except (StopIteration, DeviceError):
+        pytest.skip("no OpenCL device")
+
+
+def _eqn(f, *args):
+    g = tx.make_graph(f)(*args)
+    return next(e for e in g.eqns if e.prim.name == "dot_general")
+
+
+def test_matmul_layout_reads_operands_in_place():
+    rng = np.random.default_rng(0)
+    for sa, sb, spec in CASES + [((2, 65, 3, 16), (2, 70, 3, 16), "bqhd,bkhd->bhqk")]:
+        a, b = rng.standard_normal(sa, np.float32), rng.standard_normal(sb, np.float32)
+        lay = matmul_layout(_eqn(lambda a, b: tnp.einsum(spec, a, b), a, b))
+        want = np.einsum(spec, a, b).reshape(-1)
+        if spec == "bqhd,bkhd->bhqk":  # heads between the free axes: no strided-GEMM view
+            assert lay is None
+            continue
+        fa, fb = a.reshape(-1), b.reshape(-1)
+        got = np.zeros((lay.batch, lay.m, lay.n), np.float32)
+        for z in range(lay.batch):
+            A = np.lib.stride_tricks.as_strided(fa[z * lay.a_strides[0]:], (lay.m, lay.k),
+                                                (lay.a_strides[1] * 4, lay.a_strides[2] * 4))
+            B = np.lib.stride_tricks.as_strided(fb[z * lay.b_strides[0]:], (lay.k, lay.n),
+                                                (lay.b_strides[1] * 4, lay.b_strides[2] * 4))
+            got[z] = A @ B
+        np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["vector", "local"])
+def test_opencl_gemm_template_matches_numpy(variant, monkeypatch):
+    dev = _opencl()
+    from tilefuse.backends.opencl import gemm
+    if variant == "local":  # the GPU form (local-memory tiles), on whatever device this is
+        monkeypatch.setattr(gemm, "_use_vector", lambda info, lay: False)
+    rng = np.random.default_rng(1)
+    for sa, sb, spec in CASES:
+        a, b = rng.standard_normal(sa, np.float32), rng.standard_normal(sb, np.float32)
+        f = tx.jit(lambda a, b: tnp.einsum(spec, a, b), device=dev)
+        launches = f.lower(a, b).compile().program.launches
+        if matmul_layout(_eqn(lambda a, b: tnp.einsum(spec, a, b), a, b)).flops >= gemm.MIN_FLOPS:
+            assert [l.impl for l in launches if l.kind == "dot_general"] == ["tiled_gemm"], spec
+        np.testing.assert_allclose(np.asarray(f(a, b)), np.einsum(spec, a, b), rtol=1e-4, atol=1e-4,
+                                   err_msg=f"{spec} {sa} {sb}")
