@@ -41,8 +41,12 @@ bench: $(STAMP)
 		[ -f "$$f" ] || continue; echo "== $$f"; $(PY) "$$f"; \
 	done
 
+# The fuzz tests (tests/fuzz) with a large budget: TILEFUSE_FUZZ_EXAMPLES scales every test's
+# example count (1 in `make test`). A failure prints the shrunk program to keep as a regression.
+FUZZ_EXAMPLES ?= 40
 fuzz: $(STAMP)
-	@echo "make fuzz: no fuzzer yet (a later issue adds one)"
+	TILEFUSE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest $(PYTEST_ARGS) tests/fuzz \
+		--hypothesis-show-statistics
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

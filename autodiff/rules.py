@@ -21,7 +21,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
-from tilefuse.tracer.core import bind1
+from tilefuse.tracer.core import bind, bind1
 
 from .ops import (add_any, aval, broadcast, convert, div, eq, expand_reduced, indicator,
                   instantiate, like, mul, neg, reduce_sum, reshape, select, slice_axis, sub,
@@ -331,3 +331,61 @@ jvp_rules[P.gather] = lambda ts, operand, indices, *, out, axis: bind1(
 vjp_rules[P.scatter_add] = _scatter_add_vjp
 jvp_rules[P.scatter_add] = lambda ts, operand, indices, updates, *, out, axis: bind1(
     P.scatter_add, instantiate(ts[0], operand), indices, instantiate(ts[2], updates), axis=axis)
+
+
+# ---- fused attention ----------------------------------------------------------------------------
+# The VJP of fused_attention is the fused backward (dq, dk, dv packed into one array). The
+# other rules differentiate the decomposition into ordinary primitives (ir/passes/attention.py):
+# forward mode and higher orders are rare enough to run unfused.
+
+def _decomposed(prim, params, primals):
+    """prim(*primals, **params) as a function written with ordinary primitives."""
+    from tilefuse.ir.core import Eqn, Var, eval_graph
+    from tilefuse.ir.passes.attention import decomposed_graph
+    ins = tuple(Var(aval(x).strip_weak()) for x in primals)
+    outs = tuple(Var(a) for a in prim.abstract_eval(*[v.aval for v in ins], **params))
+    g = decomposed_graph(Eqn(prim, ins, outs, dict(params)))
+    return lambda *xs: eval_graph(g, xs, lambda e, vals: bind(e.prim, *vals, **e.params))[0]
+
+
+def _jvp_by_decomposition(prim):
+    def rule(ts, *primals, out, **params):
+        from .api import jvp
+        ts = tuple(instantiate(t, x) for t, x in zip(ts, primals))
+        return jvp(_decomposed(prim, params, primals), tuple(primals), ts)[1]
+    return rule
+
+
+def _vjp_by_decomposition(prim):
+    def rule(ct, *primals, out, needs, **params):
+        from .api import vjp
+        _, pullback = vjp(_decomposed(prim, params, primals), *primals)
+        return tuple(c if n else None for c, n in zip(pullback(ct), needs))
+    return rule
+
+
+def split_attention_grads(packed, q, k, v):
+    """fused_attention_bwd's packed result -> (dq, dk, dv)."""
+    out, start = [], 0
+    for x in (q, k, v):
+        n = aval(x).size
+        part = bind1(P.slice_, packed, start_indices=(start,), limit_indices=(start + n,), strides=(1,))
+        out.append(reshape(part, aval(x).shape))
+        start += n
+    return out
+
+
+def _attention_vjp(ct, q, k, v, *bias, out, needs, scale, causal, dims):
+    if bias and needs[3]:  # the fused backward gives no bias gradient: differentiate unfused
+        return _vjp_by_decomposition(P.fused_attention)(
+            ct, q, k, v, *bias, out=out, needs=needs, scale=scale, causal=causal, dims=dims)
+    packed = bind1(P.fused_attention_bwd, q, k, v, *bias, out, ct, scale=scale, causal=causal,
+                   dims=dims)
+    grads = split_attention_grads(packed, q, k, v)
+    return tuple(g if n else None for g, n in zip(grads, needs)) + (None,) * len(bias)
+
+
+vjp_rules[P.fused_attention] = _attention_vjp
+jvp_rules[P.fused_attention] = _jvp_by_decomposition(P.fused_attention)
+vjp_rules[P.fused_attention_bwd] = _vjp_by_decomposition(P.fused_attention_bwd)
+jvp_rules[P.fused_attention_bwd] = _jvp_by_decomposition(P.fused_attention_bwd)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from tilefuse.ir.core import eval_graph
+from tilefuse.runtime import profiler
 from tilefuse.runtime.hardware import DeviceInfo, host_info
 
 from .base import Backend, Program
@@ -24,11 +25,19 @@ class RefBackend(Backend):
 
     def compile(self, graph, device):
         def run(buffers):
-            return eval_graph(graph, buffers, lambda e, xs: e.prim.impl(*xs, **e.params))
+            prof = profiler.active
+            return eval_graph(graph, buffers, _apply if prof is None else prof.apply(device))
         return Program(graph, run)
 
-    def apply_primitive(self, prim, params, buffers):
+    def apply_primitive(self, prim, params, buffers, device=None):
+        prof = profiler.active
+        if prof is not None:
+            return prof.call(device, prim, params, lambda: prim.impl(*buffers, **params), buffers)
         return prim.impl(*buffers, **params)
+
+
+def _apply(e, xs):
+    return e.prim.impl(*xs, **e.params)
 
 
 def create():

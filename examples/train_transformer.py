@@ -31,6 +31,7 @@ import tilefuse.nn as nn  # noqa: E402
 import tilefuse.numpy as tnp  # noqa: E402
 import tilefuse.optim as optim  # noqa: E402
 import tilefuse.random as random  # noqa: E402
+from tilefuse import distributed  # noqa: E402
 from tilefuse.ir.errors import TilefuseError  # noqa: E402
 
 import data  # noqa: E402
@@ -135,6 +136,32 @@ def make_train_step(cfg: Config, optimizer):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, key, loss
     return tx.jit(step)
+
+
+def tuning_workload(batch: int = 32, cfg: Config = Config()):
+    """The jitted training step and one batch of arguments (random tokens): what
+    `python -m tilefuse.tune --model examples/train_transformer.py` tunes."""
+    optimizer = make_optimizer(3e-3, 300)
+    params = tx.device_put(init_params(random.key(0), cfg))
+    opt_state = tx.device_put(optimizer.init(params))
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab, (batch, cfg.seq)).astype(np.int32) for _ in range(2))
+    return make_train_step(cfg, optimizer), (params, opt_state, random.key(1), x, y)
+
+
+def make_distributed_step(cfg: Config, optimizer, bucket_mb: float = 25.0, compress=None):
+    """make_train_step's step, data-parallel over MPI (tilefuse.distributed): each rank
+    differentiates its slice of the global batch with its own dropout key, gradients are
+    averaged across ranks, and the loss returned is the mean over ranks. `.dp` is the trainer."""
+    dp = distributed.data_parallel(lambda p, x, y, k: loss_fn(p, x, y, cfg, k, True), optimizer,
+                                   batch_argnums=(0, 1), bucket_mb=bucket_mb, compress=compress)
+
+    def step(params, opt_state, key, x, y):
+        key, sub = random.split(key)
+        params, opt_state, loss = dp.step(params, opt_state, x, y, random.fold_in(sub, dp.rank))
+        return params, opt_state, key, loss
+    step.dp = dp
+    return step
 
 
 def make_eval_loss(cfg: Config):
@@ -268,6 +295,12 @@ def parse_args(argv=None):
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step as if interrupted (checkpoint kept): tests resuming")
     p.add_argument("--quiet", action="store_true", help="no progress bar or prints")
+    p.add_argument("--distributed", action="store_true",
+                   help="data-parallel over MPI: mpirun -n N python train_transformer.py --distributed "
+                        "(the global --batch is split across ranks; rank 0 prints and writes)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (--distributed)")
+    p.add_argument("--compress", choices=["int8"], default=None,
+                   help="int8 gradient compression with error feedback (--distributed)")
     return p.parse_args(argv)
 
 
@@ -290,6 +323,8 @@ def train(args) -> dict:
     """Run the training that args describe; returns the final params, losses and metrics."""
     if args.device:
         tx.config.default_device = args.device
+    if args.distributed and distributed.init().rank:  # rank 0 alone prints, logs and checkpoints
+        args = argparse.Namespace(**{**vars(args), "quiet": True, "out": None, "resume": False, "sample": 0})
     corpus = data.Corpus(max_chars=args.max_chars)
     cfg = Config(vocab=corpus.vocab.size, d_model=args.d_model, layers=args.layers,
                  heads=args.heads, seq=args.seq, tied=args.tied, dropout=args.dropout)
@@ -327,9 +362,14 @@ def train(args) -> dict:
     _log(f"corpus: {len(corpus.train):,} train + {len(corpus.eval):,} held-out chars, vocab "
          f"{cfg.vocab}; model: {n_params:,} parameters on {tx.default_device()}", args.quiet)
 
+    train_step = make_train_step(cfg, optimizer)
+    if args.distributed:  # every rank starts from rank 0's state, fresh or resumed
+        train_step = make_distributed_step(cfg, optimizer, args.bucket_mb, args.compress)
+        params, opt_state, key, pos = train_step.dp.broadcast(
+            (params, opt_state, key, np.array([step, data_pos], np.int64)), "training state")
+        step, data_pos = int(pos[0]), int(pos[1])
     sampler = data.WindowSampler(corpus.train, args.batch, args.seq, args.seed, data_pos)
     held_out = data.eval_batches(corpus.eval, args.batch, args.seq, args.eval_batches)
-    train_step = make_train_step(cfg, optimizer)
     eval_loss_fn = make_eval_loss(cfg)
 
     def evaluate():

@@ -98,6 +98,9 @@ def python_scalar_dtype(x) -> np.dtype:
     if isinstance(x, bool):
         return bool_
     if isinstance(x, int):
+        if not -2**31 <= x < 2**31:  # numpy would raise OverflowError, or wrap it silently
+            raise DTypeError(f"the Python int {x} does not fit int32 (Python ints become int32): "
+                             "pass np.int64(...) or an int64 array")
         return DEFAULT_INT
     if isinstance(x, float):
         return DEFAULT_FLOAT

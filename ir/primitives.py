@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from . import dtypes
-from .core import ShapedArray
+from .core import ShapedArray, eval_graph
 from .errors import DTypeError, ShapeError, with_user_line
 
 PRIMITIVES: dict[str, "Primitive"] = {}
@@ -19,10 +19,12 @@ class Primitive:
     """A primitive operation: a name, a shape/dtype rule and a numpy reference implementation."""
 
     def __init__(self, name: str, rule: Callable, impl: Callable, *, multiple_results=False,
-                 elementwise=False, effectful=False):
+                 elementwise=False, effectful=False, compile_only=False):
         assert name not in PRIMITIVES, f"primitive {name} declared twice"
         self.name, self._rule, self._impl = name, rule, impl
         self.multiple_results, self.elementwise, self.effectful = multiple_results, elementwise, effectful
+        # made only by compile passes, which run after autodiff and vmap: no rules for those
+        self.compile_only = compile_only
         PRIMITIVES[name] = self
 
     def abstract_eval(self, *avals, **params) -> list[ShapedArray]:
@@ -103,7 +105,7 @@ log = unop("log", np.log)
 log1p = unop("log1p", np.log1p)
 expm1 = unop("expm1", np.expm1)
 tanh = unop("tanh", np.tanh)
-logistic = unop("logistic", lambda x: 0.5 * (np.tanh(0.5 * x) + 1))
+logistic = unop("logistic", lambda x: 1 / (1 + np.exp(-x)))  # no cancellation for x << 0
 sqrt = unop("sqrt", np.sqrt)
 rsqrt = unop("rsqrt", lambda x: 1 / np.sqrt(x))
 sin = unop("sin", np.sin)
@@ -405,6 +407,165 @@ def _dot_impl(lhs, rhs, *, dimension_numbers, preferred_element_type=None):
 dot_general = Primitive("dot_general", _dot_rule, _dot_impl)
 
 
+# ---- fused GEMM (made by the pass ir/passes/gemm_epilogue.py) -----------------------------------
+#
+# fused_gemm(lhs, rhs, *extras; dimension_numbers, preferred_element_type, epilogue) is
+# dot_general followed by `epilogue`, steps applied in order on the float32 result:
+# ("add", i) adds extras[i] (the output's shape, or a row vector along its last axis),
+# ("affine", a, c) computes y*a + c, and the activations ("relu",), ("gelu_tanh",), ("gelu_erf",),
+# ("silu",), ("tanh",), ("sigmoid",).
+
+GEMM_ACTIVATIONS = ("relu", "gelu_tanh", "gelu_erf", "silu", "tanh", "sigmoid")
+
+
+def _fused_gemm_rule(lhs, rhs, *extras, dimension_numbers, preferred_element_type, epilogue):
+    out = _dot_rule(lhs, rhs, dimension_numbers=dimension_numbers,
+                    preferred_element_type=preferred_element_type)
+    if dtypes.compute_dtype(out.dtype) != np.float32:
+        raise dtype_error("fused_gemm", "needs float32, float16 or bfloat16 operands", lhs, rhs)
+    for x in extras:
+        if x.shape not in (out.shape, out.shape[-1:]) or x.dtype != out.dtype:
+            raise shape_error("fused_gemm", f"an epilogue operand must be {out} or a row of it",
+                              lhs, rhs, *extras)
+    for step in epilogue:
+        ok = (step[0] == "add" and len(step) == 2 and 0 <= step[1] < len(extras)) or \
+             (step[0] == "affine" and len(step) == 3) or (step[0] in GEMM_ACTIVATIONS and len(step) == 1)
+        if not ok:
+            raise shape_error("fused_gemm", f"bad epilogue step {step}", lhs, rhs, *extras)
+    return out
+
+
+def gemm_epilogue(y, extras, epilogue):
+    """numpy: the epilogue steps on a float32 GEMM result `y` (in place where it can)."""
+    for step in epilogue:
+        op = step[0]
+        if op == "add":
+            y = y + np.asarray(extras[step[1]], np.float32)
+        elif op == "affine":
+            y = y * np.float32(step[1]) + np.float32(step[2])
+        elif op == "relu":
+            y = np.maximum(y, np.float32(0))
+        elif op == "silu":
+            y = y / (1 + np.exp(-y))
+        elif op == "tanh":
+            y = np.tanh(y)
+        elif op == "sigmoid":
+            y = 1 / (1 + np.exp(-y))
+        elif op == "gelu_tanh":
+            y = 0.5 * y * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (y + 0.044715 * y ** 3)))
+        elif op == "gelu_erf":
+            y = 0.5 * y * (1 + np.asarray(_erf(y / np.float32(math.sqrt(2))), np.float32))
+    return np.asarray(y, np.float32)
+
+
+def _fused_gemm_impl(lhs, rhs, *extras, dimension_numbers, preferred_element_type, epilogue):
+    out = np.dtype(preferred_element_type or lhs.dtype)
+    cd = dtypes.compute_dtype(lhs.dtype)
+    y = _dot_impl(lhs.astype(cd), rhs.astype(cd), dimension_numbers=dimension_numbers)
+    return gemm_epilogue(y.astype(np.float32), extras, epilogue).astype(out)
+
+
+fused_gemm = Primitive("fused_gemm", _fused_gemm_rule, _fused_gemm_impl, compile_only=True)
+
+
+# ---- fused attention (made by nn.dot_product_attention and the attention pattern pass) ----------
+#
+# fused_attention(q, k, v[, bias]; scale, causal, dims) = softmax(q kᵀ·scale + bias, causal) v.
+# dims = (q_dims, k_dims, v_dims), each (batch axes..., sequence axis, feature axis) of that
+# operand, so any layout reads in place ((B, H, S, D), (B, S, H, D), ...). The output is laid out
+# like q with q's feature axis sized as v's. bias (additive, -inf masks out) has the canonical
+# shape (batch..., Sq, Sk), size-1 axes broadcasting. causal: query i sees keys j <= i + Sk - Sq.
+# A query with no key left to attend to gets zeros, never NaN (nn.softmax's rule).
+
+def _attention_check(name, q, k, v, bias, dims):
+    if len(dims) != 3 or any(len(d) != a.ndim or sorted(d) != list(range(a.ndim))
+                             for d, a in zip(dims, (q, k, v))):
+        raise shape_error(name, f"dims {dims} must list every axis of q, k and v", q, k, v)
+    (qd, kd, vd) = dims
+    qs, ks, vs = ([a.shape[i] for i in d] for a, d in zip((q, k, v), dims))
+    if not (qs[:-2] == ks[:-2] == vs[:-2]) or qs[-1] != ks[-1] or ks[-2] != vs[-2]:
+        raise shape_error(name, "q, k, v need equal batch axes, q and k equal feature sizes, "
+                          "k and v equal sequence lengths", q, k, v)
+    for a in (q, k, v):
+        if not dtypes.is_float(a.dtype) or a.dtype != q.dtype:
+            raise dtype_error(name, "q, k, v must be floats of one dtype", q, k, v)
+    if bias is not None:
+        want = tuple(qs[:-2]) + (qs[-2], ks[-2])
+        if bias.ndim != len(want) or any(b not in (1, w) for b, w in zip(bias.shape, want)):
+            raise ShapeError(with_user_line(
+                f"{name}: the mask/bias of shape {bias.shape} does not broadcast to the scores' "
+                f"shape {want} (batch..., Sq, Sk) (q {q.shape}, k {k.shape})"))
+        if bias.dtype != q.dtype:
+            raise dtype_error(name, "the bias must have q's dtype", q, bias)
+    out = list(q.shape)
+    out[qd[-1]] = vs[-1]
+    return ShapedArray(tuple(out), q.dtype)
+
+
+def _fused_attention_rule(q, k, v, *bias, scale, causal, dims):
+    return _attention_check("fused_attention", q, k, v, bias[0] if bias else None, dims)
+
+
+def _canonical(x, d):
+    return np.transpose(x, d).astype(np.float32 if x.dtype.itemsize < 4 else x.dtype)
+
+
+def attention_probs(q, k, bias, scale, causal, dims):
+    """numpy: the attention weights softmax(q kᵀ·scale + bias) in (batch..., Sq, Sk)."""
+    s = _canonical(q, dims[0]) @ np.swapaxes(_canonical(k, dims[1]), -1, -2) * scale
+    if bias is not None:
+        s = s + bias
+    sq, sk = s.shape[-2:]
+    if causal:
+        s = np.where(np.tri(sq, sk, sk - sq, dtype=bool), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    total = np.sum(e, axis=-1, keepdims=True)
+    return e / np.where(total > 0, total, 1)
+
+
+def _to_layout(x, d, dtype):
+    """Canonical (batch..., S, D) back to an operand's own layout."""
+    return np.transpose(x, np.argsort(d)).astype(dtype)
+
+
+def _fused_attention_impl(q, k, v, *bias, scale, causal, dims):
+    p = attention_probs(q, k, bias[0] if bias else None, scale, causal, dims)
+    return _to_layout(p @ _canonical(v, dims[2]), dims[0], q.dtype)
+
+
+fused_attention = Primitive("fused_attention", _fused_attention_rule, _fused_attention_impl)
+
+
+def _fused_attention_bwd_rule(q, k, v, *rest, scale, causal, dims):
+    bias = rest[0] if len(rest) == 3 else None
+    out, dout = rest[-2:]
+    want = _attention_check("fused_attention_bwd", q, k, v, bias, dims)
+    if out.shape != want.shape or dout.shape != want.shape:
+        raise shape_error("fused_attention_bwd", f"out and dout must have shape {want.shape}",
+                          out, dout)
+    return ShapedArray((q.size + k.size + v.size,), q.dtype)
+
+
+def _fused_attention_bwd_impl(q, k, v, *rest, scale, causal, dims):
+    """dq, dk, dv of fused_attention (FlashAttention's formulas, in float32), packed flat into
+    one array (one result keeps the primitive differentiable like any other)."""
+    bias = rest[0] if len(rest) == 3 else None
+    out, dout = (_canonical(x, dims[0]) for x in rest[-2:])
+    p = attention_probs(q, k, bias, scale, causal, dims)
+    qc, kc, vc = (_canonical(x, d) for x, d in zip((q, k, v), dims))
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = dout @ np.swapaxes(vc, -1, -2)
+    ds = p * (dp - np.sum(dout * out, axis=-1, keepdims=True))
+    dq = ds @ kc * scale
+    dk = np.swapaxes(ds, -1, -2) @ qc * scale
+    return np.concatenate([_to_layout(g, d, q.dtype).reshape(-1) for g, d in zip((dq, dk, dv), dims)])
+
+
+fused_attention_bwd = Primitive("fused_attention_bwd", _fused_attention_bwd_rule,
+                                _fused_attention_bwd_impl)
+
+
 # ---- indexing -----------------------------------------------------------------------------
 
 def _gather_rule(operand, indices, *, axis):
@@ -443,6 +604,27 @@ def _scatter_add_impl(operand, indices, updates, *, axis):
 
 
 scatter_add = Primitive("scatter_add", _scatter_add_rule, _scatter_add_impl)
+
+
+# ---- calls ----------------------------------------------------------------------------------
+
+def _tile_call_rule(*avals, graph, name, n_consts, bwd):
+    want = [(a.shape, a.dtype) for a in graph.in_avals]
+    got = [(a.shape, a.dtype) for a in avals]
+    if got != want:
+        raise ShapeError(with_user_line(f"tile_op {name}: operands {[str(a) for a in avals]} do not "
+                                        f"match its body's inputs {[str(a) for a in graph.in_avals]}"))
+    return graph.out_avals[0]
+
+
+def _tile_call_impl(*xs, graph, name, n_consts, bwd):
+    return eval_graph(graph, xs, lambda e, vals: e.prim.impl(*vals, **e.params))[0]
+
+
+# One user-defined operator (tilefuse.tile_op) as a unit: `graph` is its closed body (one output;
+# its first n_consts inputs are the body's captured constants), `bwd` a user VJP or None. The
+# pass pipeline inlines it before fusion (ir/passes/inline.py).
+tile_call = Primitive("tile_op", _tile_call_rule, _tile_call_impl)
 
 
 # ---- effects --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import os
 import struct
 import tempfile
 import threading
+import warnings
 from typing import Callable
 
 MAGIC = b"TFCACHE1"
@@ -59,6 +60,10 @@ def default_dir() -> str | None:
     return d or os.path.join(os.path.expanduser("~"), ".cache", "tilefuse")
 
 
+class CacheWarning(RuntimeWarning):
+    """A cache entry on disk was damaged and is being rebuilt."""
+
+
 class CompileCache:
     """One namespace (e.g. "llvm") of the on-disk cache. `directory=None` keeps nothing on disk."""
 
@@ -96,6 +101,10 @@ class CompileCache:
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key + ".bin")
 
+    def has(self, key: str) -> bool:
+        """Whether an entry exists (not whether it is sound: load checks that)."""
+        return bool(self.dir) and os.path.exists(self.path(key))
+
     def load(self, key: str) -> bytes | None:
         """The payload stored under `key`, or None when absent or not trustworthy."""
         if not self.dir:
@@ -113,6 +122,9 @@ class CompileCache:
                 pass
         if payload is None:
             _count("corrupt")
+            warnings.warn(f"tilefuse: the compile cache entry {self.path(key)} is corrupt (its header, "
+                          "length or checksum does not match); it is ignored and rebuilt",
+                          CacheWarning, stacklevel=2)
             try:
                 os.unlink(self.path(key))
             except OSError:

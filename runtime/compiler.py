@@ -21,7 +21,7 @@ from tilefuse.ir.kernel import copy_kernel, lower_region
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.passes import Dump, partition, run_passes
 
-from . import dispatch
+from . import dispatch, profiler
 from .config import config
 from .planner import Interval, plan_buffers
 
@@ -154,23 +154,38 @@ def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) ->
             out_slots.append(s)
             copies.append((v, s))
 
+    work = []  # (step, region or None, lowered kernels), in launch order
     for step, region in enumerate(regions):
         for o in region.outputs:
             if o.id not in b.slot:
                 b.new_slot("temp", o.aval, o)
-        if region.kind == "host":
-            b.add_host(region, step)
-            continue
-        for lk in lower_region(region):
-            b.add_kernel(lk, step)
+        work.append((step, region, [] if region.kind == "host" else lower_region(region)))
     for v, s in copies:
         dst = Var(v.aval)
         b.slot[dst.id] = s
-        b.add_kernel(copy_kernel(v, dst), len(regions))
+        work.append((len(regions), None, [copy_kernel(v, dst)]))
+    _precompile([lk.kernel for _, _, lks in work for lk in lks], device, backend)
+    for step, region, lks in work:
+        if region is not None and region.kind == "host":
+            b.add_host(region, step)
+        for lk in lks:
+            b.add_kernel(lk, step)
     if dump.dir:
         dump.text("kernels", "\n\n".join(f"{l.name}:\n{l.kernel}" if l.kernel else l.name
                                          for l in b.launches))
     return _program(g, b, const_bufs, out_slots)
+
+
+def _precompile(kernels: list[Kernel], device, backend) -> None:
+    """Build, all at once, the kernels the dispatcher will give to the backend's own renderer:
+    a backend that can build many faster than one by one (one OpenCL program for a graph; LLVM
+    object code in parallel processes) offers `compile_kernels`. add_kernel then finds them built."""
+    batch = getattr(backend, "compile_kernels", None)
+    if batch is None:
+        return
+    mine = [k for k in kernels if dispatch.choose(k, device).build is dispatch.kernel_ir]
+    if len(mine) > 1:
+        batch(mine, device)
 
 
 def _gather(args: tuple):
@@ -200,6 +215,7 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
         template[s] = buf
     outs_spec = [(s, max(_nbytes(b.avals[s]), 1)) for s in out_slots]
     steps = [(fn, _gather(args)) for fn, args, _ in b.steps]
+    launches = b.launches  # launches[i] describes steps[i] (for the profiler)
     arena_bytes = max(plan.arena_bytes, 1)
     alloc, free, view = backend.alloc, backend.free, getattr(backend, "view", None)
 
@@ -215,7 +231,8 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
             for s, nbytes in outs_spec:
                 slots[s] = buf = alloc(nbytes, device)
                 outs.append(buf)
-            for fn, gather in steps:
+            prof = profiler.active  # profiling off: this load is all it costs
+            for fn, gather in steps if prof is None else prof.steps(steps, launches, device):
                 fn(gather(slots))
         except BaseException:
             for o in outs:

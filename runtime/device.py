@@ -103,7 +103,7 @@ def check_nans(graph: Graph, args, outputs) -> None:
 
     if not any(has_nan(o) for o in outputs):
         return
-    inputs_nan = any(has_nan(a) for a in args)
+    nan_inputs = [i for i, a in enumerate(args) if has_nan(a)]
 
     def apply(e: Eqn, xs):
         outs = e.prim.impl(*xs, **e.params)
@@ -116,7 +116,8 @@ def check_nans(graph: Graph, args, outputs) -> None:
     with np.errstate(all="ignore"):
         eval_graph(graph, [np.asarray(a) for a in args], apply)
     raise NaNError("debug_nans: an output holds a NaN" +
-                   (" (an input already held one)" if inputs_nan else ""))
+                   (f" (input leaf {', '.join(map(str, nan_inputs))} of the call already held one)"
+                    if nan_inputs else ""))
 
 
 # ---- the registry ----------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def _apply_primitive(prim, values, params) -> list:
     backend_apply = getattr(dev.backend, "apply_primitive", None)
     if backend_apply is not None:
         bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]
-        outs = backend_apply(prim, params, bufs)
+        outs = backend_apply(prim, params, bufs, dev)
         out_avals = prim.abstract_eval(*avals, **params)
         return [Array(np.asarray(o, a.dtype) if not isinstance(o, np.ndarray) or o.dtype != a.dtype
                       else o, a, dev) for o, a in zip(outs, out_avals)]

@@ -3,8 +3,8 @@
 For each kernel kind (elementwise, reduce, dot_general, ...) and device kind the registry holds
 candidate implementations; the dispatcher picks the applicable one of highest priority and
 compiles the kernel with it. Today every kind has one generic candidate, "kernel_ir" (the
-backend renders the kernel IR); GEMM templates and vendor libraries register beside it, and a
-tuning database will rank them per device and shape.
+backend renders the kernel IR); GEMM templates and vendor libraries register beside it. A
+template's tuned parameters come from the tuning database (runtime/tuner.py).
 
 Host fallbacks (work done in Python on the host rather than by a compiled kernel) are logged
 and counted here: `stats["host_fallbacks"]`."""
@@ -16,10 +16,13 @@ from typing import Callable
 
 from tilefuse.ir.errors import CompileError
 
+from . import tuner
+
 log = logging.getLogger("tilefuse.dispatch")
 
-KERNEL_KINDS = ("elementwise", "reduce", "dot_general", "gather", "scatter_add", "concatenate",
-                "pad", "arg_reduce", "copy")
+KERNEL_KINDS = ("elementwise", "reduce", "dot_general", "fused_gemm", "gather", "scatter_add",
+                "concatenate", "pad", "arg_reduce", "copy")
+TEMPLATE_KINDS = ("fused_attention", "fused_attention_bwd")  # whole primitives, see composite.py
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,11 @@ def choose(kernel, device) -> Implementation:
 
 
 def compile_kernel(kernel, device, backend) -> tuple[Implementation, Callable]:
+    """The chosen implementation and the kernel built with it: with the tuning database's
+    parameters for this kernel, shape and device where it holds some (runtime/tuner.py)."""
     impl = choose(kernel, device)
     stats["compiled"] += 1
-    return impl, impl.build(kernel, device, backend)
+    return impl, tuner.build(impl, kernel, device, backend)
 
 
 def record_fallback(what: str, why: str) -> None:
@@ -72,9 +77,49 @@ def record_fallback(what: str, why: str) -> None:
     log.info("tilefuse: %s runs on the host (%s)", what, why)
 
 
-def _kernel_ir(kernel, device, backend):
+def kernel_ir(kernel, device, backend):
+    """The generic implementation: the backend renders the kernel IR."""
     return backend.compile_kernel(kernel, device)
 
 
 for _kind in KERNEL_KINDS:
-    register(Implementation("kernel_ir", _kind, _kernel_ir))
+    register(Implementation("kernel_ir", _kind, kernel_ir))
+
+
+# Attention: FlashAttention on the CPU (float32), and everywhere the ordinary kernels of its
+# decomposition (runtime/composite.py).
+def _cpu_attention(kernel, device, backend):
+    from tilefuse.backends.llvm.attention import build
+    return build(kernel, device, backend)
+
+
+def _cpu_attention_applies(kernel, device) -> bool:
+    from tilefuse.backends.llvm.attention import applies
+    return applies(kernel, device)
+
+
+def _composite(kernel, device, backend):
+    from . import composite
+    return composite.build(kernel, device, backend)
+
+
+for _kind in TEMPLATE_KINDS:
+    register(Implementation("flash_attention", _kind, _cpu_attention, ("cpu",),
+                            _cpu_attention_applies, priority=10))
+    register(Implementation("composite", _kind, _composite))
+
+
+# fused_gemm where the device's GEMM takes no epilogue: the GEMM, then the epilogue kernel
+# (runtime/gemm_split.py). The CPU's candidates register in backends/llvm/gemm.py.
+def _gemm_split(kernel, device, backend):
+    from . import gemm_split
+    return gemm_split.build(kernel, device, backend)
+
+
+def _gemm_split_applies(kernel, device) -> bool:
+    from . import gemm_split
+    return gemm_split.applies(kernel, device)
+
+
+register(Implementation("gemm_then_epilogue", "fused_gemm", _gemm_split, ("opencl", "cuda"),
+                        _gemm_split_applies, priority=10))

@@ -135,6 +135,11 @@ class PoolAllocator:
         with self._lock:
             self._release_cached()
 
+    def reset_peak(self) -> None:
+        """Track peaks afresh from what is in use now (to measure one computation's own peak)."""
+        with self._lock:
+            self._s["peak_bytes_in_use"] = self._s["bytes_in_use"]
+
     def stats(self) -> dict:
         with self._lock:
             out = dict(self._s)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import tilefuse as tx
+# one tolerance table and comparison for the tests and `python -m tilefuse.validate`
+from tilefuse.validate.compare import assert_close, tolerance  # noqa: F401
 
 ALL_KINDS = ("ref", "cpu", "opencl", "cuda")
 
@@ -51,41 +53,12 @@ def rng():
     return np.random.default_rng(0)
 
 
-def tolerance(dtype):
-    """(rtol, atol) for comparing a backend with the numpy reference in this dtype."""
-    d = np.dtype(dtype)
-    if d == np.float64:
-        return 1e-10, 1e-12
-    if d.name == "bfloat16":
-        return 2e-2, 2e-2
-    if d == np.float16:
-        return 5e-3, 5e-3
-    if d == np.float32:
-        return 2e-5, 1e-6
-    return 0, 0
-
-
-def assert_close(actual, expected, dtype=None, rtol=None, atol=None):
-    actual = np.asarray(actual)
-    expected = np.asarray(expected)
-    d = np.dtype(dtype) if dtype is not None else actual.dtype
-    r, a = tolerance(d)
-    rtol = r if rtol is None else rtol
-    atol = a if atol is None else atol
-    assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
-    if d.kind in "biu" or d == np.bool_:
-        np.testing.assert_array_equal(actual, expected)
-    else:
-        np.testing.assert_allclose(actual.astype(np.float64), expected.astype(np.float64),
-                                   rtol=rtol, atol=atol, equal_nan=True)
-
-
 # PoCL builds every new OpenCL program in about 0.5 s cold, so the large table tests (thousands
 # of distinct kernels) would take most of CI's time on `opencl` alone. `make test` runs every
 # test on ref and cpu and a deterministic 1-in-N sample of the table tests on opencl (every
 # other test runs in full there); TILEFUSE_OPENCL_SAMPLE=1 runs them all (`make test-full`).
 TABLE_FILES = ("test_primitives.py", "test_numpy.py", "test_vmap.py", "test_rules.py",
-               "test_lowering.py")
+               "test_lowering.py", "test_validate.py")
 
 
 def pytest_collection_modifyitems(config, items):

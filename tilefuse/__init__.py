@@ -13,6 +13,8 @@ from tilefuse.runtime import device as _device
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.config import config
 from tilefuse.runtime.device import default_device, device_put, devices, get_device
+from tilefuse.runtime.profiler import profile
+from tilefuse.runtime.tuner import tune
 from tilefuse.tracer import core as _core
 from tilefuse.tracer import jit as _jit
 from tilefuse.tracer.pytree import (register_dataclass, register_pytree_node, tree_flatten,
@@ -30,6 +32,7 @@ from tilefuse.autodiff import (check_grads, custom_vjp, grad, hessian, jacfwd, j
                                jvp, stop_gradient, value_and_grad, vjp)
 from tilefuse.tracer.jit import jit  # noqa: E402
 from tilefuse.tracer.vmap import vmap  # noqa: E402
+from tilefuse.tile_op import Tensor, TileOp, tile_op  # noqa: E402
 
 float16, bfloat16, float32, float64 = _dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64
 int32, int64, uint32, bool_ = _dtypes.int32, _dtypes.int64, _dtypes.uint32, _dtypes.bool_

@@ -13,13 +13,15 @@ import numpy as np
 
 import tilefuse.numpy as tnp
 from tilefuse import random
+from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import ShapeError, TilefuseError, with_user_line
+from tilefuse.tracer.core import bind1
 
 __all__ = ["normal", "uniform", "glorot_uniform", "xavier_uniform", "glorot_normal", "zeros",
            "ones", "init_linear", "init_embedding", "init_layer_norm", "init_rms_norm",
            "linear", "embedding", "layer_norm", "rms_norm", "relu", "gelu", "silu", "swish",
            "sigmoid", "tanh", "softmax", "log_softmax", "logsumexp", "one_hot", "dropout",
-           "dot_product_attention", "causal_mask", "cross_entropy"]
+           "dot_product_attention", "causal_mask", "cross_entropy", "conv2d"]
 
 
 # ---- initialisers: factories of init(key, shape, dtype), as jax.nn.initializers ------------
@@ -229,6 +231,87 @@ def cross_entropy(logits, labels, reduction: str = "mean"):
                                        f"got {reduction!r}"))
 
 
+# ---- convolution -------------------------------------------------------------------------------
+
+def _conv_pair(v, name: str) -> tuple[int, int]:
+    pair = (v, v) if isinstance(v, (int, np.integer)) else tuple(v)
+    if len(pair) != 2 or not all(isinstance(p, (int, np.integer)) and p >= 1 for p in pair):
+        raise TilefuseError(with_user_line(f"conv2d: {name} must be a positive int or a pair of "
+                                           f"them, got {v!r}"))
+    return int(pair[0]), int(pair[1])
+
+
+def _conv_padding(padding, size, kernel, stride, dilation) -> tuple:
+    """((top, bottom), (left, right)) from an int, a pair, a pair of pairs, 'SAME' or 'VALID'.
+    'SAME' gives ceil(size / stride) outputs, the odd pixel of padding going after (as JAX)."""
+    if isinstance(padding, str) and padding.upper() in ("SAME", "VALID"):
+        if padding.upper() == "VALID":
+            return (0, 0), (0, 0)
+        pads = []
+        for n, k, s, d in zip(size, kernel, stride, dilation):
+            total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            pads.append((total // 2, total - total // 2))
+        return tuple(pads)
+    if isinstance(padding, (int, np.integer)):
+        pads = ((padding, padding),) * 2
+    else:
+        pads = tuple((p, p) if isinstance(p, (int, np.integer)) else tuple(p) for p in padding)
+    if len(pads) != 2 or any(len(p) != 2 or not all(isinstance(q, (int, np.integer)) and q >= 0
+                                                     for q in p) for p in pads):
+        raise TilefuseError(with_user_line(
+            f"conv2d: padding must be 'SAME', 'VALID', an int >= 0, a pair of them or a pair of "
+            f"(before, after) pairs, got {padding!r}"))
+    return tuple((int(lo), int(hi)) for lo, hi in pads)
+
+
+def conv2d(x, w, stride=1, padding=0, dilation=1, groups: int = 1):
+    """2-D convolution (cross-correlation, as in every framework) of x (N, C, H, W) with weights
+    w (O, C / groups, KH, KW): (N, O, OH, OW). stride and dilation are ints or (h, w) pairs;
+    padding is an int, an (h, w) pair, ((top, bottom), (left, right)), 'SAME' or 'VALID'.
+
+    An implicit GEMM built from primitives, so grad, jvp and vmap come with them and every backend
+    runs it: im2col is a pad and one strided slice per kernel tap, concatenated into (groups,
+    KH*KW*C/groups, N*OH*OW) (the concatenate's kernels read the windows in place, so the patch
+    matrix is written once), and a batched matmul (groups as its batch axis) with the weights is
+    the GEMM, which the GEMM template (or the vendor BLAS) takes on the CPU."""
+    dtype = tnp.result_type(x, w)
+    x, w = tnp.astype(tnp.asarray(x), dtype), tnp.astype(tnp.asarray(w), dtype)
+    shapes = f"x {tnp.shape(x)}, w {tnp.shape(w)}"
+    if tnp.ndim(x) != 4 or tnp.ndim(w) != 4:
+        raise ShapeError(with_user_line(f"conv2d: x must be (N, C, H, W) and w (O, C/groups, KH, KW), "
+                                        f"got {shapes}"))
+    n, c, h, wd = tnp.shape(x)
+    o, cg, kh, kw = tnp.shape(w)
+    if not isinstance(groups, (int, np.integer)) or groups < 1 or c % groups or o % groups:
+        raise ShapeError(with_user_line(f"conv2d: groups={groups!r} must be a positive int dividing "
+                                        f"the input channels {c} and the output channels {o} ({shapes})"))
+    if cg * groups != c:
+        raise ShapeError(with_user_line(f"conv2d: w has {cg} input channels, but x's {c} channels in "
+                                        f"{groups} group(s) need {c // groups} ({shapes})"))
+    (sh, sw), (dh, dw) = _conv_pair(stride, "stride"), _conv_pair(dilation, "dilation")
+    pads = _conv_padding(padding, (h, wd), (kh, kw), (sh, sw), (dh, dw))
+    hp, wp = h + sum(pads[0]), wd + sum(pads[1])
+    eh, ew = (kh - 1) * dh + 1, (kw - 1) * dw + 1  # the dilated kernel's extent
+    if eh > hp or ew > wp or kh * kw == 0:
+        raise ShapeError(with_user_line(
+            f"conv2d: the kernel ({kh}, {kw}) spans ({eh}, {ew}) with dilation ({dh}, {dw}), more "
+            f"than the padded input ({hp}, {wp}) ({shapes}, padding {pads})"))
+    oh, ow = (hp - eh) // sh + 1, (wp - ew) // sw + 1
+    g, og = groups, o // groups
+    if any(p for pair in pads for p in pair):
+        x = tnp.pad(x, ((0, 0), (0, 0)) + pads)
+    # one window per kernel tap, each a (groups, C/groups, N*OH*OW) block of the patch matrix
+    taps = [tnp.reshape(tnp.transpose(x[:, :, i * dh:i * dh + (oh - 1) * sh + 1:sh,
+                                          j * dw:j * dw + (ow - 1) * sw + 1:sw], (1, 0, 2, 3)),
+                        (g, cg, n * oh * ow))
+            for i in range(kh) for j in range(kw)]
+    patches = tnp.concatenate(taps, axis=1)  # rows ordered (tap, channel)
+    wm = tnp.reshape(tnp.transpose(tnp.reshape(w, (g, og, cg, kh * kw)), (0, 1, 3, 2)),
+                     (g, og, kh * kw * cg))
+    y = tnp.reshape(tnp.matmul(wm, patches), (g, og, n, oh, ow))
+    return tnp.reshape(tnp.transpose(y, (2, 0, 1, 3, 4)), (n, o, oh, ow))
+
+
 # ---- regularisation and attention --------------------------------------------------------------
 
 def dropout(key, x, rate: float, deterministic: bool = False):
@@ -250,12 +333,14 @@ def causal_mask(q_len: int, k_len: int | None = None):
 
 
 def dot_product_attention(q, k, v, mask=None, causal: bool = False, scale: float | None = None):
-    """softmax(q kᵀ * scale, masked) v, per head.
+    """softmax(q kᵀ * scale, masked) v, per head, as one fused_attention (FlashAttention on the
+    CPU: the Tq x Tk scores are never stored).
 
-    q: (..., Tq, H, D); k and v: (..., Tk, H, D) (JAX's layout: sequence, heads, head dim);
-    returns (..., Tq, H, D). mask: bool, broadcastable to (..., H, Tq, Tk), True = attend.
-    causal: query i attends to keys j <= i. scale defaults to 1/sqrt(D). A query with no key
-    left to attend to gets zeros, never NaN."""
+    Layout (JAX's): q is (..., Tq, H, D), k is (..., Tk, H, D), v is (..., Tk, H, Dv); returns
+    (..., Tq, H, Dv). mask: bool, broadcastable to (..., H, Tq, Tk), True = attend (a float mask
+    is an additive bias instead, -inf masking out). causal: query i attends to keys
+    j <= i + Tk - Tq. scale defaults to 1/sqrt(D). A query with no key left to attend to gets
+    zeros, never NaN."""
     q, k, v = tnp.asarray(q), tnp.asarray(k), tnp.asarray(v)
     if tnp.ndim(q) < 3 or tnp.ndim(k) != tnp.ndim(q) or tnp.ndim(v) != tnp.ndim(q):
         raise ShapeError(with_user_line(
@@ -263,22 +348,39 @@ def dot_product_attention(q, k, v, mask=None, causal: bool = False, scale: float
             f"{tnp.shape(q)}, {tnp.shape(k)}, {tnp.shape(v)}"))
     *batch, tq, h, d = tnp.shape(q)
     tk = tnp.shape(k)[-3]
-    if tnp.shape(k)[:-3] != tuple(batch) or tnp.shape(k)[-2:] != (h, d) or tnp.shape(v) != tnp.shape(k):
+    if tnp.shape(k)[:-3] != tuple(batch) or tnp.shape(k)[-2:] != (h, d) or \
+            tnp.shape(v)[:-1] != tnp.shape(k)[:-1]:
         raise ShapeError(with_user_line(
             f"dot_product_attention: k and v must be (..., Tk, {h}, {d}) with q's batch {tuple(batch)}, "
             f"got k {tnp.shape(k)}, v {tnp.shape(v)} (q {tnp.shape(q)})"))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     nb = math.prod(batch)
     qb, kb, vb = (tnp.reshape(a, (nb,) + tnp.shape(a)[-3:]) for a in (q, k, v))
-    s = tnp.einsum("bqhd,bkhd->bhqk", qb, kb) * scale
-    s = tnp.reshape(s, tuple(batch) + (h, tq, tk))
-    keep = None
-    if mask is not None:
-        keep = tnp.astype(mask, tnp.bool_)
-    if causal:
-        c = causal_mask(tq, tk)
-        keep = c if keep is None else tnp.logical_and(keep, c)
-    w = softmax(s, axis=-1, where=keep)
-    w = tnp.reshape(tnp.broadcast_to(w, tuple(batch) + (h, tq, tk)), (nb, h, tq, tk))
-    out = tnp.einsum("bhqk,bkhd->bqhd", w, vb)
-    return tnp.reshape(out, tuple(batch) + (tq, h, d))
+    bias = () if mask is None else (_attention_bias(mask, tuple(batch), h, tq, tk, tnp.result_type(q)),)
+    layout = (0, 2, 1, 3)  # (batch, heads) are the batch axes, then sequence, then features
+    out = bind1(P.fused_attention, qb, kb, vb, *bias, scale=scale, causal=bool(causal),
+                dims=(layout, layout, layout))
+    return tnp.reshape(out, tuple(batch) + (tq, h, tnp.shape(v)[-1]))
+
+
+def _attention_bias(mask, batch: tuple, h: int, tq: int, tk: int, dtype):
+    """A mask broadcastable to (*batch, H, Tq, Tk) as fused_attention's additive bias of shape
+    (prod(batch) or 1, H or 1, Tq or 1, Tk or 1)."""
+    mask = tnp.asarray(mask)
+    want = batch + (h, tq, tk)
+    shape = tnp.shape(mask)
+    if len(shape) > len(want) or any(m not in (1, w) for m, w in zip(shape[::-1], want[::-1])):
+        raise ShapeError(with_user_line(
+            f"dot_product_attention: the mask of shape {shape} does not broadcast to the scores' "
+            f"shape {want} (..., heads, Tq, Tk)"))
+    shape = (1,) * (len(want) - len(shape)) + shape
+    mask = tnp.reshape(mask, shape)
+    if any(n != 1 for n in shape[:len(batch)]):
+        mask = tnp.broadcast_to(mask, batch + shape[len(batch):])
+        lead = math.prod(batch)
+    else:
+        lead = 1
+    mask = tnp.reshape(mask, (lead,) + shape[len(batch):])
+    if tnp.result_type(mask) == tnp.bool_:
+        mask = tnp.where(mask, 0.0, -np.inf)
+    return tnp.astype(mask, dtype)

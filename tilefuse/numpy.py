@@ -12,7 +12,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes as _dt
 from tilefuse.ir import primitives as P
-from tilefuse.ir.errors import ConcretizationError, ShapeError, TilefuseError, with_user_line
+from tilefuse.ir.errors import ConcretizationError, DTypeError, ShapeError, TilefuseError, with_user_line
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.device import default_device
 from tilefuse.tracer.core import Tracer, bind1, concrete_or_none, get_aval
@@ -1141,6 +1141,10 @@ def asarray(x, dtype=None):
             raise TilefuseError(with_user_line("cannot make an array of Python objects"))
         if dtype is None:
             dtype = {"f": float32, "i": int32, "u": int32, "b": bool_}.get(arr.dtype.kind, arr.dtype)
+            if arr.dtype.kind in "iu" and arr.size and not (-2**31 <= arr.min() and arr.max() < 2**31):
+                raise DTypeError(with_user_line(
+                    f"a Python int in the list does not fit int32 (max {arr.max()}, min {arr.min()}): "
+                    "pass an int64 array, or dtype=tnp.int64"))
     elif _is_python_scalar(x):
         arr = np.asarray(x, _dt.python_scalar_dtype(x))
     else:

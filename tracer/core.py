@@ -3,6 +3,7 @@ vmap) plugs into, in the manner of JAX's core (see Autodidax)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -19,30 +20,34 @@ class MainTrace(NamedTuple):
     global_data: Any
 
 
-trace_stack: list[MainTrace] = []
-dynamic_trace: MainTrace | None = None
+class _TraceState(threading.local):
+    """The interpreter stack, one per thread: threads tracing at once (a jitted function called
+    from several threads) must not see each other's traces."""
+
+    def __init__(self):
+        self.stack: list[MainTrace] = [MainTrace(0, EvalTrace, None)]
+        self.dynamic: MainTrace | None = None
 
 
 @contextlib.contextmanager
 def new_main(trace_type: type, global_data=None):
-    level = len(trace_stack)
-    main = MainTrace(level, trace_type, global_data)
-    trace_stack.append(main)
+    stack = _state.stack
+    main = MainTrace(len(stack), trace_type, global_data)
+    stack.append(main)
     try:
         yield main
     finally:
-        trace_stack.pop()
+        stack.pop()
 
 
 @contextlib.contextmanager
 def new_dynamic(main: MainTrace):
     """Make `main` catch every primitive bound, even on constants (jit's omnistaging)."""
-    global dynamic_trace
-    prev, dynamic_trace = dynamic_trace, main
+    prev, _state.dynamic = _state.dynamic, main
     try:
         yield
     finally:
-        dynamic_trace = prev
+        _state.dynamic = prev
 
 
 class Trace:
@@ -153,22 +158,26 @@ class EvalTrace(Trace):
         return _eager_apply(prim, values, params)
 
 
-trace_stack.append(MainTrace(0, EvalTrace, None))
+_state = _TraceState()  # after EvalTrace: each thread's stack starts with it
+
+
 
 
 # ---- binding -------------------------------------------------------------------------------
 
 def find_top_trace(xs) -> Trace:
-    top = max((x._trace.main for x in xs if isinstance(x, Tracer)), default=trace_stack[0],
+    top = max((x._trace.main for x in xs if isinstance(x, Tracer)), default=_state.stack[0],
               key=lambda m: m.level)
-    if dynamic_trace is not None and dynamic_trace.level > top.level:
-        top = dynamic_trace
+    dynamic = _state.dynamic
+    if dynamic is not None and dynamic.level > top.level:
+        top = dynamic
     return top.trace_type(top)
 
 
 def _check_alive(x: Tracer):
     m = x._trace.main
-    if m.level >= len(trace_stack) or trace_stack[m.level] is not m:
+    stack = _state.stack
+    if m.level >= len(stack) or stack[m.level] is not m:
         raise TracerLeakError(with_user_line(
             f"a traced array {x.aval} escaped the transformation that created it "
             f"({m.trace_type.__name__}) and was used after it finished. Return it from the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -126,6 +127,8 @@ class JitFunction:
         self._trace_keys: list = []  # keys traced so far, for explain_retrace
         self.trace_count = 0
         self._track_code = True
+        # threads that miss the cache at once: one traces and compiles, the others wait and hit
+        self._lock = threading.RLock()
 
     def __repr__(self):
         return f"<jit {getattr(self.fun, '__qualname__', self.fun)}>"
@@ -191,7 +194,8 @@ class JitFunction:
         key = (in_tree, avals, static, device, hooks.config.cache_key())
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._compile(key, static, avals, in_tree, device)
+            with self._lock:
+                entry = self._cache.get(key) or self._compile(key, static, avals, in_tree, device)
             if entry is None:  # it closes over tracers: no staging possible
                 return self.fun(*args, **kwargs)
         if fast_key is not None:
@@ -259,8 +263,12 @@ class JitFunction:
     def _graph(self, static, avals, in_tree, trace_key):
         gkey = (in_tree, avals, static)
         hit = self._graphs.get(gkey)
-        if hit is not None:
-            return hit
+        if hit is None:
+            with self._lock:
+                hit = self._graphs.get(gkey) or self._trace(gkey, static, avals, in_tree, trace_key)
+        return hit
+
+    def _trace(self, gkey, static, avals, in_tree, trace_key):
         code = getattr(self.fun, "__code__", None)
         seen_before = self.trace_count == 0 and code is not None and code in _seen_code
         if hooks.config is not None and hooks.config.explain_retrace:

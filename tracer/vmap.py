@@ -286,6 +286,32 @@ def _debug_print_rule(vals, dims, *, fmt, names):
     return [], []
 
 
+def _attention_rule(prim, vals, bdims, *, scale, causal, dims):
+    """The mapped axis becomes one more batch axis (the first) of every operand; a bias that is
+    not batched gets a size-1 axis there. fused_attention_bwd's out and dout are laid out like q;
+    its packed result is repacked per example."""
+    n = _axis_size(vals, bdims)
+    has_bias = len(vals) in (4, 6)
+    xs = []
+    for i, (x, d) in enumerate(zip(vals, bdims)):
+        if i == 3 and has_bias and d is None:
+            xs.append(bind1(P.reshape, x, new_sizes=(1,) + _shape(x)))
+        else:
+            xs.append(bdim_at(x, d, n, 0))
+    layouts = tuple((0,) + tuple(a + 1 for a in d) for d in dims)
+    out = bind1(prim, *xs, scale=scale, causal=causal, dims=layouts)
+    if prim is P.fused_attention_bwd:  # packed (dq, dk, dv) of the batch -> one packing per example
+        parts, start = [], 0
+        for x in xs[:3]:
+            size = int(np.prod(_shape(x)))
+            part = bind1(P.slice_, out, start_indices=(start,), limit_indices=(start + size,),
+                         strides=(1,))
+            parts.append(bind1(P.reshape, part, new_sizes=(n, size // n)))
+            start += size
+        out = bind1(P.concatenate, *parts, dimension=1)
+    return [out], [0]
+
+
 batch_rules.update({
     P.iota: _iota_rule,
     P.broadcast_in_dim: _broadcast_in_dim_rule,
@@ -304,6 +330,8 @@ for _p in (P.reduce_sum, P.reduce_max, P.reduce_min, P.reduce_prod):
     batch_rules[_p] = functools.partial(_reduce_rule, _p)
 for _p in (P.argmax, P.argmin):
     batch_rules[_p] = functools.partial(_arg_rule, _p)
+for _p in (P.fused_attention, P.fused_attention_bwd):
+    batch_rules[_p] = functools.partial(_attention_rule, _p)
 
 
 # ---- the transformation --------------------------------------------------------------------

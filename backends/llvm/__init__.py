@@ -9,7 +9,9 @@ from tilefuse.runtime.hardware import host_info
 from tilefuse.runtime.memory import PoolAllocator
 
 from ..base import Backend
-from .compile import CompiledKernel, compile_kernel, memory_cache_stats
+from . import gemm  # noqa: F401  (registers the GEMM candidates: the template and numpy's BLAS)
+from .compile import CompiledKernel, compile_kernel, compile_kernels, memory_cache_stats
+from . import tuning  # noqa: F401  (registers the CPU templates with the auto-tuner)
 
 ALIGN = 64
 
@@ -61,8 +63,13 @@ class LLVMBackend(Backend):
         return getattr(device, "info", None) or host_info()
 
     # -- kernels ---------------------------------------------------------------------------
-    def compile_kernel(self, kernel, device=None) -> CompiledKernel:
-        return compile_kernel(kernel, self._info(device))
+    def compile_kernel(self, kernel, device=None, params=None) -> CompiledKernel:
+        """One kernel with KernelParams `params` (default: compile.default_params)."""
+        return compile_kernel(kernel, self._info(device), params)
+
+    def compile_kernels(self, kernels, device=None) -> None:
+        """A graph's kernels, built in parallel processes where no cache holds them."""
+        compile_kernels(kernels, self._info(device))
 
     def compile(self, graph, device):
         try:

@@ -26,7 +26,8 @@ from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.runtime import compile_cache
 from tilefuse.runtime.hardware import DeviceInfo
 
-from .render import render
+from . import parallel
+from .render import INTERLEAVE, REDUCE_TILE, Renderer, render
 
 BACKEND_VERSION = "llvm-1"
 OPT_LEVEL = 3
@@ -41,6 +42,34 @@ NS_PER_OP = 0.05
 OP_COST = {"exp": 12, "log": 12, "log1p": 14, "expm1": 14, "tanh": 14, "logistic": 10, "erf": 16,
            "sin": 14, "cos": 14, "pow": 40, "div": 4, "rem": 8, "sqrt": 4, "rsqrt": 5}
 CHUNK_ALIGN = 64  # chunk boundaries on multiples of 64 points: whole cache lines per thread
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+    """The tunable knobs of a generated CPU kernel. `default_params` derives them from the kernel
+    and DeviceInfo; the auto-tuner (runtime/tuner.py) searches others."""
+    threads: int = 1  # threads the index space is split over (1: the calling thread alone)
+    chunks_per_thread: int = 4  # more chunks balance better on a busy machine, cost more wake-ups
+    vector_bits: int = 256  # the SIMD width LLVM vectorises for
+    interleave: int = INTERLEAVE  # copies of the vectorised point loop in flight
+    reduce_tile: int = REDUCE_TILE  # parallel points per tile of an interchanged reduction
+
+    def code_key(self) -> str:
+        """The part of the parameters that changes the machine code (threads do not)."""
+        return f"v{self.vector_bits}i{self.interleave}t{self.reduce_tile}"
+
+
+def default_params(kernel: Kernel, info: DeviceInfo) -> KernelParams:
+    """Threads when the estimated work pays for waking them (PARALLEL_MIN_NS), the native SIMD width."""
+    est = estimate_ns(kernel)
+    serial = kernel.serial or est < PARALLEL_MIN_NS or kernel.size < 2
+    return KernelParams(threads=1 if serial else info.compute_units, chunks_per_thread=1 if serial else 4,
+                        vector_bits=32 * info.simd_lanes_f32)
+
+
+def interchanges(kernel: Kernel) -> bool:
+    """Whether the renderer tiles this kernel's reduction (so that reduce_tile matters)."""
+    return bool(kernel.reduce_shape) and Renderer(kernel, "k").interchange
 
 
 def _source_digest() -> str:
@@ -199,8 +228,8 @@ class CompiledKernel:
     """A kernel's machine code: `ck(buffers)` runs it to completion on numpy buffers given in the
     order of kernel.buffers (any dtype, C-contiguous; the kernel reads them as flat arrays)."""
 
-    def __init__(self, kernel: Kernel, fn_name: str, address: int, target: Target, threads: int):
-        self.kernel, self.name, self.address = kernel, fn_name, address
+    def __init__(self, kernel: Kernel, fn_name: str, address: int, target: Target, params: KernelParams):
+        self.kernel, self.name, self.address, self.params = kernel, fn_name, address, params
         self._fn = KernelFn(address)
         self._target = target
         self._size = kernel.size
@@ -208,14 +237,16 @@ class CompiledKernel:
         self._views = [ctypes.c_char * max(n, 1) for n in self._nbytes]
         self._ptrs_t = ctypes.c_void_p * len(self._nbytes)
         self.est_ns = estimate_ns(kernel)
-        self.threads = 1 if kernel.serial or self.est_ns < PARALLEL_MIN_NS or self._size < 2 else threads
-        self._bounds = _chunks(self._size, self.threads, self.est_ns) if self.threads > 1 else None
-        self._pool = get_pool(threads) if self.threads > 1 else None
+        self.threads = 1 if kernel.serial or self._size < 2 else params.threads
+        self._bounds = _chunks(self._size, self.threads, self.est_ns, params.chunks_per_thread) \
+            if self.threads > 1 else None
+        self._pool = get_pool(self.threads) if self.threads > 1 else None
 
     @property
     def llvm_ir(self) -> str:
         """The unoptimised LLVM IR (rendered again on demand)."""
-        return render(self.kernel, self.name, self._target.vector_bits)
+        p = self.params
+        return render(self.kernel, self.name, p.vector_bits, p.interleave, p.reduce_tile)
 
     def __call__(self, buffers) -> None:
         if len(buffers) != len(self._nbytes):
@@ -259,10 +290,10 @@ def estimate_ns(kernel: Kernel) -> float:
     return work * units * NS_PER_OP
 
 
-def _chunks(size: int, threads: int, est_ns: float) -> list:
-    """Up to 4 chunks per thread (balance on a busy machine), each worth ≥ PARALLEL_MIN_NS / 4,
-    aligned to CHUNK_ALIGN points."""
-    n = max(1, min(threads * 4, int(est_ns // (PARALLEL_MIN_NS / 4))))
+def _chunks(size: int, threads: int, est_ns: float, per_thread: int = 4) -> list:
+    """Up to `per_thread` chunks per thread (balance on a busy machine), each worth ≥
+    PARALLEL_MIN_NS / 4 but at least one per thread, aligned to CHUNK_ALIGN points."""
+    n = max(1, min(threads * per_thread, max(threads, int(est_ns // (PARALLEL_MIN_NS / 4)))))
     step = -(-size // n)
     if step > CHUNK_ALIGN:
         step = -(-step // CHUNK_ALIGN) * CHUNK_ALIGN
@@ -275,12 +306,43 @@ _memory: dict = {}  # canonical key → (fn_name, address)
 _counts = {"memory_hits": 0}
 
 
-def compile_kernel(kernel: Kernel, info: DeviceInfo) -> CompiledKernel:
-    """Compile (or fetch from the caches) one kernel for the host CPU."""
+def render_ir(kernel: Kernel, fn_name: str, params: KernelParams) -> str:
+    """The kernel's LLVM IR; a kernel the renderer cannot handle is a CompileError."""
+    try:
+        return render(kernel, fn_name, params.vector_bits, params.interleave, params.reduce_tile)
+    except (KeyError, AssertionError, ValueError, TypeError) as e:
+        raise CompileError(f"the llvm backend cannot render kernel {kernel.name}: "
+                           f"{type(e).__name__}: {e}", backend="llvm", kernel=str(kernel)) from e
+
+
+def cache_key(kernel: Kernel, params: KernelParams, target: Target) -> tuple[str, str]:
+    """(cache key, symbol name) of a kernel's object code: equal code, one entry."""
+    key = compile_cache.make_key(f"{canonical(kernel)}\n{params.code_key()}", target.fingerprint)
+    return key, "tf_" + key[:24]
+
+
+def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
+    """Build, in parallel worker processes, the object code of those of `kernels` (with their
+    default parameters) that neither cache holds; compile_kernel then finds it."""
     target = get_target(info)
-    text = str(canonical(kernel))
-    key = compile_cache.make_key(text, target.fingerprint)
-    fn_name = "tf_" + key[:24]
+    todo = {}
+    for k in kernels:
+        if not k.size:
+            continue
+        params = default_params(k, info)
+        key, fn_name = cache_key(k, params, target)
+        if key not in _memory and key not in todo and not target.cache.has(key):
+            todo[key] = (k, fn_name, params)
+    parallel.build_objects(todo, lambda k, fn_name, params: target.compile_ir(
+        render_ir(k, fn_name, params), fn_name, str(k)))
+
+
+def compile_kernel(kernel: Kernel, info: DeviceInfo, params: KernelParams | None = None) -> CompiledKernel:
+    """Compile (or fetch from the caches) one kernel for the host CPU, with `params` (default:
+    default_params)."""
+    target = get_target(info)
+    params = params or default_params(kernel, info)
+    key, fn_name = cache_key(kernel, params, target)
     hit = _memory.get(key)
     if hit is None:
         with target.lock:
@@ -290,19 +352,17 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo) -> CompiledKernel:
 
                 def build() -> bytes:
                     nonlocal ir_text
-                    try:
-                        ir_text = render(kernel, fn_name, target.vector_bits)
-                    except (KeyError, AssertionError, ValueError, TypeError) as e:
-                        raise CompileError(f"the llvm backend cannot render kernel {kernel.name}: "
-                                           f"{type(e).__name__}: {e}", backend="llvm",
-                                           kernel=str(kernel)) from e
-                    return target.compile_ir(ir_text, fn_name, str(kernel))
+                    obj = parallel.take(key)  # built with the rest of its graph
+                    if obj is None:
+                        ir_text = render_ir(kernel, fn_name, params)
+                        obj = target.compile_ir(ir_text, fn_name, str(kernel))
+                    return obj
                 obj = target.cache.get_or_build(key, build) if kernel.size else b""
                 address = target.load(obj, fn_name, ir_text, str(kernel)) if kernel.size else 0
                 hit = _memory[key] = (fn_name, address)
     else:
         _counts["memory_hits"] += 1
-    return CompiledKernel(kernel, hit[0], hit[1], target, info.compute_units)
+    return CompiledKernel(kernel, hit[0], hit[1], target, params)
 
 
 def memory_cache_stats() -> dict:
@@ -310,4 +370,5 @@ def memory_cache_stats() -> dict:
     return {"kernels": len(_memory), **_counts}
 
 
-__all__ = ["compile_kernel", "CompiledKernel", "Target", "get_target", "canonical"]
+__all__ = ["compile_kernel", "CompiledKernel", "KernelParams", "default_params", "Target", "get_target",
+           "canonical"]

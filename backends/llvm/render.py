@@ -134,8 +134,9 @@ def merge_axes(shape, kind: str, forms) -> Groups:
 class Renderer:
     """Renders one Kernel into an llvmlite module holding one function."""
 
-    def __init__(self, kernel: Kernel, fn_name: str, reduce_tile: int = REDUCE_TILE):
-        self.k, self.fn_name, self.tile = kernel, fn_name, reduce_tile
+    def __init__(self, kernel: Kernel, fn_name: str, reduce_tile: int = REDUCE_TILE,
+                 interleave: int = INTERLEAVE):
+        self.k, self.fn_name, self.tile, self.interleave = kernel, fn_name, reduce_tile, interleave
         roots = [e for st in kernel.stores for e in (st.offset, st.value)]
         self.nodes = {n for r in roots for n in r.toposort()}
         self.reduces = [n for r in roots for n in r.toposort() if n.op == "reduce"]
@@ -268,7 +269,7 @@ class Renderer:
             if self.interchange:
                 self._tiled(lo, hi)
             else:
-                self._loop(lo, hi, "i", self._point_at, interleave=INTERLEAVE)
+                self._loop(lo, hi, "i", self._point_at, interleave=self.interleave)
         self._loop(row_lo, row_hi, "row", row)
 
     def _smax(self, a, bb):
@@ -738,9 +739,10 @@ UNARY_OPS = {
 }
 
 
-def render(kernel: Kernel, fn_name: str, vector_bits: int = 256) -> str:
+def render(kernel: Kernel, fn_name: str, vector_bits: int = 256, interleave: int = INTERLEAVE,
+           reduce_tile: int = REDUCE_TILE) -> str:
     """The LLVM IR text of one kernel (function `fn_name`), tuned for `vector_bits` SIMD."""
-    text = str(Renderer(kernel, fn_name).render())
+    text = str(Renderer(kernel, fn_name, reduce_tile, interleave).render())
     # llvmlite has no string attributes: add the vector width to the definition line
     head = f'define void @"{fn_name}"'
     i = text.index(head)

@@ -4,6 +4,7 @@ OpenCL device of every platform). On CPU devices (PoCL) buffers are allocated in
 memory and read back by mapping, so reading a result copies nothing."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -24,6 +25,9 @@ INSTALL_HINT = ("install an OpenCL driver (ICD): on Debian/Ubuntu `apt-get insta
 
 
 def _import_cl():
+    # pyopencl's own disk caches (generated invokers; binaries for ICDs that cache nothing) hold
+    # pickles, and tilefuse unpickles nothing from disk: off, unless the user set the variable
+    os.environ.setdefault("PYOPENCL_NO_CACHE", "1")
     try:
         import pyopencl as cl
     except ImportError as e:  # the wheel bundles the ICD loader; a failure means no pyopencl
@@ -306,18 +310,20 @@ class OpenCLBackend(Backend):
         return self._state(device).last_event
 
 
-def launch_dims(r: Rendered, info: DeviceInfo) -> tuple[tuple, tuple]:
+def launch_dims(r: Rendered, info: DeviceInfo, local: int | None = None) -> tuple[tuple, tuple]:
     """Global and local sizes: one work unit per work-item, the global size rounded up to whole
     work-groups of 256 (capped at a million work-groups, beyond which the grid-stride loop gives
     a work-item several units). On CPU devices a work-group runs on one core, so kernels of few
-    units get smaller work-groups, at least four per compute unit."""
+    units get smaller work-groups, at least four per compute unit. `local` (the auto-tuner's)
+    replaces the work-group size of kernels that run with any."""
     if r.local:  # a work-group per point
         return (min(r.units, 1 << 16) * r.local,), (r.local,)
     if r.mode == "serial" or r.units <= 1:
         return (1,), (1,)
-    local = max(1, min(info.max_work_group, 256))
-    if info.extra.get("device_type") == "cpu":
-        local = max(1, min(local, r.units // (4 * info.compute_units)))
+    if local is None:
+        local = max(1, min(info.max_work_group, 256))
+        if info.extra.get("device_type") == "cpu":
+            local = max(1, min(local, r.units // (4 * info.compute_units)))
     groups = min(-(-r.units // local), 1 << 20)
     return (groups * local,), (local,)
 
@@ -356,3 +362,4 @@ def create() -> OpenCLBackend:
 
 
 from . import gemm  # noqa: E402,F401  (registers the GEMM template with the dispatcher)
+from . import tuning  # noqa: E402,F401  (registers the work-group size with the auto-tuner)

@@ -205,6 +205,8 @@ class _Body:
         return self.binary(op, args[0], args[1], n.src[0].dtype, w)
 
     def unary(self, op: str, x: str, d, w: int) -> str:
+        if op in ("sin", "cos") and w > 1:
+            return self.lanewise_trig(op, x, d, w)
         if op in FLOAT_FN:
             return f"{FLOAT_FN[op]}({x})"
         one = literal(1, d)
@@ -225,6 +227,13 @@ class _Body:
         if op == "is_finite":
             return self.to_bool(f"isfinite({x})", w)
         raise CompileError(f"opencl: no rendering for the unary op {op!r}", backend="opencl")
+
+    def lanewise_trig(self, op: str, x: str, d, w: int) -> str:
+        """PoCL's vector sin/cos go wrong in every lane (sin 1e-7 = 0.0131) when one lane is large
+        (|x| >= ~1e7), inf or NaN: such vectors take one scalar call per lane."""
+        vt = self.ty(d, w)
+        lanes = ", ".join(f"{op}(({x}).s{LANE[i]})" for i in range(w))
+        return f"(any(!isless(fabs({x}), ({vt})({literal(65536.0, d)}))) ? ({vt})({lanes}) : {op}({x}))"
 
     def binary(self, op: str, a: str, b: str, d, w: int) -> str:
         d = np.dtype(d)

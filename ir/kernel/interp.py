@@ -60,6 +60,15 @@ def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return x.astype(dtype)
 
 
+def _lowest(d: np.dtype):
+    """The identity of max, as the renderers use it: False, the least int, -inf."""
+    return False if d == np.bool_ else np.iinfo(d).min if d.kind in "iu" else -np.inf
+
+
+def _highest(d: np.dtype):
+    return True if d == np.bool_ else np.iinfo(d).max if d.kind in "iu" else np.inf
+
+
 class _Eval:
     def __init__(self, kernel: Kernel, arrays):
         self.k, self.arrays = kernel, arrays
@@ -114,6 +123,8 @@ class _Eval:
         v = np.broadcast_to(self(n.src[0]), self.full)
         if n.arg in REDUCE:
             kw = {"dtype": n.dtype} if n.arg in _ACCUMULATE else {}
+            if n.arg in ("max", "min") and v.size == 0:  # bool sum lowers to max: empty is False
+                kw["initial"] = _lowest(n.dtype) if n.arg == "max" else _highest(n.dtype)
             return REDUCE[n.arg](v, axis=axes, keepdims=True, **kw)
         # argmax/argmin: the index expression at the first extreme (numpy's rule for ties, NaN)
         flat = v.reshape(tuple(self.k.shape) + (-1,))

@@ -13,6 +13,7 @@ short sequence of kernels (`REGION_RULES`).
 convert to a 16-bit type rounds (a cast there and back)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -136,7 +137,9 @@ def to_storage(v: KExpr, dtype) -> KExpr:
 def round_to(v: KExpr, dtype) -> KExpr:
     """v (float32) rounded to a 16-bit float and widened again; other dtypes are exact."""
     dtype = np.dtype(dtype)
-    return cast(cast(v, dtype), compute(dtype)) if compute(dtype) != dtype else v
+    if compute(dtype) == dtype or (v.op == "cast" and v.src[0].dtype == dtype):
+        return v  # exact, or a 16-bit value (a load) widened already
+    return cast(cast(v, dtype), compute(dtype))
 
 
 class _Builder:
@@ -180,7 +183,9 @@ class _Builder:
                 rule = VALUE_RULES.get(e.prim.name)
                 if rule is None:
                     raise CompileError(f"no kernel lowering for the primitive {e.prim.name}")
-                hit = rule(self, e, tuple(index))
+                # 16-bit floats round once per operation, fused or not (as eagerly): a value
+                # kept in float32 would show through a convert, a comparison or an overflow
+                hit = round_to(rule(self, e, tuple(index)), a.aval.dtype)
             self.memo[key] = hit
         return hit
 
@@ -190,7 +195,7 @@ class _Builder:
         bufs = [Buffer(f"in{i}", np.dtype(v.aval.dtype), v.aval.size) for i, v in enumerate(self.inputs)]
         bufs += [Buffer(f"out{i}", np.dtype(v.aval.dtype), v.aval.size) for i, v in enumerate(out_vars)]
         k = Kernel(name, tuple(bufs), len(self.inputs), tuple(shape), self.reduce_shape or (),
-                   tuple(stores), meta=dict(kind=kind, eqns=tuple(eqns),
+                   tuple(stores), meta=dict(kind=kind, eqns=tuple(eqns), operands=tuple(self.inputs),
                                             sources=tuple(e.source for e in eqns if e.source)))
         return LoweredKernel(k, tuple(self.inputs) + tuple(out_vars))
 
@@ -218,7 +223,10 @@ _UNARY = ("neg", "exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rs
 
 @_rule(*_UNARY)
 def _unary(b, e, I):
-    return unary(e.prim.name, b.value(e.inputs[0], I))
+    v = unary(e.prim.name, b.value(e.inputs[0], I))
+    if e.prim.name == "sign" and dtypes.is_float(v.dtype):  # numpy's sign(-0.0) is +0.0
+        v = binary("add", v, const(0, v.dtype))
+    return v
 
 
 @_rule("is_finite")
@@ -365,7 +373,7 @@ def _arg_reduction(b, e, I):
 
 @_rule("dot_general")
 def _dot_general(b, e, I):
-    lhs, rhs = e.inputs
+    lhs, rhs = e.inputs[:2]  # (fused_gemm's epilogue operands follow)
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
     lfree = [i for i in range(lhs.aval.ndim) if i not in lc and i not in lb]
     rfree = [i for i in range(rhs.aval.ndim) if i not in rc and i not in rb]
@@ -383,6 +391,38 @@ def _dot_general(b, e, I):
     if lc:  # (an outer product contracts nothing)
         acc = reduce("max" if logic else "sum", acc)
     return cast(acc, compute(e.outputs[0].aval.dtype))
+
+
+def _gemm_step(b, e, I, step, y: KExpr) -> KExpr:
+    """One fused_gemm epilogue step on the float32 value y (see ir/primitives.py)."""
+    c = lambda v: const(v, y.dtype)  # noqa: E731
+    op = step[0]
+    if op == "add":
+        x = e.inputs[2 + step[1]]
+        return binary("add", y, b.value(x, I if x.aval.ndim == len(I) else I[-1:]))
+    if op == "affine":
+        return binary("add", binary("mul", y, c(step[1])), c(step[2]))
+    if op == "relu":
+        return select(binary("lt", y, c(0.0)), c(0.0), y)
+    if op == "silu":
+        return binary("mul", y, unary("logistic", y))
+    if op in ("tanh", "sigmoid"):
+        return unary("logistic" if op == "sigmoid" else "tanh", y)
+    if op == "gelu_tanh":
+        cube = binary("mul", binary("mul", y, y), y)
+        inner = binary("mul", c(math.sqrt(2.0 / math.pi)), binary("add", y, binary("mul", c(0.044715), cube)))
+        return binary("mul", binary("mul", c(0.5), y), binary("add", c(1.0), unary("tanh", inner)))
+    assert op == "gelu_erf", step
+    erf = unary("erf", binary("mul", y, c(1.0 / math.sqrt(2.0))))
+    return binary("mul", binary("mul", c(0.5), y), binary("add", c(1.0), erf))
+
+
+@_rule("fused_gemm")
+def _fused_gemm(b, e, I):
+    y = _dot_general(b, e, I)
+    for step in e.params["epilogue"]:
+        y = _gemm_step(b, e, I, step, y)
+    return y
 
 
 def _clamped_index(b, indices, I, n: int) -> KExpr:
@@ -435,16 +475,18 @@ def _lower_generic(region, kind=None) -> list[LoweredKernel]:
     n_in = len(b.inputs)
     stores = [Store(n_in + k, offset(I, shape), to_storage(v, o.aval.dtype))
               for k, (v, o) in enumerate(zip(values, region.outputs))]
+    reductions = {n for v in values for n in v.toposort() if n.op == "reduce"}
+    if b.reduce_shape and not reductions:  # the reduced value went unused: x.sum(0) ** 0
+        b.reduce_shape = None
     if kind is None:
         kind = "reduce" if b.reduce_shape else "elementwise"
-    reductions = {n for v in values for n in v.toposort() if n.op == "reduce"}
     assert len(reductions) == (1 if b.reduce_shape else 0), (region, len(reductions))
     return [b.kernel(kernel_name(region.eqns), region.outputs, shape, stores, kind, region.eqns)]
 
 
 def _copy(src, dst, eqns, name: str, kind: str) -> LoweredKernel:
-    """dst = src (a Var or a scalar Literal broadcast over dst's shape)."""
-    b = _Builder()
+    """dst = src (a Var or a scalar Literal broadcast over dst's shape), read through `eqns`."""
+    b = _Builder(eqns)
     shape = dst.aval.shape
     assert src.aval.shape in (shape, ()), (src.aval, dst.aval)
     I = _idx_space(shape)
@@ -479,14 +521,15 @@ def _lower_scatter_add(region) -> list[LoweredKernel]:
 
 
 def _lower_concatenate(region) -> list[LoweredKernel]:
-    """One index-map kernel per operand, each writing its slab of the output."""
-    (e,) = region.eqns
+    """One index-map kernel per operand, each writing its slab of the output (reading through
+    the region's index maps)."""
+    e = region.eqns[-1]
     out, d = e.outputs[0], e.params["dimension"]
     kernels, start = [], 0
     for x in e.inputs:
         shape = x.aval.shape
         if x.aval.size:
-            b = _Builder()
+            b = _Builder(region.eqns[:-1])
             I = _idx_space(shape)
             J = I[:d] + (iadd(I[d], _ic(start)),) + I[d + 1:]
             v = to_storage(b.value(x, I), out.aval.dtype)
@@ -497,13 +540,14 @@ def _lower_concatenate(region) -> list[LoweredKernel]:
 
 
 def _lower_pad(region) -> list[LoweredKernel]:
-    """Fill the output with the padding value, then write the operand at its strided place."""
-    (e,) = region.eqns
+    """Fill the output with the padding value, then write the operand at its strided place
+    (reading through the region's index maps)."""
+    e = region.eqns[-1]
     x, pv = e.inputs
     out = e.outputs[0]
     kernels = [_copy(pv, out, region.eqns, "pad_fill", "pad")] if out.aval.size else []
     if x.aval.size:
-        b = _Builder()
+        b = _Builder(region.eqns[:-1])
         I = _idx_space(x.aval.shape)
         J = tuple(iadd(_ic(lo), imul(i, it + 1)) for i, (lo, _, it) in zip(I, e.params["padding_config"]))
         v = to_storage(b.value(x, I), out.aval.dtype)
@@ -512,11 +556,28 @@ def _lower_pad(region) -> list[LoweredKernel]:
     return kernels
 
 
+def _lower_template(region) -> list[LoweredKernel]:
+    """A primitive that implementations take whole (fused_attention): one kernel without a body,
+    its buffers the equation's operands and results; the dispatcher's chosen implementation
+    reads the equation from meta (a device template, or the composite of ordinary kernels)."""
+    (e,) = region.eqns
+    assert all(isinstance(a, Var) for a in e.inputs), e
+    args = tuple(e.inputs) + tuple(e.outputs)
+    bufs = tuple(Buffer(f"{'in' if i < len(e.inputs) else 'out'}{i}", np.dtype(v.aval.dtype),
+                        v.aval.size) for i, v in enumerate(args))
+    k = Kernel(e.prim.name, bufs, len(e.inputs), e.outputs[0].aval.shape, (), (),
+               meta=dict(kind=e.prim.name, eqns=(e,), sources=(e.source,) if e.source else ()))
+    return [LoweredKernel(k, args)]
+
+
 REGION_RULES: dict[str, Callable] = {
+    "fused_attention": _lower_template,
+    "fused_attention_bwd": _lower_template,
     "scatter_add": _lower_scatter_add,
     "concatenate": _lower_concatenate,
     "pad": _lower_pad,
     "dot_general": lambda r: _lower_generic(r, "dot_general"),
+    "fused_gemm": lambda r: _lower_generic(r, "fused_gemm"),
     "gather": lambda r: _lower_generic(r, "gather"),
     "argmax": lambda r: _lower_generic(r, "arg_reduce"),
     "argmin": lambda r: _lower_generic(r, "arg_reduce"),

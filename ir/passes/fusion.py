@@ -4,7 +4,8 @@ for a few primitives, a short fixed sequence of kernels).
 A fused region groups elementwise primitives, index maps (broadcast_in_dim, reshape, transpose,
 slice, rev, iota) and at most one reduction, which is trailing: after it come only elementwise
 operations of the reduction's output shape (an epilogue such as sum/n). All outputs of a region
-share one shape, the kernel's index space. Every other primitive is a region of its own; an
+share one shape, the kernel's index space. Every other primitive is a region of its own (a
+concatenate or pad with the index maps only it reads, which its kernels read through); an
 effectful one (debug_print) is a host step.
 
 Before grouping, cheap producers are copied where that keeps values out of memory: index maps
@@ -23,6 +24,9 @@ from ..core import Eqn, Graph, Var
 
 INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+# primitives whose kernels read their operands through index maps fused into their region
+# (conv2d's im2col: strided windows concatenated, and their transposes padded back)
+READS_THROUGH_MAPS = frozenset({"concatenate", "pad"})
 
 
 def is_elementwise(e: Eqn) -> bool:
@@ -218,7 +222,14 @@ class _Partitioner:
 
     def valid(self, members: set[int]) -> bool:
         """A region lowers to one kernel: one index space (all outputs share a shape) and at
-        most one reduction, followed only by elementwise operations of its output shape."""
+        most one reduction, followed only by elementwise operations of its output shape. Or it is
+        a concatenate or pad with index maps that only it reads."""
+        own = [i for i in members if not is_fusible(self.eqns[i])]
+        if own:
+            (k,) = own
+            return (self.eqns[k].prim.name in READS_THROUGH_MAPS and
+                    all(self.eqns[i].prim.name in INDEX_MAPS for i in members if i != k) and
+                    [o.id for o in self.outputs(members)] == [o.id for o in self.eqns[k].outputs])
         reductions = [i for i in members if self.eqns[i].prim.name in REDUCTIONS]
         if len(reductions) > 1:
             return False
@@ -272,7 +283,7 @@ class _Partitioner:
         # value read by one consumer only is never written to memory
         for i in reversed(range(len(self.eqns))):
             e = self.eqns[i]
-            if not is_fusible(e) or i in self.dead:
+            if not (is_fusible(e) or e.prim.name in READS_THROUGH_MAPS) or i in self.dead:
                 continue
             for a in e.inputs:
                 j = self.producer.get(getattr(a, "id", None))
@@ -301,11 +312,12 @@ class _Partitioner:
                         inputs.setdefault(a.id, a)
             out_ids = {o.id for o in self.outputs(set(idx))}
             outputs = tuple(o for e in eqns for o in e.outputs if o.id in out_ids)
-            if all(is_fusible(e) for e in eqns):
+            own = [e for e in eqns if not is_fusible(e)]
+            if not own:
                 kind = "fused"
             else:
-                assert len(eqns) == 1
-                kind = "host" if eqns[0].prim.effectful else eqns[0].prim.name
+                (e,) = own  # the region's primitive, last: index maps it reads come before
+                kind = "host" if e.prim.effectful else e.prim.name
             out.append(Region(eqns, tuple(inputs.values()), outputs, kind))
         return out
 

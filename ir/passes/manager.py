@@ -10,17 +10,23 @@ import os
 from typing import Callable, Sequence
 
 from ..core import Graph, typecheck_graph
+from .attention import fuse_attention
 from .cse import cse
 from .dce import dce
 from .fold import fold_constants
+from .gemm_epilogue import fuse_gemm_epilogues
+from .inline import inline_tile_ops
 from .simplify import fold_transpose_into_dot, simplify
 
 PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
+    ("inline_tile_ops", inline_tile_ops),                  # tile_op calls become their bodies
     ("dce", dce),                                          # drop what nobody reads
     ("cse", cse),                                          # one copy of each computation
     ("fold_constants", fold_constants),                    # evaluate what is known now
     ("simplify", simplify),                                # x*1, double transposes, ...
     ("fold_transpose_into_dot", fold_transpose_into_dot),  # dot absorbs operand transposes
+    ("fuse_attention", fuse_attention),                    # softmax(q·kᵀ·scale + mask)·v -> one op
+    ("fuse_gemm_epilogues", fuse_gemm_epilogues),          # dot + bias + activation -> fused_gemm
     ("cse_after", cse),                                    # rewrites expose new duplicates
     ("dce_after", dce),                                    # and leave dead producers behind
 )

@@ -312,8 +312,9 @@ def test_transpose_that_reorders_free_axes_stays():
 # ---- the pass manager ---------------------------------------------------------------------------
 
 def test_pipeline_order_is_the_documented_one():
-    assert [n for n, _ in PIPELINE] == ["dce", "cse", "fold_constants", "simplify",
-                                        "fold_transpose_into_dot", "cse_after", "dce_after"]
+    assert [n for n, _ in PIPELINE] == ["inline_tile_ops", "dce", "cse", "fold_constants", "simplify",
+                                        "fold_transpose_into_dot", "fuse_attention", "fuse_gemm_epilogues",
+                                        "cse_after", "dce_after"]
 
 
 def _mlp_ish(x, w):
@@ -337,7 +338,7 @@ def test_dump_writes_text_and_dot_per_pass(tmp_path):
     assert files == sorted(f"{i:02d}_{s}.{ext}" for i, s in enumerate(stages) for ext in ("txt", "dot"))
     text = (tmp_path / d / "00_input.txt").read_text()
     assert "dot_general" in text and "transpose" in text
-    assert (tmp_path / d / "01_dce.dot").read_text().startswith('digraph "dce"')
+    assert (tmp_path / d / "02_dce.dot").read_text().startswith('digraph "dce"')
 
 
 def test_check_names_the_pass_that_breaks_the_graph():

@@ -1,0 +1,708 @@
+"""FlashAttention on the CPU: fused_attention and fused_attention_bwd as LLVM IR generated with
+llvmlite, explicitly vectorised (16 float32 lanes: one AVX-512 register).
+
+Forward (one task per (batch, block of BQ queries), spread over the cores by the thread pool;
+ctypes releases the GIL): the queries' tile is copied once; for each block of BK keys, kᵀ and
+v are packed into small tiles, the scores S = q kᵀ of the block come from a register-blocked
+micro-kernel (R rows x BK/16 vectors of accumulators, FMA over the head dimension), the online
+softmax updates each row's running max m and sum l and rescales the output accumulator by
+exp(m_old - m_new), and O += P v is a second micro-kernel (R rows x up to 4 vectors along v's
+features). The S x S scores are never stored: a task holds one BQ x BK block. Causal masking
+stops each query block at its last visible key block.
+
+Backward (one task per batch index, i.e. per head, so dK and dV need no atomics): a first pass
+recomputes each row's log-sum-exp and D_i = dO_i·O_i; then for each key block, every query block
+that sees it recomputes P = exp(S - lse), and dV += Pᵀ dO, dP = dO vᵀ, dS = P (dP - D) scale,
+dQ += dS k (accumulated in a float32 workspace of Sq x D per head), dK += dSᵀ q.
+
+Kernels are specialised per shape, layout and parameters (constants in the code) and cached like
+every other kernel (in memory and on disk). Operands may have any layout whose feature axis is the
+last (contiguous): per-batch base offsets are a constant table, rows a constant stride."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from dataclasses import dataclass
+
+import llvmlite.ir as ir
+import numpy as np
+
+from tilefuse.ir import primitives as P
+from tilefuse.runtime import compile_cache
+
+from . import vecmath
+from .compile import BACKEND_VERSION, KernelFn, get_pool, get_target
+from .vecmath import F32, I32, I64, Emit
+
+LANES = 16  # float32 lanes of one AVX-512 register
+BQ = 128    # queries per block (a forward task)
+BK = 64     # keys per block
+R = 4       # query rows per register block
+CHUNK = 4   # vectors along the features per register block
+MAX_HEAD_DIM = 512  # the tiles live on the stack (under 1 MiB up to here)
+VEC = ir.VectorType(F32, LANES)
+IVEC = ir.VectorType(I32, LANES)
+MVEC = ir.VectorType(ir.IntType(1), LANES)
+PTR = ir.PointerType()
+F32_NP = np.dtype(np.float32)
+
+
+def _pad(n: int) -> int:
+    return -(-n // LANES) * LANES
+
+
+def _strides(shape) -> list[int]:
+    out, acc = [0] * len(shape), 1
+    for i in reversed(range(len(shape))):
+        out[i] = acc
+        acc *= shape[i]
+    return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything a kernel is specialised on."""
+    bwd: bool
+    nb: int
+    sq: int
+    sk: int
+    d: int
+    dv: int
+    scale: float
+    causal: bool
+    has_bias: bool
+    rows: tuple      # element strides between sequence positions of q, k, v, out
+    bias_strides: tuple  # bias strides along Sq and Sk (0: broadcast)
+    base: tuple      # per batch index: (q, k, v, out, bias) element offsets
+    sizes: tuple     # elements of q and k: where dk and dv start in the backward's packed result
+
+    @property
+    def offset(self) -> int:  # Sk - Sq: query i sees keys j <= i + offset when causal
+        return self.sk - self.sq
+
+
+def _batch_offsets(batch_shape, strides) -> np.ndarray:
+    """Element offset of every batch index (row-major over batch_shape) given the batch axes'
+    strides."""
+    idx = np.indices(batch_shape).reshape(len(batch_shape), int(np.prod(batch_shape, dtype=np.int64)))
+    return sum((i * s for i, s in zip(idx, strides)), np.zeros(idx.shape[1], np.int64))
+
+
+def spec_of(eqn) -> Spec:
+    q, k, v = (a.aval for a in eqn.inputs[:3])
+    dims = eqn.params["dims"]
+    bwd = eqn.prim is P.fused_attention_bwd
+    has_bias = len(eqn.inputs) == (6 if bwd else 4)
+    batch_shape = tuple(q.shape[a] for a in dims[0][:-2])
+    sq, d = q.shape[dims[0][-2]], q.shape[dims[0][-1]]
+    sk, dv = k.shape[dims[1][-2]], v.shape[dims[2][-1]]
+    out_shape = list(q.shape)
+    out_shape[dims[0][-1]] = dv
+    cols = [_batch_offsets(batch_shape, [_strides(shape)[a] for a in dd[:-2]])
+            for shape, dd in zip((q.shape, k.shape, v.shape, out_shape), (*dims, dims[0]))]
+    rows = tuple(_strides(s)[dd[-2]] for s, dd in zip((q.shape, k.shape, v.shape, out_shape),
+                                                        (dims[0], dims[1], dims[2], dims[0])))
+    bias_strides = (0, 0)
+    if has_bias:
+        b = eqn.inputs[3].aval
+        st = [s if n != 1 else 0 for s, n in zip(_strides(b.shape), b.shape)]  # 0: broadcast
+        cols.append(_batch_offsets(batch_shape, st[:-2]))
+        bias_strides = (st[-2], st[-1])
+    else:
+        cols.append(np.zeros_like(cols[0]))
+    base = tuple(tuple(int(x) for x in row) for row in np.stack(cols, axis=1))
+    return Spec(bwd, len(base), sq, sk, d, dv, float(eqn.params["scale"]),
+                bool(eqn.params["causal"]), has_bias, rows, bias_strides, base, (q.size, k.size))
+
+
+def applies(kernel, device) -> bool:
+    """float32 operands whose feature axis is the last one (contiguous), heads up to 512 wide."""
+    eqns = kernel.meta.get("eqns", ())
+    if len(eqns) != 1 or eqns[0].prim not in (P.fused_attention, P.fused_attention_bwd):
+        return False
+    e = eqns[0]
+    dims = e.params["dims"]
+    ops = e.inputs[:3]
+    return (all(a.aval.dtype == F32_NP for a in e.inputs) and
+            all(d[-1] == a.aval.ndim - 1 for d, a in zip(dims, ops)) and
+            all(a.aval.size > 0 for a in e.inputs) and
+            max(a.aval.shape[-1] for a in ops) <= MAX_HEAD_DIM)
+
+
+# ---- IR generation ---------------------------------------------------------------------------
+
+def _i64(n):
+    return ir.Constant(I64, int(n))
+
+
+def _i32(n):
+    return ir.Constant(I32, int(n))
+
+
+def _f32(x):
+    return ir.Constant(F32, float(x))
+
+
+class _Gen:
+    """Builds one kernel function; small helpers keep the algorithm readable."""
+
+    def __init__(self, spec: Spec, fn_name: str):
+        self.s = spec
+        self.mod = ir.Module(name=fn_name)
+        fn = ir.Function(self.mod, ir.FunctionType(ir.VoidType(), [PTR, I64, I64]), name=fn_name)
+        fn.attributes.add("nounwind")
+        self.fn = fn
+        self.entry = fn.append_basic_block("entry")
+        self.b = ir.IRBuilder(self.entry)
+        self.em = Emit(self.b)
+        bufs = fn.args[0]
+        # q, k, v, [bias], out; the backward: dout, packed (dq, dk, dv), then its workspace
+        n = 3 + spec.has_bias + (4 if spec.bwd else 1)
+        self.ptr = [self.b.load(self.b.gep(bufs, [_i64(i)], inbounds=True, source_etype=PTR), typ=PTR)
+                    for i in range(n)]
+        table = ir.GlobalVariable(self.mod, ir.ArrayType(I64, 5 * spec.nb), name="base")
+        table.global_constant = True
+        table.linkage = "internal"
+        table.initializer = ir.Constant(ir.ArrayType(I64, 5 * spec.nb),
+                                        [_i64(x) for row in spec.base for x in row])
+        self.table = table
+        self.lane = ir.Constant(IVEC, list(range(LANES)))
+
+    # -- scalars and vectors --
+    def alloca(self, n: int):
+        with self.b.goto_block(self.entry):
+            self.b.position_at_start(self.entry)
+            return self.b.alloca(F32, size=_i64(n))
+
+    def at(self, ptr, i):
+        return self.b.gep(ptr, [i], inbounds=True, source_etype=F32)
+
+    def ld(self, ptr, i):
+        return self.b.load(self.at(ptr, i), typ=F32)
+
+    def st(self, v, ptr, i):
+        self.b.store(v, self.at(ptr, i))
+
+    def at_vec(self, ptr, i):
+        # stack tiles come as typed pointers (float*): cast for vector access (a no-op in LLVM)
+        p = self.at(ptr, i)
+        return p if p.type.is_opaque else self.b.bitcast(p, ir.PointerType(VEC))
+
+    def vld(self, ptr, i):
+        return self.b.load(self.at_vec(ptr, i), typ=VEC, align=4)
+
+    def vst(self, v, ptr, i):
+        self.b.store(v, self.at_vec(ptr, i), align=4)
+
+    def masked_vld(self, ptr, i, mask):
+        name = "llvm.masked.load.v16f32.p0"
+        fn = self.mod.globals.get(name) or ir.Function(
+            self.mod, ir.FunctionType(VEC, [PTR, I32, MVEC, VEC]), name=name)
+        return self.b.call(fn, [self.at(ptr, i), _i32(4), mask, ir.Constant(VEC, [0.0] * LANES)])
+
+    def splat(self, x):
+        v = self.b.insert_element(ir.Constant(VEC, ir.Undefined), x, _i32(0))
+        return self.b.shuffle_vector(v, ir.Constant(VEC, ir.Undefined), ir.Constant(IVEC, [0] * LANES))
+
+    def vconst(self, x):
+        return ir.Constant(VEC, [float(x)] * LANES)
+
+    def horizontal(self, v, op):
+        """op over the 16 lanes in 4 shuffle steps (a tree, not a serial chain)."""
+        for w in (8, 4, 2, 1):
+            sh = self.b.shuffle_vector(v, ir.Constant(VEC, ir.Undefined),
+                                       ir.Constant(IVEC, [(i + w) % LANES for i in range(LANES)]))
+            v = op(v, sh)
+        return self.b.extract_element(v, _i32(0))
+
+    def vmax(self, a, c):
+        return self.b.select(self.b.fcmp_ordered(">", a, c), a, c)
+
+    def imin(self, a, c):
+        return self.b.select(self.b.icmp_signed("<", a, c), a, c)
+
+    def imax(self, a, c):
+        return self.b.select(self.b.icmp_signed(">", a, c), a, c)
+
+    def base(self, t, which: int):
+        p = self.b.gep(self.table, [_i64(0), self.b.add(self.b.mul(t, _i64(5)), _i64(which))],
+                       inbounds=True, source_etype=self.table.value_type)
+        return self.b.load(p, typ=I64)
+
+    # -- control flow --
+    def loop(self, lo, hi, body, carried=(), step=1):
+        """for i in range(lo, hi, step): carried = body(i, carried); returns the final values."""
+        b = self.b
+        pre = b.block
+        head = b.append_basic_block("loop")
+        inner = b.append_basic_block("body")
+        done = b.append_basic_block("done")
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64)
+        i.add_incoming(lo, pre)
+        phis = []
+        for c in carried:
+            p = b.phi(c.type)
+            p.add_incoming(c, pre)
+            phis.append(p)
+        b.cbranch(b.icmp_signed("<", i, hi), inner, done)
+        b.position_at_end(inner)
+        new = body(i, phis) or ()
+        end = b.block
+        i.add_incoming(b.add(i, _i64(step)), end)
+        for p, v in zip(phis, new):
+            p.add_incoming(v, end)
+        b.branch(head)
+        b.position_at_end(done)
+        return phis
+
+    # -- tiles --
+    def load_tile(self, dst, ld, rows, cols, src, base, row_stride, valid_rows, valid_cols,
+                  transpose=False):
+        """dst[r, c] (dst[c, r] when transposed) = src[base + r*row_stride + c] inside the valid
+        rows/columns, else 0. A full tile is a plain copy (vectors when not transposed); a tile
+        at an edge clamps its reads into the valid region, so they stay in bounds."""
+        if valid_cols != cols:
+            return self._load_edge_tile(dst, ld, rows, cols, src, base, row_stride, valid_rows,
+                                        valid_cols, transpose)
+        b = self.b
+        with b.if_else(b.icmp_signed("==", valid_rows, _i64(rows))) as (full, edge):
+            with full:
+                self._copy_tile(dst, ld, rows, cols, src, base, row_stride, transpose)
+            with edge:
+                self._load_edge_tile(dst, ld, rows, cols, src, base, row_stride, valid_rows,
+                                     valid_cols, transpose)
+
+    def _copy_tile(self, dst, ld, rows, cols, src, base, row_stride, transpose):
+        b = self.b
+        vectors = not transpose and cols % LANES == 0
+
+        def row(r, _):
+            rbase = b.add(base, b.mul(r, _i64(row_stride)))
+
+            def col(c, _):
+                if vectors:
+                    self.vst(self.vld(src, b.add(rbase, c)), dst, b.add(b.mul(r, _i64(ld)), c))
+                else:
+                    at = b.add(b.mul(c, _i64(ld)), r) if transpose else b.add(b.mul(r, _i64(ld)), c)
+                    self.st(self.ld(src, b.add(rbase, c)), dst, at)
+            self.loop(_i64(0), _i64(cols), col, step=LANES if vectors else 1)
+        self.loop(_i64(0), _i64(rows), row)
+
+    def _load_edge_tile(self, dst, ld, rows, cols, src, base, row_stride, valid_rows, valid_cols,
+                        transpose):
+        b = self.b
+        last_row = self.imax(b.sub(valid_rows, _i64(1)), _i64(0))
+
+        def row(r, _):
+            rr = self.imin(r, last_row)
+            ok_r = b.icmp_signed("<", r, valid_rows)
+            rbase = b.add(base, b.mul(rr, _i64(row_stride)))
+
+            def col(c, _):
+                cc = self.imin(c, _i64(valid_cols - 1))
+                ok = b.and_(ok_r, b.icmp_signed("<", c, _i64(valid_cols)))
+                x = b.select(ok, self.ld(src, b.add(rbase, cc)), _f32(0))
+                at = b.add(b.mul(c, _i64(ld)), r) if transpose else b.add(b.mul(r, _i64(ld)), c)
+                self.st(x, dst, at)
+            self.loop(_i64(0), _i64(cols), col)
+        self.loop(_i64(0), _i64(rows), row)
+
+    def store_tile(self, src, ld, dst, base, row_stride, rows, cols, scale_of=None):
+        """dst[base + r*row_stride + c] = src[r*ld + c] (times scale_of(r)) for r < rows, c < cols."""
+        b = self.b
+
+        def row(r, _):
+            f = scale_of(r) if scale_of else None
+            rbase = b.add(base, b.mul(r, _i64(row_stride)))
+
+            def col(c, _):
+                x = self.ld(src, b.add(b.mul(r, _i64(ld)), c))
+                self.st(b.fmul(x, f) if f is not None else x, dst, b.add(rbase, c))
+            self.loop(_i64(0), _i64(cols), col)
+        self.loop(_i64(0), rows, row)
+
+    def zero(self, ptr, n: int):
+        self.loop(_i64(0), _i64(n // LANES), lambda i, _: self.vst(
+            self.vconst(0), ptr, self.b.mul(i, _i64(LANES))))
+
+    # -- micro-kernels --
+    def mm_abt(self, out, a, lda, bt, n_red, rows):
+        """out[r, 0:BK] = Σ_d a[r, d] bt[d, 0:BK] for the register blocks covering `rows` rows."""
+        b = self.b
+        nv = BK // LANES
+        groups = b.sdiv(b.add(rows, _i64(R - 1)), _i64(R))
+
+        def group(g, _):
+            r0 = b.mul(g, _i64(R))
+            arow = [b.mul(b.add(r0, _i64(r)), _i64(lda)) for r in range(R)]
+
+            def red(d, acc):
+                brow = b.mul(d, _i64(BK))
+                bv = [self.vld(bt, b.add(brow, _i64(c * LANES))) for c in range(nv)]
+                out_acc = []
+                for r in range(R):
+                    x = self.splat(self.ld(a, b.add(arow[r], d)))
+                    out_acc += [self.em.fma(x, bv[c], acc[r * nv + c]) for c in range(nv)]
+                return out_acc
+            acc = self.loop(_i64(0), _i64(n_red), red, [self.vconst(0)] * (R * nv))
+            for r in range(R):
+                orow = b.mul(b.add(r0, _i64(r)), _i64(BK))
+                for c in range(nv):
+                    self.vst(acc[r * nv + c], out, b.add(orow, _i64(c * LANES)))
+        self.loop(_i64(0), groups, group)
+
+    def mm_acc(self, out, ldo, p, x, ldx, width, nk, rows, alpha=None):
+        """out[r, :width] = alpha[r]·out[r] + Σ_{j<nk} p[r, j] x[j, :width] (width padded to 16s)."""
+        b = self.b
+        groups = b.sdiv(b.add(rows, _i64(R - 1)), _i64(R))
+
+        def group(g, _):
+            r0 = b.mul(g, _i64(R))
+            orow = [b.mul(b.add(r0, _i64(r)), _i64(ldo)) for r in range(R)]
+            prow = [b.mul(b.add(r0, _i64(r)), _i64(BK)) for r in range(R)]
+            for c0 in range(0, width // LANES, CHUNK):
+                nv = min(CHUNK, width // LANES - c0)
+                acc = []
+                for r in range(R):
+                    f = self.splat(self.ld(alpha, b.add(r0, _i64(r)))) if alpha is not None else None
+                    for c in range(nv):
+                        v = self.vld(out, b.add(orow[r], _i64((c0 + c) * LANES)))
+                        acc.append(b.fmul(v, f) if f is not None else v)
+
+                def key(j, acc):
+                    xrow = b.mul(j, _i64(ldx))
+                    xv = [self.vld(x, b.add(xrow, _i64((c0 + c) * LANES))) for c in range(nv)]
+                    new = []
+                    for r in range(R):
+                        s = self.splat(self.ld(p, b.add(prow[r], j)))
+                        new += [self.em.fma(s, xv[c], acc[r * nv + c]) for c in range(nv)]
+                    return new
+                acc = self.loop(_i64(0), nk, key, acc)
+                for r in range(R):
+                    for c in range(nv):
+                        self.vst(acc[r * nv + c], out, b.add(orow[r], _i64((c0 + c) * LANES)))
+        self.loop(_i64(0), groups, group)
+
+    def mm_atb(self, acc_ptr, p, x, width, nk, rows):
+        """acc[j, :width] += Σ_{r<rows} p[r, j] x[r, :width] for j < nk (rounded up to 4)."""
+        b = self.b
+        KB = 4
+        groups = b.sdiv(b.add(nk, _i64(KB - 1)), _i64(KB))
+
+        def group(g, _):
+            j0 = b.mul(g, _i64(KB))
+            arow = [b.mul(b.add(j0, _i64(j)), _i64(width)) for j in range(KB)]
+            for c0 in range(0, width // LANES, CHUNK):
+                nv = min(CHUNK, width // LANES - c0)
+                acc = [self.vld(acc_ptr, b.add(arow[j], _i64((c0 + c) * LANES)))
+                       for j in range(KB) for c in range(nv)]
+
+                def row(r, acc):
+                    xrow = b.mul(r, _i64(width))
+                    xv = [self.vld(x, b.add(xrow, _i64((c0 + c) * LANES))) for c in range(nv)]
+                    prow = b.add(b.mul(r, _i64(BK)), j0)
+                    new = []
+                    for j in range(KB):
+                        s = self.splat(self.ld(p, b.add(prow, _i64(j))))
+                        new += [self.em.fma(s, xv[c], acc[j * nv + c]) for c in range(nv)]
+                    return new
+                acc = self.loop(_i64(0), rows, row, acc)
+                for j in range(KB):
+                    for c in range(nv):
+                        self.vst(acc[j * nv + c], acc_ptr, b.add(arow[j], _i64((c0 + c) * LANES)))
+        self.loop(_i64(0), groups, group)
+
+    # -- the scores of one row of a block --
+    def scores(self, s_tile, r, i, j0, nk, t):
+        """Row r (query i) of the block's raw scores: scaled, biased and masked (-inf), as BK/16
+        vectors."""
+        b, sp = self.b, self.s
+        limit = _i64(sp.sk)
+        if sp.causal:
+            limit = self.imin(limit, b.add(i, _i64(sp.offset + 1)))
+        lim = b.trunc(b.sub(limit, j0), I32)
+        key_ok = b.trunc(nk, I32)
+        bias_row = None
+        if sp.has_bias:
+            bias_row = b.add(b.add(self.base(t, 4), b.mul(i, _i64(sp.bias_strides[0]))),
+                             b.mul(j0, _i64(sp.bias_strides[1])))
+        out = []
+        for c in range(BK // LANES):
+            lanes = b.add(self.lane, ir.Constant(IVEC, [c * LANES] * LANES))
+            v = b.fmul(self.vld(s_tile, b.add(b.mul(r, _i64(BK)), _i64(c * LANES))),
+                       self.vconst(sp.scale))
+            if bias_row is not None:
+                if sp.bias_strides[1]:
+                    mask = b.icmp_signed("<", lanes, self.splat_i(key_ok))
+                    v = b.fadd(v, self.masked_vld(self.ptr[3], b.add(bias_row, _i64(c * LANES)), mask))
+                else:
+                    v = b.fadd(v, self.splat(self.ld(self.ptr[3], bias_row)))
+            keep = b.icmp_signed("<", lanes, self.splat_i(lim))
+            out.append(b.select(keep, v, self.vconst(-np.inf)))
+        return out
+
+    def splat_i(self, x):
+        v = self.b.insert_element(ir.Constant(IVEC, ir.Undefined), x, _i32(0))
+        return self.b.shuffle_vector(v, ir.Constant(IVEC, ir.Undefined), ir.Constant(IVEC, [0] * LANES))
+
+    def key_end(self, i_last):
+        """One past the last key any query up to i_last sees."""
+        sp = self.s
+        if not sp.causal:
+            return _i64(sp.sk)
+        return self.imax(self.imin(_i64(sp.sk), self.b.add(i_last, _i64(sp.offset + 1))), _i64(0))
+
+    # -- forward --
+    def reset_stats(self, m, l):
+        def row(r, _):
+            self.st(_f32(-np.inf), m, r)
+            self.st(_f32(0), l, r)
+        self.loop(_i64(0), _i64(BQ), row)
+
+    def online_softmax_block(self, s_tile, m, l, alpha, i0, j0, nk, rows, t):
+        """Scores -> P in place; running max m and sum l per row; alpha = exp(m_old - m_new)."""
+        b, em = self.b, self.em
+
+        def row(r, _):
+            i = b.add(i0, r)
+            vs = self.scores(s_tile, r, i, j0, nk, t)
+            mx = vs[0]
+            for v in vs[1:]:
+                mx = self.vmax(mx, v)
+            m_old = self.ld(m, r)
+            m_new = self.vmax(m_old, self.horizontal(mx, self.vmax))
+            m_safe = b.select(b.fcmp_ordered("==", m_new, _f32(-np.inf)), _f32(0), m_new)
+            a = vecmath.exp(em, b.fsub(m_old, m_safe))
+            ms = self.splat(m_safe)
+            total = None
+            for c, v in enumerate(vs):
+                p = vecmath.exp(em, b.fsub(v, ms))
+                self.vst(p, s_tile, b.add(b.mul(r, _i64(BK)), _i64(c * LANES)))
+                total = p if total is None else b.fadd(total, p)
+            rowsum = self.horizontal(total, b.fadd)
+            self.st(m_new, m, r)
+            self.st(b.fadd(b.fmul(self.ld(l, r), a), rowsum), l, r)
+            self.st(a, alpha, r)
+        self.loop(_i64(0), rows, row)
+
+    def forward(self):
+        b, sp = self.b, self.s
+        dp, dvp = _pad(sp.d), _pad(sp.dv)
+        nqb = -(-sp.sq // BQ)
+        qt, kt, vp = self.alloca(BQ * dp), self.alloca(sp.d * BK), self.alloca(BK * dvp)
+        s_tile, o = self.alloca(BQ * BK), self.alloca(BQ * dvp)
+        m, l, alpha = self.alloca(BQ), self.alloca(BQ), self.alloca(BQ)
+        q, k, v = self.ptr[:3]
+        out = self.ptr[3 + sp.has_bias]
+        start, end = self.fn.args[1:]
+        body = self.b.append_basic_block("tasks")
+        self.b.branch(body)
+        self.b.position_at_end(body)
+
+        def task(t_, _):
+            t = b.sdiv(t_, _i64(nqb))
+            i0 = b.mul(b.srem(t_, _i64(nqb)), _i64(BQ))
+            rows = self.imin(_i64(BQ), b.sub(_i64(sp.sq), i0))
+            self.load_tile(qt, dp, BQ, dp, q, b.add(self.base(t, 0), b.mul(i0, _i64(sp.rows[0]))),
+                           sp.rows[0], rows, sp.d)
+            self.zero(o, BQ * dvp)
+            self.reset_stats(m, l)
+            kend = self.key_end(b.add(i0, b.sub(rows, _i64(1))))
+
+            def block(j0, _):
+                nk = self.imin(_i64(BK), b.sub(kend, j0))
+                self.load_tile(kt, BK, BK, sp.d, k, b.add(self.base(t, 1), b.mul(j0, _i64(sp.rows[1]))),
+                               sp.rows[1], nk, sp.d, transpose=True)
+                self.load_tile(vp, dvp, BK, dvp, v, b.add(self.base(t, 2), b.mul(j0, _i64(sp.rows[2]))),
+                               sp.rows[2], nk, sp.dv)
+                self.mm_abt(s_tile, qt, dp, kt, sp.d, rows)
+                self.online_softmax_block(s_tile, m, l, alpha, i0, j0, nk, rows, t)
+                self.mm_acc(o, dvp, s_tile, vp, dvp, dvp, nk, rows, alpha)
+            self.loop(_i64(0), kend, block, step=BK)
+
+            def inv(r):
+                tot = self.ld(l, r)
+                pos = b.fcmp_ordered(">", tot, _f32(0))
+                return b.select(pos, b.fdiv(_f32(1), b.select(pos, tot, _f32(1))), _f32(0))
+            self.store_tile(o, dvp, out, b.add(self.base(t, 3), b.mul(i0, _i64(sp.rows[3]))),
+                            sp.rows[3], rows, sp.dv, scale_of=inv)
+        self.loop(start, end, task)
+        b.ret_void()
+
+    # -- backward --
+    def backward(self):
+        b, sp, em = self.b, self.s, self.em
+        dp, dvp = _pad(sp.d), _pad(sp.dv)
+        sq_pad = -(-sp.sq // BQ) * BQ
+        ws_per_task = sq_pad * dp + 2 * sq_pad
+        qt, dot = self.alloca(BQ * dp), self.alloca(BQ * dvp)
+        kt, vt, kp = self.alloca(sp.d * BK), self.alloca(sp.dv * BK), self.alloca(BK * dp)
+        s_tile, dpt = self.alloca(BQ * BK), self.alloca(BQ * BK)
+        dk_acc, dv_acc = self.alloca(BK * dp), self.alloca(BK * dvp)
+        m, l, alpha = self.alloca(BQ), self.alloca(BQ), self.alloca(BQ)
+        nb = 3 + sp.has_bias
+        q, k, v = self.ptr[:3]
+        out, dout, dq, ws = self.ptr[nb:nb + 4]
+        dk = b.gep(dq, [_i64(sp.sizes[0])], inbounds=True, source_etype=F32)
+        dv = b.gep(dq, [_i64(sp.sizes[0] + sp.sizes[1])], inbounds=True, source_etype=F32)
+        start, end = self.fn.args[1:]
+        body = self.b.append_basic_block("tasks")
+        self.b.branch(body)
+        self.b.position_at_end(body)
+
+        def task(t, _):
+            w = b.gep(ws, [b.mul(t, _i64(ws_per_task))], inbounds=True, source_etype=F32)
+            dq_acc = w
+            lse = b.gep(w, [_i64(sq_pad * dp)], inbounds=True, source_etype=F32)
+            di = b.gep(w, [_i64(sq_pad * dp + sq_pad)], inbounds=True, source_etype=F32)
+            self.zero(dq_acc, sq_pad * dp)
+            qbase, kbase, vbase, obase = (self.base(t, i) for i in range(4))
+
+            # pass 1: log-sum-exp of every row, and D_i = dO_i · O_i
+            def stats(i0, _):
+                rows = self.imin(_i64(BQ), b.sub(_i64(sp.sq), i0))
+                self.load_tile(qt, dp, BQ, dp, q, b.add(qbase, b.mul(i0, _i64(sp.rows[0]))),
+                               sp.rows[0], rows, sp.d)
+                self.reset_stats(m, l)
+                kend = self.key_end(b.add(i0, b.sub(rows, _i64(1))))
+
+                def block(j0, _):
+                    nk = self.imin(_i64(BK), b.sub(kend, j0))
+                    self.load_tile(kt, BK, BK, sp.d, k, b.add(kbase, b.mul(j0, _i64(sp.rows[1]))),
+                                   sp.rows[1], nk, sp.d, transpose=True)
+                    self.mm_abt(s_tile, qt, dp, kt, sp.d, rows)
+                    self.online_softmax_block(s_tile, m, l, alpha, i0, j0, nk, rows, t)
+                self.loop(_i64(0), kend, block, step=BK)
+
+                def row(r, _):
+                    i = b.add(i0, r)
+                    tot = self.ld(l, r)
+                    mm = self.ld(m, r)
+                    pos = b.fcmp_ordered(">", tot, _f32(0))
+                    safe = b.select(pos, tot, _f32(1))
+                    value = b.fadd(mm, vecmath.log(em, safe))
+                    self.st(b.select(pos, value, _f32(np.inf)), lse, i)
+                    ob = b.add(obase, b.mul(i, _i64(sp.rows[3])))
+
+                    def col(c, acc):
+                        at = b.add(ob, c)
+                        return [b.fadd(acc[0], b.fmul(self.ld(out, at), self.ld(dout, at)))]
+                    (acc,) = self.loop(_i64(0), _i64(sp.dv), col, [_f32(0)])
+                    self.st(acc, di, i)
+                self.loop(_i64(0), rows, row)
+            self.loop(_i64(0), _i64(sp.sq), stats, step=BQ)
+
+            # pass 2: per key block, every query block that sees it
+            def kblock(j0, _):
+                nk = self.imin(_i64(BK), b.sub(_i64(sp.sk), j0))
+                kb = b.add(kbase, b.mul(j0, _i64(sp.rows[1])))
+                vb = b.add(vbase, b.mul(j0, _i64(sp.rows[2])))
+                self.load_tile(kt, BK, BK, sp.d, k, kb, sp.rows[1], nk, sp.d, transpose=True)
+                self.load_tile(vt, BK, BK, sp.dv, v, vb, sp.rows[2], nk, sp.dv, transpose=True)
+                self.load_tile(kp, dp, BK, dp, k, kb, sp.rows[1], nk, sp.d)
+                self.zero(dk_acc, BK * dp)
+                self.zero(dv_acc, BK * dvp)
+                first = _i64(0)
+                if sp.causal:  # the first query that sees key j0: i >= j0 - offset
+                    lo = self.imax(b.sub(j0, _i64(sp.offset)), _i64(0))
+                    first = b.mul(b.sdiv(lo, _i64(BQ)), _i64(BQ))
+
+                def qblock(i0, _):
+                    rows = self.imin(_i64(BQ), b.sub(_i64(sp.sq), i0))
+                    self.load_tile(qt, dp, BQ, dp, q, b.add(qbase, b.mul(i0, _i64(sp.rows[0]))),
+                                   sp.rows[0], rows, sp.d)
+                    self.load_tile(dot, dvp, BQ, dvp, dout, b.add(obase, b.mul(i0, _i64(sp.rows[3]))),
+                                   sp.rows[3], rows, sp.dv)
+                    self.mm_abt(s_tile, qt, dp, kt, sp.d, rows)
+                    self.mm_abt(dpt, dot, dvp, vt, sp.dv, rows)
+
+                    def probs(r, _):
+                        i = b.add(i0, r)
+                        vs = self.scores(s_tile, r, i, j0, nk, t)
+                        lv = self.splat(self.ld(lse, i))
+                        dv_ = self.splat(self.ld(di, i))
+                        for c, x in enumerate(vs):
+                            at = b.add(b.mul(r, _i64(BK)), _i64(c * LANES))
+                            pr = vecmath.exp(em, b.fsub(x, lv))
+                            self.vst(pr, s_tile, at)
+                            ds = b.fmul(b.fmul(pr, b.fsub(self.vld(dpt, at), dv_)), self.vconst(sp.scale))
+                            self.vst(ds, dpt, at)
+                    self.loop(_i64(0), rows, probs)
+                    self.mm_atb(dv_acc, s_tile, dot, dvp, nk, rows)
+                    self.mm_acc(b.gep(dq_acc, [b.mul(i0, _i64(dp))], inbounds=True, source_etype=F32),
+                                dp, dpt, kp, dp, dp, nk, rows)
+                    self.mm_atb(dk_acc, dpt, qt, dp, nk, rows)
+                self.loop(first, _i64(sp.sq), qblock, step=BQ)
+                self.store_tile(dk_acc, dp, dk, kb, sp.rows[1], nk, sp.d)
+                self.store_tile(dv_acc, dvp, dv, vb, sp.rows[2], nk, sp.dv)
+            self.loop(_i64(0), _i64(sp.sk), kblock, step=BK)
+            self.store_tile(dq_acc, dp, dq, qbase, sp.rows[0], _i64(sp.sq), sp.d)
+        self.loop(start, end, task)
+        b.ret_void()
+
+    def render(self, vector_bits: int) -> str:
+        (self.backward if self.s.bwd else self.forward)()
+        text = str(self.mod)
+        head = f'define void @"{self.fn.name}"'
+        i = text.index(head)
+        j = text.index("{", i)
+        return text[:j] + f'"prefer-vector-width"="{vector_bits}" ' + text[j:]
+
+
+def workspace_bytes(sp: Spec) -> int:
+    """The backward's float32 workspace: per head, dQ's accumulator, lse and D (linear in S)."""
+    if not sp.bwd:
+        return 0
+    sq_pad = -(-sp.sq // BQ) * BQ
+    return 4 * sp.nb * (sq_pad * _pad(sp.d) + 2 * sq_pad)
+
+
+def _digest() -> str:
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+_DIGEST = _digest()
+
+
+def build(kernel, device, backend):
+    """run(buffers): the FlashAttention kernel of the template kernel's equation."""
+    (eqn,) = kernel.meta["eqns"]
+    sp = spec_of(eqn)
+    info = backend._info(device)
+    target = get_target(info)
+    key = compile_cache.make_key(repr(sp), target.fingerprint + ("attention", _DIGEST, BACKEND_VERSION))
+    fn_name = "tf_attn_" + key[:24]
+    text = None
+
+    def compile_() -> bytes:
+        nonlocal text
+        text = _Gen(sp, fn_name).render(target.vector_bits)
+        return target.compile_ir(text, fn_name, str(kernel))
+    with target.lock:
+        obj = target.cache.get_or_build(key, compile_)
+        address = target.load(obj, fn_name, text, str(kernel))
+    fn = KernelFn(address)
+    tasks = sp.nb if sp.bwd else sp.nb * -(-sp.sq // BQ)
+    threads = max(1, info.compute_units)
+    pool = get_pool(threads) if threads > 1 and tasks > 1 else None
+    bounds = [(t, t + 1) for t in range(tasks)]
+    ws_bytes = workspace_bytes(sp)
+    ptrs_t = ctypes.c_void_p * (len(kernel.buffers) + sp.bwd)
+
+    def run(buffers):
+        ws = backend.alloc(ws_bytes, device) if ws_bytes else None
+        try:
+            addrs = [buf.ctypes.data for buf in buffers] + ([ws.ctypes.data] if ws is not None else [])
+            ptrs = ptrs_t(*addrs)
+            if pool is None:
+                fn(ptrs, 0, tasks)
+            else:
+                pool.run(fn, ptrs, bounds)
+        finally:
+            if ws is not None:
+                backend.free(ws, device)
+    return run

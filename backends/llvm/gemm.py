@@ -1,0 +1,727 @@
+"""The CPU GEMM template: a packed, cache-blocked, register-blocked matrix product in the BLIS
+manner, generated as LLVM IR with llvmlite.
+
+    for each task (a batch, a range of rows, a range of columns; one per thread)
+      for jc in columns, step NC:              B block KC x NC lives in L3
+        for pc in K, step KC:                  pack B[pc:, jc:] into NR-column panels
+          for ic in rows, step MC:             pack A[ic:, pc:] into MR-row panels (A block in L2)
+            for jr, ir in NR x MR micro-tiles: the micro-kernel: MR x NR accumulators in native
+                                               vectors, one FMA per vector per k (B panel in L1)
+
+Packing reads the operands through (batch, row, k) and (batch, k, column) strides, so a
+transposed or batched operand is never copied beforehand, and converts float16/bfloat16 to
+float32 (they accumulate in float32). The epilogue (a fused_gemm's bias, activation, scale and
+residual) runs on each micro-tile as soon as its last K block is written, while the tile is in
+L1: a small module of its own, called through a pointer, so a new epilogue compiles in ~0.1 s
+instead of recompiling the ~1 s core (the tile's round trip through L1 costs a few cycles a row).
+
+Only the micro-tile shape (MR, NR) and the dtypes are compiled into the core; the block sizes
+MC, KC, NC are run-time arguments, so the auto-tuner can search them without recompiling.
+Kernels of kind "dot_general" (a dot_general or fused_gemm equation) are described by
+`GemmProblem`; `backends/llvm/blas.py` runs the same description through numpy's BLAS."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from tilefuse.ir import dtypes
+from tilefuse.ir.errors import CompileError
+from tilefuse.ir.kernel.matmul import matmul_layout
+from tilefuse.runtime import compile_cache, dispatch
+from tilefuse.runtime.hardware import DeviceInfo
+
+from . import blas, vecmath
+from .compile import KernelFn, get_pool, get_target
+
+F32, I1, I16, I32, I64 = ir.FloatType(), ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+HALF = ir.HalfType()
+F32P = F32.as_pointer()
+I8P = ir.IntType(8).as_pointer()
+BF16 = np.dtype(dtypes.bfloat16)
+FLOATS = (np.dtype(np.float32), np.dtype(np.float16), BF16)
+
+
+@dataclass(frozen=True)
+class GemmParams:
+    """The template's parameters: the micro-tile (compiled in) and the cache blocks (run time)."""
+    mr: int = 12     # rows of the micro-tile: A values broadcast per k
+    nr: int = 32     # columns of the micro-tile: a multiple of the vector lanes
+    lanes: int = 16  # float32 lanes of one native vector
+    kc: int = 256    # depth of a packed block: the B micro-panel (KC x NR) stays in L1
+    mc: int = 144    # rows of the packed A block (MC x KC) kept in L2; a multiple of mr
+    nc: int = 4096   # columns of the packed B block (KC x NC) kept in L3; a multiple of nr
+    threads: int = 1
+
+    def __post_init__(self):
+        assert self.nr % self.lanes == 0 and self.mc % self.mr == 0 and self.nc % self.nr == 0, self
+
+
+def default_gemm_params(info: DeviceInfo) -> GemmParams:
+    """Parameters from the hardware description: the register file sets the micro-tile (with 32
+    vector registers 12 x 2 accumulators, 2 B vectors and a broadcast; with 16 registers 6 x 2),
+    L1 sets KC, L2 sets MC and L3 (shared by the cores) sets NC."""
+    lanes = max(4, info.simd_lanes_f32)
+    mr = 12 if lanes >= 16 else 6
+    nr = 2 * lanes
+    kc = int(np.clip((info.l1_bytes // 2) // (nr * 4) // 16 * 16, 64, 512))
+    # measured on znver4 (CPU time, one thread, N = 1024): KC 256 reaches 0.94 of OpenBLAS,
+    # 128 (half of L1 for the B panel) 0.80: a deeper block amortises the C tile's update
+    kc = max(kc, 256) if lanes >= 16 else kc
+    mc = int(np.clip((info.l2_bytes // 2) // (kc * 4) // mr * mr, mr, 48 * mr))  # MC 504: 0.96
+    l3 = info.l3_bytes or 4 * info.l2_bytes
+    nc = int(np.clip((l3 // (2 * max(1, info.compute_units))) // (kc * 4) // nr * nr, nr, 128 * nr))
+    return GemmParams(mr=mr, nr=nr, lanes=lanes, kc=kc, mc=mc, nc=nc, threads=info.compute_units)
+
+
+# ---- the problem a dot_general / fused_gemm kernel poses ----------------------------------------
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """C[b, i, j] = epilogue(sum_k A[b, i, k] B[b, k, j]) over buffers with these strides.
+    roles: per kernel input buffer, what it is ("lhs", "rhs" or an extra's index; the same
+    variable may be both operands, so a buffer can have several roles)."""
+    batch: int
+    m: int
+    n: int
+    k: int
+    a_strides: tuple   # (batch, row, k) in elements of A's buffer
+    b_strides: tuple   # (batch, k, column)
+    in_dtype: np.dtype
+    out_dtype: np.dtype
+    epilogue: tuple    # steps: ("add", extra), ("affine", scale, shift), (activation,)
+    extra_strides: tuple  # per extra: (batch, row) strides; columns are contiguous
+    roles: tuple       # per kernel input buffer: a tuple of roles
+    eqn: object = None
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
+
+    def shape_class(self) -> tuple:
+        """Problems that run alike: sizes bucketed to powers of two, layouts and dtypes exact."""
+        b2 = lambda v: 1 << max(0, int(v - 1).bit_length())
+        return (b2(self.batch), b2(self.m), b2(self.n), b2(self.k), self.a_strides[2] == 1,
+                self.b_strides[2] == 1, self.in_dtype.name, self.out_dtype.name)
+
+
+def gemm_problem(kernel) -> GemmProblem | None:
+    """The GEMM a dot_general or fused_gemm kernel computes, or None when its operands cannot be
+    read through strides (then another implementation runs it)."""
+    eqns = kernel.meta.get("eqns", ())
+    operands = kernel.meta.get("operands")
+    if len(eqns) != 1 or operands is None or eqns[0].prim.name not in ("dot_general", "fused_gemm"):
+        return None
+    e = eqns[0]
+    if not all(hasattr(a, "id") for a in e.inputs):  # a literal operand
+        return None
+    lay = matmul_layout(e)
+    out = e.outputs[0].aval
+    if lay is None or lay.dtype not in FLOATS or np.dtype(out.dtype) not in FLOATS:
+        return None
+    extra_strides = []
+    for x in e.inputs[2:]:
+        if x.aval.shape == out.shape:
+            extra_strides.append((lay.m * lay.n, lay.n))
+        elif x.aval.shape == (lay.n,):
+            extra_strides.append((0, 0))  # a row vector along the output's last axis
+        else:  # a row of a last axis shorter than N: the template cannot index it
+            return None
+    roles = tuple(tuple(r for r, a in zip(["lhs", "rhs", *range(len(e.inputs) - 2)], e.inputs)
+                        if a.id == v.id) for v in operands)
+    return GemmProblem(lay.batch, lay.m, lay.n, lay.k, lay.a_strides, lay.b_strides, lay.dtype,
+                       np.dtype(out.dtype), tuple(e.params.get("epilogue", ())),
+                       tuple(extra_strides), roles, e)
+
+
+# ---- code generation --------------------------------------------------------------------------
+
+# The core's entry point: fn(void **ptrs, i64 s, i64 e) runs tasks [s, e). The epilogue is its
+# own small module (compiled per epilogue in a fraction of the core's time), called per micro-tile
+# through a pointer: epilogue(ptrs, batch, row, col, rows, cols).
+PTR_A, PTR_B, PTR_C, PTR_DIMS, PTR_WORK, PTR_EPILOGUE, PTR_EXTRAS = range(7)
+DIMS_EXTRAS = 19  # dims[19 + 2i], dims[20 + 2i]: extra i's batch and row strides
+EPILOGUE_T = ir.FunctionType(ir.VoidType(), [I8P.as_pointer(), I64, I64, I64, I64, I64])
+
+
+class _Gen:
+    """Emits the core module: pack_a, pack_b, the micro-kernel and the entry point."""
+
+    def __init__(self, p: GemmParams, in_dtype, out_dtype):
+        self.p, self.in_dtype, self.out_dtype = p, np.dtype(in_dtype), np.dtype(out_dtype)
+        self.nv = p.nr // p.lanes
+        self.V = ir.VectorType(F32, p.lanes)
+        self.mod = ir.Module(name="gemm")
+
+    # -- small helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _storage(dtype):
+        return {"float32": F32, "float16": HALF, "bfloat16": I16}[np.dtype(dtype).name]
+
+    def _to_f32(self, b, v, dtype):
+        """A loaded value (scalar or vector) of `dtype` in float32."""
+        name = np.dtype(dtype).name
+        if name == "float32":
+            return v
+        ty = v.type
+        n = ty.count if isinstance(ty, ir.VectorType) else 0
+        f = ir.VectorType(F32, n) if n else F32
+        if name == "float16":
+            return b.fpext(v, f)
+        i32 = ir.VectorType(I32, n) if n else I32
+        return b.bitcast(b.shl(b.zext(v, i32), self._c(i32, 16)), f)
+
+    def _from_f32(self, b, v, dtype):
+        name = np.dtype(dtype).name
+        if name == "float32":
+            return v
+        ty = v.type
+        n = ty.count if isinstance(ty, ir.VectorType) else 0
+        if name == "float16":
+            return b.fptrunc(v, ir.VectorType(HALF, n) if n else HALF)
+        i32 = ir.VectorType(I32, n) if n else I32
+        bits = b.bitcast(v, i32)  # round to nearest even; NaN stays a quiet NaN
+        lsb = b.and_(b.lshr(bits, self._c(i32, 16)), self._c(i32, 1))
+        rounded = b.lshr(b.add(bits, b.add(lsb, self._c(i32, 0x7FFF))), self._c(i32, 16))
+        nan = b.or_(b.lshr(bits, self._c(i32, 16)), self._c(i32, 0x40))
+        isnan = b.fcmp_unordered("uno", v, v)
+        return b.trunc(b.select(isnan, nan, rounded), ir.VectorType(I16, n) if n else I16)
+
+    @staticmethod
+    def _c(ty, value):
+        if isinstance(ty, ir.VectorType):
+            return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
+        return ir.Constant(ty, value)
+
+    @staticmethod
+    def _i(v):
+        return ir.Constant(I64, int(v))
+
+    @staticmethod
+    def _splat(b, x, vt):
+        """A vector of type vt with x in every lane."""
+        one = b.insert_element(ir.Constant(vt, None), x, ir.Constant(I32, 0))
+        zeros = ir.Constant(ir.VectorType(I32, vt.count), [0] * vt.count)
+        return b.shuffle_vector(one, ir.Constant(vt, None), zeros)
+
+    def _func(self, name, args):
+        """An internal void function of `args` and a builder at its entry."""
+        fn = ir.Function(self.mod, ir.FunctionType(ir.VoidType(), args), name=name)
+        fn.linkage = "internal"
+        for a in fn.args:
+            if isinstance(a.type, ir.PointerType):
+                a.add_attribute("noalias")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        return fn, b
+
+    @staticmethod
+    def _loop(b, lo, hi, step, body, name):
+        """for (iv = lo; iv < hi; iv += step) body(iv)."""
+        pre = b.block
+        head = b.append_basic_block(name + ".head")
+        loop = b.append_basic_block(name + ".body")
+        done = b.append_basic_block(name + ".done")
+        b.branch(head)
+        b.position_at_end(head)
+        iv = b.phi(I64, name=name)
+        iv.add_incoming(lo, pre)
+        b.cbranch(b.icmp_signed("<", iv, hi), loop, done)
+        b.position_at_end(loop)
+        body(iv)
+        iv.add_incoming(b.add(iv, step), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
+    def _smin(self, b, x, y):
+        return b.select(b.icmp_signed("<", x, y), x, y)
+
+    def _tile_io(self, b, c, ldc, cols):
+        """(at(r, v), load(ptr, v), store(value, ptr, v)) on row r, vector v of a C tile at c,
+        masked to its first `cols` columns; values are float32 vectors."""
+        p = self.p
+        lane = ir.Constant(ir.VectorType(I64, p.lanes), list(range(p.lanes)))
+        limit = self._splat(b, cols, lane.type)
+        masks = [b.icmp_signed("<", b.add(lane, self._c(lane.type, v * p.lanes)), limit)
+                 for v in range(self.nv)]
+        CV = ir.VectorType(self._storage(self.out_dtype), p.lanes)
+
+        def at(r, v):
+            return b.bitcast(b.gep(c, [b.add(b.mul(r, ldc), self._i(v * p.lanes))]), CV.as_pointer())
+
+        def load(ptr, v):
+            x = b.call(self._masked_load(CV), [ptr, ir.Constant(I32, 2), masks[v], ir.Constant(CV, None)])
+            return self._to_f32(b, x, self.out_dtype)
+
+        def store(val, ptr, v):
+            b.call(self._masked_store(CV), [self._from_f32(b, val, self.out_dtype), ptr,
+                                            ir.Constant(I32, 2), masks[v]])
+        return at, load, store
+
+    # -- packing -------------------------------------------------------------------------------
+    def _pack(self, name, width):
+        """pack(src, s_outer, s_inner, n_outer, kc, dst): dst panels of `width` along the outer
+        axis, k-major inside a panel, zero-padded: dst[p*kc*width + k*width + r] =
+        src[(p*width + r)*s_outer + k*s_inner]. With s_outer == 1 a full panel's row of `width`
+        values is one vector load (B in row-major, A transposed); otherwise each of the panel's
+        rows is read along k (contiguous for a row-major A)."""
+        st = self._storage(self.in_dtype)
+        fn, b = self._func(name, [st.as_pointer(), I64, I64, I64, I64, F32P])
+        src, s_out, s_in, n_out, kc, dst = fn.args
+        w = self._i(width)
+
+        def panel(p0):
+            rows = self._smin(b, b.sub(n_out, p0), w)
+            base = b.mul(p0, kc)  # panel p0/width starts at p0*kc in dst
+
+            def vector_row(k):  # a full panel's row of `width` contiguous values: one load
+                at = b.gep(src, [b.add(p0, b.mul(k, s_in))])
+                v = b.load(b.bitcast(at, ir.VectorType(st, width).as_pointer()), align=2)
+                out = b.gep(dst, [b.add(base, b.mul(k, w))])
+                b.store(self._to_f32(b, v, self.in_dtype),
+                        b.bitcast(out, ir.VectorType(F32, width).as_pointer()), align=4)
+
+            def strided(r):  # one row of the operand along k (contiguous when s_in == 1)
+                row = b.gep(src, [b.mul(b.add(p0, r), s_out)])
+
+                def element(k):
+                    v = self._to_f32(b, b.load(b.gep(row, [b.mul(k, s_in)])), self.in_dtype)
+                    b.store(v, b.gep(dst, [b.add(base, b.add(b.mul(k, w), r))]))
+                self._loop(b, self._i(0), kc, self._i(1), element, name + ".k")
+
+            def zeros(r):  # the padding of a partial panel
+                self._loop(b, self._i(0), kc, self._i(1), lambda k: b.store(
+                    self._c(F32, 0.0), b.gep(dst, [b.add(base, b.add(b.mul(k, w), r))])), name + ".z")
+            vector = b.and_(b.icmp_signed("==", s_out, self._i(1)), b.icmp_signed("==", rows, w))
+            with b.if_else(vector) as (vec, gen):
+                with vec:
+                    self._loop(b, self._i(0), kc, self._i(1), vector_row, name + ".kv")
+                with gen:
+                    self._loop(b, self._i(0), rows, self._i(1), strided, name + ".r")
+                    self._loop(b, rows, w, self._i(1), zeros, name + ".pad")
+        self._loop(b, self._i(0), n_out, w, panel, name + ".p")
+        b.ret_void()
+        return fn
+
+    def _masked_load(self, vt):
+        name = f"llvm.masked.load.v{vt.count}{self._sfx(vt.element)}.p0"
+        fn = self.mod.globals.get(name)
+        if fn is None:
+            mask = ir.VectorType(I1, vt.count)
+            fn = ir.Function(self.mod, ir.FunctionType(vt, [vt.as_pointer(), I32, mask, vt]), name=name)
+        return fn
+
+    def _masked_store(self, vt):
+        name = f"llvm.masked.store.v{vt.count}{self._sfx(vt.element)}.p0"
+        fn = self.mod.globals.get(name)
+        if fn is None:
+            mask = ir.VectorType(I1, vt.count)
+            ty = ir.FunctionType(ir.VoidType(), [vt, vt.as_pointer(), I32, mask])
+            fn = ir.Function(self.mod, ty, name=name)
+        return fn
+
+    @staticmethod
+    def _sfx(t):
+        return {"float": "f32", "half": "f16", "i16": "i16"}[str(t)]
+
+    # -- the micro-kernel -------------------------------------------------------------------------
+    def _micro(self):
+        """micro(kc, ap, bp, c, ldc, mr_eff, nr_eff, first): C tile (+)= Ap panel x Bp panel."""
+        p, V, nv = self.p, self.V, self.nv
+        ct = self._storage(self.out_dtype)
+        fn, b = self._func("micro", [I64, F32P, F32P, ct.as_pointer(), I64, I64, I64, I1])
+        kc, ap, bp, c, ldc, mr_eff, nr_eff, first = fn.args
+        entry = b.block
+        head = b.append_basic_block("k.head")
+        body = b.append_basic_block("k.body")
+        done = b.append_basic_block("k.done")
+        b.branch(head)
+        b.position_at_end(head)
+        k = b.phi(I64, name="k")
+        k.add_incoming(self._i(0), entry)
+        zero = self._c(V, 0.0)
+        acc = [[b.phi(V, name=f"acc{r}_{v}") for v in range(nv)] for r in range(p.mr)]
+        for row in acc:
+            for a in row:
+                a.add_incoming(zero, entry)
+        b.cbranch(b.icmp_signed("<", k, kc), body, done)
+        b.position_at_end(body)
+        bk = b.gep(bp, [b.mul(k, self._i(p.nr))])
+        bvec = [b.load(b.bitcast(b.gep(bk, [self._i(v * p.lanes)]), V.as_pointer()), align=64)
+                for v in range(nv)]
+        ak = b.gep(ap, [b.mul(k, self._i(p.mr))])
+        new = []
+        for r in range(p.mr):
+            a = b.load(b.gep(ak, [self._i(r)]), align=4)
+            splat = self._splat(b, a, V)
+            new.append([vecmath.Emit(b).fma(splat, bvec[v], acc[r][v]) for v in range(nv)])
+        latch = b.block
+        k.add_incoming(b.add(k, self._i(1)), latch)
+        for r in range(p.mr):
+            for v in range(nv):
+                acc[r][v].add_incoming(new[r][v], latch)
+        b.branch(head)
+        b.position_at_end(done)
+
+        # write the tile: C (+)= acc, masked at the edges
+        at, load, store = self._tile_io(b, c, ldc, nr_eff)
+
+        def write(accumulate: bool):
+            for r in range(p.mr):
+                def row(r=r):
+                    for v in range(nv):
+                        ptr = at(self._i(r), v)
+                        store(b.fadd(acc[r][v], load(ptr, v)) if accumulate else acc[r][v], ptr, v)
+                if r == 0:
+                    row()
+                else:
+                    with b.if_then(b.icmp_signed("<", self._i(r), mr_eff)):
+                        row()
+        with b.if_else(first) as (set_, add_):
+            with set_:
+                write(False)
+            with add_:
+                write(True)
+        b.ret_void()
+        return fn
+
+    # -- the entry point ------------------------------------------------------------------------------
+    def build(self, fn_name: str) -> str:
+        """The module's text (see PTR_* for the entry point's pointers)."""
+        p = self.p
+        st, ct = self._storage(self.in_dtype), self._storage(self.out_dtype)
+        pack_a = self._pack("pack_a", p.mr)
+        pack_b = self._pack("pack_b", p.nr)
+        micro = self._micro()
+        fn = ir.Function(self.mod, ir.FunctionType(ir.VoidType(), [I8P.as_pointer(), I64, I64]), name=fn_name)
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        ptrs, s, e = fn.args
+        arg = lambda i, ty: b.bitcast(b.load(b.gep(ptrs, [self._i(i)])), ty)
+        A, B, C = arg(PTR_A, st.as_pointer()), arg(PTR_B, st.as_pointer()), arg(PTR_C, ct.as_pointer())
+        dims = arg(PTR_DIMS, I64.as_pointer())
+        work = arg(PTR_WORK, F32P)
+        epilogue = arg(PTR_EPILOGUE, EPILOGUE_T.as_pointer())
+        has_epilogue = b.icmp_unsigned("!=", epilogue, ir.Constant(EPILOGUE_T.as_pointer(), None))
+        d = lambda i: b.load(b.gep(dims, [self._i(i)]))
+        M, N, K = d(0), d(1), d(2)
+        sab, sam, sak, sbb, sbk, sbn = (d(i) for i in range(3, 9))
+        mch, nch, n_m, n_n, per, slot_size, kc_blk, mc_blk, nc_blk, a_block = (d(i) for i in range(9, 19))
+        slot = b.sdiv(s, per)
+        ap = b.gep(work, [b.mul(slot, slot_size)])
+        bp = b.gep(ap, [a_block])
+
+        def task(u):
+            bi = b.sdiv(u, b.mul(n_m, n_n))
+            mi = b.srem(b.sdiv(u, n_n), n_m)
+            ni = b.srem(u, n_n)
+            m_lo, n_lo = b.mul(mi, mch), b.mul(ni, nch)
+            m_hi, n_hi = self._smin(b, M, b.add(m_lo, mch)), self._smin(b, N, b.add(n_lo, nch))
+            a_b, b_b = b.gep(A, [b.mul(bi, sab)]), b.gep(B, [b.mul(bi, sbb)])
+            c_b = b.gep(C, [b.mul(bi, b.mul(M, N))])
+
+            def jc_loop(jc):
+                ncur = self._smin(b, nc_blk, b.sub(n_hi, jc))
+
+                def pc_loop(pc):
+                    kcur = self._smin(b, kc_blk, b.sub(K, pc))
+                    b_at = b.gep(b_b, [b.add(b.mul(pc, sbk), b.mul(jc, sbn))])
+                    b.call(pack_b, [b_at, sbn, sbk, ncur, kcur, bp])
+                    first = b.icmp_signed("==", pc, self._i(0))
+                    last = b.icmp_signed(">=", b.add(pc, kcur), K)
+
+                    def ic_loop(ic):
+                        mcur = self._smin(b, mc_blk, b.sub(m_hi, ic))
+                        a_at = b.gep(a_b, [b.add(b.mul(ic, sam), b.mul(pc, sak))])
+                        b.call(pack_a, [a_at, sam, sak, mcur, kcur, ap])
+
+                        def jr_loop(jr):
+                            def ir_loop(i_r):
+                                row, col = b.add(ic, i_r), b.add(jc, jr)
+                                cptr = b.gep(c_b, [b.add(b.mul(row, N), col)])
+                                rows = self._smin(b, self._i(p.mr), b.sub(mcur, i_r))
+                                cols = self._smin(b, self._i(p.nr), b.sub(ncur, jr))
+                                a_panel, b_panel = b.gep(ap, [b.mul(i_r, kcur)]), b.gep(bp, [b.mul(jr, kcur)])
+                                b.call(micro, [kcur, a_panel, b_panel, cptr, N, rows, cols, first])
+                                with b.if_then(b.and_(last, has_epilogue)):
+                                    b.call(epilogue, [ptrs, bi, row, col, rows, cols])
+                            self._loop(b, self._i(0), mcur, self._i(p.mr), ir_loop, "ir")
+                        self._loop(b, self._i(0), ncur, self._i(p.nr), jr_loop, "jr")
+                    self._loop(b, m_lo, m_hi, mc_blk, ic_loop, "ic")
+                self._loop(b, self._i(0), K, kc_blk, pc_loop, "pc")
+            self._loop(b, n_lo, n_hi, nc_blk, jc_loop, "jc")
+        self._loop(b, s, e, self._i(1), task, "task")
+        b.ret_void()
+        return str(self.mod)
+
+
+class _EpilogueGen(_Gen):
+    """Emits an epilogue module: epilogue(ptrs, batch, row, col, rows, cols) applies the steps to
+    a rows x cols tile of C (rows <= MR, cols <= NR) in place."""
+
+    def __init__(self, p: GemmParams, out_dtype, epilogue, n_extras: int):
+        super().__init__(p, out_dtype, out_dtype)
+        self.epilogue, self.n_extras = epilogue, n_extras
+
+    def build(self, fn_name: str) -> str:
+        p = self.p
+        ct = self._storage(self.out_dtype)
+        fn = ir.Function(self.mod, EPILOGUE_T, name=fn_name)
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        ptrs, bi, row, col, rows, cols = fn.args
+        arg = lambda i: b.bitcast(b.load(b.gep(ptrs, [self._i(i)])), ct.as_pointer())
+        dims = b.bitcast(b.load(b.gep(ptrs, [self._i(PTR_DIMS)])), I64.as_pointer())
+        d = lambda i: b.load(b.gep(dims, [self._i(i)]))
+        M, N = d(0), d(1)
+        c = b.gep(arg(PTR_C), [b.add(b.mul(bi, b.mul(M, N)), b.add(b.mul(row, N), col))])
+        extras = []  # per extra: the pointer to its element at the tile's origin, its row stride
+        for i in range(self.n_extras):
+            sb, sm = d(DIMS_EXTRAS + 2 * i), d(DIMS_EXTRAS + 2 * i + 1)
+            origin = b.add(b.mul(bi, sb), b.add(b.mul(row, sm), col))
+            extras.append((b.gep(arg(PTR_EXTRAS + i), [origin]), sm))
+        at, load, store = self._tile_io(b, c, N, cols)
+
+        def one_row(r):
+            for v in range(self.nv):
+                ptr = at(r, v)
+                val = load(ptr, v)
+                for step in self.epilogue:
+                    if step[0] == "add":  # extra rows are read like C's, with their own stride
+                        x, sm = extras[step[1]]
+                        xptr = b.bitcast(b.gep(x, [b.add(b.mul(r, sm), self._i(v * p.lanes))]),
+                                         ptr.type)
+                        val = b.fadd(val, load(xptr, v))
+                    else:
+                        val = self._activation(b, step, val)
+                store(val, ptr, v)
+        self._loop(b, self._i(0), rows, self._i(1), one_row, "row")
+        b.ret_void()
+        return str(self.mod)
+
+    @staticmethod
+    def _activation(b, step, v):
+        """A step other than "add" on the float32 vector v."""
+        em = vecmath.Emit(b)
+        V = v.type
+        op = step[0]
+        if op == "affine":
+            return em.fma(v, em.c(V, step[1]), em.c(V, step[2]))
+        if op == "relu":
+            return b.select(em.lt(v, em.c(V, 0.0)), em.c(V, 0.0), v)
+        if op == "silu":
+            return b.fmul(v, vecmath.logistic(em, v))
+        if op == "tanh":
+            return vecmath.tanh(em, v)
+        if op == "sigmoid":
+            return vecmath.logistic(em, v)
+        if op == "gelu_tanh":
+            inner = b.fmul(em.c(V, math.sqrt(2.0 / math.pi)),
+                           em.fma(b.fmul(em.c(V, 0.044715), b.fmul(v, v)), v, v))
+            return b.fmul(b.fmul(em.c(V, 0.5), v), b.fadd(em.c(V, 1.0), vecmath.tanh(em, inner)))
+        if op == "gelu_erf":
+            e = vecmath.erf(em, b.fmul(v, em.c(V, 1.0 / math.sqrt(2.0))))
+            return b.fmul(b.fmul(em.c(V, 0.5), v), b.fadd(em.c(V, 1.0), e))
+        raise CompileError(f"the GEMM template has no epilogue step {step}")
+
+
+# ---- compiling and running ------------------------------------------------------------------------
+
+def _digest() -> str:
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+_DIGEST = _digest()
+_loaded: dict = {}  # cache key -> the function's address
+
+
+def _load(info: DeviceInfo, spec: tuple, make_gen) -> int:
+    """Compile (or fetch from the caches) the module make_gen() emits; its function's address."""
+    target = get_target(info)
+    key = compile_cache.make_key("gemm", _DIGEST, repr(spec), target.fingerprint)
+    address = _loaded.get(key)
+    if address is None:
+        fn_name = "tf_gemm_" + key[:24]
+        text = None
+
+        def build() -> bytes:
+            nonlocal text
+            text = make_gen().build(fn_name)
+            return target.compile_ir(text, fn_name, f"gemm template {spec}")
+        with target.lock:
+            obj = target.cache.get_or_build(key, build)
+            address = _loaded[key] = target.load(obj, fn_name, text, f"gemm template {spec}")
+    return address
+
+
+def _compile(info: DeviceInfo, p: GemmParams, prob: GemmProblem) -> tuple:
+    """(the core as a ctypes function, the epilogue's address or 0)."""
+    core = ("core", p.mr, p.nr, p.lanes, prob.in_dtype.name, prob.out_dtype.name)
+    fn = KernelFn(_load(info, core, lambda: _Gen(p, prob.in_dtype, prob.out_dtype)))
+    if not prob.epilogue:
+        return fn, 0
+    n_x = len(prob.extra_strides)
+    spec = ("epilogue", p.nr, p.lanes, prob.out_dtype.name, prob.epilogue, n_x)
+    return fn, _load(info, spec, lambda: _EpilogueGen(p, prob.out_dtype, prob.epilogue, n_x))
+
+
+PARALLEL_MIN_FLOPS = 2_000_000  # below this waking the second thread costs more than it saves
+
+
+def _chunk(extent: int, threads: int, unit: int) -> int:
+    """A thread's share of `extent`, rounded up to whole micro-tiles of `unit`."""
+    share = -(-extent // threads)
+    return -(-share // unit) * unit
+
+
+class GemmKernel:
+    """A compiled GEMM for one problem: `run(buffers)` in kernel.buffers order."""
+
+    def __init__(self, prob: GemmProblem, params: GemmParams, info: DeviceInfo, backend):
+        self.prob, self.params, self.backend = prob, params, backend
+        self._fn, epilogue = _compile(info, params, prob)
+        p = params
+        kc = p.kc
+        nc = p.nc
+        if prob.out_dtype != np.float32:  # 16-bit C cannot hold partial sums: one K block
+            kc = max(prob.k, 1)
+            nc = max(p.nr, min(nc, p.nc * p.kc // kc // p.nr * p.nr))
+        threads = p.threads if prob.flops >= PARALLEL_MIN_FLOPS else 1
+        mch, nch, n_m, n_n = prob.m, prob.n, 1, 1
+        if threads > 1 and prob.batch % threads:
+            # split the longer of M and N: each thread packs all of the other operand's blocks
+            split_n = prob.n >= threads * p.nr and (prob.n > prob.m or prob.m < threads * p.mr)
+            if split_n:
+                nch = _chunk(prob.n, threads, p.nr)
+                n_n = -(-prob.n // nch)
+            elif prob.m >= threads * p.mr:
+                mch = _chunk(prob.m, threads, p.mr)
+                n_m = -(-prob.m // mch)
+        tasks = prob.batch * n_m * n_n
+        threads = min(threads, tasks)
+        per = -(-tasks // threads)
+        self.bounds = [(s, min(s + per, tasks)) for s in range(0, tasks, per)]
+        # blocks of equal size (no thin last block), at most MC x NC
+        mc = _chunk(mch, -(-mch // p.mc), p.mr)
+        nc = _chunk(nch, -(-nch // nc), p.nr)
+        kc = min(kc, max(prob.k, 1))
+        a_block = -(-mc * kc // 16) * 16  # B's block starts 64-byte aligned (aligned loads)
+        slot = a_block + kc * nc
+        self.work_bytes = len(self.bounds) * slot * 4 + 64
+        dims = [prob.m, prob.n, prob.k, *prob.a_strides, *prob.b_strides, mch, nch, n_m, n_n, per,
+                slot, kc, mc, nc, a_block]
+        for sb, sm in prob.extra_strides:
+            dims += [sb, sm]
+        self._dims = np.array(dims, np.int64)
+        self._pool = get_pool(threads) if len(self.bounds) > 1 else None
+        self._ptrs = [0] * (PTR_EXTRAS + len(prob.extra_strides))
+        self._ptrs[PTR_DIMS], self._ptrs[PTR_EPILOGUE] = self._dims.ctypes.data, epilogue
+        self._ptrs_t = ctypes.c_void_p * len(self._ptrs)
+        # kernel input buffer -> its places in ptrs (the same variable may be several operands)
+        place = {"lhs": PTR_A, "rhs": PTR_B}
+        self._places = [[PTR_EXTRAS + r if isinstance(r, int) else place[r] for r in roles]
+                        for roles in prob.roles]
+
+    def __call__(self, buffers) -> None:
+        ptrs = list(self._ptrs)
+        for places, buf in zip(self._places, buffers):
+            for i in places:
+                ptrs[i] = buf.ctypes.data
+        ptrs[PTR_C] = buffers[-1].ctypes.data
+        work = self.backend.alloc(self.work_bytes)
+        try:
+            ptrs[PTR_WORK] = (work.ctypes.data + 63) // 64 * 64
+            arr = self._ptrs_t(*ptrs)
+            if self._pool is None:
+                self._fn(arr, *self.bounds[0])
+            else:
+                self._pool.run(self._fn, arr, self.bounds)
+        finally:
+            self.backend.free(work)
+
+    def __repr__(self):
+        pr = self.prob
+        return f"<GemmKernel {pr.batch}x{pr.m}x{pr.n}x{pr.k} {self.params}>"
+
+
+def build_gemm(kernel, device, backend, params: GemmParams | None = None) -> GemmKernel:
+    """Compile a dot_general kind kernel with the template (explicit params for the tuner)."""
+    info = backend._info(device)
+    prob = gemm_problem(kernel)
+    if prob is None:
+        raise CompileError(f"kernel {kernel.name} is not a GEMM the template can read",
+                           kernel=str(kernel))
+    return GemmKernel(prob, params or default_gemm_params(info), info, backend)
+
+
+# ---- the candidates and the choice between them --------------------------------------------------
+
+SMALL_FLOPS = 2 * 32 ** 3  # below this the generic kernel (no packing, no threads) is as fast
+MODES = ("auto", "generated", "vendor", "generic")  # generic: the kernel IR's loop nest (to compare)
+_measured: dict = {}  # shape class -> "generated" | "vendor"
+
+
+def _time(fn, buffers, repeat: int = 3) -> float:
+    import time
+    fn(buffers)  # warm: pages touched, pool woken
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn(buffers)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _measure(kernel, prob: GemmProblem, device) -> str:
+    """Time both candidates once on scratch buffers of the kernel's sizes: the faster wins."""
+    backend = device.backend
+    bufs = [backend.alloc(max(b.size * np.dtype(b.dtype).itemsize, 1), device) for b in kernel.buffers]
+    try:
+        for b in bufs:
+            b.fill(0)
+        gen = build_gemm(kernel, device, backend)
+        ven = blas.build_vendor(prob)
+        return "generated" if _time(gen, bufs) <= _time(ven, bufs) else "vendor"
+    finally:
+        for b in bufs:
+            backend.free(b, device)
+
+
+def choice(kernel, device) -> str:
+    """"generated", "vendor" or "generic" (the kernel IR) for a dot_general kind kernel on the CPU:
+    forced by TILEFUSE_GEMM / tx.config.gemm, else (auto) the generic kernel for tiny or
+    unreadable problems, the template for 16-bit floats (numpy has no 16-bit BLAS), and
+    otherwise the faster of the two, measured once per shape class."""
+    from tilefuse.runtime.config import config
+    mode = config.gemm
+    if mode not in MODES:
+        raise ValueError(f"tilefuse.config.gemm is {mode!r}; choose one of {', '.join(MODES)} "
+                         "(or set TILEFUSE_GEMM)")
+    prob = gemm_problem(kernel)
+    if prob is None or prob.k == 0 or prob.batch * prob.m * prob.n == 0:
+        return "generic"
+    if mode != "auto":
+        return mode
+    if prob.flops < SMALL_FLOPS:
+        return "generic"
+    if prob.in_dtype != np.float32 or prob.out_dtype != np.float32:
+        return "generated"
+    key = prob.shape_class() + (bool(prob.epilogue),)
+    if key not in _measured:
+        _measured[key] = _measure(kernel, prob, device)
+    return _measured[key]
+
+
+def _build_vendor(kernel, device, backend):
+    return blas.build_vendor(gemm_problem(kernel))
+
+
+for _kind in ("dot_general", "fused_gemm"):
+    dispatch.register(dispatch.Implementation(
+        "generated_gemm", _kind, build_gemm, ("cpu",),
+        lambda kernel, device: choice(kernel, device) == "generated", priority=20))
+    dispatch.register(dispatch.Implementation(
+        "vendor_gemm", _kind, _build_vendor, ("cpu",),
+        lambda kernel, device: choice(kernel, device) == "vendor", priority=15))

@@ -1,0 +1,136 @@
+"""Object code for many kernels at once, built in worker processes.
+
+llvmlite serialises every call into LLVM behind one lock, so threads cannot compile kernels in
+parallel; processes can. When a graph needs several kernels that no cache holds, they are
+rendered and compiled by this process and `python -m tilefuse.backends.llvm.parallel` workers
+(started once, on first need, one per other core; plain subprocesses, so a user's script is never re-imported the
+way multiprocessing's spawn does), and the resulting object code waits in `_built` until
+compile_kernel takes it (then it goes to the disk cache like any other object).
+
+A worker that fails or dies only loses the parallelism: whatever it did not build is compiled
+in-process by compile_kernel, which reports errors as usual (with the kernel at fault).
+TILEFUSE_COMPILE_WORKERS=0 turns this off."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+
+MIN_KERNELS = 4  # below this, starting workers costs more than it saves
+_built: dict[str, bytes] = {}  # cache key -> object code, taken once by compile_kernel
+_workers: list = []
+_lock = threading.Lock()
+
+
+def take(key: str) -> bytes | None:
+    return _built.pop(key, None)
+
+
+def _worker_count() -> int:
+    env = os.environ.get("TILEFUSE_COMPILE_WORKERS")
+    if env is not None:
+        return max(0, int(env))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class _Worker:
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def build(self, job: tuple) -> bytes | None:
+        """Object code for (kernel, symbol, params), or None if the worker could not."""
+        data = pickle.dumps(job)
+        try:
+            self.proc.stdin.write(len(data).to_bytes(8, "little") + data)
+            self.proc.stdin.flush()
+            head = _read(self.proc.stdout, 9)
+            payload = _read(self.proc.stdout, int.from_bytes(head[1:], "little"))
+        except (OSError, EOFError, ValueError):
+            self.proc.kill()
+            return None
+        return payload if head[0] == 0 else None
+
+
+def _read(f, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise EOFError("worker closed its pipe")
+    return data
+
+
+def _pool(n: int) -> list:
+    with _lock:
+        _workers[:] = [w for w in _workers if w.alive()]
+        while len(_workers) < n:
+            try:
+                _workers.append(_Worker())
+            except OSError:  # no fork/exec here: compile in-process
+                break
+        return list(_workers[:n])
+
+
+def build_objects(todo: dict, local) -> None:
+    """Compile {cache key: (kernel, symbol, KernelParams)} into `_built`: this process (through
+    `local(kernel, symbol, params) -> object code`) and one worker per other core at once."""
+    n = min(_worker_count(), len(todo)) - 1
+    if len(todo) < MIN_KERNELS or n < 1:
+        return
+    jobs: queue.Queue = queue.Queue()
+    # the biggest first: everyone finishes at about the same time
+    for key, job in sorted(todo.items(), key=lambda kv: -len(kv[1][0].stores)):
+        jobs.put((key, job))
+
+    def drain(build):
+        while True:
+            try:
+                key, job = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                obj = build(job)
+            except Exception:  # compile_kernel compiles it again and reports the error
+                obj = None
+            if obj is None:
+                return
+            _built[key] = obj
+
+    def remote(worker):
+        return lambda job: worker.build((dataclasses.replace(job[0], meta={}),) + job[1:])
+
+    threads = [threading.Thread(target=drain, args=(remote(w),), daemon=True) for w in _pool(n)]
+    for t in threads:
+        t.start()
+    drain(lambda job: local(*job))
+    for t in threads:
+        t.join()
+
+
+def _serve() -> None:
+    """The worker: requests (kernel, symbol, params) on stdin, object code on stdout."""
+    from tilefuse.backends.llvm.compile import get_target, render_ir
+    from tilefuse.runtime.hardware import host_info
+    target = get_target(host_info())
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        head = inp.read(8)
+        if len(head) < 8:
+            return
+        kernel, fn_name, params = pickle.loads(_read(inp, int.from_bytes(head, "little")))
+        try:
+            status, payload = 0, target.compile_ir(render_ir(kernel, fn_name, params), fn_name, "")
+        except Exception as e:  # reported by compile_kernel, which compiles it again in-process
+            status, payload = 1, str(e).encode()
+        out.write(bytes([status]) + len(payload).to_bytes(8, "little") + payload)
+        out.flush()
+
+
+if __name__ == "__main__":
+    _serve()

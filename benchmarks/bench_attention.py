@@ -1,0 +1,166 @@
+"""Attention, B=4 H=4 D=64, S=256 and 1024, causal and not, forward and forward+backward:
+tilefuse on `cpu` (nn.dot_product_attention, and the same attention written out with tnp and
+found by the pattern pass), numpy's naive code, and PyTorch's scaled_dot_product_attention and
+JAX's jit where importable, in one run: medians, GFLOP/s and ratios against tilefuse.
+
+    python benchmarks/bench_attention.py [--seqs 256,1024] [--repeat 7] [--only fwd]
+
+FLOPs count the two matmuls of the forward (4·B·H·S²·D, halved when causal) and 2.5 times that
+for forward+backward. "extra MiB" is tilefuse's pool peak above the inputs during one call (the
+S x S scores are never stored: linear in S), and numpy's / PyTorch's growth in RSS is not
+measured here (see benchmarks/bench_train.py for whole-process peaks)."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import fmt_seconds, side_by_side, time_median  # noqa: E402
+
+B, H, D = 4, 4, 64
+
+
+# ---- numpy: the naive code (B, H, S, D) ----------------------------------------------------------
+
+def _np_probs(q, k, causal):
+    s = q @ np.swapaxes(k, -1, -2) * (1 / math.sqrt(q.shape[-1]))
+    if causal:
+        n = s.shape[-1]
+        s = np.where(np.tri(n, dtype=bool), s, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_forward(q, k, v, causal):
+    return _np_probs(q, k, causal) @ v
+
+
+def np_forward_backward(q, k, v, g, causal):
+    p = _np_probs(q, k, causal)
+    out = p @ v
+    dv = np.swapaxes(p, -1, -2) @ g
+    dp = g @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - np.sum(dp * p, -1, keepdims=True)) * (1 / math.sqrt(q.shape[-1]))
+    return out, ds @ k, np.swapaxes(ds, -1, -2) @ q, dv
+
+
+# ---- tilefuse ------------------------------------------------------------------------------------
+
+def tilefuse_cases(q, k, v, g, causal):
+    """name -> (forward call, forward+backward call, extra MiB of the forward+backward)."""
+    import tilefuse as tx
+    import tilefuse.numpy as tnp
+    from tilefuse import nn
+
+    dev = tx.get_device("cpu")
+    to_bshd = lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2))  # noqa: E731
+    qs, ks, vs, gs = (tx.device_put(to_bshd(x), "cpu") for x in (q, k, v, g))
+    qh, kh, vh, gh = (tx.device_put(x, "cpu") for x in (q, k, v, g))
+
+    def api(q, k, v):
+        return nn.dot_product_attention(q, k, v, causal=causal)
+
+    def written(q, k, v):  # (B, H, S, D) written out: the pattern pass makes it fused_attention
+        s = q @ tnp.swapaxes(k, -1, -2) * (1 / math.sqrt(D))
+        if causal:
+            s = tnp.where(tnp.tril(tnp.ones(s.shape[-2:], tnp.bool_)), s, -np.inf)
+        return nn.softmax(s) @ v
+
+    out = {}
+    for name, f, args, cot in (("tilefuse nn.dot_product_attention", api, (qs, ks, vs), gs),
+                               ("tilefuse written out (pattern)", written, (qh, kh, vh), gh)):
+        fwd = tx.jit(f)
+        both = tx.jit(lambda q, k, v, g, f=f: tx.vjp(f, q, k, v)[1](g))
+        run_fwd = lambda fwd=fwd, args=args: fwd(*args).block_until_ready()  # noqa: E731
+        run_both = lambda both=both, args=args, cot=cot: [  # noqa: E731
+            x.block_until_ready() for x in both(*args, cot)]
+        run_both()
+        pool = dev.backend.pool
+        pool.reset_peak()
+        before = pool.stats()["bytes_in_use"]
+        run_both()
+        extra = (pool.stats()["peak_bytes_in_use"] - before) / 2 ** 20
+        out[name] = (run_fwd, run_both, extra)
+    return out
+
+
+# ---- PyTorch and JAX, when importable ---------------------------------------------------------------
+
+def torch_cases(q, k, v, g, causal):
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return {}
+    tq, tk, tv, tg = (torch.from_numpy(x) for x in (q, k, v, g))
+
+    def fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+    def both():
+        a, b, c = (x.detach().requires_grad_() for x in (tq, tk, tv))
+        F.scaled_dot_product_attention(a, b, c, is_causal=causal).backward(tg)
+    return {f"torch {torch.__version__} SDPA": (fwd, both, None)}
+
+
+def jax_cases(q, k, v, g, causal):
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        return {}
+
+    def attn(q, k, v):
+        return jax.nn.dot_product_attention(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2),
+                                            jnp.swapaxes(v, 1, 2), is_causal=causal)
+    fwd = jax.jit(attn)
+    both = jax.jit(lambda q, k, v, g: jax.vjp(attn, q, k, v)[1](jnp.swapaxes(g, 1, 2)))
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    cot = jnp.asarray(g)
+    return {f"jax {jax.__version__} jit": (lambda: fwd(*args).block_until_ready(),
+                                            lambda: jax.block_until_ready(both(*args, cot)), None)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="256,1024")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--only", choices=("fwd", "both"), default=None)
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    for s in (int(x) for x in args.seqs.split(",")):
+        for causal in (False, True):
+            q, k, v, g = (rng.standard_normal((B, H, s, D)).astype(np.float32) for _ in range(4))
+            flops = 4 * B * H * s * s * D * (0.5 if causal else 1.0)
+            cases = tilefuse_cases(q, k, v, g, causal)
+            cases["numpy naive"] = (lambda: np_forward(q, k, v, causal),
+                                    lambda: np_forward_backward(q, k, v, g, causal), None)
+            cases.update(torch_cases(q, k, v, g, causal))
+            cases.update(jax_cases(q, k, v, g, causal))
+            results = {}
+            for name, (fwd, both, extra) in cases.items():
+                r = {}
+                if args.only in (None, "fwd"):
+                    t = time_median(fwd, warmup=2, repeat=args.repeat, max_seconds=20).median
+                    r.update({"fwd": t, "fwd GFLOP/s": flops / t / 1e9})
+                if args.only in (None, "both"):
+                    t = time_median(both, warmup=1, repeat=args.repeat, max_seconds=30).median
+                    r.update({"fwd+bwd": t, "fwd+bwd GFLOP/s": 2.5 * flops / t / 1e9})
+                if extra is not None:
+                    r["extra MiB"] = extra
+                results[name] = r
+            metrics = [m for m in ("fwd", "fwd GFLOP/s", "fwd+bwd", "fwd+bwd GFLOP/s", "extra MiB")
+                       if any(m in r for r in results.values())]
+            print(side_by_side(results, metrics, baseline="tilefuse nn.dot_product_attention",
+                               formats={"fwd": fmt_seconds, "fwd+bwd": fmt_seconds},
+                               title=f"attention B={B} H={H} D={D} S={s}{' causal' if causal else ''}"))
+            print()
+
+
+if __name__ == "__main__":
+    main()

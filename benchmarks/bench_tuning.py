@@ -1,0 +1,149 @@
+"""Default against tuned: the GEMM shapes of the char-GPT training step (examples/
+train_transformer.py: batch 32, seq 64, d_model 128, 2 layers) on the CPU GEMM template, next to
+numpy's BLAS on the same buffers, and the training step itself before and after `tx.tune`.
+
+    python benchmarks/bench_tuning.py                    # 30 trials per GEMM, 8 per step kernel
+    python benchmarks/bench_tuning.py --trials 10 --no-step
+
+Each GEMM problem (one per shape class: the tuning database's granularity) is timed with the
+template's default parameters (from DeviceInfo), tuned by optuna's TPE for --trials trials (the
+two times are medians measured in alternation), next to numpy's matmul on contiguous operands of
+the same sizes (no epilogue; the faster of its default threads and one). The target: tuned at
+least 15% faster than the default wherever the default is not already within 5% of numpy. The
+step is then tuned whole and timed compiled without and with the tuning database, in alternation.
+The tuning goes to temporary databases, not the user's. The machines are shared and noisy: read ratios."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "examples")]
+from common import emit, run_worker, table, time_median  # noqa: E402
+
+
+def gemm_kernels(step, args):
+    """One kernel per GEMM shape class that the template runs in the step, slowest first."""
+    import tilefuse as tx
+    from tilefuse.backends.llvm.gemm import gemm_problem
+    from tilefuse.runtime import tuner
+    step(*args)
+    with tx.profile() as prof:
+        step(*args)
+    seen, out = set(), []
+    for r in sorted(prof.records, key=lambda r: -r.seconds):
+        k = r.info.kernel
+        t = tuner.template_for(r.info.impl, k, r.info.device) if k is not None else None
+        if t is None or t.name != "cpu_gemm":
+            continue
+        key = t.key(k)
+        if key not in seen:
+            seen.add(key)
+            out.append((k, gemm_problem(k), r.info.device))
+    return out
+
+
+def numpy_worker(shapes: list) -> None:
+    """In a subprocess: numpy's matmul on contiguous float32 operands of each (batch, m, n, k)."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    out = {}
+    for batch, m, n, k in shapes:
+        a = rng.standard_normal((batch, m, k)).astype(np.float32)[0 if batch == 1 else slice(None)]
+        b = rng.standard_normal((batch, k, n)).astype(np.float32)[0 if batch == 1 else slice(None)]
+        c = np.matmul(a, b)
+        out[f"{batch}x{m}x{n}x{k}"] = time_median(lambda: np.matmul(a, b, out=c), warmup=2, repeat=15).median
+    emit(out)
+
+
+def numpy_seconds(problems) -> dict:
+    """numpy's BLAS (without the epilogue; BLAS takes transposed operands at the same speed), the
+    faster of its default threads and one thread: on a busy machine OpenBLAS's spinning threads
+    can be ten times slower than one."""
+    shapes = sorted({(p.batch, p.m, p.n, p.k) for p in problems})
+    best: dict = {}
+    for env in ({}, {"OPENBLAS_NUM_THREADS": "1"}):
+        got = run_worker([os.path.abspath(__file__), "--numpy-worker", json.dumps(shapes)], env=env,
+                         timeout=600)
+        if "error" in got:
+            raise RuntimeError(f"numpy worker: {got['error']}")
+        for key, v in got.items():
+            if key != "peak_rss_mib":
+                best[key] = min(best.get(key, v), v)
+    return best
+
+
+def bench_gemms(trials: int) -> list:
+    import tilefuse as tx
+    import train_transformer as tt
+    from tilefuse.runtime import tuner
+    tx.config.gemm = "generated"  # every GEMM on the template, to tune it
+    try:
+        step, args = tt.tuning_workload()
+        rows = []
+        found = gemm_kernels(step, args)
+        numpy_s_of = numpy_seconds([prob for _, prob, _ in found])
+        for kernel, prob, dev in found:
+            numpy_s = numpy_s_of[f"{prob.batch}x{prob.m}x{prob.n}x{prob.k}"]
+            bar = tuner.progress_bar(trials, True)
+            try:
+                res = tuner.tune_kernel(kernel, dev, trials=trials, bar=bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            d, t = res.default_seconds, res.best_seconds
+            shape = f"{prob.batch}x{prob.m}x{prob.n}x{prob.k}" + (" +epi" if prob.epilogue else "")
+            near = d <= 1.05 * numpy_s
+            rows.append((shape, f"{numpy_s * 1e3:.3f}", f"{d * 1e3:.3f}", f"{t * 1e3:.3f}", f"{d / t:.2f}x",
+                         f"{numpy_s / t:.2f}x", "n/a: default within 5% of numpy" if near else
+                         ("met" if d / t >= 1.15 else "missed"),
+                         " ".join(f"{k}={v}" for k, v in res.best.items())))
+        return rows
+    finally:
+        tx.config.gemm = "auto"
+
+
+def bench_step(trials: int, min_share: float, db: str) -> list:
+    """The step tuned whole; tx.tune then times it compiled without and with the tuning database,
+    in alternation."""
+    import tilefuse as tx
+    import train_transformer as tt
+    step, args = tt.tuning_workload()
+    tx.config.tuning_db = db
+    report = tx.tune(step, *args, trials=trials, min_share=min_share)
+    print(report.table())
+    before, after = report.default_seconds, report.tuned_seconds
+    return [("train step", f"{before * 1e3:.1f}", f"{after * 1e3:.1f}", f"{before / after:.2f}x",
+             f"{len(report.results)} kernels tuned, {len(report.skipped)} skipped")]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=30, help="trials per GEMM shape")
+    p.add_argument("--step-trials", type=int, default=8, help="trials per kernel of the step")
+    p.add_argument("--min-share", type=float, default=0.005, help="skip step kernels under this share")
+    p.add_argument("--no-step", action="store_true")
+    p.add_argument("--no-gemm", action="store_true")
+    p.add_argument("--numpy-worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.numpy_worker:
+        return numpy_worker(json.loads(a.numpy_worker))
+    import tilefuse as tx
+    with tempfile.TemporaryDirectory() as d:
+        if not a.no_gemm:
+            tx.config.tuning_db = os.path.join(d, "gemm.sqlite")
+            rows = bench_gemms(a.trials)
+            print(table(["GEMM (batch x m x n x k)", "numpy ms", "default ms", "tuned ms", "tuned vs default",
+                         "tuned vs numpy", "15% target", "tuned parameters"], rows,
+                        title=f"CPU GEMM template on the train step's shapes, {a.trials} trials each"))
+        if not a.no_step:
+            rows = bench_step(a.step_trials, a.min_share, os.path.join(d, "step.sqlite"))
+            print(table(["workload", "default ms", "tuned ms", "speedup", "tuning"], rows,
+                        title=f"training step on {tx.default_device()}, {a.step_trials} trials per kernel"))
+
+
+if __name__ == "__main__":
+    main()

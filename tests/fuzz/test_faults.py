@@ -1,0 +1,171 @@
+"""Faults: the pool limit reached in the middle of a call, a compiler failure in one kernel, a
+training run killed while it writes a checkpoint, a damaged cache entry. Each gives a clear
+error (or a warning) and leaves nothing broken behind: the next call succeeds."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+from tilefuse.runtime import compile_cache as cc
+from tilefuse.runtime.memory import size_class
+
+import tilefuse as tx
+import tilefuse.numpy as tnp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _pool_of(device):
+    """The device's PoolAllocator: the cpu backend has one, OpenCL one per device."""
+    be = device.backend
+    state = getattr(be, "_state", None)
+    return getattr(be, "pool", None) or (getattr(state(device), "pool", None) if state else None)
+
+
+def test_pool_limit_mid_call_raises_and_the_next_call_succeeds(device):
+    pool = _pool_of(device)
+    if pool is None:
+        pytest.skip(f"{device} has no memory pool")
+    n = 1 << 16  # 256 KiB per output
+    x = tx.device_put(np.linspace(-1, 1, n, dtype=np.float32), device)
+    f = tx.jit(lambda x: (x * 2.0, x + 1.0, tnp.tanh(x)))
+    f(x)  # compiled, and its blocks are cached in the pool
+    pool.empty_cache()
+    before = pool.stats()
+    old_limit = pool.limit
+    # room for one output block and a half: the second allocation of the call fails
+    pool.limit = before["bytes_reserved"] + size_class(4 * n) * 3 // 2
+    try:
+        with pytest.raises(tx.OutOfMemoryError, match=r"pool limit .*TILEFUSE_POOL_LIMIT"):
+            f(x)
+        after = pool.stats()
+        assert after["alloc_calls"] >= before["alloc_calls"] + 2  # it failed part way through
+        assert after["bytes_in_use"] == before["bytes_in_use"]  # what it had was given back
+    finally:
+        pool.limit = old_limit
+    a, b, c = (np.asarray(o) for o in f(x))
+    xs = np.asarray(x)
+    np.testing.assert_allclose(a, xs * 2)
+    np.testing.assert_allclose(b, xs + 1)
+    np.testing.assert_allclose(c, np.tanh(xs), rtol=1e-6, atol=1e-6)
+
+
+def test_pool_limit_from_the_environment():
+    child = ("import numpy as np, tilefuse as tx\n"
+             "try:\n"
+             "    tx.jit(lambda x: x * 2, device='cpu')(np.ones(1 << 20, np.float32))\n"
+             "except tx.OutOfMemoryError as e:\n"
+             "    print('OOM', e)\n")
+    env = {**os.environ, "TILEFUSE_POOL_LIMIT": "1M"}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "OOM cpu: cannot allocate 4.0 MiB" in out.stdout and "pool limit 1.0 MiB" in out.stdout
+
+
+def test_a_compiler_failure_names_the_kernel_and_leaves_the_cache_clean(monkeypatch, tmp_path):
+    if "cpu" not in [d.name for d in tx.devices()]:
+        pytest.skip("the cpu device is unavailable")
+    from tilefuse.backends.llvm import compile as lc
+    monkeypatch.setenv("TILEFUSE_COMPILE_WORKERS", "0")  # compile here, where the fault is
+    target = lc.get_target(tx.get_device("cpu").info)
+    monkeypatch.setattr(target, "cache", cc.CompileCache("llvm", str(tmp_path)))
+    real = lc.Target.compile_ir
+
+    def broken(self, text, fn_name, kernel_text):  # LLVM rejects the tanh kernel's IR
+        if " tanh " in kernel_text:
+            text += "\nthis is not LLVM IR\n"
+        return real(self, text, fn_name, kernel_text)
+    monkeypatch.setattr(lc.Target, "compile_ir", broken)
+
+    salt = float(uuid.uuid4().int % 1000) + 0.5  # kernels no cache has seen
+    f = tx.jit(lambda x: (x * salt, tnp.tanh(x + salt).sum()), device="cpu")
+    x = np.linspace(-1, 1, 64, dtype=np.float32)
+    with pytest.raises(tx.CompileError, match=r"LLVM could not compile kernel") as err:
+        f(x)
+    assert " tanh " in err.value.kernel and "tanh" in str(err.value)
+    assert f.cache_size() == 0
+    entries = os.listdir(os.path.join(tmp_path, "llvm"))
+    assert not [e for e in entries if e.startswith(".tmp")]
+    cache = target.cache
+    for e in entries:  # what was stored is whole, and none of it is the failed kernel
+        assert cache.load(e[:-4]) is not None
+
+    monkeypatch.setattr(lc.Target, "compile_ir", real)  # the fault is gone: the call succeeds
+    a, s = f(x)
+    np.testing.assert_allclose(np.asarray(a), x * salt, rtol=1e-6)
+    np.testing.assert_allclose(float(s), np.tanh(x + salt).sum(), rtol=1e-5)
+    assert len(os.listdir(os.path.join(tmp_path, "llvm"))) > len(entries)
+
+
+def test_a_damaged_cache_entry_is_ignored_with_a_warning(tmp_path):
+    cache = cc.CompileCache("warn", str(tmp_path))
+    key = cc.make_key("kernel")
+    cache.store(key, b"object code" * 10)
+    with open(cache.path(key), "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        f.write(b"\x00" * 5)
+    with pytest.warns(cc.CacheWarning, match=r"corrupt .* ignored and rebuilt"):
+        assert cache.get_or_build(key, lambda: b"rebuilt") == b"rebuilt"
+    assert cache.load(key) == b"rebuilt"
+
+
+# ---- a training run killed while it saves ------------------------------------------------------
+
+TRAIN = ["--d-model", "16", "--layers", "1", "--heads", "2", "--seq", "8", "--batch", "4",
+         "--max-chars", "20000", "--eval-batches", "1", "--eval-every", "0", "--sample", "0",
+         "--quiet", "--device", "ref", "--ckpt-every", "2", "--steps", "6", "--lr", "1e-2"]
+
+# the child trains; its second checkpoint write stops half way, says so, and waits to be killed
+KILLED_CHILD = r"""
+import io, sys, time
+import numpy as np
+sys.path.insert(0, "examples")
+import train_transformer as T
+real, saves = np.savez, []
+def savez_then_hang(f, **arrays):
+    saves.append(1)
+    if len(saves) < 2:
+        return real(f, **arrays)
+    buf = io.BytesIO()
+    real(buf, **arrays)
+    f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+    f.flush()
+    print("HALF-WRITTEN", flush=True)
+    time.sleep(600)
+np.savez = savez_then_hang
+T.main(sys.argv[1:])
+"""
+
+
+def _train(args):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_transformer as T
+    return T.train(T.parse_args(args))
+
+
+def test_a_run_killed_mid_save_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, *TRAIN, "--out", out], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == "HALF-WRITTEN", (line, p.stderr.read() if p.poll() is not None else "")
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    ckpt = os.path.join(out, "checkpoint.npz")
+    with np.load(ckpt, allow_pickle=False) as z:  # the step-2 checkpoint, whole
+        assert int(z["step"]) == 2
+    monkeypatch.chdir(ROOT)
+    resumed = _train([*TRAIN, "--out", out, "--resume"])
+    full = _train([*TRAIN, "--out", str(tmp_path / "full")])
+    assert resumed["step"] == full["step"] == 6
+    for a, b in zip(tx.tree_leaves(resumed["params"]), tx.tree_leaves(full["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert full["losses"][2:] == resumed["losses"]

@@ -1,0 +1,115 @@
+"""What is read from disk is never unpickled: the compile cache holds raw bytes behind a header
+checked by hash, checkpoints load with allow_pickle=False (a pickled entry is refused, its code
+never run), pyopencl's pickle caches stay off; the cache directory is private (0700)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tilefuse.runtime import compile_cache as cc
+
+import tilefuse as tx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# code that reads files: none of it may unpickle (backends/llvm/parallel.py pickles jobs to its
+# own worker process over a pipe, never through a file, and is the one exception)
+READERS = ("runtime", "backends", "tilefuse", "tracer", "ir", "autodiff", "examples")
+PIPE_ONLY = {os.path.join("backends", "llvm", "parallel.py")}
+UNSAFE = re.compile(r"pickle\.loads?\(|from pickle import load|marshal\.loads?\(|shelve\.open|"
+                    r"allow_pickle\s*=\s*True|dill\.|joblib\.load")
+
+
+def test_no_code_that_reads_files_unpickles():
+    found = []
+    for top in READERS:
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                path = os.path.join(d, name)
+                rel = os.path.relpath(path, ROOT)
+                if name.endswith(".py") and rel not in PIPE_ONLY:
+                    with open(path, encoding="utf-8") as f:
+                        text = f.read()
+                    found += [f"{rel}: {m.group(0)}" for m in UNSAFE.finditer(text)]
+                    if "np.load(" in text and "allow_pickle=False" not in text:
+                        found.append(f"{rel}: np.load without allow_pickle=False")
+    assert not found, found
+
+
+def test_cache_directory_is_private_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        cc.CompileCache("ns", str(tmp_path / "fresh"))
+        (tmp_path / "open").mkdir(mode=0o777)
+        cc.CompileCache("ns", str(tmp_path / "open"))  # an existing directory of ours is closed
+    finally:
+        os.umask(old)
+    for d in ("fresh", "fresh/ns", "open", "open/ns"):
+        assert os.stat(tmp_path / d).st_mode & 0o777 == 0o700, d
+
+
+def test_cache_entries_are_keyed_and_verified_by_hash(tmp_path):
+    cache = cc.CompileCache("ns", str(tmp_path))
+    a, b = cc.make_key("kernel a"), cc.make_key("kernel b")
+    assert len(a) == 64 and a != b  # a sha256 of everything that decides the code
+    cache.store(a, b"code of a")
+    os.replace(cache.path(a), cache.path(b))  # a valid entry under another key's name
+    with pytest.warns(cc.CacheWarning):
+        assert cache.load(b) is None
+    cache.store(a, b"code of a")
+    with open(cache.path(a), "r+b") as f:  # flip one bit of the payload
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 1]))
+    with pytest.warns(cc.CacheWarning):
+        assert cache.load(a) is None
+
+
+class _Exploit:
+    """Unpickling this writes a marker file: proof that a pickle ran."""
+    marker = ""
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_holding_a_pickle_is_refused_and_never_run(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_transformer as T
+    monkeypatch.setattr(tx.config, "default_device", "ref")
+    cfg = T.Config(vocab=20, d_model=8, layers=1, heads=2, seq=4)
+    params = T.init_params(tx.random.key(0), cfg)
+    opt_state = T.make_optimizer(1e-3, 10).init(params)
+    path = str(tmp_path / "ck.npz")
+    T.save_checkpoint(path, step=1, params=params, opt_state=opt_state, key=tx.random.key(1),
+                      data_pos=0, cfg=cfg)
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    _Exploit.marker = str(tmp_path / "pwned")
+    evil = np.empty(1, object)
+    evil[0] = _Exploit()
+    arrays["step"] = evil  # numpy pickles object arrays into the .npz
+    np.savez(path, **arrays)
+    with pytest.raises(tx.TilefuseError, match="cannot be used: it is corrupt"):
+        T.load_checkpoint(path, params, opt_state, cfg)
+    assert not os.path.exists(_Exploit.marker)
+
+
+def test_opencl_leaves_no_pickle_cache(tmp_path):
+    if not tx.devices("opencl"):
+        pytest.skip("no OpenCL device")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path),
+           "TILEFUSE_CACHE_DIR": str(tmp_path / "tf")}
+    env.pop("PYOPENCL_NO_CACHE", None)
+    code = ("import numpy as np, tilefuse as tx\n"
+            "print(np.asarray(tx.jit(lambda x: x * 2 + 1, device='opencl:0')(np.ones(4, np.float32))))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0 and "[3. 3. 3. 3.]" in out.stdout, out.stderr
+    written = [os.path.relpath(os.path.join(d, f), tmp_path) for d, _, fs in os.walk(tmp_path) for f in fs]
+    # PoCL's own kernel cache (native code it builds and keys itself) is the ICD's business
+    assert not [w for w in written if "pytools" in w or "pyopencl" in w or w.startswith("tf")], written

@@ -1,0 +1,229 @@
+"""Fused attention: the primitive against numpy and finite differences, FlashAttention on every
+device (forward and backward, causal or not, sequences that are not a multiple of the block),
+the pattern pass (each written form is rewritten, wrong forms are left alone, every rewrite
+computes what the unfused graph did), vmap, bad masks, and memory linear in S on the CPU."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import tilefuse as tx
+import tilefuse.numpy as tnp
+from tilefuse import nn
+from tilefuse.autodiff.check import check_grads
+from tilefuse.ir import primitives as P
+from tilefuse.ir.core import ShapedArray, eval_graph
+from tilefuse.ir.errors import ShapeError
+from tilefuse.ir.passes import run_passes
+from tilefuse.ir.passes.manager import PIPELINE
+
+BSHD = (0, 2, 1, 3)  # nn.dot_product_attention's layout: (batch, seq, heads, features)
+
+
+def attention64(q, k, v, mask=None, causal=False, scale=None):
+    """numpy float64 reference in nn's layout: (B, S, H, D)."""
+    q, k, v = (np.asarray(x, np.float64).transpose(BSHD) for x in (q, k, v))
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    sq, sk = s.shape[-2:]
+    keep = np.ones(s.shape, bool)
+    if mask is not None:
+        keep &= mask
+    if causal:
+        keep &= np.tri(sq, sk, sk - sq, dtype=bool)
+    s = np.where(keep, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    total = e.sum(-1, keepdims=True)
+    return (e / np.where(total > 0, total, 1) @ v).transpose(BSHD)
+
+
+def _inputs(rng, b, s, h, d, dtype=np.float32):
+    return [rng.standard_normal((b, s, h, d)).astype(dtype) for _ in range(3)]
+
+
+def test_forward_and_backward_on_every_device(device, rng):
+    """FlashAttention (cpu) or the composite kernels (elsewhere) against numpy; S = 70 is not
+    a multiple of the blocks (128 queries, 64 keys); a mask leaves some queries with no key."""
+    cases = [dict(causal=True, mask=None),
+             dict(causal=False, mask=rng.random((2, 70, 70)) > 0.4)]
+    for case in cases:
+        case["mask"] is not None and case["mask"][:, 3].fill(False)  # fully masked rows
+        q, k, v = _inputs(rng, 1, 70, 2, 8)
+        g = rng.standard_normal(q.shape).astype(np.float32)
+
+        def loss(q, k, v):
+            out = nn.dot_product_attention(q, k, v, mask=case["mask"], causal=case["causal"])
+            return (out * g).sum(), out
+        (_, out), grads = tx.jit(tx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        want = attention64(q, k, v, case["mask"], case["causal"])
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
+        dims = (BSHD,) * 3
+        bias = () if case["mask"] is None else (np.where(case["mask"], 0, -np.inf)[None],)
+        q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+        (packed,) = P.fused_attention_bwd.impl(q64, k64, v64, *bias, want, g.astype(np.float64),
+                                               scale=1 / math.sqrt(8), causal=case["causal"], dims=dims)
+        want_grads = np.split(packed, [q.size, 2 * q.size])
+        want_grads = [w.reshape(q.shape) for w in want_grads]
+        for got, w in zip(grads, want_grads):
+            np.testing.assert_allclose(np.asarray(got), w, rtol=1e-4, atol=1e-5)
+
+
+def test_reference_gradients_match_finite_differences(rng):
+    """The primitive's VJP (fused_attention_bwd) in float64, by central differences (on ref)."""
+    q, k, v = _inputs(rng, 1, 5, 2, 3, np.float64)
+    mask = rng.random((2, 5, 5)) > 0.3
+    old, tx.config.default_device = tx.config.default_device, "ref"
+    try:
+        for causal, m in ((False, None), (True, mask)):
+            check_grads(lambda q, k, v: nn.dot_product_attention(q, k, v, mask=m, causal=causal),
+                        (q, k, v), order=1, modes=("rev",))
+    finally:
+        tx.config.default_device = old
+
+
+def test_mask_of_the_wrong_shape_is_named(rng):
+    q, k, v = _inputs(rng, 2, 5, 3, 4)
+    with pytest.raises(ShapeError, match=r"mask of shape \(4, 5\)"):
+        nn.dot_product_attention(q, k, v, mask=np.ones((4, 5), bool))
+    f32 = np.dtype(np.float32)
+    with pytest.raises(ShapeError, match=r"bias of shape \(7, 5, 5\)"):
+        P.fused_attention.abstract_eval(*(ShapedArray((2, 5, 4), f32) for _ in range(3)),
+                                        ShapedArray((7, 5, 5), f32), scale=1.0, causal=False,
+                                        dims=((0, 1, 2),) * 3)
+
+
+def test_vmap_adds_a_batch_axis(rng):
+    q, k, v = (rng.standard_normal((3, 1, 6, 2, 4)).astype(np.float32) for _ in range(3))
+    got = tx.vmap(lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True))(q, k, v)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(got)[i], attention64(q[i], k[i], v[i], causal=True),
+                                   rtol=1e-4, atol=1e-5)
+
+
+# ---- the pattern pass ----------------------------------------------------------------------------
+
+S, D = 5, 4
+C = 1 / math.sqrt(D)
+CAUSAL = np.tril(np.ones((S, S), bool))
+
+
+def _softmax(x):  # the plain numpy form: no guards
+    e = tnp.exp(x - tnp.max(x, axis=-1, keepdims=True))
+    return e / tnp.sum(e, axis=-1, keepdims=True)
+
+
+def _t(x):
+    return tnp.swapaxes(x, -1, -2)
+
+
+# name -> (function, layout of q/k/v given (B, H, S, D) arrays, causal expected)
+FORMS = {
+    "scale after the matmul": (lambda q, k, v: nn.softmax(q @ _t(k) * C) @ v, "bhsd", False),
+    "scale on q": (lambda q, k, v: nn.softmax((q * C) @ _t(k)) @ v, "bhsd", False),
+    "divide by sqrt(d), numpy softmax": (
+        lambda q, k, v: _softmax(q @ _t(k) / math.sqrt(D)) @ v, "bhsd", False),
+    "einsum (B, S, H, D), tnp.where causal": (
+        lambda q, k, v: tnp.einsum("bhqk,bkhd->bqhd", nn.softmax(tnp.where(
+            tnp.tril(tnp.ones((S, S), tnp.bool_)), tnp.einsum("bqhd,bkhd->bhqk", q, k) * C, -np.inf)), v),
+        "bshd", True),
+    "add a -inf triangle": (
+        lambda q, k, v: _softmax(q @ _t(k) * C + tnp.triu(tnp.full((S, S), -np.inf), 1)) @ v, "bhsd", True),
+    "heads first (H, B, S, D), mask constant": (
+        lambda q, k, v: nn.softmax(tnp.where(CAUSAL, q @ _t(k) * C, -np.inf)) @ v, "hbsd", True),
+    "bias inside the scale": (lambda q, k, v: nn.softmax((q @ _t(k) + BIAS) * C) @ v, "bhsd", False),
+    "bool mask constant": (lambda q, k, v: nn.softmax(tnp.where(MASK, q @ _t(k) * C, -np.inf)) @ v,
+                           "bhsd", False),
+}
+NOT_ATTENTION = {
+    "softmax over the query axis": lambda q, k, v: nn.softmax(q @ _t(k) * C, axis=-2) @ v,
+    "masked with 0, not -inf": lambda q, k, v: nn.softmax(tnp.where(CAUSAL, q @ _t(k) * C, 0.0)) @ v,
+    "weights transposed": lambda q, k, v: _t(nn.softmax(q @ _t(k) * C)) @ v,
+    "a negative factor outside the mask": lambda q, k, v: nn.softmax(
+        tnp.where(CAUSAL, q @ _t(k), -np.inf) * -1.0) @ v,
+    "weights read again": lambda q, k, v: (nn.softmax(q @ _t(k) * C) @ v, nn.softmax(q @ _t(k) * C)),
+}
+_rng = np.random.default_rng(1)
+BIAS = _rng.standard_normal((S, S)).astype(np.float32)
+MASK = _rng.random((2, 1, S, S)) > 0.3
+
+
+def _layout(arrays, layout):
+    perm = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3), "hbsd": (1, 0, 2, 3)}[layout]
+    return [np.ascontiguousarray(a.transpose(perm)) for a in arrays]
+
+
+def _evaluate(graph, args):
+    return eval_graph(graph, args, lambda e, xs: e.prim.impl(*xs, **e.params))
+
+
+def _unfused(graph):
+    return run_passes(graph, [p for p in PIPELINE if p[0] != "fuse_attention"])
+
+
+def test_each_written_form_is_rewritten_and_computes_the_same(rng):
+    base = [rng.standard_normal((2, 3, S, D)).astype(np.float32) for _ in range(3)]
+    for name, (f, layout, causal) in FORMS.items():
+        args = _layout(base, layout)
+        traced = tx.make_graph(f)(*args)
+        g = run_passes(traced)
+        fused = [e for e in g.eqns if e.prim is P.fused_attention]
+        assert len(fused) == 1 and g.count("dot_general") == 0, f"{name}:\n{g}"
+        assert fused[0].params["causal"] == causal, name
+        (want,) = _evaluate(_unfused(traced), args)
+        (got,) = _evaluate(g, args)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_mask_argument_becomes_the_bias(rng):
+    """A bool mask that is a function argument (not a constant): an additive bias operand."""
+    q, k, v = (rng.standard_normal((2, 3, S, D)).astype(np.float32) for _ in range(3))
+    mask = rng.random((3, 1, S)) > 0.3  # per head and key: broadcast over the queries
+
+    def f(q, k, v, mask):
+        return nn.softmax(tnp.where(mask, q @ _t(k) * C, -np.inf)) @ v
+    traced = tx.make_graph(f)(q, k, v, mask)
+    g = run_passes(traced)
+    (e,) = [e for e in g.eqns if e.prim is P.fused_attention]
+    assert len(e.inputs) == 4 and e.inputs[3].aval.shape == (1, 3, 1, S)
+    (want,) = _evaluate(_unfused(traced), [q, k, v, mask])
+    (got,) = _evaluate(g, [q, k, v, mask])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_wrong_forms_are_left_alone(rng):
+    args = [rng.standard_normal((2, 3, S, D)).astype(np.float32) for _ in range(3)]
+    for name, f in NOT_ATTENTION.items():
+        g = run_passes(tx.make_graph(f)(*args))
+        assert g.count("fused_attention") == 0, f"{name}:\n{g}"
+
+
+def test_dot_product_attention_is_one_fused_op():
+    q, k, v = (np.ones((2, 8, 2, 4), np.float32) for _ in range(3))
+    g = run_passes(tx.make_graph(lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True))(q, k, v))
+    assert g.count("fused_attention") == 1 and g.count("dot_general") == 0
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+
+def test_cpu_memory_is_linear_in_the_sequence():
+    """Forward and backward at S = 2048: the pool's peak above the inputs stays below one S x S
+    float32 matrix per head (the unfused graph would hold several)."""
+    if "cpu" not in [d.kind for d in tx.devices()]:
+        pytest.skip("no cpu device")
+    s, h, d = 2048, 2, 64
+    rng = np.random.default_rng(0)
+    q, k, v = (tx.device_put(rng.standard_normal((1, s, h, d)).astype(np.float32), "cpu") for _ in range(3))
+    f = tx.jit(tx.grad(lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True).sum(),
+                       argnums=(0, 1, 2)), device="cpu")
+    np.asarray(f(q, k, v)[0])  # compile
+    dev = tx.get_device("cpu")
+    pool = dev.backend.pool
+    pool.reset_peak()
+    before = pool.stats()["bytes_in_use"]
+    grads = f(q, k, v)
+    np.asarray(grads[0])
+    extra = pool.stats()["peak_bytes_in_use"] - before
+    assert extra < s * s * 4, f"{extra / 2**20:.1f} MiB at S={s}"

@@ -1,0 +1,124 @@
+"""tilefuse.nn.conv2d on every device: against a direct numpy convolution (a sum over kernel taps,
+not im2col), finite differences for its gradients, vmap, and the shape errors.
+
+Each test traces all its cases into one jitted function: one compile per device."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tilefuse as tx
+import tilefuse.numpy as tnp
+from tilefuse import nn
+from tilefuse.ir.errors import ShapeError, TilefuseError
+from tilefuse.ir.passes import partition, run_passes
+
+from conftest import assert_close
+
+
+def np_conv2d(x, w, stride=(1, 1), padding=((0, 0), (0, 0)), dilation=(1, 1), groups=1):
+    """out[n, o, y, x] = sum over taps (i, j) and the group's channels c of
+    w[o, c, i, j] * x_padded[n, c, y * sh + i * dh, x * sw + j * dw], in float64."""
+    (sh, sw), (dh, dw) = stride, dilation
+    xp = np.pad(np.asarray(x, np.float64), ((0, 0), (0, 0)) + tuple(padding))
+    n, _, hp, wp = xp.shape
+    o, cg, kh, kw = w.shape
+    oh, ow = (hp - (kh - 1) * dh - 1) // sh + 1, (wp - (kw - 1) * dw - 1) // sw + 1
+    og = o // groups
+    out = np.zeros((n, o, oh, ow))
+    for g in range(groups):
+        for i in range(kh):
+            for j in range(kw):
+                win = xp[:, g * cg:(g + 1) * cg, i * dh:i * dh + (oh - 1) * sh + 1:sh,
+                         j * dw:j * dw + (ow - 1) * sw + 1:sw]
+                out[:, g * og:(g + 1) * og] += np.einsum("nchw,oc->nohw", win,
+                                                         w[g * og:(g + 1) * og, :, i, j])
+    return out
+
+
+# (x shape, w shape, conv2d keywords, the same as explicit numpy arguments)
+CASES = [
+    ((2, 3, 7, 6), (4, 3, 3, 3), dict(padding=1), dict(padding=((1, 1), (1, 1)))),
+    ((1, 4, 9, 8), (6, 2, 3, 2), dict(stride=2, padding=(1, 0), groups=2),  # non-square, groups
+     dict(stride=(2, 2), padding=((1, 1), (0, 0)), groups=2)),
+    ((1, 2, 8, 9), (3, 2, 2, 3), dict(stride=(1, 2), padding=((2, 0), (1, 1)), dilation=(2, 1)),
+     dict(stride=(1, 2), padding=((2, 0), (1, 1)), dilation=(2, 1))),
+    ((2, 4, 5, 5), (5, 4, 1, 1), dict(stride=2, padding="VALID"), dict(stride=(2, 2))),  # 1x1
+    ((1, 6, 6, 7), (6, 1, 3, 3), dict(padding="SAME", groups=6),  # depthwise
+     dict(padding=((1, 1), (1, 1)), groups=6)),
+    ((1, 3, 7, 8), (2, 3, 3, 4), dict(padding="SAME", stride=2, dilation=2),
+     dict(stride=(2, 2), padding=((2, 2), (2, 3)), dilation=(2, 2))),
+]
+
+
+def _data(rng, cases, dtype=np.float32):
+    return [(rng.standard_normal(xs).astype(dtype), rng.standard_normal(ws).astype(dtype))
+            for xs, ws, _, _ in cases]
+
+
+def test_conv2d_matches_numpy(device, rng):
+    data = _data(rng, CASES)
+    # and vmap over a leading axis of x (the weights shared): a conv per example
+    xs = rng.standard_normal((3, 2, 4, 6, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 2, 3, 2)).astype(np.float32)
+
+    @tx.jit
+    def convs(data, xs):
+        batched = tx.vmap(lambda x: nn.conv2d(x, w, stride=(2, 1), padding=1, groups=2))(xs)
+        return [nn.conv2d(x, w, **kw) for (x, w), (_, _, kw, _) in zip(data, CASES)], batched
+
+    outs, batched = convs(data, xs)
+    for out, (x, w_), (_, _, _, np_kw) in zip(outs, data, CASES):
+        assert_close(out, np_conv2d(x, w_, **np_kw), np.float32, rtol=1e-4, atol=1e-4)
+    for b in range(3):
+        assert_close(np.asarray(batched)[b], np_conv2d(xs[b], w, (2, 1), ((1, 1), (1, 1)), groups=2),
+                     np.float32, rtol=1e-4, atol=1e-4)
+
+
+def test_conv2d_gradients(device, rng):
+    cases = CASES[1:3]  # stride, padding, groups, dilation, a non-square kernel
+    data = _data(rng, cases, np.float64)
+
+    def convs(data):
+        return [nn.conv2d(x, w, **kw) for (x, w), (_, _, kw, _) in zip(data, cases)]
+
+    tx.check_grads(tx.jit(convs), (data,), modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+def test_im2col_windows_are_read_in_place():
+    """Forward, the strided windows are read by the concatenate's kernels (one pass over the
+    patch matrix); backward, by the pads that put their cotangents back: no index-map-only
+    kernel writes a window to memory, and the GEMMs stay dot_generals for the template."""
+    x, w = np.ones((2, 4, 6, 6), np.float32), np.ones((4, 2, 3, 3), np.float32)
+
+    def f(x, w):
+        return nn.conv2d(x, w, stride=2, padding=1, groups=2)
+    for fn, n_dots in ((f, 1), (tx.grad(lambda x, w: tnp.sum(f(x, w) ** 2), argnums=(0, 1)), 3)):
+        regions = partition(run_passes(tx.make_graph(fn)(x, w)))
+        kinds = [r.kind for r in regions]
+        assert kinds.count("dot_general") == n_dots, kinds
+        assert not any(r.kind == "fused" and {e.prim.name for e in r.eqns} & {"slice"} and
+                       all(e.prim.name in ("slice", "transpose", "reshape") for e in r.eqns)
+                       for r in regions), [str(r) for r in regions]
+        (concat,) = [r for r in regions if r.kind == "concatenate"]
+        assert [e.prim.name for e in concat.eqns].count("slice") == 9
+
+
+def test_conv2d_shape_errors():
+    x = np.ones((1, 4, 5, 5), np.float32)
+    with pytest.raises(ShapeError, match=r"w has 3 input channels.*x \(1, 4, 5, 5\), w \(2, 3, 3, 3\)"):
+        nn.conv2d(x, np.ones((2, 3, 3, 3), np.float32))
+    with pytest.raises(ShapeError, match=r"groups=3 must .* dividing the input channels 4"):
+        nn.conv2d(x, np.ones((3, 1, 3, 3), np.float32), groups=3)
+    with pytest.raises(ShapeError, match=r"output channels 3"):
+        nn.conv2d(x, np.ones((3, 2, 3, 3), np.float32), groups=2)
+    with pytest.raises(ShapeError, match=r"kernel \(6, 3\) .* more than the padded input \(5, 5\)"):
+        nn.conv2d(x, np.ones((2, 4, 6, 3), np.float32))
+    with pytest.raises(ShapeError, match=r"spans \(7, 7\) with dilation \(3, 3\).*\(6, 6\)"):
+        nn.conv2d(x, np.ones((2, 4, 3, 3), np.float32), dilation=3, padding=((1, 0), (0, 1)))
+    with pytest.raises(ShapeError, match=r"x must be \(N, C, H, W\)"):
+        nn.conv2d(x[0], np.ones((2, 4, 3, 3), np.float32))
+    with pytest.raises(TilefuseError, match="stride"):
+        nn.conv2d(x, np.ones((2, 4, 3, 3), np.float32), stride=0)
+    with pytest.raises(TilefuseError, match="padding"):
+        nn.conv2d(x, np.ones((2, 4, 3, 3), np.float32), padding="FULL")
