@@ -4,6 +4,7 @@ where importable, in one run; GFLOP/s of the median time and ratios to numpy. Th
 are timed in interleaved rounds, so that a noisy machine's load falls on all of them alike.
 
     python benchmarks/bench_gemm.py [--sizes 256,512,1024,2048] [--repeat 10] [--no-transformer]
+    taskset -c 0 python benchmarks/bench_gemm.py --clock cpu     # one core each, CPU time
 
 Rows: float32 squares, the transformer example's GEMMs (examples/train_transformer.py: batch 32,
 seq 64, d_model 128, so M = 2048: the fused QKV projection, the attention output, the MLP, the
@@ -39,15 +40,19 @@ def _gelu_np(y):
 
 
 def _tilefuse(mode: str, fn, args):
-    """A timed callable of jit(fn) on `cpu` with TILEFUSE_GEMM=mode, inputs already on the device."""
+    """A timed callable of fn compiled on `cpu` with TILEFUSE_GEMM=mode (the executable itself:
+    a jitted call would look its executable up under the setting of the moment), inputs already
+    on the device; and the GEMM implementations it runs."""
     import tilefuse as tx
-    tx.config.gemm = mode
-    cpu = tx.get_device("cpu")
-    dev_args = [tx.device_put(a, cpu) for a in args]
-    f = tx.jit(fn, device=cpu)
-    impls = {l.impl for l in f.lower(*dev_args).compile().program.launches
-             if l.kind in ("dot_general", "fused_gemm")}
-    return (lambda: f(*dev_args).block_until_ready()), ",".join(sorted(impls))
+    old, tx.config.gemm = tx.config.gemm, mode
+    try:
+        cpu = tx.get_device("cpu")
+        dev_args = [tx.device_put(a, cpu) for a in args]
+        exe = tx.jit(fn, device=cpu).lower(*dev_args).compile()
+    finally:
+        tx.config.gemm = old
+    impls = {l.impl for l in exe.program.launches if l.kind in ("dot_general", "fused_gemm")}
+    return (lambda: exe(dev_args)[0].block_until_ready()), ",".join(sorted(impls))
 
 
 def _others(a, b, transposed: bool):
@@ -70,7 +75,8 @@ def _others(a, b, transposed: bool):
     return out
 
 
-def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, repeat=10):
+def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, repeat=10,
+             clock=time.perf_counter):
     import tilefuse.numpy as tnp
     from tilefuse import nn
     rng = np.random.default_rng(0)
@@ -93,11 +99,11 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
         fns[mode], impls[mode] = _tilefuse(mode, fn, args)
     if dtype == np.float32 and not epilogue:
         fns.update(_others(a, b, transposed))
-    times = interleaved(fns, repeat)
+    times = interleaved(fns, repeat, clock)
     return {who: flops / t / 1e9 for who, t in times.items()}, impls
 
 
-def interleaved(fns: dict, repeat: int) -> dict:
+def interleaved(fns: dict, repeat: int, clock=time.perf_counter) -> dict:
     """Median seconds of each callable, measured in rounds (each once per round, after a warm-up
     each): on a shared, noisy machine every contender sees the same moments of load."""
     samples = {who: [] for who in fns}
@@ -105,9 +111,9 @@ def interleaved(fns: dict, repeat: int) -> dict:
         f(), f()  # warm: compiled, pages touched, threads awake
     for _ in range(repeat):
         for who, f in fns.items():
-            t = time.perf_counter()
+            t = clock()
             f()
-            samples[who].append(time.perf_counter() - t)
+            samples[who].append(clock() - t)
     return {who: statistics.median(ts) for who, ts in samples.items()}
 
 
@@ -120,6 +126,10 @@ def main():
     ap.add_argument("--sizes", default="256,512,1024,2048")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-transformer", action="store_true")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (all threads), the work each contender does, "
+                         "insensitive to other processes' load; under `taskset -c 0` every contender "
+                         "runs on one core")
     args = ap.parse_args()
     from tilefuse.backends.llvm.gemm import default_gemm_params
 
@@ -137,7 +147,8 @@ def main():
 
     rows, others = [], set()
     for name, m, n, k, t, d, epi in cases:
-        g, impls = run_case(name, m, n, k, t, d, epi, args.repeat)
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        g, impls = run_case(name, m, n, k, t, d, epi, args.repeat, clock)
         others |= set(g) - {"numpy", "generated", "vendor"}
         rows.append([name, f"{g['numpy']:.0f}", *(_cell(g, w) for w in ("generated", "vendor", "torch", "jax"))])
         print(f"  {name}: " + ", ".join(f"{w} {v:.0f}" for w, v in g.items()) +

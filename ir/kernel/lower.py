@@ -183,11 +183,16 @@ class _Builder:
                 rule = VALUE_RULES.get(e.prim.name)
                 if rule is None:
                     raise CompileError(f"no kernel lowering for the primitive {e.prim.name}")
-                # 16-bit floats round once per operation, fused or not (as eagerly): a value
-                # kept in float32 would show through a convert, a comparison or an overflow
-                hit = round_to(rule(self, e, tuple(index)), a.aval.dtype)
+                hit = rule(self, e, tuple(index))
             self.memo[key] = hit
         return hit
+
+    def rounded(self, a, index) -> KExpr:
+        """The value of `a` rounded to its dtype. Fused 16-bit arithmetic keeps float32 between
+        operations (XLA's excess precision: cheaper and closer to exact); an op whose result
+        jumps with its operand (a comparison, floor, a conversion, is_finite) reads it rounded,
+        so it decides as the stored value, and the op run alone, would."""
+        return round_to(self.value(a, index), a.aval.dtype)
 
     def kernel(self, name, outputs, shape, stores, kind, eqns, out_bufs=None) -> LoweredKernel:
         """Assemble: inputs first, then `outputs` (their Buffer numbers follow the inputs)."""
@@ -223,7 +228,8 @@ _UNARY = ("neg", "exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rs
 
 @_rule(*_UNARY)
 def _unary(b, e, I):
-    v = unary(e.prim.name, b.value(e.inputs[0], I))
+    read = b.rounded if e.prim.name in _STEP_UNARY else b.value
+    v = unary(e.prim.name, read(e.inputs[0], I))
     if e.prim.name == "sign" and dtypes.is_float(v.dtype):  # numpy's sign(-0.0) is +0.0
         v = binary("add", v, const(0, v.dtype))
     return v
@@ -231,9 +237,11 @@ def _unary(b, e, I):
 
 @_rule("is_finite")
 def _is_finite(b, e, I):
-    return unary("is_finite", b.value(e.inputs[0], I), np.bool_)
+    return unary("is_finite", b.rounded(e.inputs[0], I), np.bool_)
 
 
+_STEP_UNARY = ("sign", "floor", "ceil", "round")
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 # bool arithmetic is logic: add is or, mul is and, max is or, min is and
 _BOOL_OPS = {"add": "or", "mul": "and", "max": "or", "min": "and"}
 _BINARY = ("add", "sub", "mul", "pow", "max", "min", "and", "or", "xor", "shift_left",
@@ -242,14 +250,15 @@ _BINARY = ("add", "sub", "mul", "pow", "max", "min", "and", "or", "xor", "shift_
 
 @_rule(*_BINARY)
 def _binary(b, e, I):
-    x, y = (b.value(a, I) for a in e.inputs)
+    read = b.rounded if e.prim.name in _COMPARISONS else b.value
+    x, y = (read(a, I) for a in e.inputs)
     op = _BOOL_OPS.get(e.prim.name, e.prim.name) if x.dtype == np.bool_ else e.prim.name
     return binary(op, x, y)
 
 
 @_rule("div", "rem")
 def _div_rem(b, e, I):
-    x, y = (b.value(a, I) for a in e.inputs)
+    x, y = (b.rounded(a, I) if e.prim.name == "rem" else b.value(a, I) for a in e.inputs)
     if not dtypes.is_int(x.dtype):
         return binary(e.prim.name, x, y)
     # the primitive defines x/0 = 0 and x%0 = x; the IR leaves division by zero undefined
@@ -281,7 +290,7 @@ def _select(b, e, I):
 
 @_rule("convert_element_type")
 def _convert(b, e, I):
-    x = b.value(e.inputs[0], I)
+    x = b.rounded(e.inputs[0], I)
     to = np.dtype(e.params["new_dtype"])
     if to == np.bool_:
         return binary("ne", x, const(0, x.dtype))
@@ -367,7 +376,7 @@ def _reduction(b, e, I):
 def _arg_reduction(b, e, I):
     x, axis = e.inputs[0], e.params["axis"]
     b.set_reduce((x.aval.shape[axis],))
-    v = b.value(x, _reduce_index(I, x.aval.ndim, (axis,)))
+    v = b.rounded(x, _reduce_index(I, x.aval.ndim, (axis,)))  # ties as among stored values
     return cast(reduce(e.prim.name, v, ridx(0)), e.params["index_dtype"])
 
 

@@ -27,9 +27,8 @@ INTERP = SimpleNamespace(kind="interp", name="interp")
 
 def check_program(prog, outs, what: str) -> None:
     want = ref_eval(prog.graph, prog.args)
-    n = len(prog.graph.eqns)
     for i, (o, w, ex) in enumerate(zip(outs, want, prog.exact, strict=True)):
-        assert_matches(o, w, ex, n, f"{what}, output {i}\n{prog}")
+        assert_matches(o, w, ex, prog.graph, f"{what}, output {i}\n{prog}")
 
 
 def _as_function(graph):
@@ -118,10 +117,9 @@ def test_vmap_of_random_programs_equals_a_loop(prog, batch, seed, axis_choice):
     finally:
         tx.config.default_device = old
     want = [ref_eval(prog.graph, ex) for ex in per_example]
-    n = len(prog.graph.eqns)
     for k, (g, ex) in enumerate(zip(got, prog.exact, strict=True)):
         expected = np.stack([w[k] for w in want])
-        assert_matches(np.asarray(g), expected, ex, n, f"vmap, output {k}, in_axes {in_axes}\n{prog}")
+        assert_matches(np.asarray(g), expected, ex, prog.graph, f"vmap, output {k}, in_axes {in_axes}\n{prog}")
 
 
 def test_the_budget_scales_with_the_environment(monkeypatch):

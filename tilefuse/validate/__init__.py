@@ -42,9 +42,17 @@ class Case:
         return self.group == "primitive" or getattr(device, "kind", str(device)) != "ref"
 
     def comparisons(self, device):
+        """The case's results against their references, with `device` the default device (as
+        the tests' fixture makes it: operations without array operands, iota, run there)."""
+        import tilefuse as tx
         from . import primitives, programs
         module = primitives if self.group == "primitive" else programs
-        return module.comparisons(self.record, self.dtype, device)
+        old = tx.config.default_device
+        tx.config.default_device = str(device)
+        try:
+            yield from module.comparisons(self.record, self.dtype, device)
+        finally:
+            tx.config.default_device = old
 
 
 def cases(groups=None, dtypes=None, match: str | None = None) -> list[Case]:
