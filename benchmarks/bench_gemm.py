@@ -150,7 +150,8 @@ def main():
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         g, impls = run_case(name, m, n, k, t, d, epi, args.repeat, clock)
         others |= set(g) - {"numpy", "generated", "vendor"}
-        rows.append([name, f"{g['numpy']:.0f}", *(_cell(g, w) for w in ("generated", "vendor", "torch", "jax"))])
+        who = ("generated", "vendor", "torch", "jax")
+        rows.append([name, f"{g['numpy']:.0f}", *(_cell(g, w) for w in who)])
         print(f"  {name}: " + ", ".join(f"{w} {v:.0f}" for w, v in g.items()) +
               f"  [{impls['generated']} / {impls['vendor']}]", flush=True)
     shown = [True, True, True, True, "torch" in others, "jax" in others]

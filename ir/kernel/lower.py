@@ -404,7 +404,7 @@ def _dot_general(b, e, I):
 
 def _gemm_step(b, e, I, step, y: KExpr) -> KExpr:
     """One fused_gemm epilogue step on the float32 value y (see ir/primitives.py)."""
-    c = lambda v: const(v, y.dtype)  # noqa: E731
+    c = lambda v: const(v, y.dtype)
     op = step[0]
     if op == "add":
         x = e.inputs[2 + step[1]]
