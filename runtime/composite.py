@@ -35,15 +35,25 @@ def build(kernel, device, backend):
     slot = {v.id: i for i, v in enumerate(g.invars)}
     for i, v in enumerate(g.outvars, start=len(g.invars)):
         slot.setdefault(v.id, i)
+    return run_graph(g, slot, device, backend)
+
+
+def run_graph(g, slot: dict, device, backend):
+    """run(buffers) computing graph `g` as the device's kernels, each chosen by the dispatcher;
+    `slot` maps the variables that live in the caller's buffers to their positions there."""
+    from . import dispatch
+    base = max(slot.values()) + 1
+    slot = dict(slot)
     temps: dict[int, int] = {}  # slot -> bytes
     steps = []
     for region in partition(g):
         for lk in lower_region(region):
             for v in lk.args:
                 if v.id not in slot:
-                    slot[v.id] = len(g.invars) + len(g.outvars) + len(temps)
+                    slot[v.id] = base + len(temps)
                     temps[slot[v.id]] = _nbytes(v.aval)
-            steps.append((backend.compile_kernel(lk.kernel, device), [slot[v.id] for v in lk.args]))
+            _, run = dispatch.compile_kernel(lk.kernel, device, backend)
+            steps.append((run, [slot[v.id] for v in lk.args]))
     # every intermediate lives through the whole call: the arena is their sum (aligned)
     plan = plan_buffers([Interval(s, n, 0, 0) for s, n in temps.items()])
     alloc, free, view = backend.alloc, backend.free, getattr(backend, "view", None)

@@ -4,14 +4,10 @@ epilogue as one fused elementwise kernel. The generic kernel IR would run the wh
 as one loop nest: slower than the tiled GEMM the rewrite replaced."""
 from __future__ import annotations
 
-import numpy as np
-from tilefuse.ir.kernel import lower_region
 from tilefuse.ir.kernel.matmul import matmul_layout
-from tilefuse.ir.passes import partition
 from tilefuse.ir.passes.gemm_epilogue import unfused_graph
 
-from . import dispatch
-from .planner import Interval, plan_buffers
+from .composite import run_graph
 
 MIN_FLOPS = 1 << 18  # smaller products: the one generic kernel is as fast as two launches
 
@@ -30,28 +26,4 @@ def build(kernel, device, backend):
     operands = kernel.meta["operands"]
     slot = {v.id: i for i, v in enumerate(operands)}
     slot[eqn.outputs[0].id] = len(operands)
-    temps: dict[int, int] = {}  # slot -> bytes
-    steps = []
-    for region in partition(unfused_graph(eqn)):
-        for lk in lower_region(region):
-            for v in lk.args:
-                if v.id not in slot:
-                    slot[v.id] = len(operands) + 1 + len(temps)
-                    temps[slot[v.id]] = max(v.aval.size * np.dtype(v.aval.dtype).itemsize, 1)
-            _, run = dispatch.compile_kernel(lk.kernel, device, backend)
-            steps.append((run, [slot[v.id] for v in lk.args]))
-    plan = plan_buffers([Interval(s, n, 0, 0) for s, n in temps.items()])
-    alloc, free, view = backend.alloc, backend.free, backend.view
-
-    def run(buffers):
-        slots = list(buffers) + [None] * len(temps)
-        arena = alloc(max(plan.arena_bytes, 1), device) if temps else None
-        try:
-            for s, n in temps.items():
-                slots[s] = view(arena, plan.offsets[s], n)
-            for fn, args in steps:
-                fn([slots[a] for a in args])
-        finally:
-            if arena is not None:
-                free(arena, device)
-    return run
+    return run_graph(unfused_graph(eqn), slot, device, backend)

@@ -21,8 +21,6 @@ last (contiguous): per-batch base offsets are a constant table, rows a constant 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 from dataclasses import dataclass
 
 import llvmlite.ir as ir
@@ -32,7 +30,8 @@ from tilefuse.ir import primitives as P
 from tilefuse.runtime import compile_cache
 
 from . import vecmath
-from .compile import BACKEND_VERSION, KernelFn, get_pool, get_target
+from .irutil import counted_loop
+from .compile import code_digest, BACKEND_VERSION, KernelFn, get_pool, get_target
 from .vecmath import F32, I32, I64, Emit
 
 LANES = 16  # float32 lanes of one AVX-512 register
@@ -233,30 +232,7 @@ class _Gen:
     # -- control flow --
     def loop(self, lo, hi, body, carried=(), step=1):
         """for i in range(lo, hi, step): carried = body(i, carried); returns the final values."""
-        b = self.b
-        pre = b.block
-        head = b.append_basic_block("loop")
-        inner = b.append_basic_block("body")
-        done = b.append_basic_block("done")
-        b.branch(head)
-        b.position_at_end(head)
-        i = b.phi(I64)
-        i.add_incoming(lo, pre)
-        phis = []
-        for c in carried:
-            p = b.phi(c.type)
-            p.add_incoming(c, pre)
-            phis.append(p)
-        b.cbranch(b.icmp_signed("<", i, hi), inner, done)
-        b.position_at_end(inner)
-        new = body(i, phis) or ()
-        end = b.block
-        i.add_incoming(b.add(i, _i64(step)), end)
-        for p, v in zip(phis, new):
-            p.add_incoming(v, end)
-        b.branch(head)
-        b.position_at_end(done)
-        return phis
+        return counted_loop(self.b, lo, hi, body, step=step, carried=carried)[0]
 
     # -- tiles --
     def load_tile(self, dst, ld, rows, cols, src, base, row_stride, valid_rows, valid_cols,
@@ -660,12 +636,7 @@ def workspace_bytes(sp: Spec) -> int:
     return 4 * sp.nb * (sq_pad * _pad(sp.d) + 2 * sq_pad)
 
 
-def _digest() -> str:
-    with open(os.path.abspath(__file__), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
-
-
-_DIGEST = _digest()
+_DIGEST = code_digest("attention.py")
 
 
 def build(kernel, device, backend):

@@ -72,11 +72,12 @@ def interchanges(kernel: Kernel) -> bool:
     return bool(kernel.reduce_shape) and Renderer(kernel, "k").interchange
 
 
-def _source_digest() -> str:
-    """A hash of this backend's code generator, so a changed renderer never reuses old objects."""
+def code_digest(*files: str) -> str:
+    """A hash of code generators (files of this folder, with the IR helpers every generator
+    uses), so that changed code never reuses old objects from the disk cache."""
     h = hashlib.sha256(BACKEND_VERSION.encode())
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("render.py", "vecmath.py", "compile.py"):
+    for name in ("vecmath.py", "irutil.py", "compile.py") + files:
         with open(os.path.join(here, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
@@ -100,7 +101,7 @@ class Target:
         self.lock = threading.RLock()
         self.loaded: dict[str, tuple] = {}  # symbol → (address, library that keeps it alive)
         self.cache = compile_cache.CompileCache("llvm", compile_cache.default_dir())
-        self.fingerprint = (BACKEND_VERSION, _source_digest(), llvmlite.__version__,
+        self.fingerprint = (BACKEND_VERSION, code_digest("render.py"), llvmlite.__version__,
                             llvm.llvm_version_info, self.triple, self.cpu, self.features,
                             self.vector_bits, OPT_LEVEL)
 

@@ -20,6 +20,7 @@ import numpy as np
 from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr
 
 from . import vecmath
+from .irutil import counted_loop
 from .vecmath import F32, F64, I32, I64, Emit
 
 I1, I8, I16 = ir.IntType(1), ir.IntType(8), ir.IntType(16)
@@ -219,24 +220,11 @@ class Renderer:
     # -- loops ---------------------------------------------------------------------------------
     def _loop(self, lo, hi, name, body, interleave=None):
         """for (i = lo; i < hi; ++i) body(i): a plain counted loop the vectoriser recognises."""
-        b = self.b
-        pre = b.block
-        head = b.append_basic_block(name + ".head")
-        loop = b.append_basic_block(name + ".body")
-        done = b.append_basic_block(name + ".done")
-        b.branch(head)
-        b.position_at_end(head)
-        i = b.phi(I64, name=name)
-        i.add_incoming(lo, pre)
-        b.cbranch(b.icmp_signed("<", i, hi), loop, done)
-        b.position_at_end(loop)
-        body(i)
-        nxt = b.add(i, ir.Constant(I64, 1), flags=("nsw", "nuw"))
-        i.add_incoming(nxt, b.block)
-        latch = b.branch(head)
+        def step_body(i, _):
+            body(i)  # carries nothing (whatever body returns)
+        _, latch = counted_loop(self.b, lo, hi, step_body, name=name, flags=("nsw", "nuw"))
         if interleave:
             self._loop_hint(latch, name, "llvm.loop.interleave.count", interleave)
-        b.position_at_end(done)
 
     def _loop_hint(self, latch, name, key, value):
         """Attach loop metadata (a self-referential loop ID) to a loop's back edge."""

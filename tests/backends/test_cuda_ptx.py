@@ -19,6 +19,7 @@ from tilefuse.backends.cuda import device_info, launch_config, offline_device, p
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import DeviceError
 from tilefuse.tracer.core import bind1
+from tilefuse.validate.programs import layernorm, softmax
 
 PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
 need_ptxas = pytest.mark.skipif(PTXAS is None, reason="ptxas (CUDA toolkit) is not installed")
@@ -99,17 +100,6 @@ TABLE = {
 }
 
 
-def softmax(x):
-    e = tnp.exp(x - tnp.max(x, axis=-1, keepdims=True))
-    return e / tnp.sum(e, axis=-1, keepdims=True)
-
-
-def layernorm(x, g, b):
-    mu = tnp.mean(x, axis=-1, keepdims=True)
-    var = tnp.mean((x - mu) ** 2, axis=-1, keepdims=True)
-    return (x - mu) / tnp.sqrt(var + 1e-5) * g + b
-
-
 def mlp_loss(params, x, y):
     w1, b1, w2, b2 = params
     h = tnp.tanh(x @ w1 + b1)
@@ -124,6 +114,7 @@ def mlp_value_and_grad(params, x, y):
 PROGRAMS = {
     "softmax": (softmax, (u(4, 33),)),
     "layernorm": (layernorm, (u(3, 40), u(40), u(40))),
+    "fused_gemm": (lambda x, w, b: tnp.tanh(x @ w + b), (u(6, 16), u(16, 8), u(8))),  # made by a pass
     "mlp forward+backward": (mlp_value_and_grad,
                              ((u(8, 16), u(16), u(16, 4), u(4)), u(5, 8), u(5, 4))),
 }
@@ -138,7 +129,7 @@ INLINED = {"tile_call"}  # replaced by its body before lowering (ir/passes/inlin
 def test_the_table_covers_every_primitive():
     prims = {n for n in dir(P) if isinstance(getattr(P, n), P.Primitive)} - {"debug_print"} - COMPOSITES - INLINED
     names = {k.removesuffix("_f64").removesuffix("_i32").removesuffix("_col").removesuffix("_batched")
-             for k in TABLE}
+             for k in ALL}
     assert prims <= names | {"stop_gradient"}, sorted(prims - names)
 
 

@@ -27,6 +27,7 @@ from tilefuse.runtime.compiler import compile_graph
 from tilefuse.runtime.config import config
 from tilefuse.runtime.planner import ALIGN, Interval, plan_buffers
 from tilefuse.tracer.core import bind1
+from tilefuse.validate.programs import layernorm, softmax
 
 F32, BF16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
 DEV = SimpleNamespace(kind="interp", name="interp")
@@ -52,17 +53,6 @@ rng = np.random.default_rng(0)
 
 def r(*shape, dtype=F32):
     return rng.standard_normal(shape).astype(dtype)
-
-
-def softmax(x):
-    e = tnp.exp(x - tnp.max(x, axis=-1, keepdims=True))
-    return e / tnp.sum(e, axis=-1, keepdims=True)
-
-
-def layernorm(x, g, b):
-    mu = tnp.mean(x, axis=-1, keepdims=True)
-    var = tnp.mean((x - mu) ** 2, axis=-1, keepdims=True)
-    return (x - mu) / tnp.sqrt(var + 1e-5) * g + b
 
 
 def embedding_and_grad(table, ids, dy):
