@@ -14,7 +14,7 @@ class Config:
     part of every jit cache key (`cache_key`, kept ready because jit reads it on every call)."""
 
     def __init__(self):
-        object.__setattr__(self, "_compile_keys", ["gemm", "fusion", "default_device"])
+        object.__setattr__(self, "_compile_keys", ["gemm", "fusion", "default_device", "deterministic"])
         object.__setattr__(self, "_key", None)
         self.default_device: str | None = os.environ.get("TILEFUSE_DEVICE") or None
         self.explain_retrace: bool = _env_bool("TILEFUSE_EXPLAIN_RETRACE")
@@ -24,6 +24,9 @@ class Config:
         self.dump_dir: str | None = os.environ.get("TILEFUSE_DUMP") or None
         self.gemm: str = os.environ.get("TILEFUSE_GEMM", "auto")
         self.fusion: bool = _env_bool("TILEFUSE_FUSION", True)
+        # bit-for-bit repeatable results where a device would add floats in a racy order
+        # (scatter-add with atomics on OpenCL/CUDA): those kernels then run serially
+        self.deterministic: bool = _env_bool("TILEFUSE_DETERMINISTIC")
         object.__setattr__(self, "_frozen", True)  # from here on, only known settings can be set
 
     def define(self, name: str, default, env: str | None = None, compiles: bool = False) -> None:

@@ -152,3 +152,12 @@ def test_opencl_work_group_size_is_tuned_and_used(db):
     tuner.applied.clear()
     np.testing.assert_allclose(np.asarray(f(x)), np.exp(-x * x) * 3, rtol=1e-5, atol=1e-6)
     assert [p for k, p in tuner.applied.items() if k[0] == "opencl_kernel"] == [res.best]
+
+
+@needs_cpu
+def test_the_gemm_defaults_satisfy_the_tuners_constraints():
+    """Stored defaults are re-checked by every later compile: a default the constraints reject
+    would never be used from the database."""
+    from tilefuse.backends.llvm import tuning
+    dev = tx.get_device("cpu")
+    assert tuning.gemm_check(tuning.gemm_default(None, dev), None, dev) is None

@@ -706,8 +706,12 @@ def choice(kernel, device) -> str:
     if prob.in_dtype != np.float32 or prob.out_dtype != np.float32:
         return "generated"
     key = prob.shape_class() + (bool(prob.epilogue),)
-    if key not in _measured:
-        _measured[key] = _measure(kernel, prob, device)
+    if key not in _measured:  # measured once per machine: the verdict is kept in the disk cache
+        cache = get_target(device.info).cache
+        disk_key = compile_cache.make_key("gemm-choice", _DIGEST, repr(key), VENDOR_MARGIN,
+                                          get_target(device.info).fingerprint)
+        verdict = cache.get_or_build(disk_key, lambda: _measure(kernel, prob, device).encode())
+        _measured[key] = verdict.decode() if verdict in (b"generated", b"vendor") else "generated"
     return _measured[key]
 
 

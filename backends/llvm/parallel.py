@@ -12,6 +12,7 @@ in-process by compile_kernel, which reports errors as usual (with the kernel at 
 TILEFUSE_COMPILE_WORKERS=0 turns this off."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import pickle
@@ -57,6 +58,18 @@ class _Worker:
             self.proc.kill()
             return None
         return payload if head[0] == 0 else None
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """Close the workers' pipes (they exit on end of input) and reap them."""
+    for w in _workers:
+        try:
+            w.proc.stdin.close()
+            w.proc.wait(timeout=2)
+            w.proc.stdout.close()
+        except (OSError, subprocess.TimeoutExpired):
+            w.proc.kill()
 
 
 def _read(f, n: int) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ from tilefuse.runtime.memory import PoolAllocator
 
 from ..base import Backend
 from .build import ProgramCache, translate
-from .render import F64, Rendered, render
+from .render import F64, Rendered, racy_float_adds, render
 
 INSTALL_HINT = ("install an OpenCL driver (ICD): on Debian/Ubuntu `apt-get install pocl-opencl-icd "
                 "ocl-icd-libopencl1` for the CPU, or your GPU vendor's OpenCL runtime")
@@ -95,6 +96,7 @@ class CompiledKernel:
         self.source, self.mode, self.width = rendered.source, rendered.mode, rendered.width
         self.global_size, self.local_size = global_size, local_size
         self._knl, self._state = cl_kernel, state
+        self._lock = threading.Lock()
         self.last_event = None
 
     def __call__(self, buffers):
@@ -102,8 +104,9 @@ class CompiledKernel:
             return None
         st = self._state
         try:
-            self._knl.set_args(*[getattr(b, "mem", b) for b in buffers])
-            ev = st.cl.enqueue_nd_range_kernel(st.queue, self._knl, self.global_size, self.local_size)
+            with self._lock:  # a cl.Kernel holds its arguments: set and enqueue as one step
+                self._knl.set_args(*[getattr(b, "mem", b) for b in buffers])
+                ev = st.cl.enqueue_nd_range_kernel(st.queue, self._knl, self.global_size, self.local_size)
         except st.cl.Error as e:
             raise translate(e, f"launch kernel {self.name}", st.info.name) from None
         self.last_event = st.last_event = ev
@@ -177,6 +180,8 @@ class OpenCLBackend(Backend):
     def compile_kernel(self, kernel: Kernel, device, mode: str | None = None) -> CompiledKernel:
         """Render, build (cached) and size one kernel; `mode` forces a rendering (render.py)."""
         st = self._state(device)
+        if mode is None and config.deterministic and racy_float_adds(kernel):
+            mode = "serial"  # atomic float adds land in any order: the sum's rounding varies
         key = (kernel.signature(), mode)
         ck = st.kernels.get(key)
         if ck is None:

@@ -460,6 +460,11 @@ def red_width(width: int) -> int:
     return min(16, 2 * width) if width > 1 else 1
 
 
+def racy_float_adds(k: Kernel) -> bool:
+    """Whether the kernel adds floats into shared elements (atomically, so in no fixed order)."""
+    return any(s.mode == "add" and _is_float(k.buffers[s.buffer].dtype) for s in k.stores)
+
+
 def choose_mode(k: Kernel, width: int, *, int64_atomics: bool) -> str:
     adds = [s for s in k.stores if s.mode == "add"]
     if adds:
