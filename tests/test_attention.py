@@ -206,6 +206,76 @@ def test_dot_product_attention_is_one_fused_op():
     assert g.count("fused_attention") == 1 and g.count("dot_general") == 0
 
 
+def test_written_out_attention_under_grad_becomes_the_fused_backward(device, rng):
+    """jit(grad) of attention written out: the forward becomes fused_attention and the backward
+    autodiff wrote (dV = Pᵀ·dO, dS = P·(dP - rowsum(dP·P)), dS·k, dSᵀ·q) fused_attention_bwd;
+    no S x S matmul is left, and the gradients are the unfused graph's. The form
+    examples/train_transformer.py would write (tnp.where causal mask, scale after the matmul,
+    (B, H, S, D)) under value_and_grad, and the plain numpy softmax with the scale divided."""
+    s = 9
+    tri = tnp.tril(tnp.ones((s, s), tnp.bool_))
+    forms = {
+        "causal, tnp.where": lambda q, k, v: nn.softmax(tnp.where(tri, q @ _t(k) * C, -np.inf)) @ v,
+        "numpy softmax": lambda q, k, v: _softmax(q @ _t(k) / math.sqrt(D)) @ v,
+    }
+    q, k, v = (rng.standard_normal((2, 2, s, D)).astype(np.float32) for _ in range(3))
+    g = rng.standard_normal((2, 2, s, D)).astype(np.float32)
+    for name, f in forms.items():
+        loss = tx.value_and_grad(lambda q, k, v, f=f: (tnp.tanh(f(q, k, v)) * g).sum(), argnums=(0, 1, 2))
+        traced = tx.make_graph(loss)(q, k, v)
+        graph = run_passes(traced)  # devices without the attention kernels decompose it later
+        squares = [e for e in graph.eqns if e.prim.name in ("dot_general", "fused_gemm")
+                   and e.outputs[0].aval.shape[-2:] == (s, s)]
+        assert graph.count("fused_attention") == 1 and graph.count("fused_attention_bwd") == 1 \
+            and not squares, f"{name}:\n{graph}"
+        value, grads = tx.jit(loss)(q, k, v)
+        want = _evaluate(_unfused(traced), [q, k, v])
+        for got, w in zip([value, *grads], want):
+            np.testing.assert_allclose(np.asarray(got), w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_backward_left_alone_when_others_read_its_values(rng):
+    """The weights or the backward's intermediates read elsewhere, a gradient of a bias argument
+    wanted: no fused backward, and the graph still computes the unfused gradients."""
+    q, k, v = (rng.standard_normal((2, 3, S, D)).astype(np.float32) for _ in range(3))
+    bias = rng.standard_normal((S, S)).astype(np.float32)
+
+    def att(q, k, v, b):
+        return nn.softmax(q @ _t(k) * C + b) @ v
+    cases = {
+        "weights in the loss": tx.grad(lambda q, k, v, b: (att(q, k, v, b) ** 2).sum()
+                                       + nn.softmax(q @ _t(k) * C + b).max(), argnums=(0, 1, 2)),
+        "bias gradient": tx.grad(lambda q, k, v, b: (att(q, k, v, b) ** 2).sum(), argnums=(0, 1, 2, 3)),
+    }
+    for name, f in cases.items():
+        traced = tx.make_graph(f)(q, k, v, bias)
+        g = run_passes(traced)
+        assert g.count("fused_attention_bwd") == 0, f"{name}:\n{g}"
+        for got, want in zip(_evaluate(g, [q, k, v, bias]), _evaluate(_unfused(traced), [q, k, v, bias])):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_backward_fused_per_layer_and_with_a_mask_argument(rng):
+    """Two layers sharing k and v (one fused backward each), and a bool mask argument (the
+    bias operand of both fused ops), under grad: the gradients are the unfused graph's."""
+    q, k, v = (rng.standard_normal((2, 3, S, D)).astype(np.float32) for _ in range(3))
+    mask = rng.random((3, 1, S)) > 0.3
+
+    def att(q, k, v, m):
+        return nn.softmax(tnp.where(m, q @ _t(k) * C, -np.inf)) @ v
+    cases = {
+        "two layers": (2, tx.grad(lambda q, k, v, m: (att(att(q, k, v, CAUSAL), k, v, CAUSAL) ** 2).sum(),
+                                  argnums=(0, 1, 2))),
+        "mask argument": (1, tx.grad(lambda q, k, v, m: (att(q, k, v, m) ** 2).sum(), argnums=(0, 1, 2))),
+    }
+    for name, (count, f) in cases.items():
+        traced = tx.make_graph(f)(q, k, v, mask)
+        g = run_passes(traced)
+        assert g.count("fused_attention_bwd") == count and g.count("dot_general") == 0, f"{name}:\n{g}"
+        for got, want in zip(_evaluate(g, [q, k, v, mask]), _evaluate(_unfused(traced), [q, k, v, mask])):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 # ---- memory ----------------------------------------------------------------------------------------
 
 def test_cpu_memory_is_linear_in_the_sequence():
