@@ -103,14 +103,21 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
     return {who: flops / t / 1e9 for who, t in times.items()}, impls
 
 
+SETTLE = 0.4  # seconds: OpenBLAS, OpenMP (torch) and Eigen (jax) threads spin after a call
+
+
 def interleaved(fns: dict, repeat: int, clock=time.perf_counter) -> dict:
     """Median seconds of each callable, measured in rounds (each once per round, after a warm-up
-    each): on a shared, noisy machine every contender sees the same moments of load."""
+    each): on a shared, noisy machine every contender sees the same moments of load. Between
+    contenders a pause lets the last one's spinning threads go to sleep, so that nobody is
+    timed beside another's."""
     samples = {who: [] for who in fns}
     for f in fns.values():
         f(), f()  # warm: compiled, pages touched, threads awake
     for _ in range(repeat):
         for who, f in fns.items():
+            time.sleep(SETTLE)
+            f()  # wakes this contender's own threads
             t = clock()
             f()
             samples[who].append(clock() - t)
