@@ -283,7 +283,14 @@ class CompiledKernel:
 
 
 def estimate_ns(kernel: Kernel) -> float:
-    """A rough run time on one thread, from the op mix (see PARALLEL_MIN_NS)."""
+    """A rough run time on one thread, from the op mix (see PARALLEL_MIN_NS); kept in meta."""
+    est = kernel.meta.get("est_ns")
+    if est is None:
+        est = kernel.meta["est_ns"] = _estimate_ns(kernel)
+    return est
+
+
+def _estimate_ns(kernel: Kernel) -> float:
     nodes = {n for st in kernel.stores for root in (st.offset, st.value) for n in root.toposort()}
     units = len(kernel.stores) + sum(OP_COST.get(n.op, 1) for n in nodes
                                      if n.op not in ("const", "idx", "ridx"))
@@ -318,7 +325,10 @@ def render_ir(kernel: Kernel, fn_name: str, params: KernelParams) -> str:
 
 def cache_key(kernel: Kernel, params: KernelParams, target: Target) -> tuple[str, str]:
     """(cache key, symbol name) of a kernel's object code: equal code, one entry."""
-    key = compile_cache.make_key(f"{canonical(kernel)}\n{params.code_key()}", target.fingerprint)
+    text = kernel.meta.get("llvm_canonical")  # computed once per kernel: a graph asks twice
+    if text is None:
+        text = kernel.meta["llvm_canonical"] = str(canonical(kernel))
+    key = compile_cache.make_key(f"{text}\n{params.code_key()}", target.fingerprint)
     return key, "tf_" + key[:24]
 
 
