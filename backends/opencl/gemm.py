@@ -20,6 +20,7 @@ from tilefuse.runtime import dispatch
 from .render import Rendered, cname
 
 VECTOR_TILE = (6, 16, 2)  # CPU devices: rows, vector width, vectors per row (12 accumulators)
+DOT_TILE = (4, 4, 16)  # CPU devices, A·Bᵀ: rows, columns, vector width along k (16 accumulators)
 MIN_FLOPS = 1 << 18  # below this the generic kernel is as fast and needs no tile padding
 
 
@@ -173,6 +174,65 @@ __kernel void {name}({params}) {{
 """
 
 
+def _dot_source(name: str, lay: MatmulLayout, wm: int, wn: int, vw: int, ctype: str, a: int, b: int,
+                n_inputs: int) -> str:
+    """CPU devices, both operands unit-stride along k (A·Bᵀ, the backward's x·Wᵀ): one work-item
+    computes a wm x wn tile as wm*wn dot products, each accumulated in a vector along k and
+    summed across its lanes once at the end."""
+    sab, sam, _ = lay.a_strides
+    sbb, _, sbn = lay.b_strides
+    v = f"{ctype}{vw}"
+    params = ", ".join([f"__global const {ctype}* restrict in{i}" for i in range(n_inputs)]
+                       + [f"__global {ctype}* restrict out0"])
+    rows = "\n    ".join(f"__global const {ctype}* a{i} = A + min(m0 + {i}L, (long)M - 1) * {sam}L;"
+                          for i in range(wm))
+    cols = "\n    ".join(f"__global const {ctype}* b{j} = B + min(n0 + {j}L, (long)N - 1) * {sbn}L;"
+                          for j in range(wn))
+    acc = [[f"c{i}_{j}" for j in range(wn)] for i in range(wm)]
+    decl = "\n    ".join(f"{v} {', '.join(f'{c} = 0' for c in row)};" for row in acc)
+    loads = " ".join(f"const {v} x{i} = vload{vw}(0, a{i} + k);" for i in range(wm)) + " " + \
+        " ".join(f"const {v} y{j} = vload{vw}(0, b{j} + k);" for j in range(wn))
+    fmas = " ".join(f"{acc[i][j]} = fma(x{i}, y{j}, {acc[i][j]});" for i in range(wm) for j in range(wn))
+    tail = " ".join(f"t{i}_{j} = fma(a{i}[k], b{j}[k], t{i}_{j});" for i in range(wm) for j in range(wn))
+    tails = "\n    ".join(f"{ctype} {', '.join(f't{i}_{j} = 0' for j in range(wn))};" for i in range(wm))
+    stores = "\n    ".join(
+        f"if (m0 + {i} < M) {{ " + " ".join(
+            f"if (n0 + {j} < N) C[(m0 + {i}) * N + n0 + {j}] = hsum({acc[i][j]}) + t{i}_{j};"
+            for j in range(wn)) + " }" for i in range(wm))
+    halves, h, width = [], "x", vw
+    while width > 1:
+        width //= 2
+        halves.append(f"const {ctype}{width if width > 1 else ''} h{width} = {h}.lo + {h}.hi;")
+        h = f"h{width}"
+    return f"""
+#define M {lay.m}
+#define N {lay.n}
+#define K {lay.k}
+static inline {ctype} hsum({v} x) {{
+    {" ".join(halves)}
+    return h1;
+}}
+__kernel void {name}({params}) {{
+    const long m0 = (long)get_global_id(0) * {wm}, n0 = (long)get_global_id(1) * {wn};
+    const long z = get_global_id(2);
+    __global const {ctype}* A = in{a} + z * {sab}L;
+    __global const {ctype}* B = in{b} + z * {sbb}L;
+    __global {ctype}* C = out0 + z * ((long)M * N);
+    {rows}
+    {cols}
+    {decl}
+    {tails}
+    long k = 0;
+    for (; k + {vw} <= K; k += {vw}) {{
+        {loads}
+        {fmas}
+    }}
+    for (; k < K; k++) {{ {tail} }}
+    {stores}
+}}
+"""
+
+
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
@@ -183,8 +243,14 @@ def _layout(kernel):
     return matmul_layout(e), e
 
 
-def _use_vector(info, lay: MatmulLayout) -> bool:
-    return info.extra["device_type"] == "cpu" and lay.b_strides[2] == 1
+def _variant(info, lay: MatmulLayout) -> str:
+    """CPU devices: "vector" (B unit-stride along n) or "dot" (A and B unit-stride along k);
+    otherwise, and on GPUs, "local" (local-memory tiles, any strides)."""
+    if info.extra["device_type"] != "cpu":
+        return "local"
+    if lay.b_strides[2] == 1:
+        return "vector"
+    return "dot" if lay.a_strides[2] == 1 and lay.b_strides[1] == 1 else "local"
 
 
 def applies(kernel, device) -> bool:
@@ -203,10 +269,15 @@ def build(kernel, device, backend, tiles: GemmTiles | None = None):
     name = cname(kernel) + "_gemm"
     a, b, ctype = pos[e.inputs[0].id], pos[e.inputs[1].id], _CTYPES[lay.dtype]
     units = lay.batch * lay.m * lay.n
-    if _use_vector(st.info, lay):
+    variant = _variant(st.info, lay)
+    if variant == "vector":
         wm, vw, nv = VECTOR_TILE
         src = _vector_source(name, lay, wm, vw, nv, ctype, a, b, kernel.n_inputs)
         grid, local, mode = (-(-lay.m // wm), -(-lay.n // (vw * nv)), lay.batch), (1, 1, 1), "gemm_vector"
+    elif variant == "dot":
+        wm, wn, vw = DOT_TILE
+        src = _dot_source(name, lay, wm, wn, vw, ctype, a, b, kernel.n_inputs)
+        grid, local, mode = (-(-lay.m // wm), -(-lay.n // wn), lay.batch), (1, 1, 1), "gemm_dot"
     else:
         src = _source(name, lay, t, ctype, a, b, kernel.n_inputs)
         lx, ly = t.local

@@ -50,12 +50,18 @@ def test_matmul_layout_reads_operands_in_place():
         np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["vector", "local"])
+@pytest.mark.parametrize("variant", ["vector", "dot", "local"])
 def test_opencl_gemm_template_matches_numpy(variant, monkeypatch):
+    """Each variant forced where it can read the layout (local, the GPU form, reads any)."""
     dev = _opencl()
     from tilefuse.backends.opencl import gemm
-    if variant == "local":  # the GPU form (local-memory tiles), on whatever device this is
-        monkeypatch.setattr(gemm, "_use_vector", lambda info, lay: False)
+    chosen = gemm._variant
+
+    def forced(info, lay):
+        can = {"vector": lay.b_strides[2] == 1,
+               "dot": lay.a_strides[2] == 1 and lay.b_strides[1] == 1}.get(variant, True)
+        return variant if can and chosen(info, lay) != "local" or variant == "local" else "local"
+    monkeypatch.setattr(gemm, "_variant", forced)
     rng = np.random.default_rng(1)
     for sa, sb, spec in CASES:
         a, b = rng.standard_normal(sa, np.float32), rng.standard_normal(sb, np.float32)
