@@ -52,13 +52,18 @@ def default_tiles(info) -> GemmTiles:
     return t
 
 
+def _params(ctype: str, n_inputs: int) -> str:
+    """The kernel's parameters: the graph kernel's buffers, inputs then the output."""
+    return ", ".join([f"__global const {ctype}* restrict in{i}" for i in range(n_inputs)]
+                     + [f"__global {ctype}* restrict out0"])
+
+
 def _source(name: str, lay: MatmulLayout, t: GemmTiles, ctype: str, a: int, b: int,
             n_inputs: int) -> str:
     lx, ly = t.local
     sab, sam, sak = lay.a_strides
     sbb, sbk, sbn = lay.b_strides
-    params = ", ".join([f"__global const {ctype}* restrict in{i}" for i in range(n_inputs)]
-                       + [f"__global {ctype}* restrict out0"])
+    params = _params(ctype, n_inputs)
     # load the panels walking the operand's unit-stride axis fastest
     a_idx = ("kk = i % TK, mm = i / TK" if sak == 1 else "mm = i % TM, kk = i / TM")
     b_idx = ("nn = i % TN, kk = i / TN" if sbn == 1 or sbk != 1 else "kk = i % TK, nn = i / TK")
@@ -125,8 +130,7 @@ def _vector_source(name: str, lay: MatmulLayout, wm: int, vw: int, nv: int, ctyp
     sab, sam, sak = lay.a_strides
     sbb, sbk, _ = lay.b_strides
     v = f"{ctype}{vw}"
-    params = ", ".join([f"__global const {ctype}* restrict in{i}" for i in range(n_inputs)]
-                       + [f"__global {ctype}* restrict out0"])
+    params = _params(ctype, n_inputs)
     acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(wm)]
     decl = "\n    ".join(f"{v} {', '.join(f'{c} = 0' for c in row)};" for row in acc)
     fmas = "\n        ".join(
@@ -182,8 +186,7 @@ def _dot_source(name: str, lay: MatmulLayout, wm: int, wn: int, vw: int, ctype: 
     sab, sam, _ = lay.a_strides
     sbb, _, sbn = lay.b_strides
     v = f"{ctype}{vw}"
-    params = ", ".join([f"__global const {ctype}* restrict in{i}" for i in range(n_inputs)]
-                       + [f"__global {ctype}* restrict out0"])
+    params = _params(ctype, n_inputs)
     rows = "\n    ".join(f"__global const {ctype}* a{i} = A + min(m0 + {i}L, (long)M - 1) * {sam}L;"
                           for i in range(wm))
     cols = "\n    ".join(f"__global const {ctype}* b{j} = B + min(n0 + {j}L, (long)N - 1) * {sbn}L;"
