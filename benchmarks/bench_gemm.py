@@ -39,20 +39,29 @@ def _gelu_np(y):
     return 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3)))
 
 
-def _tilefuse(mode: str, fn, args):
-    """A timed callable of fn compiled on `cpu` with TILEFUSE_GEMM=mode (the executable itself:
-    a jitted call would look its executable up under the setting of the moment), inputs already
-    on the device; and the GEMM implementations it runs."""
+def _tilefuse(mode: str, fn, args, device="cpu"):
+    """A timed callable of fn compiled on `device` with TILEFUSE_GEMM=mode (the executable
+    itself: a jitted call would look its executable up under the setting of the moment), inputs
+    already on the device; and the GEMM implementations it runs."""
     import tilefuse as tx
     old, tx.config.gemm = tx.config.gemm, mode
     try:
-        cpu = tx.get_device("cpu")
-        dev_args = [tx.device_put(a, cpu) for a in args]
-        exe = tx.jit(fn, device=cpu).lower(*dev_args).compile()
+        dev = tx.get_device(device)
+        dev_args = [tx.device_put(a, dev) for a in args]
+        exe = tx.jit(fn, device=dev).lower(*dev_args).compile()
     finally:
         tx.config.gemm = old
     impls = {l.impl for l in exe.program.launches if l.kind in ("dot_general", "fused_gemm")}
     return (lambda: exe(dev_args)[0].block_until_ready()), ",".join(sorted(impls))
+
+
+def _opencl() -> str | None:
+    """The first OpenCL device's name, or None where there is none."""
+    import tilefuse as tx
+    try:
+        return next((d.name for d in tx.devices("opencl")), None)
+    except tx.DeviceError:
+        return None
 
 
 def _others(a, b, transposed: bool):
@@ -97,6 +106,8 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
     impls = {}
     for mode in ("generated", "vendor"):
         fns[mode], impls[mode] = _tilefuse(mode, fn, args)
+    if _opencl() and dtype == np.float32:  # the OpenCL template (PoCL: the same two cores)
+        fns["opencl"], impls["opencl"] = _tilefuse("auto", fn, args, _opencl())
     if dtype == np.float32 and not epilogue:
         fns.update(_others(a, b, transposed))
     times = interleaved(fns, repeat, clock)
@@ -157,12 +168,13 @@ def main():
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         g, impls = run_case(name, m, n, k, t, d, epi, args.repeat, clock)
         others |= set(g) - {"numpy", "generated", "vendor"}
-        who = ("generated", "vendor", "torch", "jax")
+        who = ("generated", "vendor", "opencl", "torch", "jax")
         rows.append([name, f"{g['numpy']:.0f}", *(_cell(g, w) for w in who)])
         print(f"  {name}: " + ", ".join(f"{w} {v:.0f}" for w, v in g.items()) +
-              f"  [{impls['generated']} / {impls['vendor']}]", flush=True)
-    shown = [True, True, True, True, "torch" in others, "jax" in others]
-    cols = ["GFLOP/s (ratio to numpy)", "numpy", "tilefuse generated", "tilefuse vendor", "torch", "jax"]
+              f"  [{' / '.join(impls.values())}]", flush=True)
+    shown = [True, True, True, True, "opencl" in others, "torch" in others, "jax" in others]
+    cols = ["GFLOP/s (ratio to numpy)", "numpy", "tilefuse generated", "tilefuse vendor",
+            "tilefuse opencl", "torch", "jax"]
     cols, rows = [c for c, k in zip(cols, shown) if k], [[c for c, k in zip(r, shown) if k] for r in rows]
     print()
     print(table(cols, rows, title="GEMM on the CPU, medians"))
