@@ -34,7 +34,7 @@ from tilefuse.runtime import compile_cache, dispatch
 from tilefuse.runtime.hardware import DeviceInfo
 
 from . import blas, vecmath
-from .irutil import counted_loop
+from .irutil import bf16_to_f32, counted_loop, f32_to_bf16, splat
 from .compile import code_digest, KernelFn, get_pool, get_target
 
 F32, I1, I16, I32, I64 = ir.FloatType(), ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -167,35 +167,19 @@ class _Gen:
         name = np.dtype(dtype).name
         if name == "float32":
             return v
-        ty = v.type
-        n = ty.count if isinstance(ty, ir.VectorType) else 0
-        f = ir.VectorType(F32, n) if n else F32
         if name == "float16":
-            return b.fpext(v, f)
-        i32 = ir.VectorType(I32, n) if n else I32
-        return b.bitcast(b.shl(b.zext(v, i32), self._c(i32, 16)), f)
+            return b.fpext(v, ir.VectorType(F32, v.type.count) if isinstance(v.type, ir.VectorType) else F32)
+        return bf16_to_f32(b, v)
 
     def _from_f32(self, b, v, dtype):
         name = np.dtype(dtype).name
         if name == "float32":
             return v
-        ty = v.type
-        n = ty.count if isinstance(ty, ir.VectorType) else 0
         if name == "float16":
-            return b.fptrunc(v, ir.VectorType(HALF, n) if n else HALF)
-        i32 = ir.VectorType(I32, n) if n else I32
-        bits = b.bitcast(v, i32)  # round to nearest even; NaN stays a quiet NaN
-        lsb = b.and_(b.lshr(bits, self._c(i32, 16)), self._c(i32, 1))
-        rounded = b.lshr(b.add(bits, b.add(lsb, self._c(i32, 0x7FFF))), self._c(i32, 16))
-        nan = b.or_(b.lshr(bits, self._c(i32, 16)), self._c(i32, 0x40))
-        isnan = b.fcmp_unordered("uno", v, v)
-        return b.trunc(b.select(isnan, nan, rounded), ir.VectorType(I16, n) if n else I16)
+            return b.fptrunc(v, ir.VectorType(HALF, v.type.count) if isinstance(v.type, ir.VectorType) else HALF)
+        return f32_to_bf16(b, v)
 
-    @staticmethod
-    def _c(ty, value):
-        if isinstance(ty, ir.VectorType):
-            return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
-        return ir.Constant(ty, value)
+    _c = staticmethod(splat)
 
     @staticmethod
     def _i(v):
@@ -323,37 +307,21 @@ class _Gen:
         ct = self._storage(self.out_dtype)
         fn, b = self._func("micro", [I64, F32P, F32P, ct.as_pointer(), I64, I64, I64, I1])
         kc, ap, bp, c, ldc, mr_eff, nr_eff, first = fn.args
-        entry = b.block
-        head = b.append_basic_block("k.head")
-        body = b.append_basic_block("k.body")
-        done = b.append_basic_block("k.done")
-        b.branch(head)
-        b.position_at_end(head)
-        k = b.phi(I64, name="k")
-        k.add_incoming(self._i(0), entry)
         zero = self._c(V, 0.0)
-        acc = [[b.phi(V, name=f"acc{r}_{v}") for v in range(nv)] for r in range(p.mr)]
-        for row in acc:
-            for a in row:
-                a.add_incoming(zero, entry)
-        b.cbranch(b.icmp_signed("<", k, kc), body, done)
-        b.position_at_end(body)
-        bk = b.gep(bp, [b.mul(k, self._i(p.nr))])
-        bvec = [b.load(b.bitcast(b.gep(bk, [self._i(v * p.lanes)]), V.as_pointer()), align=64)
-                for v in range(nv)]
-        ak = b.gep(ap, [b.mul(k, self._i(p.mr))])
-        new = []
-        for r in range(p.mr):
-            a = b.load(b.gep(ak, [self._i(r)]), align=4)
-            splat = self._splat(b, a, V)
-            new.append([vecmath.Emit(b).fma(splat, bvec[v], acc[r][v]) for v in range(nv)])
-        latch = b.block
-        k.add_incoming(b.add(k, self._i(1)), latch)
-        for r in range(p.mr):
-            for v in range(nv):
-                acc[r][v].add_incoming(new[r][v], latch)
-        b.branch(head)
-        b.position_at_end(done)
+        emit = vecmath.Emit(b)
+
+        def step(k, flat):  # one k: an outer product of A's column and B's row into the tile
+            bk = b.gep(bp, [b.mul(k, self._i(p.nr))])
+            bvec = [b.load(b.bitcast(b.gep(bk, [self._i(v * p.lanes)]), V.as_pointer()), align=64)
+                    for v in range(nv)]
+            ak = b.gep(ap, [b.mul(k, self._i(p.mr))])
+            new = []
+            for r in range(p.mr):
+                a = self._splat(b, b.load(b.gep(ak, [self._i(r)]), align=4), V)
+                new += [emit.fma(a, bvec[v], flat[r * nv + v]) for v in range(nv)]
+            return new
+        flat, _ = counted_loop(b, self._i(0), kc, step, name="k", carried=[zero] * (p.mr * nv))
+        acc = [flat[r * nv:(r + 1) * nv] for r in range(p.mr)]
 
         # write the tile: C (+)= acc, masked at the edges
         at, load, store = self._tile_io(b, c, ldc, nr_eff)

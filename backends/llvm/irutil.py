@@ -33,3 +33,31 @@ def counted_loop(b: ir.IRBuilder, lo, hi, body, *, step=1, name: str = "i", carr
     latch = b.branch(head)
     b.position_at_end(done)
     return phis, latch
+
+
+def splat(ty, value):
+    """A constant of type `ty`, the same value in every lane when `ty` is a vector."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def _like(v, elem):
+    """`elem`, or a vector of it with as many lanes as `v`'s type."""
+    return ir.VectorType(elem, v.type.count) if isinstance(v.type, ir.VectorType) else elem
+
+
+def bf16_to_f32(b: ir.IRBuilder, v):
+    """bfloat16 bits (i16, scalar or vector) to float32: the bits are float32's upper half."""
+    i32 = _like(v, ir.IntType(32))
+    return b.bitcast(b.shl(b.zext(v, i32), splat(i32, 16)), _like(v, ir.FloatType()))
+
+
+def f32_to_bf16(b: ir.IRBuilder, v):
+    """float32 (scalar or vector) to bfloat16 bits: round to nearest even; NaN stays a quiet NaN."""
+    i32 = _like(v, ir.IntType(32))
+    bits = b.bitcast(v, i32)
+    lsb = b.and_(b.lshr(bits, splat(i32, 16)), splat(i32, 1))
+    rounded = b.lshr(b.add(bits, b.add(lsb, splat(i32, 0x7FFF))), splat(i32, 16))
+    nan = b.or_(b.lshr(bits, splat(i32, 16)), splat(i32, 0x40))
+    return b.trunc(b.select(b.fcmp_unordered("uno", v, v), nan, rounded), _like(v, ir.IntType(16)))

@@ -20,7 +20,7 @@ import numpy as np
 from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr
 
 from . import vecmath
-from .irutil import counted_loop
+from .irutil import bf16_to_f32, counted_loop, f32_to_bf16
 from .vecmath import F32, F64, I32, I64, Emit
 
 I1, I8, I16 = ir.IntType(1), ir.IntType(8), ir.IntType(16)
@@ -579,15 +579,14 @@ class Renderer:
             return v
         f32 = np.dtype(np.float32)
         if is_16(src):  # widen to float32 first
-            v = b.bitcast(b.shl(b.zext(v, I32), ir.Constant(I32, 16)), F32) if src == BF16 \
-                else b.fpext(v, F32)
+            v = bf16_to_f32(b, v) if src == BF16 else b.fpext(v, F32)
             return self._convert(v, f32, dst)
         if is_16(dst):  # narrow from float32 (float64 and ints go through float32)
             if src != f32:
                 v, src = self._convert(v, src, f32), f32
             if dst == F16:
                 return b.fptrunc(v, HALF)
-            return _f32_to_bf16(self.em, v)
+            return f32_to_bf16(b, v)
         rt = TYPES[dst][0]
         if dst == BOOL:
             zero = ir.Constant(v.type, 0)
@@ -624,16 +623,6 @@ def _constant(value, dtype):
 
 def _bf16_bits(value) -> int:
     return int(np.array(value, BF16).view(np.uint16))
-
-
-def _f32_to_bf16(em: Emit, v):
-    """Round to nearest even; NaN stays a (quiet) NaN."""
-    b = em.b
-    bits = b.bitcast(v, I32)
-    lsb = b.and_(b.lshr(bits, em.c(I32, 16)), em.c(I32, 1))
-    rounded = b.lshr(b.add(bits, b.add(lsb, em.c(I32, 0x7FFF))), em.c(I32, 16))
-    nan = b.or_(b.lshr(bits, em.c(I32, 16)), em.c(I32, 0x40))
-    return b.trunc(b.select(em.isnan(v), nan, rounded), I16)
 
 
 # ---- operation tables --------------------------------------------------------------------------

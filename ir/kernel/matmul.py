@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .lower import strides
+
 
 @dataclass(frozen=True)
 class MatmulLayout:
@@ -29,14 +31,6 @@ class MatmulLayout:
         return 2 * self.batch * self.m * self.n * self.k
 
 
-def _row_major_strides(shape) -> list[int]:
-    strides, s = [], 1
-    for d in reversed(shape):
-        strides.append(s)
-        s *= d
-    return strides[::-1]
-
-
 def _collapse(shape, strides, axes) -> tuple[int, int] | None:
     """(extent, stride) of `axes` taken as one axis, or None when they are not one block."""
     axes = [a for a in axes if shape[a] != 1]  # a size-1 axis has no stride to respect
@@ -53,7 +47,7 @@ def matmul_layout(eqn) -> MatmulLayout | None:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
     rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
-    ls, rs = _row_major_strides(lhs.shape), _row_major_strides(rhs.shape)
+    ls, rs = strides(lhs.shape), strides(rhs.shape)
     groups = [_collapse(lhs.shape, ls, g) for g in (lb, lfree, lc)]
     groups += [_collapse(rhs.shape, rs, g) for g in (rb, rc, rfree)]
     if any(g is None for g in groups):
