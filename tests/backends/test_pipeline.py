@@ -27,7 +27,7 @@ from tilefuse.runtime.compiler import compile_graph
 from tilefuse.runtime.config import config
 from tilefuse.runtime.planner import ALIGN, Interval, plan_buffers
 from tilefuse.tracer.core import bind1
-from tilefuse.validate.programs import layernorm, softmax
+from tilefuse.validate.programs import int_and_bool, layernorm, shapes_and_indexing, softmax
 
 F32, BF16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
 DEV = SimpleNamespace(kind="interp", name="interp")
@@ -59,16 +59,6 @@ def embedding_and_grad(table, ids, dy):
     y = tnp.take(table, ids, axis=0)
     dtable = bind1(P.scatter_add, tnp.zeros_like(table), ids, dy, axis=0)
     return tnp.sum(y * dy), dtable
-
-
-def shapes_and_indexing(x, y):
-    z = tnp.concatenate([x, tnp.flip(y, axis=0), x[:, ::2]], axis=1)
-    return tnp.pad(z, ((1, 0), (2, 1))), tnp.reshape(tnp.transpose(z), (-1,))[3:11], tnp.argmax(z, axis=1)
-
-
-def int_and_bool(a, b):
-    q = a // tnp.where(b == 0, 1, b)
-    return q, (a % 3 == 0) | (b > 1), tnp.sum(a * b, axis=0), tnp.arange(5) * a[0, 0]
 
 
 def bf16_mlp(x, w):

@@ -56,12 +56,12 @@ def _chain(x):
     return tnp.tanh(x * 1.7 + 0.3) * nn.sigmoid(x) + tnp.exp(-x * x) * 0.5
 
 
-def _indexing(x, y):
+def shapes_and_indexing(x, y):
     z = tnp.concatenate([x, tnp.flip(y, axis=0), x[:, ::2]], axis=1)
     return tnp.pad(z, ((1, 0), (2, 1))), tnp.reshape(tnp.transpose(z), (-1,))[3:11], tnp.argmax(z, axis=1)
 
 
-def _ints(a, b):
+def int_and_bool(a, b):
     q = a // tnp.where(b == 0, 1, b)
     return q, (a % 3 == 0) | (b > 1), tnp.sum(a * b, axis=0), tnp.arange(5) * a[0, 0]
 
@@ -124,9 +124,9 @@ PROGRAMS = [
             lambda r, d: [_r(r, d, 20, 8), _ids(r, 20, 4, 7)]),
     Program("embedding gradient", "fusion", _embedding_grad,
             lambda r, d: [_r(r, d, 20, 8), _ids(r, 20, 4, 7), _r(r, d, 4, 7, 8)]),
-    Program("slices, concatenation, padding", "fusion", _indexing,
+    Program("slices, concatenation, padding", "fusion", shapes_and_indexing,
             lambda r, d: [_r(r, d, 3, 4), _r(r, d, 3, 2)]),
-    Program("ints and bools", "fusion", _ints,
+    Program("ints and bools", "fusion", int_and_bool,
             lambda r, d: [r.integers(-9, 9, (3, 5)).astype(np.int32),
                           r.integers(-2, 3, (3, 5)).astype(np.int32)]),
     Program("cross entropy and its gradient", "fusion",
