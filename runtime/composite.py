@@ -42,6 +42,7 @@ def run_graph(g, slot: dict, device, backend):
     """run(buffers) computing graph `g` as the device's kernels, each chosen by the dispatcher;
     `slot` maps the variables that live in the caller's buffers to their positions there."""
     from . import dispatch
+    from .compiler import _gather
     base = max(slot.values()) + 1
     slot = dict(slot)
     temps: dict[int, int] = {}  # slot -> bytes
@@ -53,19 +54,20 @@ def run_graph(g, slot: dict, device, backend):
                     slot[v.id] = base + len(temps)
                     temps[slot[v.id]] = _nbytes(v.aval)
             _, run = dispatch.compile_kernel(lk.kernel, device, backend)
-            steps.append((run, [slot[v.id] for v in lk.args]))
+            steps.append((run, _gather(tuple(slot[v.id] for v in lk.args))))
     # every intermediate lives through the whole call: the arena is their sum (aligned)
     plan = plan_buffers([Interval(s, n, 0, 0) for s, n in temps.items()])
+    views = [(s, plan.offsets[s], n) for s, n in temps.items()]
     alloc, free, view = backend.alloc, backend.free, getattr(backend, "view", None)
 
     def run(buffers):
         slots = list(buffers) + [None] * len(temps)
         arena = alloc(max(plan.arena_bytes, 1), device) if temps else None
         try:
-            for s, n in temps.items():
-                slots[s] = view(arena, plan.offsets[s], n)
-            for fn, args in steps:
-                fn([slots[a] for a in args])
+            for s, off, n in views:
+                slots[s] = view(arena, off, n)
+            for fn, gather in steps:
+                fn(gather(slots))
         finally:
             if arena is not None:
                 free(arena, device)

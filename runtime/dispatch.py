@@ -56,9 +56,16 @@ def candidates(kind: str, device_kind: str) -> list[Implementation]:
 
 
 def choose(kernel, device) -> Implementation:
+    """The first candidate that applies; kept in the kernel's meta per device (compile_graph asks
+    before its batch build and again when it builds each kernel)."""
+    chosen = kernel.meta.setdefault("chosen", {})
+    where = getattr(device, "name", device)
+    if where in chosen:
+        return chosen[where]
     kind = kernel.meta.get("kind", "elementwise")
     for impl in candidates(kind, getattr(device, "kind", "*")):
         if impl.applies(kernel, device):
+            chosen[where] = impl
             return impl
     raise CompileError(f"no implementation of {kind} kernels for the device {device}",
                        kernel=str(kernel))

@@ -31,7 +31,7 @@ from tilefuse.runtime import compile_cache
 
 from . import vecmath
 from .irutil import counted_loop
-from .compile import code_digest, BACKEND_VERSION, KernelFn, get_pool, get_target
+from .compile import code_digest, KernelFn, get_pool, get_target
 from .vecmath import F32, I32, I64, Emit
 
 LANES = 16  # float32 lanes of one AVX-512 register
@@ -645,17 +645,10 @@ def build(kernel, device, backend):
     sp = spec_of(eqn)
     info = backend._info(device)
     target = get_target(info)
-    key = compile_cache.make_key(repr(sp), target.fingerprint + ("attention", _DIGEST, BACKEND_VERSION))
+    key = compile_cache.make_key(repr(sp), target.fingerprint + ("attention", _DIGEST))
     fn_name = "tf_attn_" + key[:24]
-    text = None
-
-    def compile_() -> bytes:
-        nonlocal text
-        text = _Gen(sp, fn_name).render(target.vector_bits)
-        return target.compile_ir(text, fn_name, str(kernel))
-    with target.lock:
-        obj = target.cache.get_or_build(key, compile_)
-        address = target.load(obj, fn_name, text, str(kernel))
+    address = target.module(key, fn_name, lambda: _Gen(sp, fn_name).render(target.vector_bits),
+                            str(kernel))
     fn = KernelFn(address)
     tasks = sp.nb if sp.bwd else sp.nb * -(-sp.sq // BQ)
     threads = max(1, info.compute_units)

@@ -124,6 +124,21 @@ class Target:
             raise CompileError(f"LLVM could not compile kernel {fn_name}: {e}", backend="llvm",
                                kernel=kernel_text, source=text) from None
 
+    def module(self, key: str, fn_name: str, make_ir, what: str) -> int:
+        """The address of `fn_name`: linked already, or its object code from the disk cache under
+        `key`, or compiled from make_ir() (LLVM IR text) and stored there. For the templates."""
+        hit = self.loaded.get(fn_name)
+        if hit is not None:
+            return hit[0]
+        text = None
+
+        def build() -> bytes:
+            nonlocal text
+            text = make_ir()
+            return self.compile_ir(text, fn_name, what)
+        with self.lock:
+            return self.load(self.cache.get_or_build(key, build), fn_name, text, what)
+
     def load(self, obj: bytes, fn_name: str, ir_text=None, kernel_text="") -> int:
         """Link object code into the JIT (once per symbol) and return the function's address."""
         with self.lock:

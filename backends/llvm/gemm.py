@@ -111,7 +111,14 @@ class GemmProblem:
 
 def gemm_problem(kernel) -> GemmProblem | None:
     """The GEMM a dot_general or fused_gemm kernel computes, or None when its operands cannot be
-    read through strides (then another implementation runs it)."""
+    read through strides (then another implementation runs it). Kept in the kernel's meta: the
+    dispatcher's candidates, the build and the tuner all ask."""
+    if "gemm_problem" not in kernel.meta:
+        kernel.meta["gemm_problem"] = _gemm_problem(kernel)
+    return kernel.meta["gemm_problem"]
+
+
+def _gemm_problem(kernel) -> GemmProblem | None:
     eqns = kernel.meta.get("eqns", ())
     operands = kernel.meta.get("operands")
     if len(eqns) != 1 or operands is None or eqns[0].prim.name not in ("dot_general", "fused_gemm"):
@@ -486,26 +493,14 @@ class _EpilogueGen(_Gen):
 # ---- compiling and running ------------------------------------------------------------------------
 
 _DIGEST = code_digest("gemm.py")
-_loaded: dict = {}  # cache key -> the function's address
 
 
 def _load(info: DeviceInfo, spec: tuple, make_gen) -> int:
     """Compile (or fetch from the caches) the module make_gen() emits; its function's address."""
     target = get_target(info)
     key = compile_cache.make_key("gemm", _DIGEST, repr(spec), target.fingerprint)
-    address = _loaded.get(key)
-    if address is None:
-        fn_name = "tf_gemm_" + key[:24]
-        text = None
-
-        def build() -> bytes:
-            nonlocal text
-            text = make_gen().build(fn_name)
-            return target.compile_ir(text, fn_name, f"gemm template {spec}")
-        with target.lock:
-            obj = target.cache.get_or_build(key, build)
-            address = _loaded[key] = target.load(obj, fn_name, text, f"gemm template {spec}")
-    return address
+    fn_name = "tf_gemm_" + key[:24]
+    return target.module(key, fn_name, lambda: make_gen().build(fn_name), f"gemm template {spec}")
 
 
 def _compile(info: DeviceInfo, p: GemmParams, prob: GemmProblem) -> tuple:

@@ -49,6 +49,8 @@ class _State:
         mf = cl.mem_flags
         self.flags = mf.READ_WRITE | (mf.ALLOC_HOST_PTR if self.host_memory else 0)
         self.last_event = None
+        # one per device: wrappers of the same cl.Kernel (the tuner's too) share its arguments
+        self.launch_lock = threading.Lock()
         self.kernels: dict = {}
         self.unaligned_views = 0
         self.pool = PoolAllocator(self._raw_alloc, lambda mem: mem.release(), name=info.name)
@@ -96,7 +98,6 @@ class CompiledKernel:
         self.source, self.mode, self.width = rendered.source, rendered.mode, rendered.width
         self.global_size, self.local_size = global_size, local_size
         self._knl, self._state = cl_kernel, state
-        self._lock = threading.Lock()
         self.last_event = None
 
     def __call__(self, buffers):
@@ -104,7 +105,7 @@ class CompiledKernel:
             return None
         st = self._state
         try:
-            with self._lock:  # a cl.Kernel holds its arguments: set and enqueue as one step
+            with st.launch_lock:  # a cl.Kernel holds its arguments: set and enqueue as one step
                 self._knl.set_args(*[getattr(b, "mem", b) for b in buffers])
                 ev = st.cl.enqueue_nd_range_kernel(st.queue, self._knl, self.global_size, self.local_size)
         except st.cl.Error as e:
