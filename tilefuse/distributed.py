@@ -30,6 +30,7 @@ failing rank ends the job with its error instead of leaving the others hanging.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -230,7 +231,7 @@ def _hierarchical_allreduce(world: World, buf: np.ndarray, inner: Callable):
     yield [world.node.Ireduce(MPI.IN_PLACE if root else buf, buf if root else None, root=0)], \
         0 if root else buf.nbytes, "node"
     if world.leaders is not None and world.leaders.size > 1:
-        yield from inner(buf, world.leaders)
+        yield from inner(buf, comm=world.leaders)
     yield [world.node_bcast.Ibcast(buf, root=0)], buf.nbytes if root else 0, "node"
 
 
@@ -534,11 +535,9 @@ class DataParallel:
             buf[off:off + aval.size] = g.reshape(-1)
         w = self.world
         if self.compress:
-            def inner(b, comm=None):
-                return _int8_allreduce(w, b, bucket.residual, comm)
+            inner = functools.partial(_int8_allreduce, w, residual=bucket.residual)
         else:
-            def inner(b, comm=None):
-                return _flat_allreduce(w, b, comm)
+            inner = functools.partial(_flat_allreduce, w)
         gen = _hierarchical_allreduce(w, buf, inner) if self.hierarchical else inner(buf)
 
         def unpack():
@@ -563,6 +562,10 @@ class DataParallel:
 
         grads: list = [None] * len(plan.grad_sources)
         loss = np.zeros(1, np.float32)
+
+        def start_loss():
+            loss[0] = np.asarray(value(plan.loss_source))
+            reducer.start(_flat_allreduce(self.world, loss), "loss")
         t0 = time.perf_counter()
         pending = list(plan.early_buckets)  # complete, not yet reducing
         for seg in plan.segments:
@@ -574,14 +577,12 @@ class DataParallel:
             outs = seg.executable([value(src) for src in seg.inputs])
             env.update(zip(seg.out_ids, outs))
             if seg.has_loss:
-                loss[0] = np.asarray(value(plan.loss_source))
-                reducer.start(_flat_allreduce(self.world, loss), "loss")
+                start_loss()
             pending += seg.buckets
         for i in pending:
             self._start(reducer, plan, plan.buckets[i], value, grads)
         if plan.loss_source[0] != "env":
-            loss[0] = np.asarray(value(plan.loss_source))
-            reducer.start(_flat_allreduce(self.world, loss), "loss")
+            start_loss()
         t1 = time.perf_counter()
         reducer.wait_all("the gradient all-reduce")  # buckets unpack as they complete
         t2 = time.perf_counter()

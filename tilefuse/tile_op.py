@@ -288,6 +288,7 @@ class TileOp:
         argument (None: no gradient), used by reverse mode instead of differentiating the body
         (forward mode, jvp, still differentiates the body)."""
         self._vjp = bwd
+        self._vjp_takes = frozenset(inspect.signature(bwd).parameters)  # read once, not per call
         return bwd
 
     # ---- calls ----
@@ -324,8 +325,7 @@ class TileOp:
         graph, consts = self._graphs.get(key) or self._trace(key, bound)
         bwd = None
         if self._vjp is not None:
-            takes = inspect.signature(self._vjp).parameters
-            bwd = _UserVJP(self._vjp, tuple((k, v) for k, v in statics if k in takes))
+            bwd = _UserVJP(self._vjp, tuple((k, v) for k, v in statics if k in self._vjp_takes))
         return bind1(P.tile_call, *consts, *arrays, graph=graph, name=self.name,
                      n_consts=len(consts), bwd=bwd)
 
