@@ -17,7 +17,7 @@ import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
 
-from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr
+from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, reduce_levels
 
 from . import vecmath
 from .irutil import bf16_to_f32, counted_loop, f32_to_bf16
@@ -140,8 +140,9 @@ class Renderer:
         self.k, self.fn_name, self.tile, self.interleave = kernel, fn_name, reduce_tile, interleave
         roots = [e for st in kernel.stores for e in (st.offset, st.value)]
         self.nodes = {n for r in roots for n in r.toposort()}
-        self.reduces = [n for r in roots for n in r.toposort() if n.op == "reduce"]
-        self.reduces = list(dict.fromkeys(self.reduces))
+        self.levels = reduce_levels(roots)  # reductions in dependency order, one pass per level
+        self.reduces = [n for level in self.levels for n in level]
+        self.row_stores = set(map(id, kernel.row_stores))
         self.forms = affine_forms(roots)
         used = self._used_forms(roots)
         self.par = merge_axes(kernel.shape, "idx", used)
@@ -178,6 +179,8 @@ class Renderer:
         (a column sum; a matrix product's B operand), so the vectoriser gets unit strides."""
         if not self.reduces or not self.par.groups or not self.red.groups:
             return False
+        if len(self.levels) > 1 or self.row_stores:
+            return False  # a row kernel's passes run one after another: no tile to interchange
         if self.par.sizes[-1] < 8:
             return False
         p_last = self.par.groups[-1][1][-1]
@@ -271,12 +274,24 @@ class Renderer:
         self._point_scope()
 
     def _point_scope(self):
-        """One parallel point: the fused reduce loop (if any), then the stores."""
+        """One parallel point: the reduce loops (if any), the stores, then the row stores in one
+        more pass over the reduction space."""
         saved = dict(self.cache)
-        if self.reduces:
-            self._reduce_point()
+        for level in self.levels:
+            self._reduce_point(level)
         for st in self.k.stores:
-            self._store(st)
+            if id(st) not in self.row_stores:
+                self._store(st)
+        rows = [st for st in self.k.stores if id(st) in self.row_stores]
+        if rows:
+            self._hoist_invariants([e for st in rows for e in (st.offset, st.value)])
+            outer = dict(self.cache)
+
+            def inner():
+                for st in rows:
+                    self._store(st)
+                self.cache = dict(outer)
+            self._reduce_nest(inner)
         self.cache = saved
 
     # -- reductions ----------------------------------------------------------------------------
@@ -286,19 +301,20 @@ class Renderer:
             b.position_at_start(self.allocas_at)
             return b.alloca(ty, size=None if count is None else ir.Constant(I64, count))
 
-    def _reduce_point(self):
-        """Accumulators in stack slots (SROA makes them registers), one loop nest for all."""
+    def _reduce_point(self, reduces):
+        """Accumulators in stack slots (SROA makes them registers), one loop nest for all of
+        `reduces` (one level: they read no reduce that is not computed yet)."""
         b = self.b
-        self._hoist_invariants()
-        accs = [self._acc_init(n) for n in self.reduces]
+        self._hoist_invariants([s for n in reduces for s in n.src])
+        accs = [self._acc_init(n) for n in reduces]
         saved = dict(self.cache)
 
         def inner():
-            for n, acc in zip(self.reduces, accs):
+            for n, acc in zip(reduces, accs):
                 self._acc_step(n, acc, None)
             self.cache = dict(saved)
         self._reduce_nest(inner)
-        for n, acc in zip(self.reduces, accs):
+        for n, acc in zip(reduces, accs):
             self.cache[n] = b.load(acc[1] if acc[1] is not None else acc[0])
 
     def _reduce_nest(self, inner):
@@ -317,11 +333,12 @@ class Renderer:
             self._loop(ir.Constant(I64, 0), ir.Constant(I64, groups[g][0]), f"r{g}", body)
         level(0)
 
-    def _hoist_invariants(self):
-        """Evaluate the parts of reduce bodies that do not depend on ridx before the loop."""
+    def _hoist_invariants(self, roots):
+        """Evaluate the parts of `roots` (what a loop over the reduction space computes) that do
+        not depend on ridx before the loop."""
         seen = set()  # a DAG: without it shared subexpressions are walked exponentially often
-        for n in self.reduces:
-            stack = list(n.src)
+        for root in roots:
+            stack = [root]
             while stack:
                 s = stack.pop()
                 if s in self.cache or s in seen:

@@ -33,7 +33,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.ir import KExpr, Kernel, cast as kcast, pp_kernel
+from tilefuse.ir.kernel.ir import KExpr, Kernel, cast as kcast, pp_kernel, reduce_levels
 
 F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
 BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
@@ -366,11 +366,11 @@ class _Body:
         lanes = ", ".join(self.scalar_load(buf, f"{o}.s{LANE[j]}") for j in range(w))
         return f"(({self.ty(n.dtype, w)})({lanes}))"
 
-    def store(self, st, atomic: bool) -> None:
+    def store(self, st, atomic: bool, scalar: bool = False) -> None:
         buf = self.k.buffers[st.buffer]
         d = np.dtype(buf.dtype)
         value = st.value if np.dtype(st.value.dtype) == d else kcast(st.value, d)
-        s = self.scalar or not (self.varying(value) or self.varying(st.offset))
+        s = scalar or self.scalar or not (self.varying(value) or self.varying(st.offset))
         w = 1 if s else self.W
         v = self.bc(self.val(value, s), value, w, s)
         if st.mode == "add":
@@ -506,13 +506,59 @@ def _decompose(out: list, ind: str, var: str, axes: list, tmp: str = "q_") -> No
 
 
 def _emit_body(k: Kernel, out: list, ind: str, vary, width: int, base: str, atomic: bool) -> None:
-    """Reductions (if any) then the stores, for the point(s) whose indices are in scope."""
+    """Reductions (if any, one pass per dependency level) then the stores, for the point(s)
+    whose indices are in scope; then the row stores in one more pass over the reduction space."""
     b = _Body(k, out, vary, width, base, ind)
-    reds = _reduces(k)
-    if reds:
-        _emit_reductions(b, reds)
+    for level in reduce_levels(st.value for st in k.stores):
+        _emit_reductions(b, level)
+    rows = k.row_stores
     for st in k.stores:
-        b.store(st, atomic)
+        if st not in rows:
+            b.store(st, atomic)
+    if rows:
+        _emit_row_stores(b, rows, atomic)
+
+
+def _emit_row_stores(b: _Body, rows, atomic: bool) -> None:
+    """Row stores loop over the reduction space (its last axis W steps at once in "red" mode,
+    with a scalar tail), after what does not change along a row is computed once."""
+    k, dep = b.k, {}
+    stack, seen = [e for st in rows for e in (st.offset, st.value)], set()
+    while stack:  # hoist: every node reading no ridx (reduce nodes included; not their bodies)
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            if not _depends_on_ridx(n, dep):
+                b.val(n)
+            else:
+                stack.extend(n.src)
+    vec = b.vary is not None and b.vary[0] == "ridx" and not b.scalar
+    nr = len(k.reduce_shape)
+    loops = nr - 1 if vec else nr
+    for ax in range(loops):
+        b.line(f"for (long r{ax} = 0; r{ax} < {k.reduce_shape[ax]}L; ++r{ax}) {{")
+        b.ind += "  "
+    saved = dict(b.memo)
+
+    def body(head: str, scalar: bool) -> None:
+        b.line(head)
+        b.ind += "  "
+        for st in rows:
+            b.store(st, atomic, scalar)
+        b.ind = b.ind[:-2]
+        b.line("}")
+        b.memo = dict(saved)
+    if vec:
+        last, W, R = nr - 1, b.W, k.reduce_shape[-1]
+        b.line(f"{{ long r{last} = 0;")
+        body(f"for (; r{last} + {W} <= {R}L; r{last} += {W}) {{", False)
+        body(f"for (; r{last} < {R}L; ++r{last}) {{", True)
+        b.line("}")
+    else:
+        body("{", False)
+    for ax in range(loops):
+        b.ind = b.ind[:-2]
+        b.line("}")
 
 
 def _identity(op: str, d) -> str:
@@ -544,13 +590,13 @@ def _emit_reductions(b: _Body, reds: list) -> None:
         b.ind += "  "
     if vec_red:
         W, R = b.W, k.reduce_shape[last]
-        b.line(f"long r{last} = 0;")
+        b.line(f"{{ long r{last} = 0;  // (a row kernel walks its row once per level)")
         b.line(f"for (; r{last} + {W} <= {R}L; r{last} += {W}) {{")
         _loop_body(b, reds, accs, 0)
         b.line("}")
         b.line(f"for (; r{last} < {R}L; ++r{last}) {{")
         _loop_body(b, reds, accs, 2)
-        b.line("}")
+        b.line("} }")
     else:
         _loop_body(b, reds, accs, 0, indent=False)
     for ax in range(nr - 1 if vec_red else nr):
@@ -719,7 +765,9 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
     if mode is None:
         mode = choose_mode(k, width, int64_atomics=int64_atomics)
         steps = int(np.prod(k.reduce_shape, dtype=np.int64)) if k.has_reduce else 0
-        if tree and mode != "serial" and not k.serial and k.size < tree_below and steps >= 8 * tree:
+        rows = k.row_stores or len(reduce_levels(st.value for st in k.stores)) > 1
+        if tree and mode != "serial" and not k.serial and not rows and k.size < tree_below and \
+                steps >= 8 * tree:
             mode = "tree"
     assert mode in ("par", "red", "scalar", "serial", "tree"), mode
     if mode == "tree":

@@ -2,8 +2,9 @@
 
 Every index node is an arange shaped to broadcast along its own axis of the space
 (parallel axes first, then reduction axes), so an expression evaluates to an array that
-broadcasts to the space; a reduce node folds the reduction axes (kept as size 1). Stores are
-evaluated first and written after, all at once. `InterpBackend` runs the compiler's pipeline on
+broadcasts to the space; a reduce node folds the reduction axes (kept as size 1), so a reduce
+inside another's body broadcasts over it. Stores are evaluated first and written after, all at
+once; a row store over the whole space, the others over the parallel space. `InterpBackend` runs the compiler's pipeline on
 it: a host backend whose buffers are numpy uint8 arrays and whose kernels run here."""
 from __future__ import annotations
 
@@ -140,10 +141,11 @@ def run_kernel(kernel: Kernel, arrays) -> None:
     if kernel.size == 0:
         return
     ev = _Eval(kernel, arrays)
-    target = tuple(kernel.shape) + (1,) * len(kernel.reduce_shape)
+    once = tuple(kernel.shape) + (1,) * len(kernel.reduce_shape)
+    rows = set(map(id, kernel.row_stores))  # these run over the whole reduction space
     with np.errstate(all="ignore"):
-        writes = [(st, np.broadcast_to(ev(st.offset), target).reshape(-1),
-                   np.broadcast_to(ev(st.value), target).reshape(-1)) for st in kernel.stores]
+        writes = [(st, *(np.broadcast_to(ev(e), ev.full if id(st) in rows else once).reshape(-1)
+                         for e in (st.offset, st.value))) for st in kernel.stores]
     for st, off, val in writes:
         out = arrays[st.buffer]
         if off.size and (off.min() < 0 or off.max() >= out.size):

@@ -24,10 +24,16 @@ Op semantics every renderer implements (ir/kernel/interp.py is the reference):
 - `round` rounds half to even; `sign` is -1/0/1 (NaN for NaN); `logistic` is 1/(1+exp(-x)).
 - bool values only meet `and`/`or`/`xor`/`not`, comparisons, `select` and casts (the lowering
   turns bool add/mul/max/min into or/and), and the reductions max (any) and min (all).
-- A kernel holds at most one distinct `reduce` node, present iff `reduce_shape` is non-empty;
-  over an empty reduction space sum gives 0 and prod 1 (max/min/argmax never see one).
-  argmax/argmin give the index of the first extreme; NaN counts as the extreme (numpy's rule).
-  Nodes that read no `ridx` may appear both under the reduce node and outside it.
+- `reduce` nodes are present iff `reduce_shape` is non-empty; all run over that one reduction
+  space, once per parallel point. A reduce's body may use other reduce nodes (their values are
+  constant over the reduction space: softmax's sum(exp(x - max))), never through them its own
+  ridx; renderers evaluate reductions in dependency order (`reduce_levels`). Over an empty
+  reduction space sum gives 0 and prod 1 (max/min/argmax never see one). argmax/argmin give
+  the index of the first extreme; NaN counts as the extreme (numpy's rule). Nodes that read no
+  `ridx` may appear both under a reduce node and outside it.
+- A "row store" reads ridx outside every reduce node: it runs at every point of the reduction
+  space, after the reductions (a fused softmax writes its whole row so). Other stores run once
+  per parallel point.
 """
 from __future__ import annotations
 
@@ -153,6 +159,31 @@ def affine(strides, base: int = 0, reduce_strides=()) -> KExpr:
     return out
 
 
+def reads_ridx(root: KExpr, memo: dict | None = None) -> bool:
+    """Whether `root` reads a reduction index outside reduce nodes (a reduce's value is one per
+    parallel point)."""
+    memo = {} if memo is None else memo
+    for n in root.toposort():
+        if n not in memo:
+            memo[n] = n.op == "ridx" or (n.op != "reduce" and any(memo[s] for s in n.src))
+    return memo[root]
+
+
+def reduce_levels(roots) -> list[list[KExpr]]:
+    """The distinct reduce nodes under `roots`, grouped by dependency: level 0 reads no other
+    reduce; level k reads some of level k-1 (one pass over the reduction space per level)."""
+    level: dict = {}
+    for root in roots:
+        for n in root.toposort():  # operands first, so a reduce's inner reduces have levels
+            if n.op == "reduce" and n not in level:
+                inner = [level[m] for m in n.toposort() if m.op == "reduce" and m is not n]
+                level[n] = 1 + max(inner) if inner else 0
+    out: list[list[KExpr]] = [[] for _ in range(1 + max(level.values(), default=-1))]
+    for n, k in level.items():
+        out[k].append(n)
+    return out
+
+
 @dataclass(frozen=True)
 class Buffer:
     """A kernel parameter: a flat buffer of `size` elements of `dtype`."""
@@ -188,6 +219,16 @@ class Kernel:
     @property
     def has_reduce(self) -> bool:
         return bool(self.reduce_shape)
+
+    @property
+    def row_stores(self) -> tuple:
+        """The stores that run over the reduction space (they read ridx outside reduce nodes)."""
+        rows = self.meta.get("row_stores")
+        if rows is None:
+            memo: dict = {}
+            rows = self.meta["row_stores"] = tuple(
+                st for st in self.stores if reads_ridx(st.offset, memo) or reads_ridx(st.value, memo))
+        return rows
 
     @property
     def serial(self) -> bool:

@@ -22,8 +22,8 @@ import numpy as np
 from .. import dtypes
 from ..core import Literal, Var
 from ..errors import CompileError
-from .ir import (INDEX, Buffer, Kernel, KExpr, Store, binary, cast, const, idx, load, reduce, ridx,
-                 select, unary)
+from .ir import (INDEX, Buffer, Kernel, KExpr, Store, binary, cast, const, idx, load, reads_ridx, reduce,
+                 ridx, select, unary)
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,10 @@ def round_to(v: KExpr, dtype) -> KExpr:
     return cast(cast(v, dtype), compute(dtype))
 
 
+class NotRows(Exception):
+    """A region is not a row region (fusion's row merge asks by trying)."""
+
+
 class _Builder:
     """Collects a kernel's input buffers while expressions are built."""
 
@@ -151,9 +155,12 @@ class _Builder:
         self.slot: dict[int, int] = {}
         self.reduce_shape: tuple | None = None
         self.memo: dict = {}
+        self.rows = False  # lowering a row region: several reductions over one row space
 
     def set_reduce(self, shape) -> None:
-        assert self.reduce_shape is None, "a kernel holds at most one reduction"
+        if self.reduce_shape is not None:  # a row kernel: every reduction over the one row space
+            if not self.rows or self.reduce_shape != tuple(shape):
+                raise NotRows(f"a second reduction over {tuple(shape)}")
         self.reduce_shape = tuple(shape)
 
     def load(self, v: Var, index) -> KExpr:
@@ -366,6 +373,8 @@ def _reduction(b, e, I):
     x, axes = e.inputs[0], tuple(e.params["axes"])
     if not axes:  # reducing no axis is the identity
         return b.value(x, I)
+    if b.rows and any(map(reads_ridx, I)):
+        raise NotRows(f"{e.prim.name} read at a point of the row")
     b.set_reduce(tuple(x.aval.shape[a] for a in sorted(axes)))
     v = b.value(x, _reduce_index(I, x.aval.ndim, axes))
     op = _REDUCE_OPS[e.prim.name]
@@ -493,6 +502,50 @@ def _lower_generic(region, kind=None) -> list[LoweredKernel]:
     return [b.kernel(kernel_name(region.eqns), region.outputs, shape, stores, kind, region.eqns)]
 
 
+def row_space(region) -> tuple | None:
+    """(row shape, reduced axes) when all of a region's reductions reduce the same axes of
+    operands of one shape; None when it has no reduction or they differ."""
+    spaces = {(e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
+              for e in region.eqns if e.prim.name in _REDUCE_OPS and e.params["axes"]}
+    return spaces.pop() if len(spaces) == 1 else None
+
+
+def _row_index(shape, space_shape, index):
+    """The index into an array of `shape` whose non-unit axes are those of `space_shape`, in
+    order, from `index` over that space (unit axes read 0); None if the axes differ."""
+    live = [k for k, n in enumerate(space_shape) if n != 1]
+    if [n for n in shape if n != 1] != [space_shape[k] for k in live]:
+        return None
+    it = iter(index[k] for k in live)
+    return tuple(_ic(0) if n == 1 else next(it) for n in shape)
+
+
+def _lower_rows(region) -> list[LoweredKernel]:
+    """A row region (fusion's row merge: softmax, layer norm): one kernel whose parallel space is
+    the rows (the kept axes) and reduction space the row (the reduced axes). Reductions run in
+    dependency order, one pass over the row per level; outputs shaped like the rows are stored
+    once per row, outputs shaped like the operand by row stores (one more pass). Raises NotRows
+    where that form does not hold (a reduction read at a point of the row)."""
+    shape, axes = row_space(region)
+    kept = tuple(n for k, n in enumerate(shape) if k not in axes)
+    b = _Builder(region.eqns)
+    b.rows = True
+    I = _idx_space(kept)
+    full = _reduce_index(I, len(shape), axes)
+    stores = []
+    for k, o in enumerate(region.outputs):
+        J = _row_index(o.aval.shape, kept, I)
+        if J is None:
+            J = _row_index(o.aval.shape, shape, full)
+        if J is None:
+            raise NotRows(f"an output of shape {o.aval.shape} in a row space {shape} over {axes}")
+        stores.append((k, o, J, b.value(o, J)))
+    n_in = len(b.inputs)
+    stores = [Store(n_in + k, offset(J, o.aval.shape), to_storage(v, o.aval.dtype)) for k, o, J, v in stores]
+    b.reduce_shape = tuple(shape[a] for a in axes)
+    return [b.kernel(kernel_name(region.eqns), region.outputs, kept, stores, "reduce", region.eqns)]
+
+
 def _copy(src, dst, eqns, name: str, kind: str) -> LoweredKernel:
     """dst = src (a Var or a scalar Literal broadcast over dst's shape), read through `eqns`."""
     b = _Builder(eqns)
@@ -596,7 +649,7 @@ REGION_RULES: dict[str, Callable] = {
 def lower_region(region) -> list[LoweredKernel]:
     """The kernels that compute a region's outputs, in launch order."""
     if region.kind == "fused":
-        return _lower_generic(region)
+        return _lower_rows(region) if region.meta.get("rows") else _lower_generic(region)
     rule = REGION_RULES.get(region.kind)
     if rule is None:
         raise CompileError(f"no kernel lowering for the primitive {region.kind}")

@@ -16,11 +16,13 @@ refused when it would create a cycle between regions (some other region on a pat
 two): the region graph stays a DAG, checked with networkx."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import networkx as nx
 
 from ..core import Eqn, Graph, Var
+from ..kernel import lower
 
 INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota"})
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
@@ -89,6 +91,9 @@ def _copy_index_maps(eqns: list[Eqn]) -> list[Eqn]:
     return eqns
 
 
+# row merges need rows to share among threads, unless the whole space is small
+ROW_MIN_ROWS = 16
+ROW_MAX_ALONE = 1 << 16
 _CLONE_LIMIT = 16  # equations a reduction may copy from a shared producer
 
 
@@ -164,6 +169,7 @@ class _Partitioner:
                 if isinstance(a, Var):
                     self.consumers.setdefault(a.id, set()).add(i)
         self.group = list(range(len(eqns)))
+        self.rows: set[int] = set()  # groups merged row-wise (run_rows)
         self.members: dict[int, list[int]] = {i: [i] for i in range(len(eqns))}
         self.dag = nx.DiGraph()
         self.dag.add_nodes_from(range(len(eqns)))
@@ -293,6 +299,64 @@ class _Partitioner:
                 if p != c and self.can_merge(p, c):
                     self.merge(p, c)
 
+    def run_rows(self) -> None:
+        """Row merges (after run): fused regions that reduce the trailing axes of one row space,
+        with what reads their results along the row, become one kernel that walks each row a
+        few times while it is in cache (softmax: max, sum of exp, normalise; layer norm: mean,
+        variance, normalise) instead of one kernel per reduction. Whether a union lowers so is
+        asked of the lowering itself (a reduction read at a point of the row cannot)."""
+        tried: set = set()
+        merged = True
+        while merged:
+            merged = False
+            for p, c in sorted(self.dag.edges, key=lambda pc: -self.pos[pc[1]]):
+                if (p, c) in tried:
+                    continue
+                tried.add((p, c))
+                members = set(self.members[p]) | set(self.members[c])
+                if self._rows_lower(members) and not self.creates_cycle(p, c):
+                    self.merge(p, c)
+                    self.rows.add(c)
+                    merged = True
+                    break
+
+    def _rows_lower(self, members: set[int]) -> bool:
+        if not all(is_fusible(self.eqns[i]) for i in members):
+            return False
+        region = self.region(members, rows=True)
+        space = lower.row_space(region)
+        if space is None:
+            return False
+        shape, axes = space
+        rows = math.prod(n for k, n in enumerate(shape) if k not in axes)
+        if axes != tuple(range(len(shape) - len(axes), len(shape))) or \
+                rows < ROW_MIN_ROWS and math.prod(shape) > ROW_MAX_ALONE:
+            return False  # strided rows, or too few rows to share among threads
+        try:
+            lower.lower_region(region)
+        except lower.NotRows:
+            return False
+        return True
+
+    def region(self, members: set[int], rows: bool = False) -> Region:
+        idx = sorted(members)
+        eqns = tuple(self.eqns[i] for i in idx)
+        defined = {o.id for e in eqns for o in e.outputs}
+        inputs: dict[int, Var] = {}
+        for e in eqns:
+            for a in e.inputs:
+                if isinstance(a, Var) and a.id not in defined:
+                    inputs.setdefault(a.id, a)
+        out_ids = {o.id for o in self.outputs(set(idx))}
+        outputs = tuple(o for e in eqns for o in e.outputs if o.id in out_ids)
+        own = [e for e in eqns if not is_fusible(e)]
+        if not own:
+            kind = "fused"
+        else:
+            (e,) = own  # the region's primitive, last: index maps it reads come before
+            kind = "host" if e.prim.effectful else e.prim.name
+        return Region(eqns, tuple(inputs.values()), outputs, kind, {"rows": True} if rows else {})
+
     def regions(self) -> list[Region]:
         for g in list(self.members):
             if all(i in self.dead for i in self.members[g]):
@@ -300,26 +364,8 @@ class _Partitioner:
                 self.dag.remove_node(g)
         assert nx.is_directed_acyclic_graph(self.dag), "fusion created a cycle between regions"
         assert all(self.pos[u] < self.pos[v] for u, v in self.dag.edges), "positions not topological"
-        out = []
-        for g in nx.lexicographical_topological_sort(self.dag, key=lambda g: min(self.members[g])):
-            idx = sorted(self.members[g])
-            eqns = tuple(self.eqns[i] for i in idx)
-            defined = {o.id for e in eqns for o in e.outputs}
-            inputs: dict[int, Var] = {}
-            for e in eqns:
-                for a in e.inputs:
-                    if isinstance(a, Var) and a.id not in defined:
-                        inputs.setdefault(a.id, a)
-            out_ids = {o.id for o in self.outputs(set(idx))}
-            outputs = tuple(o for e in eqns for o in e.outputs if o.id in out_ids)
-            own = [e for e in eqns if not is_fusible(e)]
-            if not own:
-                kind = "fused"
-            else:
-                (e,) = own  # the region's primitive, last: index maps it reads come before
-                kind = "host" if e.prim.effectful else e.prim.name
-            out.append(Region(eqns, tuple(inputs.values()), outputs, kind))
-        return out
+        return [self.region(set(self.members[g]), g in self.rows)
+                for g in nx.lexicographical_topological_sort(self.dag, key=lambda g: min(self.members[g]))]
 
 
 def partition(graph: Graph, fuse: bool = True) -> list[Region]:
@@ -332,4 +378,5 @@ def partition(graph: Graph, fuse: bool = True) -> list[Region]:
     p = _Partitioner(graph, eqns)
     if fuse:
         p.run()
+        p.run_rows()
     return p.regions()

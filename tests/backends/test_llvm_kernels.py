@@ -190,6 +190,30 @@ def test_softmax_rows(be):
     np.testing.assert_allclose(y.reshape(r, c), ref / ref.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("shape", [(37, 129), (5, 3, 17), (3, 0)])
+def test_softmax_one_row_kernel(be, shape):
+    """The same as one row kernel: a max, a sum that reads it (a second reduction level), the
+    log-sum-exp stored once per row and the normalised row by a row store."""
+    x = rand(shape) * 5
+    r, row = shape[0], shape[1:]
+    n = int(np.prod(row))
+    ld = K.load(0, K.affine([n], reduce_strides=strides(row)), F32)
+    m = K.reduce("max", ld)
+    e = K.unary("exp", K.binary("sub", ld, m))
+    s = K.reduce("sum", e)
+    bufs = (K.Buffer("x", F32, x.size), K.Buffer("lse", F32, r), K.Buffer("y", F32, x.size))
+    k = K.Kernel("softmax", bufs, 1, (r,), row, (
+        K.Store(1, K.idx(0), K.binary("add", K.unary("log", s), m)),
+        K.Store(2, K.affine([n], reduce_strides=strides(row)), K.binary("div", e, s))))
+    assert k.row_stores == (k.stores[1],)
+    lse, y = run(be, k, x)
+    x2 = x.reshape(r, n)
+    ref = np.exp(x2 - x2.max(1, keepdims=True)) if n else x2
+    np.testing.assert_allclose(y.reshape(r, n), ref / ref.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+    if n:
+        np.testing.assert_allclose(lse, np.log(np.exp(x2).sum(1)), rtol=1e-5)
+
+
 # ---- casts and integer semantics -----------------------------------------------------------------
 
 @pytest.mark.parametrize("src,dst", [(F32, I32), (F32, U32), (F32, I64), (I32, F32), (I64, F64),

@@ -269,6 +269,28 @@ def test_softmax_rows_two_reductions(be, rng):
     assert_close(ls, np.log(np.exp(x).sum(1)) - x.max(1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(6, 300), (5, 3, 17)])
+def test_softmax_one_row_kernel(be, rng, shape):
+    """Softmax as one row kernel: a max, a sum that reads it (two reduction levels, each a pass
+    over the row, vectorised with a scalar tail), the log-sum-exp per row and the normalised row
+    by a row store (a third pass)."""
+    x = rng.standard_normal(shape).astype(F32) * 4
+    r, row = shape[0], shape[1:]
+    n = int(np.prod(row))
+    xv = K.load(0, K.affine([n], reduce_strides=strides(row)), F32)
+    m = K.reduce("max", xv)
+    e = K.unary("exp", K.binary("sub", xv, m))
+    s = K.reduce("sum", e)
+    k = Kernel("softmax", (Buffer("x", F32, x.size), Buffer("lse", F32, r), Buffer("y", F32, x.size)),
+               1, (r,), row, (Store(1, K.idx(0), K.binary("add", K.unary("log", s), m)),
+                              Store(2, K.affine([n], reduce_strides=strides(row)), K.binary("div", e, s))))
+    lse, y = run(be, k, x)
+    x2 = x.reshape(r, n)
+    ref = np.exp(x2 - x2.max(1, keepdims=True))
+    assert_close(y.reshape(r, n), ref / ref.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert_close(lse, np.log(np.exp(x2).sum(1)), rtol=1e-5, atol=1e-6)
+
+
 # ---- dtypes and casts ----------------------------------------------------------------------
 
 def test_half_and_bfloat16(be, rng):

@@ -16,7 +16,9 @@ from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Graph, Literal, ShapedArray, Var, eval_graph
 from tilefuse.ir.kernel import InterpBackend
 from tilefuse.ir.passes import dce, partition, run_passes
-from tilefuse.ir.passes.fusion import REDUCTIONS
+from tilefuse.ir.kernel.ir import reduce_levels
+from tilefuse.ir.kernel.lower import lower_region, row_space
+from tilefuse.ir.passes.fusion import REDUCTIONS, _Partitioner
 from tilefuse.ir.passes.util import new_eqn
 from tilefuse.runtime.compiler import compile_graph
 
@@ -55,7 +57,12 @@ def check_regions(g: Graph, regions):
             assert v.id in given or defined_by.get(v.id, k) < k, "a region reads a value computed later"
             if v.id in defined_by:
                 dag.add_edge(defined_by[v.id], k)
-        if r.kind == "fused":
+        if r.kind == "fused" and r.meta.get("rows"):  # several reductions over one row space
+            shape, axes = row_space(r)
+            rows = tuple(n for k, n in enumerate(shape) if k not in axes)
+            assert {tuple(n for n in o.aval.shape if n != 1) for o in r.outputs} <= \
+                {tuple(n for n in rows if n != 1), tuple(n for n in shape if n != 1)}
+        elif r.kind == "fused":
             assert len({o.aval.shape for o in r.outputs}) == 1
             assert sum(e.prim.name in REDUCTIONS for e in r.eqns) <= 1
     assert nx.is_directed_acyclic_graph(dag)
@@ -110,7 +117,9 @@ def test_mlp_gradients_are_right(monkeypatch):
 
 @pytest.mark.parametrize("fn,n_prims,n_kernels", [
     (mlp_forward, 11, 3),            # GEMM+bias+tanh, GEMM+bias, residual+square+mean
-    (mlp_forward_backward, 25, 10),  # 5 GEMMs (2 with epilogues), 5 fused elementwise/reductions
+    # 5 GEMMs (2 with epilogues), 4 fused elementwise/reductions: the loss's mean and the
+    # gradient it seeds read the one (small) array in one row kernel
+    (mlp_forward_backward, 25, 9),
 ])
 def test_mlp_compiles_to_far_fewer_kernels_than_primitives(fn, n_prims, n_kernels):
     args = mlp_args()
@@ -155,9 +164,10 @@ def test_diamond_through_a_gemm_is_not_fused_into_a_cycle():
 
 
 def test_diamond_through_a_reduction_is_not_fused_into_a_cycle():
-    """exp(x + y) feeds both the row sum and the division by it: one region holding exp and the
-    division would feed the sum and read from it. (Two full-size inputs: not worth copying.)"""
-    f = lambda x, y: tnp.exp(x + y) / tnp.sum(tnp.exp(x + y), axis=1, keepdims=True)  # noqa: E731
+    """exp(x + y) feeds both the column sum and the division by it: one region holding exp and
+    the division would feed the sum and read from it. (Two full-size inputs: not worth copying;
+    columns are strided rows: no row kernel.)"""
+    f = lambda x, y: tnp.exp(x + y) / tnp.sum(tnp.exp(x + y), axis=0, keepdims=True)  # noqa: E731
     g = run_passes(tx.make_graph(f)(np.ones((3, 5), F32), np.ones((3, 5), F32)))
     regions = partition(g)
     check_regions(g, regions)
@@ -172,15 +182,19 @@ def test_diamond_through_a_reduction_is_not_fused_into_a_cycle():
     assert_close(out, ref_eval(g, args)[0], rtol=1e-5)
 
 
-def test_softmax_recomputes_exp_instead_of_storing_it():
-    """max, then sum(exp(x - max)), then exp(x - max) / sum: three kernels, and the only
-    full-size array written is the result."""
+def test_softmax_is_one_row_kernel_that_recomputes_exp():
+    """max, then sum(exp(x - max)), then exp(x - max) / sum: one kernel walking each row three
+    times (two reduction levels, then the row store); exp is recomputed, not stored, and the only
+    array written is the result."""
     g = run_passes(tx.make_graph(lambda x: softmax_rows(x))(np.ones((4, 6), F32)))
     regions = partition(g)
     check_regions(g, regions)
-    assert len(regions) == 3
-    assert [sum(e.prim.name == "exp" for e in r.eqns) for r in regions] == [0, 1, 1]
-    assert sum(o.aval.shape == (4, 6) for r in regions for o in r.outputs) == 1
+    (region,) = regions
+    assert region.meta.get("rows") and sum(e.prim.name == "exp" for e in region.eqns) == 2
+    (lowered,) = lower_region(region)
+    k = lowered.kernel
+    assert k.shape == (4,) and k.reduce_shape == (6,) and len(k.stores) == len(k.row_stores) == 1
+    assert [[n.arg for n in level] for level in reduce_levels([k.stores[0].value])] == [["max"], ["sum"]]
     x = np.random.default_rng(3).standard_normal((4, 6)).astype(F32)
     _, (out,) = run_compiled(g, [x])
     assert_close(out, ref_eval(g, [x])[0], rtol=1e-5)
@@ -191,7 +205,7 @@ def softmax_rows(x):
     return e / tnp.sum(e, axis=1, keepdims=True)
 
 
-def test_layernorm_is_three_kernels():
+def test_layernorm_is_one_row_kernel():
     def layernorm(x):
         mu = tnp.mean(x, axis=-1, keepdims=True)
         var = tnp.mean((x - mu) ** 2, axis=-1, keepdims=True)
@@ -199,7 +213,8 @@ def test_layernorm_is_three_kernels():
     g = run_passes(tx.make_graph(layernorm)(np.ones((4, 8), F32)))
     regions = partition(g)
     check_regions(g, regions)
-    assert len(regions) == 3  # mean; variance (with the mean's division); normalise
+    (region,) = regions  # mean; variance (with the mean's division); normalise: one row kernel
+    assert region.meta.get("rows")
     x = np.random.default_rng(4).standard_normal((4, 8)).astype(F32)
     _, (out,) = run_compiled(g, [x])
     assert_close(out, ref_eval(g, [x])[0], rtol=1e-5, atol=1e-5)
@@ -293,8 +308,13 @@ def test_region_inputs_and_outputs():
     e2, (b,) = new_eqn(P.mul, [a, a], {})
     e3, (s,) = new_eqn(P.reduce_sum, [b], dict(axes=(0,)))
     g = Graph((), (x,), (e1, e2, e3), (s, a))
+    # a is a graph output of shape (3,), s of shape (): one fused kernel cannot hold both...
     regions = partition(g)
-    # a is a graph output of shape (3,), s of shape (): they cannot share one kernel
+    assert [r.outputs for r in regions] == [(a, s)] and regions[0].inputs == (x,)
+    # ...one row kernel can (a row store and a store per row); without row merges, two kernels
+    p = _Partitioner(g, list(g.eqns))
+    p.run()
+    regions = p.regions()
     assert len(regions) == 2
     assert regions[0].outputs == (a,) and regions[0].inputs == (x,)
     assert regions[1].inputs == (a,) and regions[1].outputs == (s,)
