@@ -1,6 +1,7 @@
 """The one error hierarchy every layer raises; it lives at the bottom so all can import it."""
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -17,6 +18,7 @@ else:
 _SKIP_FILES = ("contextlib.py", "functools.py", "<frozen")
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every frame of every traced operation
 def is_internal(filename: str) -> bool:
     """Whether a code file belongs to tilefuse (or to stdlib glue such as contextlib)."""
     if filename.startswith("<"):

@@ -649,7 +649,9 @@ REGION_RULES: dict[str, Callable] = {
 def lower_region(region) -> list[LoweredKernel]:
     """The kernels that compute a region's outputs, in launch order."""
     if region.kind == "fused":
-        return _lower_rows(region) if region.meta.get("rows") else _lower_generic(region)
+        if region.meta.get("rows"):  # lowered already when fusion merged it (or lowered here)
+            return region.meta.get("lowered") or _lower_rows(region)
+        return _lower_generic(region)
     rule = REGION_RULES.get(region.kind)
     if rule is None:
         raise CompileError(f"no kernel lowering for the primitive {region.kind}")

@@ -156,6 +156,10 @@ def _clone_into_reductions(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
     return out
 
 
+def _non_unit(shape) -> tuple:
+    return tuple(n for n in shape if n != 1)
+
+
 class _Partitioner:
     def __init__(self, graph: Graph, eqns: list[Eqn]):
         self.eqns = eqns
@@ -169,7 +173,7 @@ class _Partitioner:
                 if isinstance(a, Var):
                     self.consumers.setdefault(a.id, set()).add(i)
         self.group = list(range(len(eqns)))
-        self.rows: set[int] = set()  # groups merged row-wise (run_rows)
+        self.rows: dict[int, list] = {}  # groups merged row-wise (run_rows): their kernels
         self.members: dict[int, list[int]] = {i: [i] for i in range(len(eqns))}
         self.dag = nx.DiGraph()
         self.dag.add_nodes_from(range(len(eqns)))
@@ -310,35 +314,45 @@ class _Partitioner:
         while merged:
             merged = False
             for p, c in sorted(self.dag.edges, key=lambda pc: -self.pos[pc[1]]):
-                if (p, c) in tried:
+                if (p, c) in tried or not self.dag.has_edge(p, c):  # (p merged away meanwhile)
                     continue
                 tried.add((p, c))
                 members = set(self.members[p]) | set(self.members[c])
-                if self._rows_lower(members) and not self.creates_cycle(p, c):
+                lowered = self._row_shaped(members) and not self.creates_cycle(p, c) and \
+                    self._rows_lower(members)
+                if lowered:
                     self.merge(p, c)
-                    self.rows.add(c)
+                    self.rows[c] = lowered
+                    tried = {pc for pc in tried if c not in pc}  # c grew: ask again
                     merged = True
-                    break
 
-    def _rows_lower(self, members: set[int]) -> bool:
-        if not all(is_fusible(self.eqns[i]) for i in members):
+    def _row_shaped(self, members: set[int]) -> bool:
+        """The cheap necessary conditions: fusible equations, all reductions over the trailing
+        axes of one row space, enough rows for the threads (or a small space), and every value
+        shaped like a row or like the rows (unit axes aside)."""
+        eqns = [self.eqns[i] for i in members]
+        if not all(map(is_fusible, eqns)):
             return False
-        region = self.region(members, rows=True)
-        space = lower.row_space(region)
-        if space is None:
+        spaces = {(e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
+                  for e in eqns if e.prim.name in REDUCTIONS and e.params["axes"]}
+        if len(spaces) != 1:
             return False
-        shape, axes = space
-        rows = math.prod(n for k, n in enumerate(shape) if k not in axes)
+        ((shape, axes),) = spaces
+        rows = tuple(n for k, n in enumerate(shape) if k not in axes)
         if axes != tuple(range(len(shape) - len(axes), len(shape))) or \
-                rows < ROW_MIN_ROWS and math.prod(shape) > ROW_MAX_ALONE:
+                math.prod(rows) < ROW_MIN_ROWS and math.prod(shape) > ROW_MAX_ALONE:
             return False  # strided rows, or too few rows to share among threads
-        try:
-            lower.lower_region(region)
-        except lower.NotRows:
-            return False
-        return True
+        live = {_non_unit(shape), _non_unit(rows)}
+        return all(_non_unit(o.aval.shape) in live for e in eqns for o in e.outputs)
 
-    def region(self, members: set[int], rows: bool = False) -> Region:
+    def _rows_lower(self, members: set[int]) -> list | None:
+        """The union's row kernel, if it lowers to one (asked of the lowering itself)."""
+        try:
+            return lower.lower_region(self.region(members, {"rows": True}))
+        except lower.NotRows:
+            return None
+
+    def region(self, members: set[int], meta: dict | None = None) -> Region:
         idx = sorted(members)
         eqns = tuple(self.eqns[i] for i in idx)
         defined = {o.id for e in eqns for o in e.outputs}
@@ -355,7 +369,7 @@ class _Partitioner:
         else:
             (e,) = own  # the region's primitive, last: index maps it reads come before
             kind = "host" if e.prim.effectful else e.prim.name
-        return Region(eqns, tuple(inputs.values()), outputs, kind, {"rows": True} if rows else {})
+        return Region(eqns, tuple(inputs.values()), outputs, kind, meta or {})
 
     def regions(self) -> list[Region]:
         for g in list(self.members):
@@ -364,7 +378,9 @@ class _Partitioner:
                 self.dag.remove_node(g)
         assert nx.is_directed_acyclic_graph(self.dag), "fusion created a cycle between regions"
         assert all(self.pos[u] < self.pos[v] for u, v in self.dag.edges), "positions not topological"
-        return [self.region(set(self.members[g]), g in self.rows)
+        # a row region keeps the kernel its last merge lowered (its members since)
+        return [self.region(set(self.members[g]), {"rows": True, "lowered": self.rows[g]} if g in self.rows
+                            else None)
                 for g in nx.lexicographical_topological_sort(self.dag, key=lambda g: min(self.members[g]))]
 
 
