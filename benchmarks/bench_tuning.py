@@ -1,16 +1,21 @@
 """Default against tuned: the GEMM shapes of the char-GPT training step (examples/
 train_transformer.py: batch 32, seq 64, d_model 128, 2 layers) on the CPU GEMM template, next to
-numpy's BLAS on the same buffers, and the training step itself before and after `tx.tune`.
+numpy's BLAS on the same buffers; FlashAttention's forward and backward at the step's attention
+shape and a longer sequence; and the training step itself before and after `tx.tune`.
 
     python benchmarks/bench_tuning.py                    # 30 trials per GEMM, 8 per step kernel
     python benchmarks/bench_tuning.py --trials 10 --no-step
+    python benchmarks/bench_tuning.py --no-gemm --no-step --attention-trials 20
 
 Each GEMM problem (one per shape class: the tuning database's granularity) is timed with the
 template's default parameters (from DeviceInfo), tuned by optuna's TPE for --trials trials (the
 two times are medians measured in alternation), next to numpy's matmul on contiguous operands of
 the same sizes (no epilogue; the faster of its default threads and one). The target: tuned at
-least 15% faster than the default wherever the default is not already within 5% of numpy. The
-step is then tuned whole and timed compiled without and with the tuning database, in alternation.
+least 15% faster than the default wherever the default is not already within 5% of numpy.
+Attention (batch 32, 4 heads, head dim 32, causal; seq 64 as in the step, and 512): each of the
+template's kernels (forward, backward) is tuned for --attention-trials trials, the two times again
+medians measured in alternation. The step is then tuned whole and timed compiled without and with
+the tuning database, in alternation.
 The tuning goes to temporary databases, not the user's. The machines are shared and noisy: read ratios."""
 from __future__ import annotations
 
@@ -106,6 +111,44 @@ def bench_gemms(trials: int) -> list:
         tx.config.gemm = "auto"
 
 
+ATTENTION_SHAPES = ((32, 64, 4, 32), (32, 512, 4, 32))  # (batch, seq, heads, head dim), causal
+
+
+def attention_kernels(batch: int, seq: int, heads: int, dim: int) -> list:
+    """The FlashAttention kernels (forward, backward) of a causal attention's value and gradient."""
+    import numpy as np
+    import tilefuse as tx
+    from tilefuse import nn
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((batch, seq, heads, dim)).astype(np.float32) for _ in range(4))
+
+    def loss(q, k, v):
+        return (nn.dot_product_attention(q, k, v, causal=True) * g).sum()
+    step = tx.jit(tx.grad(loss, argnums=(0, 1, 2)), device="cpu")
+    step(q, k, v)
+    with tx.profile() as prof:
+        step(q, k, v)
+    return [(r.info.kernel, r.info.device) for r in prof.records if r.info.impl == "flash_attention"]
+
+
+def bench_attention(trials: int) -> list:
+    from tilefuse.runtime import tuner
+    rows = []
+    for shape in ATTENTION_SHAPES:
+        for kernel, dev in attention_kernels(*shape):
+            bar = tuner.progress_bar(trials, True)
+            try:
+                res = tuner.tune_kernel(kernel, dev, trials=trials, bar=bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            d, t = res.default_seconds, res.best_seconds
+            rows.append(("x".join(map(str, shape)), res.signature.removeprefix("attention-"),
+                         f"{d * 1e3:.3f}", f"{t * 1e3:.3f}", f"{d / t:.2f}x",
+                         " ".join(f"{k}={v}" for k, v in res.best.items())))
+    return rows
+
+
 def bench_step(trials: int, min_share: float, db: str) -> list:
     """The step tuned whole; tx.tune then times it compiled without and with the tuning database,
     in alternation."""
@@ -126,7 +169,9 @@ def main(argv=None):
     p.add_argument("--step-trials", type=int, default=8, help="trials per kernel of the step")
     p.add_argument("--min-share", type=float, default=0.005, help="skip step kernels under this share")
     p.add_argument("--no-step", action="store_true")
+    p.add_argument("--attention-trials", type=int, default=20, help="trials per attention kernel")
     p.add_argument("--no-gemm", action="store_true")
+    p.add_argument("--no-attention", action="store_true")
     p.add_argument("--numpy-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.numpy_worker:
@@ -139,6 +184,12 @@ def main(argv=None):
             print(table(["GEMM (batch x m x n x k)", "numpy ms", "default ms", "tuned ms", "tuned vs default",
                          "tuned vs numpy", "15% target", "tuned parameters"], rows,
                         title=f"CPU GEMM template on the train step's shapes, {a.trials} trials each"))
+        if not a.no_attention:
+            tx.config.tuning_db = os.path.join(d, "attention.sqlite")
+            rows = bench_attention(a.attention_trials)
+            print(table(["attention (batch x seq x heads x dim)", "kernel", "default ms", "tuned ms",
+                         "tuned vs default", "tuned parameters"], rows,
+                        title=f"CPU FlashAttention template, {a.attention_trials} trials per kernel"))
         if not a.no_step:
             rows = bench_step(a.step_trials, a.min_share, os.path.join(d, "step.sqlite"))
             print(table(["workload", "default ms", "tuned ms", "speedup", "tuning"], rows,

@@ -77,22 +77,23 @@ def kernel_cost(kernel: K.Kernel) -> tuple[float, float]:
     dep: dict = {}
     flops = 0
     loads: dict[int, int] = {}
+    seen: set = set()
     for st in kernel.stores:
         for n in st.value.toposort() + st.offset.toposort():
-            if n in dep:
+            if n in seen:
                 continue
-            dep[n] = n.op == "ridx" or (n.op != "reduce" and any(dep[s] for s in n.src))
-            per_point = red if dep[n] or n.op == "reduce" else 1
+            seen.add(n)
+            per_point = red if K.reads_ridx(n, dep) or n.op == "reduce" else 1
             if n.op == "load":
                 loads[n.arg] = loads.get(n.arg, 0) + per_point
             elif n.src and n.src[0].dtype.kind == "f" and n.op not in _NOT_FLOPS and \
                     n.op in K.UNARY + K.BINARY + ("reduce",):
                 flops += per_point
-    nbytes = 0
+    nbytes, rows = 0, kernel.row_stores
     for i, b in enumerate(kernel.buffers):
         item = np.dtype(b.dtype).itemsize
         touched = loads.get(i, 0) * size if i < kernel.n_inputs else \
-            sum(1 for st in kernel.stores if st.buffer == i) * size
+            sum(red if st in rows else 1 for st in kernel.stores if st.buffer == i) * size
         nbytes += min(touched, b.size) * item
     return float(flops * size), float(nbytes)
 

@@ -161,3 +161,152 @@ def test_the_gemm_defaults_satisfy_the_tuners_constraints():
     from tilefuse.backends.llvm import tuning
     dev = tx.get_device("cpu")
     assert tuning.gemm_check(tuning.gemm_default(None, dev), None, dev) is None
+
+
+# ---- FlashAttention (backends/llvm/attention.py) --------------------------------------------------
+
+ATTENTION_SHAPE = (2, 40, 2, 16)  # (batch, seq, heads, features): 40 is no multiple of the blocks
+
+
+def _attention_inputs():
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(ATTENTION_SHAPE).astype(np.float32) for _ in range(4)]  # q, k, v, g
+
+
+def _attention_step(g):
+    """The output of causal attention and the gradients of sum(out * g), jitted anew (so the
+    dispatcher builds its kernels again)."""
+    from tilefuse import nn
+
+    def loss(q, k, v):
+        out = nn.dot_product_attention(q, k, v, causal=True)
+        return (out * g).sum(), out
+    return tx.jit(tx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), device="cpu")
+
+
+def _attention64(q, k, v, g):
+    """numpy float64: causal softmax(q kᵀ / √D) v and the gradients of sum(out * g) as
+    [out, dq, dk, dv], in the (batch, seq, heads, features) layout."""
+    q, k, v, g = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, g))
+    scale = 1 / np.sqrt(q.shape[-1])
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    s = np.where(np.tri(s.shape[-2], s.shape[-1], dtype=bool), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = g @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+    out = [p @ v, ds @ k, np.swapaxes(ds, -1, -2) @ q, np.swapaxes(p, -1, -2) @ g]
+    return [x.transpose(0, 2, 1, 3) for x in out]
+
+
+def _assert_attention_close(got, want):
+    for x, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), w, rtol=1e-4, atol=1e-5)
+
+
+def _attention_kernels(step, q, k, v):
+    """The template's forward and backward kernels of the step, with their database keys."""
+    step(q, k, v)
+    with tx.profile() as prof:
+        step(q, k, v)
+    dev = tx.get_device("cpu")
+    t = next(t for t in tuner.templates() if t.name == "cpu_attention")
+    kernels = [r.info.kernel for r in prof.records if r.info.impl == "flash_attention"]
+    assert len(kernels) == 2
+    return {t.key(kern)[0]: (kern, ("cpu_attention", *t.key(kern), tuner.device_key(dev)))
+            for kern in kernels}
+
+
+def _store(db_path: str, key: tuple, params: dict) -> None:
+    row = dict(zip(("template", "signature", "shape_class", "device"), key))
+    assert tuner.database(db_path).put({**row, "params": params, "seconds": 1.0,
+                                        "default_seconds": 1.0, "trials": 1})
+
+
+def _applied_attention() -> dict:
+    return {k[1]: p for k, p in tuner.applied.items() if k[0] == "cpu_attention"}
+
+
+@needs_cpu
+def test_attention_tuning_is_stored_and_picked_by_a_fresh_process(db, tmp_path):
+    q, k, v, g = _attention_inputs()
+    found = _attention_kernels(_attention_step(g), q, k, v)
+    assert set(found) == {"attention-fwd-causal", "attention-bwd-causal"}
+    for sig, (kern, key) in found.items():
+        res = tuner.tune_kernel(kern, "cpu", trials=3, repeat=3)
+        assert (res.template, res.signature) == ("cpu_attention", sig) and res.stored and res.trials == 3
+        assert res.best_seconds <= res.default_seconds
+        assert tuner.TuningDB(db).get(*key) == res.best
+
+    # stored parameters other than the defaults, then a fresh process builds with them
+    chosen = {"attention-fwd-causal": {"bq": 32, "bk": 16, "r": 2, "chunk": 1},
+              "attention-bwd-causal": {"bq": 64, "bk": 32, "r": 8, "chunk": 2}}
+    for sig, (kern, key) in found.items():
+        _store(db, key, chosen[sig])
+    data = str(tmp_path / "attention.npz")
+    np.savez(data, q=q, k=k, v=v, g=g)
+    code = textwrap.dedent(f"""
+        import json, numpy as np, tilefuse as tx
+        from tilefuse import nn
+        from tilefuse.runtime import tuner
+        d = np.load({data!r})
+        def loss(q, k, v):
+            out = nn.dot_product_attention(q, k, v, causal=True)
+            return (out * d["g"]).sum(), out
+        f = tx.jit(tx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), device="cpu")
+        (_, out), grads = f(d["q"], d["k"], d["v"])
+        np.savez({data!r}, out=np.asarray(out), *[np.asarray(x) for x in grads])
+        print(json.dumps({{k[1]: p for k, p in tuner.applied.items() if k[0] == "cpu_attention"}}))
+    """)
+    p = _run_python(code, db)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == chosen
+    got = np.load(data)
+    _assert_attention_close([got["out"], got["arr_0"], got["arr_1"], got["arr_2"]], _attention64(q, k, v, g))
+
+
+@needs_cpu
+def test_attention_blocks_compute_the_same_and_invalid_ones_are_ignored(db):
+    """Non-default blocks (register blocks of 1 and 8 rows, blocks not dividing the sequence)
+    agree with numpy, forward and backward; stored blocks the template cannot build are ignored
+    (the defaults run), and the build refuses them with an error instead of running them."""
+    from tilefuse.backends.llvm import attention
+    q, k, v, g = _attention_inputs()
+    want = _attention64(q, k, v, g)
+    found = _attention_kernels(_attention_step(g), q, k, v)
+    choices = [({"bq": 32, "bk": 16, "r": 1, "chunk": 1}, {"bq": 32, "bk": 32, "r": 8, "chunk": 1}),
+               ({"bq": 64, "bk": 48, "r": 8, "chunk": 2}, {"bq": 256, "bk": 128, "r": 2, "chunk": 4})]
+    for fwd, bwd in choices:
+        for sig, params in (("attention-fwd-causal", fwd), ("attention-bwd-causal", bwd)):
+            _store(db, found[sig][1], params)
+        tuner.applied.clear()
+        (_, out), grads = _attention_step(g)(q, k, v)
+        assert _applied_attention() == {"attention-fwd-causal": fwd, "attention-bwd-causal": bwd}
+        _assert_attention_close([out, *grads], want)
+
+    bad = {"bq": 48, "bk": 16, "r": 32, "chunk": 1}  # register blocks that do not tile the blocks
+    for kern, key in found.values():
+        _store(db, key, bad)
+        with pytest.raises(CompileError, match="does not divide"):
+            attention.build(kern, tx.get_device("cpu"), tx.get_device("cpu").backend,
+                            attention.AttentionParams(**bad))
+    tuner.applied.clear()
+    (_, out), grads = _attention_step(g)(q, k, v)
+    assert _applied_attention() == {}
+    _assert_attention_close([out, *grads], want)
+
+
+@needs_cpu
+def test_the_attention_defaults_satisfy_the_tuners_constraints():
+    """At the widest head the template takes, forward and backward: the defaults are today's
+    blocks and pass every constraint (else a stored default would never be used)."""
+    from types import SimpleNamespace
+
+    from tilefuse.backends.llvm import attention, tuning
+    d = attention.MAX_HEAD_DIM
+    for bwd in (False, True):
+        sp = attention.Spec(bwd, 4, 512, 512, d, d, 0.1, True, False, (4 * d,) * 4, (0, 0),
+                            ((0,) * 5,) * 4, (4 * 512 * d, 4 * 512 * d))
+        kernel = SimpleNamespace(meta={"attention_spec": sp})
+        assert tuning.attention_default(kernel, None) == {"bq": 128, "bk": 64, "r": 4, "chunk": 4}
+        assert tuning.attention_check(tuning.attention_default(kernel, None), kernel, None) is None

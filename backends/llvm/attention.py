@@ -1,13 +1,13 @@
 """FlashAttention on the CPU: fused_attention and fused_attention_bwd as LLVM IR generated with
 llvmlite, explicitly vectorised (16 float32 lanes: one AVX-512 register).
 
-Forward (one task per (batch, block of BQ queries), spread over the cores by the thread pool;
-ctypes releases the GIL): the queries' tile is copied once; for each block of BK keys, kᵀ and
+Forward (one task per (batch, block of bq queries), spread over the cores by the thread pool;
+ctypes releases the GIL): the queries' tile is copied once; for each block of bk keys, kᵀ and
 v are packed into small tiles, the scores S = q kᵀ of the block come from a register-blocked
-micro-kernel (R rows x BK/16 vectors of accumulators, FMA over the head dimension), the online
+micro-kernel (r rows x bk/16 vectors of accumulators, FMA over the head dimension), the online
 softmax updates each row's running max m and sum l and rescales the output accumulator by
-exp(m_old - m_new), and O += P v is a second micro-kernel (R rows x up to 4 vectors along v's
-features). The S x S scores are never stored: a task holds one BQ x BK block. Causal masking
+exp(m_old - m_new), and O += P v is a second micro-kernel (r rows x up to `chunk` vectors along v's
+features). The S x S scores are never stored: a task holds one bq x bk block. Causal masking
 stops each query block at its last visible key block.
 
 Backward (one task per batch index, i.e. per head, so dK and dV need no atomics): a first pass
@@ -15,9 +15,11 @@ recomputes each row's log-sum-exp and D_i = dO_i·O_i; then for each key block, 
 that sees it recomputes P = exp(S - lse), and dV += Pᵀ dO, dP = dO vᵀ, dS = P (dP - D) scale,
 dQ += dS k (accumulated in a float32 workspace of Sq x D per head), dK += dSᵀ q.
 
-Kernels are specialised per shape, layout and parameters (constants in the code) and cached like
-every other kernel (in memory and on disk). Operands may have any layout whose feature axis is the
-last (contiguous): per-batch base offsets are a constant table, rows a constant stride."""
+The blocks (AttentionParams: bq, bk, r, chunk) are compiled in; the auto-tuner searches them
+(backends/llvm/tuning.py). Kernels are specialised per shape, layout and blocks (constants in the
+code) and cached like every other kernel (in memory and on disk). Operands may have any layout
+whose feature axis is the last (contiguous): per-batch base offsets are a constant table, rows a
+constant stride."""
 from __future__ import annotations
 
 import ctypes
@@ -27,6 +29,7 @@ import llvmlite.ir as ir
 import numpy as np
 
 from tilefuse.ir import primitives as P
+from tilefuse.ir.errors import CompileError
 from tilefuse.runtime import compile_cache
 
 from . import vecmath
@@ -35,11 +38,8 @@ from .compile import code_digest, KernelFn, get_pool, get_target
 from .vecmath import F32, I32, I64, Emit
 
 LANES = 16  # float32 lanes of one AVX-512 register
-BQ = 128    # queries per block (a forward task)
-BK = 64     # keys per block
-R = 4       # query rows per register block
-CHUNK = 4   # vectors along the features per register block
-MAX_HEAD_DIM = 256  # the tiles live on the stack: at most ~0.6 MiB (threads get 2 MiB or more)
+MAX_HEAD_DIM = 256  # the tiles live on the stack: ~0.6 MiB at this width with the default blocks
+STACK_BYTES = 1 << 20  # the most the tiles may take (threads get 2 MiB of stack or more)
 VEC = ir.VectorType(F32, LANES)
 IVEC = ir.VectorType(I32, LANES)
 MVEC = ir.VectorType(ir.IntType(1), LANES)
@@ -49,6 +49,11 @@ F32_NP = np.dtype(np.float32)
 
 def _pad(n: int) -> int:
     return -(-n // LANES) * LANES
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n."""
+    return 1 << max(0, int(n - 1).bit_length())
 
 
 def _strides(shape) -> list[int]:
@@ -80,12 +85,25 @@ class Spec:
     def offset(self) -> int:  # Sk - Sq: query i sees keys j <= i + offset when causal
         return self.sk - self.sq
 
+    def shape_class(self) -> tuple:
+        """Kernels that run alike (the tuning database's granularity): batch and sequence lengths
+        bucketed to powers of two, the features padded to whole vectors."""
+        return _pow2(self.nb), _pow2(self.sq), _pow2(self.sk), _pad(self.d), _pad(self.dv)
+
 
 def _batch_offsets(batch_shape, strides) -> np.ndarray:
     """Element offset of every batch index (row-major over batch_shape) given the batch axes'
     strides."""
     idx = np.indices(batch_shape).reshape(len(batch_shape), int(np.prod(batch_shape, dtype=np.int64)))
     return sum((i * s for i, s in zip(idx, strides)), np.zeros(idx.shape[1], np.int64))
+
+
+def kernel_spec(kernel) -> Spec:
+    """The Spec of a template kernel, kept in its meta (the build and the tuner both ask)."""
+    if "attention_spec" not in kernel.meta:
+        (eqn,) = kernel.meta["eqns"]
+        kernel.meta["attention_spec"] = spec_of(eqn)
+    return kernel.meta["attention_spec"]
 
 
 def spec_of(eqn) -> Spec:
@@ -113,6 +131,42 @@ def spec_of(eqn) -> Spec:
     base = tuple(tuple(int(x) for x in row) for row in np.stack(cols, axis=1))
     return Spec(bwd, len(base), sq, sk, d, dv, float(eqn.params["scale"]),
                 bool(eqn.params["causal"]), has_bias, rows, bias_strides, base, (q.size, k.size))
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """The blocking, compiled into the kernel (part of its cache key); the auto-tuner searches it
+    (backends/llvm/tuning.py)."""
+    bq: int = 128   # queries per block (a forward task)
+    bk: int = 64    # keys per block: a multiple of LANES
+    r: int = 4      # rows per register block (queries; keys in the backward's transposed products)
+    chunk: int = 4  # vectors along the features per register block
+
+    def invalid(self, sp: Spec) -> str | None:
+        """Why these blocks cannot build the kernel sp, or None: register blocks must tile the
+        blocks exactly (the micro-kernels run whole register blocks inside the tiles), and the
+        tiles must fit the stack."""
+        if min(self.bq, self.bk, self.r, self.chunk) < 1:
+            return "every block size must be positive"
+        if self.bk % LANES:
+            return f"bk={self.bk} is not a multiple of {LANES} lanes"
+        if self.bq % self.r or self.bk % self.r:
+            return f"r={self.r} does not divide bq={self.bq} and bk={self.bk}"
+        need = 4 * sum(tiles(sp, self).values())
+        if need > STACK_BYTES:
+            return f"the tiles take {need >> 10} KiB of stack, over {STACK_BYTES >> 10} KiB"
+        return None
+
+
+def tiles(sp: Spec, p: AttentionParams) -> dict:
+    """The stack tiles a kernel allocates: name -> float32 elements."""
+    dp, dvp = _pad(sp.d), _pad(sp.dv)
+    bq, bk = p.bq, p.bk
+    both = {"q": bq * dp, "kT": sp.d * bk, "s": bq * bk, "m": bq, "l": bq, "alpha": bq}
+    if not sp.bwd:
+        return {**both, "v": bk * dvp, "o": bq * dvp}
+    return {**both, "dO": bq * dvp, "vT": sp.dv * bk, "k": bk * dp, "dP": bq * bk, "dK": bk * dp,
+            "dV": bk * dvp}
 
 
 def applies(kernel, device) -> bool:
@@ -146,8 +200,8 @@ def _f32(x):
 class _Gen:
     """Builds one kernel function; small helpers keep the algorithm readable."""
 
-    def __init__(self, spec: Spec, fn_name: str):
-        self.s = spec
+    def __init__(self, spec: Spec, params: AttentionParams, fn_name: str):
+        self.s, self.p = spec, params
         self.mod = ir.Module(name=fn_name)
         fn = ir.Function(self.mod, ir.FunctionType(ir.VoidType(), [PTR, I64, I64]), name=fn_name)
         fn.attributes.add("nounwind")
@@ -306,26 +360,26 @@ class _Gen:
 
     # -- micro-kernels --
     def mm_abt(self, out, a, lda, bt, n_red, rows):
-        """out[r, 0:BK] = Σ_d a[r, d] bt[d, 0:BK] for the register blocks covering `rows` rows."""
+        """out[r, 0:bk] = Σ_d a[r, d] bt[d, 0:bk] for the register blocks covering `rows` rows."""
         b = self.b
-        nv = BK // LANES
-        groups = b.sdiv(b.add(rows, _i64(R - 1)), _i64(R))
+        nv = self.p.bk // LANES
+        groups = b.sdiv(b.add(rows, _i64(self.p.r - 1)), _i64(self.p.r))
 
         def group(g, _):
-            r0 = b.mul(g, _i64(R))
-            arow = [b.mul(b.add(r0, _i64(r)), _i64(lda)) for r in range(R)]
+            r0 = b.mul(g, _i64(self.p.r))
+            arow = [b.mul(b.add(r0, _i64(r)), _i64(lda)) for r in range(self.p.r)]
 
             def red(d, acc):
-                brow = b.mul(d, _i64(BK))
+                brow = b.mul(d, _i64(self.p.bk))
                 bv = [self.vld(bt, b.add(brow, _i64(c * LANES))) for c in range(nv)]
                 out_acc = []
-                for r in range(R):
+                for r in range(self.p.r):
                     x = self.splat(self.ld(a, b.add(arow[r], d)))
                     out_acc += [self.em.fma(x, bv[c], acc[r * nv + c]) for c in range(nv)]
                 return out_acc
-            acc = self.loop(_i64(0), _i64(n_red), red, [self.vconst(0)] * (R * nv))
-            for r in range(R):
-                orow = b.mul(b.add(r0, _i64(r)), _i64(BK))
+            acc = self.loop(_i64(0), _i64(n_red), red, [self.vconst(0)] * (self.p.r * nv))
+            for r in range(self.p.r):
+                orow = b.mul(b.add(r0, _i64(r)), _i64(self.p.bk))
                 for c in range(nv):
                     self.vst(acc[r * nv + c], out, b.add(orow, _i64(c * LANES)))
         self.loop(_i64(0), groups, group)
@@ -333,16 +387,16 @@ class _Gen:
     def mm_acc(self, out, ldo, p, x, ldx, width, nk, rows, alpha=None):
         """out[r, :width] = alpha[r]·out[r] + Σ_{j<nk} p[r, j] x[j, :width] (width padded to 16s)."""
         b = self.b
-        groups = b.sdiv(b.add(rows, _i64(R - 1)), _i64(R))
+        groups = b.sdiv(b.add(rows, _i64(self.p.r - 1)), _i64(self.p.r))
 
         def group(g, _):
-            r0 = b.mul(g, _i64(R))
-            orow = [b.mul(b.add(r0, _i64(r)), _i64(ldo)) for r in range(R)]
-            prow = [b.mul(b.add(r0, _i64(r)), _i64(BK)) for r in range(R)]
-            for c0 in range(0, width // LANES, CHUNK):
-                nv = min(CHUNK, width // LANES - c0)
+            r0 = b.mul(g, _i64(self.p.r))
+            orow = [b.mul(b.add(r0, _i64(r)), _i64(ldo)) for r in range(self.p.r)]
+            prow = [b.mul(b.add(r0, _i64(r)), _i64(self.p.bk)) for r in range(self.p.r)]
+            for c0 in range(0, width // LANES, self.p.chunk):
+                nv = min(self.p.chunk, width // LANES - c0)
                 acc = []
-                for r in range(R):
+                for r in range(self.p.r):
                     f = self.splat(self.ld(alpha, b.add(r0, _i64(r)))) if alpha is not None else None
                     for c in range(nv):
                         v = self.vld(out, b.add(orow[r], _i64((c0 + c) * LANES)))
@@ -352,48 +406,48 @@ class _Gen:
                     xrow = b.mul(j, _i64(ldx))
                     xv = [self.vld(x, b.add(xrow, _i64((c0 + c) * LANES))) for c in range(nv)]
                     new = []
-                    for r in range(R):
+                    for r in range(self.p.r):
                         s = self.splat(self.ld(p, b.add(prow[r], j)))
                         new += [self.em.fma(s, xv[c], acc[r * nv + c]) for c in range(nv)]
                     return new
                 acc = self.loop(_i64(0), nk, key, acc)
-                for r in range(R):
+                for r in range(self.p.r):
                     for c in range(nv):
                         self.vst(acc[r * nv + c], out, b.add(orow[r], _i64((c0 + c) * LANES)))
         self.loop(_i64(0), groups, group)
 
     def mm_atb(self, acc_ptr, p, x, width, nk, rows):
-        """acc[j, :width] += Σ_{r<rows} p[r, j] x[r, :width] for j < nk (rounded up to 4)."""
+        """acc[j, :width] += Σ_{r<rows} p[r, j] x[r, :width] for j < nk (rounded up to r: register
+        blocks of r keys)."""
         b = self.b
-        KB = 4
-        groups = b.sdiv(b.add(nk, _i64(KB - 1)), _i64(KB))
+        groups = b.sdiv(b.add(nk, _i64(self.p.r - 1)), _i64(self.p.r))
 
         def group(g, _):
-            j0 = b.mul(g, _i64(KB))
-            arow = [b.mul(b.add(j0, _i64(j)), _i64(width)) for j in range(KB)]
-            for c0 in range(0, width // LANES, CHUNK):
-                nv = min(CHUNK, width // LANES - c0)
+            j0 = b.mul(g, _i64(self.p.r))
+            arow = [b.mul(b.add(j0, _i64(j)), _i64(width)) for j in range(self.p.r)]
+            for c0 in range(0, width // LANES, self.p.chunk):
+                nv = min(self.p.chunk, width // LANES - c0)
                 acc = [self.vld(acc_ptr, b.add(arow[j], _i64((c0 + c) * LANES)))
-                       for j in range(KB) for c in range(nv)]
+                       for j in range(self.p.r) for c in range(nv)]
 
                 def row(r, acc):
                     xrow = b.mul(r, _i64(width))
                     xv = [self.vld(x, b.add(xrow, _i64((c0 + c) * LANES))) for c in range(nv)]
-                    prow = b.add(b.mul(r, _i64(BK)), j0)
+                    prow = b.add(b.mul(r, _i64(self.p.bk)), j0)
                     new = []
-                    for j in range(KB):
+                    for j in range(self.p.r):
                         s = self.splat(self.ld(p, b.add(prow, _i64(j))))
                         new += [self.em.fma(s, xv[c], acc[j * nv + c]) for c in range(nv)]
                     return new
                 acc = self.loop(_i64(0), rows, row, acc)
-                for j in range(KB):
+                for j in range(self.p.r):
                     for c in range(nv):
                         self.vst(acc[j * nv + c], acc_ptr, b.add(arow[j], _i64((c0 + c) * LANES)))
         self.loop(_i64(0), groups, group)
 
     # -- the scores of one row of a block --
     def scores(self, s_tile, r, i, j0, nk, t):
-        """Row r (query i) of the block's raw scores: scaled, biased and masked (-inf), as BK/16
+        """Row r (query i) of the block's raw scores: scaled, biased and masked (-inf), as bk/16
         vectors."""
         b, sp = self.b, self.s
         limit = _i64(sp.sk)
@@ -406,9 +460,9 @@ class _Gen:
             bias_row = b.add(b.add(self.base(t, 4), b.mul(i, _i64(sp.bias_strides[0]))),
                              b.mul(j0, _i64(sp.bias_strides[1])))
         out = []
-        for c in range(BK // LANES):
+        for c in range(self.p.bk // LANES):
             lanes = b.add(self.lane, ir.Constant(IVEC, [c * LANES] * LANES))
-            v = b.fmul(self.vld(s_tile, b.add(b.mul(r, _i64(BK)), _i64(c * LANES))),
+            v = b.fmul(self.vld(s_tile, b.add(b.mul(r, _i64(self.p.bk)), _i64(c * LANES))),
                        self.vconst(sp.scale))
             if bias_row is not None:
                 if sp.bias_strides[1]:
@@ -436,7 +490,7 @@ class _Gen:
         def row(r, _):
             self.st(_f32(-np.inf), m, r)
             self.st(_f32(0), l, r)
-        self.loop(_i64(0), _i64(BQ), row)
+        self.loop(_i64(0), _i64(self.p.bq), row)
 
     def online_softmax_block(self, s_tile, m, l, alpha, i0, j0, nk, rows, t):
         """Scores -> P in place; running max m and sum l per row; alpha = exp(m_old - m_new)."""
@@ -456,7 +510,7 @@ class _Gen:
             total = None
             for c, v in enumerate(vs):
                 p = vecmath.exp(em, b.fsub(v, ms))
-                self.vst(p, s_tile, b.add(b.mul(r, _i64(BK)), _i64(c * LANES)))
+                self.vst(p, s_tile, b.add(b.mul(r, _i64(self.p.bk)), _i64(c * LANES)))
                 total = p if total is None else b.fadd(total, p)
             rowsum = self.horizontal(total, b.fadd)
             self.st(m_new, m, r)
@@ -466,11 +520,12 @@ class _Gen:
 
     def forward(self):
         b, sp = self.b, self.s
+        bq, bk = self.p.bq, self.p.bk
         dp, dvp = _pad(sp.d), _pad(sp.dv)
-        nqb = -(-sp.sq // BQ)
-        qt, kt, vp = self.alloca(BQ * dp), self.alloca(sp.d * BK), self.alloca(BK * dvp)
-        s_tile, o = self.alloca(BQ * BK), self.alloca(BQ * dvp)
-        m, l, alpha = self.alloca(BQ), self.alloca(BQ), self.alloca(BQ)
+        nqb = -(-sp.sq // bq)
+        tile = {name: self.alloca(n) for name, n in tiles(sp, self.p).items()}
+        qt, kt, vp, s_tile, o = (tile[n] for n in ("q", "kT", "v", "s", "o"))
+        m, l, alpha = tile["m"], tile["l"], tile["alpha"]
         q, k, v = self.ptr[:3]
         out = self.ptr[3 + sp.has_bias]
         start, end = self.fn.args[1:]
@@ -480,24 +535,24 @@ class _Gen:
 
         def task(t_, _):
             t = b.sdiv(t_, _i64(nqb))
-            i0 = b.mul(b.srem(t_, _i64(nqb)), _i64(BQ))
-            rows = self.imin(_i64(BQ), b.sub(_i64(sp.sq), i0))
-            self.load_tile(qt, dp, BQ, dp, q, b.add(self.base(t, 0), b.mul(i0, _i64(sp.rows[0]))),
+            i0 = b.mul(b.srem(t_, _i64(nqb)), _i64(bq))
+            rows = self.imin(_i64(bq), b.sub(_i64(sp.sq), i0))
+            self.load_tile(qt, dp, bq, dp, q, b.add(self.base(t, 0), b.mul(i0, _i64(sp.rows[0]))),
                            sp.rows[0], rows, sp.d)
-            self.zero(o, BQ * dvp)
+            self.zero(o, bq * dvp)
             self.reset_stats(m, l)
             kend = self.key_end(b.add(i0, b.sub(rows, _i64(1))))
 
             def block(j0, _):
-                nk = self.imin(_i64(BK), b.sub(kend, j0))
-                self.load_tile(kt, BK, BK, sp.d, k, b.add(self.base(t, 1), b.mul(j0, _i64(sp.rows[1]))),
+                nk = self.imin(_i64(bk), b.sub(kend, j0))
+                self.load_tile(kt, bk, bk, sp.d, k, b.add(self.base(t, 1), b.mul(j0, _i64(sp.rows[1]))),
                                sp.rows[1], nk, sp.d, transpose=True)
-                self.load_tile(vp, dvp, BK, dvp, v, b.add(self.base(t, 2), b.mul(j0, _i64(sp.rows[2]))),
+                self.load_tile(vp, dvp, bk, dvp, v, b.add(self.base(t, 2), b.mul(j0, _i64(sp.rows[2]))),
                                sp.rows[2], nk, sp.dv)
                 self.mm_abt(s_tile, qt, dp, kt, sp.d, rows)
                 self.online_softmax_block(s_tile, m, l, alpha, i0, j0, nk, rows, t)
                 self.mm_acc(o, dvp, s_tile, vp, dvp, dvp, nk, rows, alpha)
-            self.loop(_i64(0), kend, block, step=BK)
+            self.loop(_i64(0), kend, block, step=bk)
 
             def inv(r):
                 tot = self.ld(l, r)
@@ -511,14 +566,14 @@ class _Gen:
     # -- backward --
     def backward(self):
         b, sp, em = self.b, self.s, self.em
+        bq, bk = self.p.bq, self.p.bk
         dp, dvp = _pad(sp.d), _pad(sp.dv)
-        sq_pad = -(-sp.sq // BQ) * BQ
+        sq_pad = -(-sp.sq // bq) * bq
         ws_per_task = sq_pad * dp + 2 * sq_pad
-        qt, dot = self.alloca(BQ * dp), self.alloca(BQ * dvp)
-        kt, vt, kp = self.alloca(sp.d * BK), self.alloca(sp.dv * BK), self.alloca(BK * dp)
-        s_tile, dpt = self.alloca(BQ * BK), self.alloca(BQ * BK)
-        dk_acc, dv_acc = self.alloca(BK * dp), self.alloca(BK * dvp)
-        m, l, alpha = self.alloca(BQ), self.alloca(BQ), self.alloca(BQ)
+        tile = {name: self.alloca(n) for name, n in tiles(sp, self.p).items()}
+        qt, dot, kt, vt, kp = (tile[n] for n in ("q", "dO", "kT", "vT", "k"))
+        s_tile, dpt, dk_acc, dv_acc = (tile[n] for n in ("s", "dP", "dK", "dV"))
+        m, l, alpha = tile["m"], tile["l"], tile["alpha"]
         nb = 3 + sp.has_bias
         q, k, v = self.ptr[:3]
         out, dout, dq, ws = self.ptr[nb:nb + 4]
@@ -539,19 +594,19 @@ class _Gen:
 
             # pass 1: log-sum-exp of every row, and D_i = dO_i · O_i
             def stats(i0, _):
-                rows = self.imin(_i64(BQ), b.sub(_i64(sp.sq), i0))
-                self.load_tile(qt, dp, BQ, dp, q, b.add(qbase, b.mul(i0, _i64(sp.rows[0]))),
+                rows = self.imin(_i64(bq), b.sub(_i64(sp.sq), i0))
+                self.load_tile(qt, dp, bq, dp, q, b.add(qbase, b.mul(i0, _i64(sp.rows[0]))),
                                sp.rows[0], rows, sp.d)
                 self.reset_stats(m, l)
                 kend = self.key_end(b.add(i0, b.sub(rows, _i64(1))))
 
                 def block(j0, _):
-                    nk = self.imin(_i64(BK), b.sub(kend, j0))
-                    self.load_tile(kt, BK, BK, sp.d, k, b.add(kbase, b.mul(j0, _i64(sp.rows[1]))),
+                    nk = self.imin(_i64(bk), b.sub(kend, j0))
+                    self.load_tile(kt, bk, bk, sp.d, k, b.add(kbase, b.mul(j0, _i64(sp.rows[1]))),
                                    sp.rows[1], nk, sp.d, transpose=True)
                     self.mm_abt(s_tile, qt, dp, kt, sp.d, rows)
                     self.online_softmax_block(s_tile, m, l, alpha, i0, j0, nk, rows, t)
-                self.loop(_i64(0), kend, block, step=BK)
+                self.loop(_i64(0), kend, block, step=bk)
 
                 def row(r, _):
                     i = b.add(i0, r)
@@ -569,28 +624,28 @@ class _Gen:
                     (acc,) = self.loop(_i64(0), _i64(sp.dv), col, [_f32(0)])
                     self.st(acc, di, i)
                 self.loop(_i64(0), rows, row)
-            self.loop(_i64(0), _i64(sp.sq), stats, step=BQ)
+            self.loop(_i64(0), _i64(sp.sq), stats, step=bq)
 
             # pass 2: per key block, every query block that sees it
             def kblock(j0, _):
-                nk = self.imin(_i64(BK), b.sub(_i64(sp.sk), j0))
+                nk = self.imin(_i64(bk), b.sub(_i64(sp.sk), j0))
                 kb = b.add(kbase, b.mul(j0, _i64(sp.rows[1])))
                 vb = b.add(vbase, b.mul(j0, _i64(sp.rows[2])))
-                self.load_tile(kt, BK, BK, sp.d, k, kb, sp.rows[1], nk, sp.d, transpose=True)
-                self.load_tile(vt, BK, BK, sp.dv, v, vb, sp.rows[2], nk, sp.dv, transpose=True)
-                self.load_tile(kp, dp, BK, dp, k, kb, sp.rows[1], nk, sp.d)
-                self.zero(dk_acc, BK * dp)
-                self.zero(dv_acc, BK * dvp)
+                self.load_tile(kt, bk, bk, sp.d, k, kb, sp.rows[1], nk, sp.d, transpose=True)
+                self.load_tile(vt, bk, bk, sp.dv, v, vb, sp.rows[2], nk, sp.dv, transpose=True)
+                self.load_tile(kp, dp, bk, dp, k, kb, sp.rows[1], nk, sp.d)
+                self.zero(dk_acc, bk * dp)
+                self.zero(dv_acc, bk * dvp)
                 first = _i64(0)
                 if sp.causal:  # the first query that sees key j0: i >= j0 - offset
                     lo = self.imax(b.sub(j0, _i64(sp.offset)), _i64(0))
-                    first = b.mul(b.sdiv(lo, _i64(BQ)), _i64(BQ))
+                    first = b.mul(b.sdiv(lo, _i64(bq)), _i64(bq))
 
                 def qblock(i0, _):
-                    rows = self.imin(_i64(BQ), b.sub(_i64(sp.sq), i0))
-                    self.load_tile(qt, dp, BQ, dp, q, b.add(qbase, b.mul(i0, _i64(sp.rows[0]))),
+                    rows = self.imin(_i64(bq), b.sub(_i64(sp.sq), i0))
+                    self.load_tile(qt, dp, bq, dp, q, b.add(qbase, b.mul(i0, _i64(sp.rows[0]))),
                                    sp.rows[0], rows, sp.d)
-                    self.load_tile(dot, dvp, BQ, dvp, dout, b.add(obase, b.mul(i0, _i64(sp.rows[3]))),
+                    self.load_tile(dot, dvp, bq, dvp, dout, b.add(obase, b.mul(i0, _i64(sp.rows[3]))),
                                    sp.rows[3], rows, sp.dv)
                     self.mm_abt(s_tile, qt, dp, kt, sp.d, rows)
                     self.mm_abt(dpt, dot, dvp, vt, sp.dv, rows)
@@ -601,7 +656,7 @@ class _Gen:
                         lv = self.splat(self.ld(lse, i))
                         dv_ = self.splat(self.ld(di, i))
                         for c, x in enumerate(vs):
-                            at = b.add(b.mul(r, _i64(BK)), _i64(c * LANES))
+                            at = b.add(b.mul(r, _i64(bk)), _i64(c * LANES))
                             pr = vecmath.exp(em, b.fsub(x, lv))
                             self.vst(pr, s_tile, at)
                             ds = b.fmul(b.fmul(pr, b.fsub(self.vld(dpt, at), dv_)), self.vconst(sp.scale))
@@ -611,10 +666,10 @@ class _Gen:
                     self.mm_acc(b.gep(dq_acc, [b.mul(i0, _i64(dp))], inbounds=True, source_etype=F32),
                                 dp, dpt, kp, dp, dp, nk, rows)
                     self.mm_atb(dk_acc, dpt, qt, dp, nk, rows)
-                self.loop(first, _i64(sp.sq), qblock, step=BQ)
+                self.loop(first, _i64(sp.sq), qblock, step=bq)
                 self.store_tile(dk_acc, dp, dk, kb, sp.rows[1], nk, sp.d)
                 self.store_tile(dv_acc, dvp, dv, vb, sp.rows[2], nk, sp.dv)
-            self.loop(_i64(0), _i64(sp.sk), kblock, step=BK)
+            self.loop(_i64(0), _i64(sp.sk), kblock, step=bk)
             self.store_tile(dq_acc, dp, dq, qbase, sp.rows[0], _i64(sp.sq), sp.d)
         self.loop(start, end, task)
         b.ret_void()
@@ -628,33 +683,38 @@ class _Gen:
         return text[:j] + f'"prefer-vector-width"="{vector_bits}" ' + text[j:]
 
 
-def workspace_bytes(sp: Spec) -> int:
+def workspace_bytes(sp: Spec, p: AttentionParams) -> int:
     """The backward's float32 workspace: per head, dQ's accumulator, lse and D (linear in S)."""
     if not sp.bwd:
         return 0
-    sq_pad = -(-sp.sq // BQ) * BQ
+    sq_pad = -(-sp.sq // p.bq) * p.bq
     return 4 * sp.nb * (sq_pad * _pad(sp.d) + 2 * sq_pad)
 
 
 _DIGEST = code_digest("attention.py")
 
 
-def build(kernel, device, backend):
-    """run(buffers): the FlashAttention kernel of the template kernel's equation."""
-    (eqn,) = kernel.meta["eqns"]
-    sp = spec_of(eqn)
+def build(kernel, device, backend, params: AttentionParams | None = None):
+    """run(buffers): the FlashAttention kernel of the template kernel's equation, blocked by
+    `params` (default: AttentionParams(); the auto-tuner passes others)."""
+    sp = kernel_spec(kernel)
+    p = params or AttentionParams()
+    why = p.invalid(sp)
+    if why:
+        raise CompileError(f"attention parameters {p} cannot build {kernel.name}: {why}",
+                           kernel=str(kernel))
     info = backend._info(device)
     target = get_target(info)
-    key = compile_cache.make_key(repr(sp), target.fingerprint + ("attention", _DIGEST))
+    key = compile_cache.make_key(repr(sp), repr(p), target.fingerprint + ("attention", _DIGEST))
     fn_name = "tf_attn_" + key[:24]
-    address = target.module(key, fn_name, lambda: _Gen(sp, fn_name).render(target.vector_bits),
+    address = target.module(key, fn_name, lambda: _Gen(sp, p, fn_name).render(target.vector_bits),
                             str(kernel))
     fn = KernelFn(address)
-    tasks = sp.nb if sp.bwd else sp.nb * -(-sp.sq // BQ)
+    tasks = sp.nb if sp.bwd else sp.nb * -(-sp.sq // p.bq)
     threads = max(1, info.compute_units)
     pool = get_pool(threads) if threads > 1 and tasks > 1 else None
     bounds = [(t, t + 1) for t in range(tasks)]
-    ws_bytes = workspace_bytes(sp)
+    ws_bytes = workspace_bytes(sp, p)
     ptrs_t = ctypes.c_void_p * (len(kernel.buffers) + sp.bwd)
 
     def run(buffers):

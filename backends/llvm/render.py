@@ -17,7 +17,7 @@ import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
 
-from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, reduce_levels
+from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, reads_ridx, reduce_levels
 
 from . import vecmath
 from .irutil import bf16_to_f32, counted_loop, f32_to_bf16
@@ -147,7 +147,9 @@ class Renderer:
         used = self._used_forms(roots)
         self.par = merge_axes(kernel.shape, "idx", used)
         self.red = merge_axes(kernel.reduce_shape, "ridx", used)
-        self.dep_ridx = self._depends_on_ridx(roots)
+        self.dep_ridx: dict = {}  # every node, those under reduce nodes too
+        for n in self.nodes:
+            reads_ridx(n, self.dep_ridx)
         self.interchange = self._want_interchange()
 
     def _used_forms(self, roots):
@@ -164,14 +166,6 @@ class Renderer:
                 maximal.update(s for s in n.src if bears(self.forms[s]))
         self.maximal = maximal
         return [self.forms[n] for n in maximal]
-
-    def _depends_on_ridx(self, roots):
-        dep = {}
-        for r in roots:
-            for n in r.toposort():
-                if n not in dep:
-                    dep[n] = n.op == "ridx" or (n.op != "reduce" and any(dep[s] for s in n.src))
-        return dep
 
     def _want_interchange(self) -> bool:
         """Interchange the reduce loops with the innermost parallel axis when fewer of the loads

@@ -33,7 +33,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.ir import KExpr, Kernel, cast as kcast, pp_kernel, reduce_levels
+from tilefuse.ir.kernel.ir import KExpr, Kernel, cast as kcast, pp_kernel, reads_ridx, reduce_levels
 
 F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
 BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
@@ -438,20 +438,12 @@ def _reduces(k: Kernel) -> list:
     return [n for n in _nodes(k) if n.op == "reduce"]
 
 
-def _depends_on_ridx(n: KExpr, memo: dict) -> bool:
-    r = memo.get(n)
-    if r is None:
-        r = n.op == "ridx" or (n.op != "reduce" and any(_depends_on_ridx(s, memo) for s in n.src))
-        memo[n] = r
-    return r
-
-
 def _contiguous_loads(k: Kernel, vary: tuple) -> int:
     """How many loads read consecutive elements along the axis `vary` (in a reduction kernel,
     only those inside the reduction loop count: they run once per step)."""
     b, dep = _Body(k, [], vary, 2, "x", ""), {}
     return sum(1 for n in _nodes(k) if n.op == "load" and b.lin(n.src[0]) == 1 and
-               (not k.has_reduce or _depends_on_ridx(n, dep)))
+               (not k.has_reduce or reads_ridx(n, dep)))
 
 
 def red_width(width: int) -> int:
@@ -528,7 +520,7 @@ def _emit_row_stores(b: _Body, rows, atomic: bool) -> None:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            if not _depends_on_ridx(n, dep):
+            if not reads_ridx(n, dep):
                 b.val(n)
             else:
                 stack.extend(n.src)
@@ -573,7 +565,7 @@ def _emit_reductions(b: _Body, reds: list) -> None:
     # hoist what the reduced expressions need that does not change inside the loops
     for r in reds:
         for n in r.toposort():
-            if n is not r and not _depends_on_ridx(n, dep):
+            if n is not r and not reads_ridx(n, dep):
                 b.val(n)
     accs = {}
     for r in reds:
@@ -704,7 +696,7 @@ def _emit_tree(k: Kernel, out: list, ind: str, local: int) -> None:
     dep: dict = {}
     for r in reds:
         for n in r.toposort():
-            if n is not r and not _depends_on_ridx(n, dep):
+            if n is not r and not reads_ridx(n, dep):
                 b.val(n)
     accs = {r: _init_acc(b, r, np.dtype(r.src[0].dtype), 1, "a") for r in reds}
     total = int(np.prod(k.reduce_shape, dtype=np.int64))

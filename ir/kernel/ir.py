@@ -163,9 +163,18 @@ def reads_ridx(root: KExpr, memo: dict | None = None) -> bool:
     """Whether `root` reads a reduction index outside reduce nodes (a reduce's value is one per
     parallel point)."""
     memo = {} if memo is None else memo
-    for n in root.toposort():
-        if n not in memo:
-            memo[n] = n.op == "ridx" or (n.op != "reduce" and any(memo[s] for s in n.src))
+    stack = [root]
+    while stack:  # iterative post-order: expression DAGs can be deep
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        pending = [s for s in n.src if s not in memo] if n.op != "reduce" else []
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        memo[n] = n.op == "ridx" or (n.op != "reduce" and any(memo[s] for s in n.src))
     return memo[root]
 
 
