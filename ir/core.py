@@ -1,6 +1,7 @@
 """The graph IR: abstract values, variables, equations and graphs (a jaxpr-like SSA form)."""
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -33,6 +34,9 @@ class ShapedArray:
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    def __reduce__(self):  # without the cached hash (str hashes differ between processes)
+        return ShapedArray, (self.shape, self.dtype, self.weak_type)
+
     def strip_weak(self) -> "ShapedArray":
         return ShapedArray(self.shape, self.dtype) if self.weak_type else self
 
@@ -51,6 +55,7 @@ _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f6
           "int32": "i32", "int64": "i64", "uint32": "u32", "bool": "bool"}
 
 
+@functools.lru_cache(maxsize=None)  # printing a graph asks once per variable
 def dtype_short(d) -> str:
     return _SHORT.get(np.dtype(d).name, np.dtype(d).name)
 

@@ -40,6 +40,13 @@ class Primitive:
     def __repr__(self):
         return self.name
 
+    def __reduce__(self):  # by name: one object per primitive
+        return primitive, (self.name,)
+
+
+def primitive(name: str) -> Primitive:
+    return PRIMITIVES[name]
+
 
 def shape_error(prim: str, msg: str, *avals) -> ShapeError:
     shapes = ", ".join(str(a.shape) for a in avals)

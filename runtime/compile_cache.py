@@ -5,8 +5,9 @@ fingerprint, backend version). Backend-neutral: payloads are bytes.
 Directory `TILEFUSE_CACHE_DIR` (default ~/.cache/tilefuse; "off" disables it), created 0700.
 Each entry is written atomically (temporary file + os.replace) with a header holding the key
 hash and a sha256 of the payload; an entry whose header, length or checksum does not match is
-counted as corrupt, removed, and rebuilt — never loaded. Nothing is pickled. A namespace keeps at
-most MAX_ENTRIES entries: opening it drops the least recently used beyond that."""
+counted as corrupt, removed, and rebuilt — never loaded. The backends' payloads are not pickled
+(the front-end cache's are, read back through an allowlist: runtime/frontend_cache.py). A namespace
+keeps at most MAX_ENTRIES entries: opening it drops the least recently used beyond that."""
 from __future__ import annotations
 
 import hashlib

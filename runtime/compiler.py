@@ -21,7 +21,7 @@ from tilefuse.ir.kernel import copy_kernel, lower_region
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.passes import Dump, partition, run_passes
 
-from . import dispatch, profiler
+from . import dispatch, frontend_cache, profiler
 from .config import config
 from .planner import Interval, plan_buffers
 
@@ -129,12 +129,20 @@ class _Builder:
 
 def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) -> Program:
     """Optimise, fuse, lower and compile `graph` for `device`; see the module docstring."""
+    fuse = config.fusion if fuse is None else fuse
+    key = frontend_cache.key(graph, fuse)
+    front = frontend_cache.load(key)  # (never while dumping: key is None)
     dump = Dump(config.dump_dir, graph.meta.get("name", "graph"))
-    g = run_passes(graph, dump=dump, check=config.check,
-                   trace=_trace_pass if config.debug >= 2 else None)
-    regions = partition(g, fuse=config.fusion if fuse is None else fuse)
-    if dump.dir:
-        dump.text("regions", "\n".join(map(str, regions)))
+    if front is None:
+        g = run_passes(graph, dump=dump, check=config.check,
+                       trace=_trace_pass if config.debug >= 2 else None)
+        regions = partition(g, fuse=fuse)
+        if dump.dir:
+            dump.text("regions", "\n".join(map(str, regions)))
+        lowered = [[] if r.kind == "host" else lower_region(r) for r in regions]
+        frontend_cache.store(key, g, regions, lowered)
+    else:
+        g, regions, lowered = front
 
     b = _Builder(g, device, backend)
     for v in g.invars:
@@ -159,7 +167,7 @@ def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) ->
         for o in region.outputs:
             if o.id not in b.slot:
                 b.new_slot("temp", o.aval, o)
-        work.append((step, region, [] if region.kind == "host" else lower_region(region)))
+        work.append((step, region, lowered[step]))
     for v, s in copies:
         dst = Var(v.aval)
         b.slot[dst.id] = s

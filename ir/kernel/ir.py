@@ -74,6 +74,9 @@ class KExpr:
     def __hash__(self):
         return self._hash
 
+    def __reduce__(self):  # the hash is recomputed: str hashes differ between processes
+        return KExpr, (self.op, self.dtype, self.src, self.arg)
+
     # small builders so lowerings read like arithmetic
     def __add__(self, o):
         return binary("add", self, as_expr(o, self.dtype))

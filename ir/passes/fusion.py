@@ -10,10 +10,15 @@ effectful one (debug_print) is a host step.
 
 Before grouping, cheap producers are copied where that keeps values out of memory: index maps
 go to each consumer, and a reduction gets its own copy of an operand's producers when they
-read one full-size array (softmax: max, sum(exp(x - max)), exp(x - max) / sum: three kernels).
+read one full-size array (softmax: max, sum(exp(x - max)), exp(x - max) / sum).
 Regions then grow greedily, producer into consumer, from the last equation back. A merge is
 refused when it would create a cycle between regions (some other region on a path between the
-two): the region graph stays a DAG, checked with networkx."""
+two): the region graph stays a DAG, checked with networkx.
+
+Then row merges: regions that reduce the trailing axes of one array shape (a row space), with
+what reads their results along the rows, become one *row kernel* (softmax, layer norm, RMSNorm
+and their gradients): it walks each row once per reduction level and once more for the values
+it writes, while the row is in cache, instead of one kernel (and one trip through memory) each."""
 from __future__ import annotations
 
 import math

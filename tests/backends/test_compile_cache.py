@@ -121,3 +121,64 @@ def test_prune_keeps_recent(cache, monkeypatch):
     assert cache.prune(5) == 6  # down to 80% of 5
     left = sorted(os.listdir(cache.dir))
     assert len(left) == 4 and keys[0] + ".bin" in left and keys[9] + ".bin" in left
+
+
+# ---- the front-end cache: a traced graph -> optimised graph, regions, lowered kernels -------
+
+FRONT_CHILD = r"""
+import json
+import numpy as np
+import tilefuse as tx, tilefuse.numpy as tnp
+from tilefuse.runtime import compiler
+runs = []
+passes = compiler.run_passes
+compiler.run_passes = lambda *a, **k: runs.append(1) or passes(*a, **k)
+w = np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6)  # a constant of the graph
+def f(x):
+    e = tnp.exp(x @ w - 1.0)
+    return e / e.sum(-1, keepdims=True), tnp.argmax(x, axis=1)
+x = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+y, i = tx.jit(f, device="cpu")(x)
+e = np.exp(x @ w - 1.0)
+ok = np.allclose(np.asarray(y), e / e.sum(-1, keepdims=True), rtol=1e-5) and (np.asarray(i) == x.argmax(1)).all()
+print(json.dumps({"passes": len(runs), "ok": bool(ok)}))
+"""
+
+
+def _front_child(tmp_path):
+    env = {**os.environ, "TILEFUSE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", FRONT_CHILD], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_skips_the_front_end(tmp_path):
+    """The passes, fusion and lowering run once; a second process reads what they made."""
+    assert _front_child(tmp_path) == {"passes": 1, "ok": True}
+    assert _front_child(tmp_path) == {"passes": 0, "ok": True}
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_tampered_front_end_entry_runs_no_code(tmp_path, monkeypatch):
+    """An entry holding anything but the IR's own classes is a miss, never executed."""
+    import pickle
+
+    import numpy as np
+
+    import tilefuse as tx
+    from tilefuse.runtime import frontend_cache
+    cache = cc.CompileCache("frontend", str(tmp_path))
+    monkeypatch.setattr(frontend_cache, "_cache", lambda: cache)
+    monkeypatch.chdir(tmp_path)
+    f = tx.jit(lambda x: x * 2.0 + 1.0, device="cpu")
+    x = np.arange(5, dtype=np.float32)
+    key = frontend_cache.key(f.lower(x).graph, True)
+    assert key is not None and key != frontend_cache.key(tx.jit(lambda x: x * 3.0 + 1.0).lower(x).graph, True)
+    cache.store(key, pickle.dumps(_Evil()))
+    np.testing.assert_allclose(np.asarray(f(x)), x * 2 + 1)
+    assert not os.path.exists(tmp_path / "PWNED")

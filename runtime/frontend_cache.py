@@ -1,0 +1,266 @@
+"""The persistent cache of compile front ends: a traced graph -> its optimised graph, its fusion
+regions and their lowered kernels — what the passes, fusion and lowering make of it, device-
+independent and more than half of a warm first call of the training step (the kernels' object
+code is cached per kernel by the backends).
+
+Keyed by the graph's text, its constants' bytes, the configuration that decides compiles and a
+digest of the compiler's own source (ir/), so edited code never reads an old entry. Entries are
+JSON, never pickle (nothing read from disk is unpickled): variables, equations and expression
+nodes become indices into tables, parameters tagged values (tuples, dtypes, arrays as bytes).
+Anything that does not encode (a parameter of another kind) is simply not cached; an entry that
+does not decode is a miss, and the compile goes the long way."""
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import logging
+import os
+
+import numpy as np
+
+from tilefuse.ir import dtypes
+from tilefuse.ir import primitives as P
+from tilefuse.ir.core import Eqn, Graph, Literal, ShapedArray, Var
+from tilefuse.ir.kernel.ir import Buffer, Kernel, KExpr, Store
+from tilefuse.ir.kernel.lower import LoweredKernel
+from tilefuse.ir.passes.fusion import Region
+
+from . import compile_cache
+from .config import config
+
+log = logging.getLogger("tilefuse")
+FORMAT = 1
+_KERNEL_META = ("kind", "eqns", "operands", "sources")  # the rest of meta is caches
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """A hash of the compiler's front-end source (every .py under ir/)."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ir")
+    h = hashlib.sha256(str(FORMAT).encode())
+    for root, dirs, files in sorted(os.walk(here)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(root, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _cache():
+    return compile_cache.CompileCache("frontend", compile_cache.default_dir())
+
+
+def key(graph: Graph, fuse: bool) -> str | None:
+    """The entry's key, or None when the cache does not apply (no disk cache; dumping and
+    debugging, which want the passes to run; a graph its text does not decide)."""
+    if config.dump_dir or config.debug or _cache().dir is None:
+        return None
+    text = _text(graph)
+    if text is None:
+        return None
+    consts = [(np.asarray(c).dtype.str, np.shape(c), hashlib.sha256(np.ascontiguousarray(c).tobytes()).hexdigest())
+              for c in graph.consts]
+    return compile_cache.make_key("frontend", _code_digest(), text, consts, fuse, config.cache_key())
+
+
+def _text(graph: Graph) -> str | None:
+    """The graph's text with what printing leaves out (weak types); None when a parameter is a
+    graph, a function or hidden (printing abbreviates those)."""
+    weak = []
+    for e in graph.eqns:
+        for k, v in e.params.items():
+            if k.startswith("_") or isinstance(v, Graph) or (callable(v) and not isinstance(v, type)):
+                return None
+        weak.append("".join("w" if a.aval.weak_type else "." for a in (*e.inputs, *e.outputs)))
+    weak.append("".join("w" if v.aval.weak_type else "." for v in (*graph.invars, *graph.outvars)))
+    return str(graph) + "\n" + " ".join(weak)
+
+
+def load(k: str | None):
+    """(optimised graph, regions, lowered kernels per region), or None on a miss."""
+    if k is None:
+        return None
+    payload = _cache().load(k)
+    if payload is None:
+        return None
+    try:
+        return _Decoder(json.loads(payload)).front()
+    except Exception as e:  # an entry of another format, or one damaged past its checksum
+        log.info("tilefuse: front-end cache entry unreadable (%r); compiling", e)
+        return None
+
+
+def store(k: str | None, graph: Graph, regions, lowered) -> None:
+    if k is None:
+        return
+    try:
+        payload = json.dumps(_Encoder().front(graph, regions, lowered), separators=(",", ":"))
+    except _Unencodable as e:
+        log.info("tilefuse: front end not cached (%s)", e)
+        return
+    _cache().store(k, payload.encode())
+
+
+# ---- encoding ---------------------------------------------------------------------------------
+
+class _Unencodable(Exception):
+    pass
+
+
+def _value(v):
+    """A parameter or constant as JSON: scalars as they are, the rest tagged."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, tuple):
+        return {"t": [_value(x) for x in v]}
+    if isinstance(v, list):
+        return {"l": [_value(x) for x in v]}
+    if isinstance(v, dict):
+        return {"d": [[_value(a), _value(b)] for a, b in v.items()]}
+    if isinstance(v, np.dtype):
+        return {"dt": v.name}
+    if isinstance(v, (np.ndarray, np.generic)):
+        a = np.ascontiguousarray(v)
+        return {"a": [a.dtype.name, list(a.shape), base64.b64encode(a.tobytes()).decode()],
+                "s": isinstance(v, np.generic)}
+    raise _Unencodable(f"a value of type {type(v).__name__}")
+
+
+def _unvalue(v):
+    if not isinstance(v, dict):
+        return v
+    if "t" in v:
+        return tuple(_unvalue(x) for x in v["t"])
+    if "l" in v:
+        return [_unvalue(x) for x in v["l"]]
+    if "d" in v:
+        return {_unvalue(a): _unvalue(b) for a, b in v["d"]}
+    if "dt" in v:
+        return dtypes.canonicalize(v["dt"])
+    name, shape, data = v["a"]
+    a = np.frombuffer(base64.b64decode(data), dtypes.canonicalize(name)).reshape(shape).copy()
+    return a[()] if v["s"] else a
+
+
+def _aval(a: ShapedArray) -> list:
+    return [list(a.shape), a.dtype.name, a.weak_type]
+
+
+def _unaval(x) -> ShapedArray:
+    return ShapedArray(tuple(x[0]), dtypes.canonicalize(x[1]), x[2])
+
+
+class _Encoder:
+    """Tables of variables, equations and expression nodes, filled as they are met."""
+
+    def __init__(self):
+        self.vars: dict[int, int] = {}
+        self.var_avals: list = []
+        self.eqns: dict[int, int] = {}
+        self.eqn_rows: list = []
+        self.nodes: dict[KExpr, int] = {}
+        self.node_rows: list = []
+
+    def var(self, v: Var) -> int:
+        i = self.vars.get(v.id)
+        if i is None:
+            i = self.vars[v.id] = len(self.var_avals)
+            self.var_avals.append(_aval(v.aval))
+        return i
+
+    def atom(self, a):
+        if isinstance(a, Literal):
+            return {"lit": _value(a.val), "aval": _aval(a.aval)}
+        return self.var(a)
+
+    def eqn(self, e: Eqn) -> int:
+        i = self.eqns.get(id(e))
+        if i is None:
+            row = [e.prim.name, [self.atom(a) for a in e.inputs], [self.var(o) for o in e.outputs],
+                   _value(e.params), e.source]
+            i = self.eqns[id(e)] = len(self.eqn_rows)
+            self.eqn_rows.append(row)
+        return i
+
+    def node(self, root: KExpr) -> int:
+        for n in root.toposort():  # operands first: a node's sources have smaller numbers
+            if n not in self.nodes:
+                self.nodes[n] = len(self.node_rows)
+                self.node_rows.append([n.op, n.dtype.name, [self.nodes[s] for s in n.src], _value(n.arg)])
+        return self.nodes[root]
+
+    def kernel(self, k: Kernel) -> dict:
+        meta = {}
+        for name in _KERNEL_META:
+            if name in k.meta:
+                v = k.meta[name]
+                meta[name] = [self.eqn(e) for e in v] if name == "eqns" else \
+                    [self.var(x) for x in v] if name == "operands" else _value(v)
+        return {"name": k.name, "buffers": [[b.name, b.dtype.name, b.size] for b in k.buffers],
+                "n_inputs": k.n_inputs, "shape": list(k.shape), "reduce_shape": list(k.reduce_shape),
+                "stores": [[s.buffer, self.node(s.offset), self.node(s.value), s.mode] for s in k.stores],
+                "meta": meta}
+
+    def lowered(self, lk: LoweredKernel) -> dict:
+        return {"kernel": self.kernel(lk.kernel), "args": [self.var(v) for v in lk.args]}
+
+    def front(self, g: Graph, regions, lowered) -> dict:
+        graph = {"constvars": [self.var(v) for v in g.constvars], "invars": [self.var(v) for v in g.invars],
+                 "eqns": [self.eqn(e) for e in g.eqns], "outvars": [self.atom(v) for v in g.outvars],
+                 "consts": [_value(np.asarray(c)) for c in g.consts], "meta": _value(g.meta)}
+        regs = [{"eqns": [self.eqn(e) for e in r.eqns], "inputs": [self.var(v) for v in r.inputs],
+                 "outputs": [self.var(v) for v in r.outputs], "kind": r.kind, "rows": bool(r.meta.get("rows"))}
+                for r in regions]
+        kernels = [[self.lowered(lk) for lk in lks] for lks in lowered]
+        return {"format": FORMAT, "vars": self.var_avals, "eqns": self.eqn_rows, "nodes": self.node_rows,
+                "graph": graph, "regions": regs, "lowered": kernels}
+
+
+class _Decoder:
+    def __init__(self, d: dict):
+        if d.get("format") != FORMAT:
+            raise ValueError(f"format {d.get('format')}")
+        self.d = d
+        self.vars = [Var(_unaval(a)) for a in d["vars"]]  # new variables, new ids
+        self.eqns: list = []
+        for name, ins, outs, params, source in d["eqns"]:
+            self.eqns.append(Eqn(P.PRIMITIVES[name], tuple(self.atom(a) for a in ins),
+                                 tuple(self.vars[i] for i in outs), _unvalue(params), source))
+        self.nodes: list = []
+        for op, dt, src, arg in d["nodes"]:
+            self.nodes.append(KExpr(op, dtypes.canonicalize(dt), tuple(self.nodes[i] for i in src),
+                                    _unvalue(arg)))
+
+    def atom(self, a):
+        if isinstance(a, dict):
+            aval = _unaval(a["aval"])
+            return Literal(_unvalue(a["lit"]), aval)
+        return self.vars[a]
+
+    def kernel(self, k: dict) -> Kernel:
+        meta = {}
+        for name, v in k["meta"].items():
+            meta[name] = tuple(self.eqns[i] for i in v) if name == "eqns" else \
+                tuple(self.vars[i] for i in v) if name == "operands" else _unvalue(v)
+        return Kernel(k["name"], tuple(Buffer(n, dtypes.canonicalize(dt), size) for n, dt, size in k["buffers"]),
+                      k["n_inputs"], tuple(k["shape"]), tuple(k["reduce_shape"]),
+                      tuple(Store(b, self.nodes[o], self.nodes[v], mode) for b, o, v, mode in k["stores"]),
+                      meta=meta)
+
+    def front(self):
+        d, V, E = self.d, self.vars, self.eqns
+        g = d["graph"]
+        graph = Graph(tuple(V[i] for i in g["constvars"]), tuple(V[i] for i in g["invars"]),
+                      tuple(E[i] for i in g["eqns"]), tuple(self.atom(a) for a in g["outvars"]),
+                      tuple(_unvalue(c) for c in g["consts"]), _unvalue(g["meta"]))
+        lowered = [[LoweredKernel(self.kernel(lk["kernel"]), tuple(V[i] for i in lk["args"])) for lk in lks]
+                   for lks in d["lowered"]]
+        regions = [Region(tuple(E[i] for i in r["eqns"]), tuple(V[i] for i in r["inputs"]),
+                          tuple(V[i] for i in r["outputs"]), r["kind"],
+                          {"rows": True, "lowered": lks} if r["rows"] else {})
+                   for r, lks in zip(d["regions"], lowered)]
+        return graph, regions, lowered
