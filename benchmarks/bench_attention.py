@@ -1,9 +1,11 @@
 """Attention, B=4 H=4 D=64, S=256 and 1024, causal and not, forward and forward+backward:
 tilefuse on `cpu` (nn.dot_product_attention, and the same attention written out with tnp and
-found by the pattern pass), numpy's naive code, and PyTorch's scaled_dot_product_attention and
-JAX's jit where importable, in one run: medians, GFLOP/s and ratios against tilefuse.
+found by the pattern pass), on the first OpenCL device (nn.dot_product_attention with the OpenCL
+FlashAttention template, and with the composite of ordinary kernels it replaced), numpy's naive
+code, and PyTorch's scaled_dot_product_attention and JAX's jit where importable, in one run:
+medians, GFLOP/s and ratios against tilefuse.
 
-    python benchmarks/bench_attention.py [--seqs 256,1024] [--repeat 7] [--only fwd]
+    python benchmarks/bench_attention.py [--seqs 256,1024] [--repeat 7] [--only fwd] [--opencl opencl:0]
 
 FLOPs count the two matmuls of the forward (4·B·H·S²·D, halved when causal) and 2.5 times that
 for forward+backward. "extra MiB" is tilefuse's pool peak above the inputs during one call (the
@@ -12,6 +14,7 @@ measured here (see benchmarks/bench_train.py for whole-process peaks)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -50,16 +53,16 @@ def np_forward_backward(q, k, v, g, causal):
 
 # ---- tilefuse ------------------------------------------------------------------------------------
 
-def tilefuse_cases(q, k, v, g, causal):
+def tilefuse_cases(q, k, v, g, causal, device="cpu"):
     """name -> (forward call, forward+backward call, extra MiB of the forward+backward)."""
     import tilefuse as tx
     import tilefuse.numpy as tnp
     from tilefuse import nn
 
-    dev = tx.get_device("cpu")
+    dev = tx.get_device(device)
     to_bshd = lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2))  # noqa: E731
-    qs, ks, vs, gs = (tx.device_put(to_bshd(x), "cpu") for x in (q, k, v, g))
-    qh, kh, vh, gh = (tx.device_put(x, "cpu") for x in (q, k, v, g))
+    qs, ks, vs, gs = (tx.device_put(to_bshd(x), device) for x in (q, k, v, g))
+    qh, kh, vh, gh = (tx.device_put(x, device) for x in (q, k, v, g))
 
     def api(q, k, v):
         return nn.dot_product_attention(q, k, v, causal=causal)
@@ -70,22 +73,43 @@ def tilefuse_cases(q, k, v, g, causal):
             s = tnp.where(tnp.tril(tnp.ones(s.shape[-2:], tnp.bool_)), s, -np.inf)
         return nn.softmax(s) @ v
 
+    cases = (("tilefuse nn.dot_product_attention", api, (qs, ks, vs), gs, False),
+             ("tilefuse written out (pattern)", written, (qh, kh, vh), gh, False))
+    if device != "cpu":  # the OpenCL template, and the composite of ordinary kernels without it
+        cases = ((f"tilefuse {device} nn.dot_product_attention", api, (qs, ks, vs), gs, False),
+                 (f"tilefuse {device} composite (no template)", api, (qs, ks, vs), gs, True))
     out = {}
-    for name, f, args, cot in (("tilefuse nn.dot_product_attention", api, (qs, ks, vs), gs),
-                               ("tilefuse written out (pattern)", written, (qh, kh, vh), gh)):
-        fwd = tx.jit(f)
-        both = tx.jit(lambda q, k, v, g, f=f: tx.vjp(f, q, k, v)[1](g))
+    for name, f, args, cot, composite in cases:
+        fwd = tx.jit(f, device=device)
+        both = tx.jit(lambda q, k, v, g, f=f: tx.vjp(f, q, k, v)[1](g), device=device)
         run_fwd = lambda fwd=fwd, args=args: fwd(*args).block_until_ready()  # noqa: E731
         run_both = lambda both=both, args=args, cot=cot: [  # noqa: E731
             x.block_until_ready() for x in both(*args, cot)]
-        run_both()
-        pool = dev.backend.pool
+        with _without_templates(dev.kind) if composite else contextlib.nullcontext():
+            run_fwd()  # compiled now: without the templates for the composite
+            run_both()
+        pool = dev.backend.pool if device == "cpu" else dev.backend._state(dev).pool
         pool.reset_peak()
         before = pool.stats()["bytes_in_use"]
         run_both()
         extra = (pool.stats()["peak_bytes_in_use"] - before) / 2 ** 20
         out[name] = (run_fwd, run_both, extra)
     return out
+
+
+@contextlib.contextmanager
+def _without_templates(device_kind):
+    """The attention templates of a device kind unregistered: the dispatcher picks the composite."""
+    from tilefuse.runtime import dispatch
+    impls = [i for kind in dispatch.TEMPLATE_KINDS for i in dispatch.candidates(kind, device_kind)
+             if i.name != "composite"]
+    for i in impls:
+        dispatch.unregister(i)
+    try:
+        yield
+    finally:
+        for i in impls:
+            dispatch.register(i)
 
 
 # ---- PyTorch and JAX, when importable ---------------------------------------------------------------
@@ -126,11 +150,23 @@ def jax_cases(q, k, v, g, causal):
                                             lambda: jax.block_until_ready(both(*args, cot)), None)}
 
 
+def _has_device(name: str) -> bool:
+    import tilefuse as tx
+    from tilefuse.ir.errors import TilefuseError
+    try:
+        tx.get_device(name)
+    except TilefuseError:  # no such device here (no OpenCL platform, or fewer devices)
+        return False
+    return True
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="256,1024")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--only", choices=("fwd", "both"), default=None)
+    ap.add_argument("--opencl", default="opencl:0", help="the OpenCL device of the opencl rows "
+                    "('' for none; skipped where there is none)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     for s in (int(x) for x in args.seqs.split(",")):
@@ -138,6 +174,8 @@ def main(argv=None):
             q, k, v, g = (rng.standard_normal((B, H, s, D)).astype(np.float32) for _ in range(4))
             flops = 4 * B * H * s * s * D * (0.5 if causal else 1.0)
             cases = tilefuse_cases(q, k, v, g, causal)
+            if args.opencl and _has_device(args.opencl):
+                cases.update(tilefuse_cases(q, k, v, g, causal, args.opencl))
             cases["numpy naive"] = (lambda: np_forward(q, k, v, causal),
                                     lambda: np_forward_backward(q, k, v, g, causal), None)
             cases.update(torch_cases(q, k, v, g, causal))

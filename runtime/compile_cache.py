@@ -90,7 +90,13 @@ class CompileCache:
             return 0
         if len(entries) <= max_entries:
             return 0
-        entries.sort(key=lambda e: e.stat().st_mtime)
+
+        def mtime(e):  # another process may prune the same folder: a vanished entry is oldest
+            try:
+                return e.stat().st_mtime
+            except OSError:
+                return 0.0
+        entries.sort(key=mtime)
         drop = entries[:len(entries) - int(max_entries * 0.8)]
         for e in drop:
             try:

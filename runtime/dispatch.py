@@ -10,6 +10,7 @@ Host fallbacks (work done in Python on the host rather than by a compiled kernel
 and counted here: `stats["host_fallbacks"]`."""
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -93,40 +94,33 @@ for _kind in KERNEL_KINDS:
     register(Implementation("kernel_ir", _kind, kernel_ir))
 
 
-# Attention: FlashAttention on the CPU (float32), and everywhere the ordinary kernels of its
-# decomposition (runtime/composite.py).
-def _cpu_attention(kernel, device, backend):
-    from tilefuse.backends.llvm.attention import build
-    return build(kernel, device, backend)
+def _lazy(module: str, name: str) -> Callable:
+    """module.name, imported at its first call (backends load only when a device needs them)."""
+    def call(*args):
+        return getattr(importlib.import_module(module), name)(*args)
+    call.__qualname__ = f"{module}.{name}"
+    return call
 
 
-def _cpu_attention_applies(kernel, device) -> bool:
-    from tilefuse.backends.llvm.attention import applies
-    return applies(kernel, device)
+def _template(name: str, kinds, module: str, device_kind: str, priority: int) -> None:
+    """Register module.build for `kinds` on one device kind, where module.applies says so."""
+    for kind in kinds:
+        register(Implementation(name, kind, _lazy(module, "build"), (device_kind,),
+                                _lazy(module, "applies"), priority))
 
 
-def _composite(kernel, device, backend):
-    from . import composite
-    return composite.build(kernel, device, backend)
-
-
+# Attention: FlashAttention on CPU, OpenCL and CUDA devices (float32), and everywhere the ordinary
+# kernels of its decomposition (runtime/composite.py).
+_template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.llvm.attention", "cpu", 10)
+_template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.opencl.attention", "opencl", 10)
+_template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.cuda.attention", "cuda", 10)
 for _kind in TEMPLATE_KINDS:
-    register(Implementation("flash_attention", _kind, _cpu_attention, ("cpu",),
-                            _cpu_attention_applies, priority=10))
-    register(Implementation("composite", _kind, _composite))
+    register(Implementation("composite", _kind, _lazy("tilefuse.runtime.composite", "build")))
 
-
-# fused_gemm where the device's GEMM takes no epilogue: the GEMM, then the epilogue kernel
-# (runtime/gemm_split.py). The CPU's candidates register in backends/llvm/gemm.py.
-def _gemm_split(kernel, device, backend):
-    from . import gemm_split
-    return gemm_split.build(kernel, device, backend)
-
-
-def _gemm_split_applies(kernel, device) -> bool:
-    from . import gemm_split
-    return gemm_split.applies(kernel, device)
-
-
-register(Implementation("gemm_then_epilogue", "fused_gemm", _gemm_split, ("opencl", "cuda"),
-                        _gemm_split_applies, priority=10))
+# GEMM on CUDA devices: shared-memory tiles, tensor cores for 16-bit floats, the epilogue fused
+# (backends/cuda/gemm.py). Where no template reads a fused_gemm's operands on OpenCL and CUDA: the
+# GEMM, then the epilogue kernel (runtime/gemm_split.py). The CPU's GEMMs register in
+# backends/llvm/gemm.py, OpenCL's in backends/opencl/gemm.py.
+_template("cuda_gemm", ("dot_general", "fused_gemm"), "tilefuse.backends.cuda.gemm", "cuda", 20)
+for _dk in ("opencl", "cuda"):
+    _template("gemm_then_epilogue", ("fused_gemm",), "tilefuse.runtime.gemm_split", _dk, 10)

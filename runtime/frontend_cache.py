@@ -68,8 +68,9 @@ def key(graph: Graph, fuse: bool) -> str | None:
 
 
 def _text(graph: Graph) -> str | None:
-    """The graph's text with what printing leaves out (weak types); None when a parameter is a
-    graph, a function or hidden (printing abbreviates those)."""
+    """The graph's text with what printing leaves out (weak types, the user's lines that errors
+    and the profiler name); None when a parameter is a graph, a function or hidden (printing
+    abbreviates those)."""
     weak = []
     for e in graph.eqns:
         for k, v in e.params.items():
@@ -77,7 +78,7 @@ def _text(graph: Graph) -> str | None:
                 return None
         weak.append("".join("w" if a.aval.weak_type else "." for a in (*e.inputs, *e.outputs)))
     weak.append("".join("w" if v.aval.weak_type else "." for v in (*graph.invars, *graph.outvars)))
-    return str(graph) + "\n" + " ".join(weak)
+    return "\n".join([str(graph), " ".join(weak), *(e.source for e in graph.eqns)])
 
 
 def load(k: str | None):
@@ -162,7 +163,7 @@ class _Encoder:
         self.var_avals: list = []
         self.eqns: dict[int, int] = {}
         self.eqn_rows: list = []
-        self.nodes: dict[KExpr, int] = {}
+        self.nodes: dict[int, int] = {}  # id(node) -> number (the kernels keep the nodes alive)
         self.node_rows: list = []
 
     def var(self, v: Var) -> int:
@@ -187,11 +188,22 @@ class _Encoder:
         return i
 
     def node(self, root: KExpr) -> int:
-        for n in root.toposort():  # operands first: a node's sources have smaller numbers
-            if n not in self.nodes:
-                self.nodes[n] = len(self.node_rows)
-                self.node_rows.append([n.op, n.dtype.name, [self.nodes[s] for s in n.src], _value(n.arg)])
-        return self.nodes[root]
+        """root's number; its operands numbered first. By object, not by value: comparing equal
+        expressions built apart walks them whole, and a hashed DAG (Threefry) is exponential so."""
+        stack = [root]
+        while stack:
+            n = stack[-1]
+            if id(n) in self.nodes:
+                stack.pop()
+                continue
+            pending = [s for s in n.src if id(s) not in self.nodes]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            self.nodes[id(n)] = len(self.node_rows)
+            self.node_rows.append([n.op, n.dtype.name, [self.nodes[id(s)] for s in n.src], _value(n.arg)])
+        return self.nodes[id(root)]
 
     def kernel(self, k: Kernel) -> dict:
         meta = {}

@@ -90,9 +90,10 @@ print(json.dumps({**compile_cache.stats(), "ok": ok}))
 """
 
 
-def _child(tmp_path):
+def _child(tmp_path, code=CHILD):
+    """Run `code` in a new process on the cache in tmp_path; its last line of output, as JSON."""
     env = {**os.environ, "TILEFUSE_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -145,18 +146,10 @@ print(json.dumps({"passes": len(runs), "ok": bool(ok)}))
 """
 
 
-def _front_child(tmp_path):
-    env = {**os.environ, "TILEFUSE_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", FRONT_CHILD], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_second_process_skips_the_front_end(tmp_path):
     """The passes, fusion and lowering run once; a second process reads what they made."""
-    assert _front_child(tmp_path) == {"passes": 1, "ok": True}
-    assert _front_child(tmp_path) == {"passes": 0, "ok": True}
+    assert _child(tmp_path, FRONT_CHILD) == {"passes": 1, "ok": True}
+    assert _child(tmp_path, FRONT_CHILD) == {"passes": 0, "ok": True}
 
 
 class _Evil:
