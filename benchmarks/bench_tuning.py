@@ -84,7 +84,6 @@ def numpy_seconds(problems) -> dict:
 def bench_gemms(trials: int) -> list:
     import tilefuse as tx
     import train_transformer as tt
-    from tilefuse.runtime import tuner
     tx.config.gemm = "generated"  # every GEMM on the template, to tune it
     try:
         step, args = tt.tuning_workload()
@@ -93,12 +92,7 @@ def bench_gemms(trials: int) -> list:
         numpy_s_of = numpy_seconds([prob for _, prob, _ in found])
         for kernel, prob, dev in found:
             numpy_s = numpy_s_of[f"{prob.batch}x{prob.m}x{prob.n}x{prob.k}"]
-            bar = tuner.progress_bar(trials, True)
-            try:
-                res = tuner.tune_kernel(kernel, dev, trials=trials, bar=bar)
-            finally:
-                if bar is not None:
-                    bar.close()
+            res = tune_with_bar(kernel, dev, trials)
             d, t = res.default_seconds, res.best_seconds
             shape = f"{prob.batch}x{prob.m}x{prob.n}x{prob.k}" + (" +epi" if prob.epilogue else "")
             near = d <= 1.05 * numpy_s
@@ -131,17 +125,22 @@ def attention_kernels(batch: int, seq: int, heads: int, dim: int) -> list:
     return [(r.info.kernel, r.info.device) for r in prof.records if r.info.impl == "flash_attention"]
 
 
-def bench_attention(trials: int) -> list:
+def tune_with_bar(kernel, dev, trials: int):
+    """tuner.tune_kernel with a progress bar, closed however the tuning ends."""
     from tilefuse.runtime import tuner
+    bar = tuner.progress_bar(trials, True)
+    try:
+        return tuner.tune_kernel(kernel, dev, trials=trials, bar=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def bench_attention(trials: int) -> list:
     rows = []
     for shape in ATTENTION_SHAPES:
         for kernel, dev in attention_kernels(*shape):
-            bar = tuner.progress_bar(trials, True)
-            try:
-                res = tuner.tune_kernel(kernel, dev, trials=trials, bar=bar)
-            finally:
-                if bar is not None:
-                    bar.close()
+            res = tune_with_bar(kernel, dev, trials)
             d, t = res.default_seconds, res.best_seconds
             rows.append(("x".join(map(str, shape)), res.signature.removeprefix("attention-"),
                          f"{d * 1e3:.3f}", f"{t * 1e3:.3f}", f"{d / t:.2f}x",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 import numpy as np
 
+from tilefuse.ir.kernel.lower import strides
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import CompileError
 from tilefuse.runtime import compile_cache
@@ -54,14 +55,6 @@ def _pad(n: int) -> int:
 def _pow2(n: int) -> int:
     """The least power of two >= n."""
     return 1 << max(0, int(n - 1).bit_length())
-
-
-def _strides(shape) -> list[int]:
-    out, acc = [0] * len(shape), 1
-    for i in reversed(range(len(shape))):
-        out[i] = acc
-        acc *= shape[i]
-    return out
 
 
 @dataclass(frozen=True)
@@ -116,14 +109,14 @@ def spec_of(eqn) -> Spec:
     sk, dv = k.shape[dims[1][-2]], v.shape[dims[2][-1]]
     out_shape = list(q.shape)
     out_shape[dims[0][-1]] = dv
-    cols = [_batch_offsets(batch_shape, [_strides(shape)[a] for a in dd[:-2]])
+    cols = [_batch_offsets(batch_shape, [strides(shape)[a] for a in dd[:-2]])
             for shape, dd in zip((q.shape, k.shape, v.shape, out_shape), (*dims, dims[0]))]
-    rows = tuple(_strides(s)[dd[-2]] for s, dd in zip((q.shape, k.shape, v.shape, out_shape),
+    rows = tuple(strides(s)[dd[-2]] for s, dd in zip((q.shape, k.shape, v.shape, out_shape),
                                                         (dims[0], dims[1], dims[2], dims[0])))
     bias_strides = (0, 0)
     if has_bias:
         b = eqn.inputs[3].aval
-        st = [s if n != 1 else 0 for s, n in zip(_strides(b.shape), b.shape)]  # 0: broadcast
+        st = [s if n != 1 else 0 for s, n in zip(strides(b.shape), b.shape)]  # 0: broadcast
         cols.append(_batch_offsets(batch_shape, st[:-2]))
         bias_strides = (st[-2], st[-1])
     else:

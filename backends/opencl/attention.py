@@ -37,6 +37,7 @@ import hashlib
 from dataclasses import dataclass, replace
 
 import numpy as np
+from tilefuse.ir.kernel.lower import strides
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import CompileError
 
@@ -46,14 +47,6 @@ WIDTHS = (1, 2, 4, 8, 16)  # OpenCL vector widths
 
 def _pad(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _strides(shape) -> list[int]:
-    out, acc = [0] * len(shape), 1
-    for i in reversed(range(len(shape))):
-        out[i] = acc
-        acc *= shape[i]
-    return out
 
 
 @dataclass(frozen=True)
@@ -91,12 +84,12 @@ def spec_of(eqn) -> Spec:
     out_shape[dims[0][-1]] = v.shape[dims[2][-1]]
     shapes = (q.shape, k.shape, v.shape, tuple(out_shape))
     layouts = (dims[0], dims[1], dims[2], dims[0])
-    batch_strides = [tuple(_strides(s)[a] for a in dd[:-2]) for s, dd in zip(shapes, layouts)]
-    rows = tuple(_strides(s)[dd[-2]] for s, dd in zip(shapes, layouts))
+    batch_strides = [tuple(strides(s)[a] for a in dd[:-2]) for s, dd in zip(shapes, layouts)]
+    rows = tuple(strides(s)[dd[-2]] for s, dd in zip(shapes, layouts))
     bias_strides = (0, 0)
     if has_bias:
         b = eqn.inputs[3].aval
-        st = [s if n != 1 else 0 for s, n in zip(_strides(b.shape), b.shape)]  # 0: broadcast
+        st = [s if n != 1 else 0 for s, n in zip(strides(b.shape), b.shape)]  # 0: broadcast
         batch_strides.append(tuple(st[:-2]))
         bias_strides = (st[-2], st[-1])
     else:
@@ -212,9 +205,9 @@ def _prelude(sp: Spec, p: AttentionParams) -> str:
         hsum.append(f"const {t} m{w} = {h}.lo + {h}.hi;")
         h = f"m{w}"
     bases = []
-    for name, strides in zip(("q", "k", "v", "o", "b"), sp.batch_strides):
+    for name, bstrides in zip(("q", "k", "v", "o", "b"), sp.batch_strides):
         terms, inner = [], 1
-        for n, s in reversed(list(zip(sp.batch, strides))):
+        for n, s in reversed(list(zip(sp.batch, bstrides))):
             if s and n > 1:
                 terms.append(f"((t / {inner}L) % {n}L) * {s}L")
             inner *= n
