@@ -202,6 +202,51 @@ def test_auto_takes_the_generic_kernel_for_tiny_products_and_measures_the_rest(g
     assert _impls(tnp.matmul, big, big, device="cpu")[0] in ("generated_gemm", "vendor_gemm")
 
 
+@pytest.mark.parametrize("pack_a", [True, False])
+def test_a_packed_or_read_in_place_computes_the_same(rng, pack_a):
+    """Both ways of reading A (gemm.reads_a_in_place), over ragged micro-tiles and K blocks, a
+    batch split over threads and a transposed B; A ends at its buffer's end (rows past M are
+    never read in place)."""
+    from dataclasses import replace
+
+    from tilefuse.backends.llvm import gemm
+    cpu = tx.get_device("cpu")
+    p = replace(gemm.default_gemm_params(cpu.info), kc=64, mc=gemm.default_gemm_params(cpu.info).mr * 2,
+                threads=2, pack_a=pack_a)
+    for (batch, m, n, k), bt in [((1, 13, 33, 129), False), ((3, 101, 47, 80), True), ((2, 25, 64, 64), False)]:
+        a = rng.standard_normal((batch, m, k)).astype(F32)
+        b = rng.standard_normal((batch, n, k) if bt else (batch, k, n)).astype(F32)
+        f = (lambda a, b: tnp.matmul(a, tnp.swapaxes(b, 1, 2))) if bt else tnp.matmul
+        want = a @ (b.transpose(0, 2, 1) if bt else b)
+        prog = tx.jit(f, device=cpu).lower(a, b).compile().program
+        (launch,) = [l for l in prog.launches if l.kind == "dot_general"]
+        run = gemm.build_gemm(launch.kernel, cpu, cpu.backend, p)
+        assert gemm.reads_a_in_place(run.prob, p, cpu.info) == (not pack_a)
+        out = np.zeros(want.shape, F32)
+        run([a.view(np.uint8).reshape(-1), b.view(np.uint8).reshape(-1), out.view(np.uint8).reshape(-1)])
+        _check(out, want, k)
+
+
+def test_a_is_read_in_place_by_default_unless_its_rows_share_l1_sets():
+    from dataclasses import replace
+
+    from tilefuse.backends.llvm import gemm
+    from tilefuse.runtime.hardware import host_info
+    info = replace(host_info(), l1_bytes=32 << 10)  # 64 sets of 8 ways
+    p = gemm.GemmParams(mr=12, nr=32, lanes=16)
+
+    def prob(k, in_dtype=F32, a_k_stride=1):
+        return gemm.GemmProblem(1, 2048, 128, k, (0, k, a_k_stride), (0, 128, 1), np.dtype(in_dtype),
+                                F32, (), (), (("lhs",), ("rhs",)))
+    assert gemm.reads_a_in_place(prob(128), p, info)       # rows 512 B apart: all in distinct sets
+    assert gemm.reads_a_in_place(prob(512), p, info)       # 2 KiB apart: two sets, 6 rows each
+    assert not gemm.reads_a_in_place(prob(1024), p, info)  # 4 KiB apart: 12 rows in one set
+    assert not gemm.reads_a_in_place(prob(128, BF16), p, info)  # 16-bit A is converted by packing
+    assert not gemm.reads_a_in_place(prob(128, a_k_stride=2048), p, info)  # transposed A
+    assert not gemm.reads_a_in_place(prob(128), replace(p, pack_a=True), info)
+    assert gemm.reads_a_in_place(prob(1024), replace(p, pack_a=False), info)
+
+
 def test_params_from_device_info_and_explicit_params(rng):
     from tilefuse.backends.llvm import gemm
     from tilefuse.runtime.hardware import host_info

@@ -160,7 +160,12 @@ def test_the_gemm_defaults_satisfy_the_tuners_constraints():
     would never be used from the database."""
     from tilefuse.backends.llvm import tuning
     dev = tx.get_device("cpu")
-    assert tuning.gemm_check(tuning.gemm_default(None, dev), None, dev) is None
+    a = np.ones((64, 128), np.float32)
+    prog = tx.jit(lambda a, b: a @ b, device=dev).lower(a, a.T).compile().program
+    (kernel,) = [l.kernel for l in prog.launches if l.kind == "dot_general"]
+    default = tuning.gemm_default(kernel, dev)
+    assert default["pack_a"] is False  # A (K = 128) is read in place: a choice in the space
+    assert tuning.gemm_check(default, kernel, dev) is None
 
 
 # ---- FlashAttention (backends/llvm/attention.py) --------------------------------------------------

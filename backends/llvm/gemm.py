@@ -4,7 +4,8 @@ manner, generated as LLVM IR with llvmlite.
     for each task (a batch, a range of rows, a range of columns; one per thread)
       for jc in columns, step NC:              B block KC x NC lives in L3
         for pc in K, step KC:                  pack B[pc:, jc:] into NR-column panels
-          for ic in rows, step MC:             pack A[ic:, pc:] into MR-row panels (A block in L2)
+          for ic in rows, step MC:             pack A[ic:, pc:] into MR-row panels (A block in L2),
+                                               or read a float32 A in place (reads_a_in_place)
             for jr, ir in NR x MR micro-tiles: the micro-kernel: MR x NR accumulators in native
                                                vectors, one FMA per vector per k (B panel in L1)
 
@@ -55,6 +56,8 @@ class GemmParams:
     mc: int = 252    # rows of the packed A block (MC x KC) kept in L2; a multiple of mr
     nc: int = 4096   # columns of the packed B block (KC x NC) kept in L3; a multiple of nr
     threads: int = 1
+    pack_a: bool | None = None  # False: a float32 A with rows along k is read in place, not
+    # packed (a run-time choice); None: in place unless its rows would share L1 sets (reads_a_in_place)
 
     def __post_init__(self):
         assert self.nr % self.lanes == 0 and self.mc % self.mr == 0 and self.nc % self.nr == 0, self
@@ -151,7 +154,7 @@ def _gemm_problem(kernel) -> GemmProblem | None:
 # own small module (compiled per epilogue in a fraction of the core's time), called per micro-tile
 # through a pointer: epilogue(ptrs, batch, row, col, rows, cols).
 PTR_A, PTR_B, PTR_C, PTR_DIMS, PTR_WORK, PTR_EPILOGUE, PTR_EXTRAS = range(7)
-DIMS_EXTRAS = 19  # dims[19 + 2i], dims[20 + 2i]: extra i's batch and row strides
+DIMS_EXTRAS = 20  # dims[20 + 2i], dims[21 + 2i]: extra i's batch and row strides
 EPILOGUE_T = ir.FunctionType(ir.VoidType(), [I8P.as_pointer(), I64, I64, I64, I64, I64])
 
 
@@ -309,22 +312,27 @@ class _Gen:
 
     # -- the micro-kernel -------------------------------------------------------------------------
     def _micro(self):
-        """micro(kc, ap, bp, c, ldc, mr_eff, nr_eff, first): C tile (+)= Ap panel x Bp panel."""
+        """micro(kc, ap, a_rs, a_ks, bp, c, ldc, mr_eff, nr_eff, first): C tile (+)= A panel x Bp
+        panel, A's value of row r at depth k at ap[r*a_rs + k*a_ks]: a packed panel (1, MR) or
+        float32 A read in place (its row stride, 1). Rows past mr_eff read the last row (their
+        results are not written), so an unpadded A is never read past its end."""
         p, V, nv = self.p, self.V, self.nv
         ct = self._storage(self.out_dtype)
-        fn, b = self._func("micro", [I64, F32P, F32P, ct.as_pointer(), I64, I64, I64, I1])
-        kc, ap, bp, c, ldc, mr_eff, nr_eff, first = fn.args
+        fn, b = self._func("micro", [I64, F32P, I64, I64, F32P, ct.as_pointer(), I64, I64, I64, I1])
+        kc, ap, a_rs, a_ks, bp, c, ldc, mr_eff, nr_eff, first = fn.args
         zero = self._c(V, 0.0)
         emit = vecmath.Emit(b)
+        rows = [b.gep(ap, [b.mul(self._smin(b, self._i(r), b.sub(mr_eff, self._i(1))), a_rs)])
+                for r in range(p.mr)]
 
         def step(k, flat):  # one k: an outer product of A's column and B's row into the tile
             bk = b.gep(bp, [b.mul(k, self._i(p.nr))])
             bvec = [b.load(b.bitcast(b.gep(bk, [self._i(v * p.lanes)]), V.as_pointer()), align=64)
                     for v in range(nv)]
-            ak = b.gep(ap, [b.mul(k, self._i(p.mr))])
+            ak = b.mul(k, a_ks)
             new = []
             for r in range(p.mr):
-                a = self._splat(b, b.load(b.gep(ak, [self._i(r)]), align=4), V)
+                a = self._splat(b, b.load(b.gep(rows[r], [ak]), align=4), V)
                 new += [emit.fma(a, bvec[v], flat[r * nv + v]) for v in range(nv)]
             return new
         flat, _ = counted_loop(b, self._i(0), kc, step, name="k", carried=[zero] * (p.mr * nv))
@@ -372,10 +380,13 @@ class _Gen:
         d = lambda i: b.load(b.gep(dims, [self._i(i)]))
         M, N, K = d(0), d(1), d(2)
         sab, sam, sak, sbb, sbk, sbn = (d(i) for i in range(3, 9))
-        mch, nch, n_m, n_n, per, slot_size, kc_blk, mc_blk, nc_blk, a_block = (d(i) for i in range(9, 19))
+        mch, nch, n_m, n_n, per, slot_size, kc_blk, mc_blk, nc_blk, a_block, read_a = (d(i) for i in range(9, 20))
         slot = b.sdiv(s, per)
         ap = b.gep(work, [b.mul(slot, slot_size)])
         bp = b.gep(ap, [a_block])
+        # float32 A with k contiguous is read in place where reads_a_in_place says so: packing
+        # costs a pass over A, which a small N (few micro-panels per packed block) barely repays
+        direct = b.icmp_signed("!=", read_a, self._i(0)) if st == F32 else None
 
         def task(u):
             bi = b.sdiv(u, b.mul(n_m, n_n))
@@ -399,7 +410,11 @@ class _Gen:
                     def ic_loop(ic):
                         mcur = self._smin(b, mc_blk, b.sub(m_hi, ic))
                         a_at = b.gep(a_b, [b.add(b.mul(ic, sam), b.mul(pc, sak))])
-                        b.call(pack_a, [a_at, sam, sak, mcur, kcur, ap])
+                        if direct is None:
+                            b.call(pack_a, [a_at, sam, sak, mcur, kcur, ap])
+                        else:
+                            with b.if_then(b.not_(direct)):
+                                b.call(pack_a, [a_at, sam, sak, mcur, kcur, ap])
 
                         def jr_loop(jr):
                             def ir_loop(i_r):
@@ -408,7 +423,12 @@ class _Gen:
                                 rows = self._smin(b, self._i(p.mr), b.sub(mcur, i_r))
                                 cols = self._smin(b, self._i(p.nr), b.sub(ncur, jr))
                                 a_panel, b_panel = b.gep(ap, [b.mul(i_r, kcur)]), b.gep(bp, [b.mul(jr, kcur)])
-                                b.call(micro, [kcur, a_panel, b_panel, cptr, N, rows, cols, first])
+                                a_rs, a_ks = self._i(1), self._i(p.mr)
+                                if direct is not None:  # float32 rows read in place
+                                    a_panel = b.select(direct, b.gep(a_at, [b.mul(i_r, sam)]), a_panel)
+                                    a_rs, a_ks = b.select(direct, sam, a_rs), b.select(direct, sak, a_ks)
+                                b.call(micro, [kcur, a_panel, a_rs, a_ks, b_panel, cptr, N, rows, cols,
+                                               first])
                                 with b.if_then(b.and_(last, has_epilogue)):
                                     b.call(epilogue, [ptrs, bi, row, col, rows, cols])
                             self._loop(b, self._i(0), mcur, self._i(p.mr), ir_loop, "ir")
@@ -514,6 +534,21 @@ def _compile(info: DeviceInfo, p: GemmParams, prob: GemmProblem) -> tuple:
     return fn, _load(info, spec, lambda: _EpilogueGen(p, prob.out_dtype, prob.epilogue, n_x))
 
 
+def reads_a_in_place(prob: GemmProblem, p: GemmParams, info: DeviceInfo, ways: int = 8) -> bool:
+    """Whether the micro-kernel reads A in place instead of packing it: float32 with k contiguous,
+    and by default (p.pack_a None) unless the MR rows it reads at once map to too few L1 sets (a
+    row stride of 4 KiB puts all of them in one set of an 8-way L1: 1024 x 1024 runs 0.71x
+    packed; at K = 128 reading in place is 1.15-1.3x, equal on large unaliased problems; measured
+    on znver4, 2 threads)."""
+    if prob.in_dtype != np.float32 or prob.a_strides[2] != 1 or p.pack_a:
+        return False
+    if p.pack_a is False:
+        return True
+    sets = max(1, info.l1_bytes // (64 * ways))
+    share = np.bincount([(r * prob.a_strides[1] * 4 // 64) % sets for r in range(p.mr)]).max()
+    return bool(share <= ways - 2)  # two ways left for the B panel and C
+
+
 PARALLEL_MIN_FLOPS = 2_000_000  # below this waking the second thread costs more than it saves
 
 
@@ -558,7 +593,7 @@ class GemmKernel:
         slot = a_block + kc * nc
         self.work_bytes = len(self.bounds) * slot * 4 + 64
         dims = [prob.m, prob.n, prob.k, *prob.a_strides, *prob.b_strides, mch, nch, n_m, n_n, per,
-                slot, kc, mc, nc, a_block]
+                slot, kc, mc, nc, a_block, int(reads_a_in_place(prob, p, info))]
         for sb, sm in prob.extra_strides:
             dims += [sb, sm]
         self._dims = np.array(dims, np.int64)
