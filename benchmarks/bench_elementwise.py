@@ -198,7 +198,8 @@ def threshold():
         pool = C.get_pool(be._info(None).compute_units)
         bounds = C._chunks(n, pool.n, max(C.estimate_ns(k), 2 * C.PARALLEL_MIN_NS))  # as if parallel
         one = median_ms(lambda _: ck._fn(ptrs, 0, n), None, 200)[0] * 1e3
-        par = median_ms(lambda _: pool.run(ck._fn, ptrs, bounds), None, 200)[0] * 1e3
+        launch = pool.launcher(ck._fn, bounds)
+        par = median_ms(lambda _: launch(ptrs), None, 200)[0] * 1e3
         print(f"| {n} | {one:.1f} | {par:.1f} |")
 
 

@@ -705,8 +705,8 @@ def build(kernel, device, backend, params: AttentionParams | None = None):
     fn = KernelFn(address)
     tasks = sp.nb if sp.bwd else sp.nb * -(-sp.sq // p.bq)
     threads = max(1, info.compute_units)
-    pool = get_pool(threads) if threads > 1 and tasks > 1 else None
-    bounds = [(t, t + 1) for t in range(tasks)]
+    launch = get_pool(threads).launcher(fn, [(t, t + 1) for t in range(tasks)]) \
+        if threads > 1 and tasks > 1 else None
     ws_bytes = workspace_bytes(sp, p)
     ptrs_t = ctypes.c_void_p * (len(kernel.buffers) + sp.bwd)
 
@@ -715,10 +715,10 @@ def build(kernel, device, backend, params: AttentionParams | None = None):
         try:
             addrs = [buf.ctypes.data for buf in buffers] + ([ws.ctypes.data] if ws is not None else [])
             ptrs = ptrs_t(*addrs)
-            if pool is None:
+            if launch is None:
                 fn(ptrs, 0, tasks)
             else:
-                pool.run(fn, ptrs, bounds)
+                launch(ptrs)
         finally:
             if ws is not None:
                 backend.free(ws, device)

@@ -1,7 +1,7 @@
 """LLVM IR → host machine code: the target machine, the optimisation pipeline (new pass manager,
 O3 with loop and SLP vectorisation), object code through the compile caches (in memory by kernel
 signature, on disk via runtime/compile_cache), loading, and the ctypes launcher that splits
-large index spaces over a thread pool sized to the cores.
+large index spaces over the thread pool (pool.py) sized to the cores.
 
 Loading uses llvmlite's ORC LLJIT with JITLink rather than MCJIT: JITLink keeps each object's
 code and constants in one allocation and makes GOT/PLT entries for libm calls, so the small code
@@ -12,9 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
-import itertools
 import os
-import queue
 import threading
 
 import llvmlite
@@ -27,6 +25,7 @@ from tilefuse.runtime import compile_cache
 from tilefuse.runtime.hardware import DeviceInfo
 
 from . import parallel
+from .pool import get_pool
 from .render import INTERLEAVE, REDUCE_TILE, Renderer, render
 
 BACKEND_VERSION = "llvm-1"
@@ -34,10 +33,10 @@ OPT_LEVEL = 3
 # Threads or not: a kernel's time is estimated as points × reduce points × Σ op costs × NS_PER_OP
 # (x*2+1: 0.19 ns a point on one znver3 thread, ~0.05 ns an op with 8 float lanes; the estimate
 # is within 20% for the tanh/sigmoid/exp chain: 74 µs estimated, 84 µs measured at 32k points).
-# Waking the pool costs 10-50 µs here (benchmarks/bench_elementwise.py --threshold; the high end
-# with the 2 cores shared by other work), so a split pays off above ~100 µs of estimated work:
-# ~500k points of x*2+1, ~40k points of the chain.
-PARALLEL_MIN_NS = 100_000
+# A launch on the pool costs 2-4 µs (pool.py: workers spin between launches), and a split of
+# x*2+1 pays off from 64k points (6 µs on one thread, 5 µs on two; benchmarks/bench_elementwise.py
+# --threshold): a split above ~20 µs of estimated work, with a margin for a busy machine.
+PARALLEL_MIN_NS = 20_000
 NS_PER_OP = 0.05
 OP_COST = {"exp": 12, "log": 12, "log1p": 14, "expm1": 14, "tanh": 14, "logistic": 10, "erf": 16,
            "sin": 14, "cos": 14, "pow": 40, "div": 4, "rem": 8, "sqrt": 4, "rsqrt": 5}
@@ -139,22 +138,27 @@ class Target:
         with self.lock:
             return self.load(self.cache.get_or_build(key, build), fn_name, text, what)
 
-    def load(self, obj: bytes, fn_name: str, ir_text=None, kernel_text="") -> int:
-        """Link object code into the JIT (once per symbol) and return the function's address."""
+    def load(self, obj: bytes, fn_name: str, ir_text=None, kernel_text="", others=()) -> int:
+        """Link object code into the JIT (once per symbol) and return the function's address;
+        `others`: more functions of the same object, then looked up in `loaded`."""
         with self.lock:
             hit = self.loaded.get(fn_name)
             if hit is None:
                 try:
-                    lib = (llvm.JITLibraryBuilder().add_object_img(obj).add_current_process()
-                           .export_symbol(fn_name).link(self.jit, fn_name))
-                    addr = lib[fn_name]
+                    builder = llvm.JITLibraryBuilder().add_object_img(obj).add_current_process()
+                    for name in (fn_name, *others):
+                        builder.export_symbol(name)
+                    lib = builder.link(self.jit, fn_name)
+                    addrs = {name: lib[name] for name in (fn_name, *others)}
                 except (RuntimeError, KeyError) as e:
                     raise CompileError(f"linking kernel {fn_name} failed: {e}", backend="llvm",
                                        kernel=kernel_text, source=ir_text or "") from None
-                if not addr:
-                    raise CompileError(f"the object code of kernel {fn_name} has no symbol {fn_name}",
+                if not all(addrs.values()):
+                    raise CompileError(f"the object code of kernel {fn_name} lacks a symbol of {list(addrs)}",
                                        backend="llvm", kernel=kernel_text, source=ir_text or "")
-                hit = self.loaded[fn_name] = (addr, lib)
+                for name, addr in addrs.items():
+                    self.loaded[name] = (addr, lib)
+                hit = self.loaded[fn_name]
             return hit[0]
 
 
@@ -180,66 +184,6 @@ KernelFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int6
 _addressof = ctypes.addressof
 
 
-class ThreadPool:
-    """Persistent worker threads; the caller works too. ctypes drops the GIL during each call,
-    so the chunks really run in parallel. The caller waits for the chunks, not for the workers:
-    on a busy machine a worker that wakes late finds nothing left, and the call is not held up."""
-
-    def __init__(self, n_threads: int):
-        self.n = max(1, n_threads)
-        self._queues: list = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def _start(self):
-        with self._lock:
-            if self._pid != os.getpid():  # a forked child inherits no threads: start afresh
-                self._queues, self._pid = [], os.getpid()
-            while len(self._queues) < self.n - 1:
-                q = queue.SimpleQueue()
-                threading.Thread(target=self._worker, args=(q,), daemon=True,
-                                 name=f"tilefuse-cpu-{len(self._queues)}").start()
-                self._queues.append(q)
-
-    @staticmethod
-    def _worker(q):
-        while True:
-            q.get()()
-
-    def run(self, fn, ptrs, bounds):
-        """fn(ptrs, s, e) for every (s, e) in bounds, spread over the threads."""
-        if len(self._queues) < self.n - 1 or self._pid != os.getpid():
-            self._start()
-        chunks = iter(bounds)  # list_iterator.__next__ and count.__next__ are atomic under the GIL
-        finished = itertools.count(1)
-        n, all_done, errors = len(bounds), threading.Event(), []
-
-        def job():
-            for s, e in chunks:
-                try:
-                    fn(ptrs, s, e)
-                except BaseException as ex:  # handed to the caller, which raises it
-                    errors.append(ex)
-                if next(finished) == n:
-                    all_done.set()
-        for q in self._queues[:min(self.n - 1, n - 1)]:
-            q.put(job)
-        job()
-        all_done.wait()
-        if errors:
-            raise errors[0]
-
-
-_pools: dict = {}
-
-
-def get_pool(n: int) -> ThreadPool:
-    p = _pools.get(n)
-    if p is None:
-        p = _pools[n] = ThreadPool(n)
-    return p
-
-
 class CompiledKernel:
     """A kernel's machine code: `ck(buffers)` runs it to completion on numpy buffers given in the
     order of kernel.buffers (any dtype, C-contiguous; the kernel reads them as flat arrays)."""
@@ -256,7 +200,7 @@ class CompiledKernel:
         self.threads = 1 if kernel.serial or self._size < 2 else params.threads
         self._bounds = _chunks(self._size, self.threads, self.est_ns, params.chunks_per_thread) \
             if self.threads > 1 else None
-        self._pool = get_pool(self.threads) if self.threads > 1 else None
+        self._launch = get_pool(self.threads).launcher(self._fn, self._bounds) if self.threads > 1 else None
 
     @property
     def llvm_ir(self) -> str:
@@ -288,10 +232,10 @@ class CompiledKernel:
         if self._size == 0:
             return
         ptrs = self._ptrs_t(*addrs)
-        if self._pool is None:
+        if self._launch is None:
             self._fn(ptrs, 0, self._size)
         else:
-            self._pool.run(self._fn, ptrs, self._bounds)
+            self._launch(ptrs)
 
     def __repr__(self):
         return f"<CompiledKernel {self.kernel.name} ({self.name}) on {self.threads} thread(s)>"

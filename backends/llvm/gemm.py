@@ -597,7 +597,7 @@ class GemmKernel:
         for sb, sm in prob.extra_strides:
             dims += [sb, sm]
         self._dims = np.array(dims, np.int64)
-        self._pool = get_pool(threads) if len(self.bounds) > 1 else None
+        self._launch = get_pool(threads).launcher(self._fn, self.bounds) if len(self.bounds) > 1 else None
         self._ptrs = [0] * (PTR_EXTRAS + len(prob.extra_strides))
         self._ptrs[PTR_DIMS], self._ptrs[PTR_EPILOGUE] = self._dims.ctypes.data, epilogue
         self._ptrs_t = ctypes.c_void_p * len(self._ptrs)
@@ -616,10 +616,10 @@ class GemmKernel:
         try:
             ptrs[PTR_WORK] = (work.ctypes.data + 63) // 64 * 64
             arr = self._ptrs_t(*ptrs)
-            if self._pool is None:
+            if self._launch is None:
                 self._fn(arr, *self.bounds[0])
             else:
-                self._pool.run(self._fn, arr, self.bounds)
+                self._launch(arr)
         finally:
             self.backend.free(work)
 
