@@ -178,7 +178,7 @@ def _attention_inputs():
     return [rng.standard_normal(ATTENTION_SHAPE).astype(np.float32) for _ in range(4)]  # q, k, v, g
 
 
-def _attention_step(g):
+def _attention_step(g, device="cpu"):
     """The output of causal attention and the gradients of sum(out * g), jitted anew (so the
     dispatcher builds its kernels again)."""
     from tilefuse import nn
@@ -186,7 +186,7 @@ def _attention_step(g):
     def loss(q, k, v):
         out = nn.dot_product_attention(q, k, v, causal=True)
         return (out * g).sum(), out
-    return tx.jit(tx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), device="cpu")
+    return tx.jit(tx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), device=device)
 
 
 def _attention64(q, k, v, g):
@@ -209,16 +209,16 @@ def _assert_attention_close(got, want):
         np.testing.assert_allclose(np.asarray(x), w, rtol=1e-4, atol=1e-5)
 
 
-def _attention_kernels(step, q, k, v):
+def _attention_kernels(step, q, k, v, device="cpu", template="cpu_attention"):
     """The template's forward and backward kernels of the step, with their database keys."""
     step(q, k, v)
     with tx.profile() as prof:
         step(q, k, v)
-    dev = tx.get_device("cpu")
-    t = next(t for t in tuner.templates() if t.name == "cpu_attention")
+    dev = tx.get_device(device)
+    t = next(t for t in tuner.templates() if t.name == template)
     kernels = [r.info.kernel for r in prof.records if r.info.impl == "flash_attention"]
     assert len(kernels) == 2
-    return {t.key(kern)[0]: (kern, ("cpu_attention", *t.key(kern), tuner.device_key(dev)))
+    return {t.key(kern)[0]: (kern, (template, *t.key(kern), tuner.device_key(dev)))
             for kern in kernels}
 
 
@@ -315,3 +315,28 @@ def test_the_attention_defaults_satisfy_the_tuners_constraints():
         kernel = SimpleNamespace(meta={"attention_spec": sp})
         assert tuning.attention_default(kernel, None) == {"bq": 128, "bk": 64, "r": 4, "chunk": 4}
         assert tuning.attention_check(tuning.attention_default(kernel, None), kernel, None) is None
+
+
+@pytest.mark.skipif(not tx.devices("opencl"), reason="no OpenCL device")
+def test_opencl_attention_is_tuned_stored_and_used(db):
+    """FlashAttention on OpenCL: both kernels tuned (each configuration a compile), stored, and
+    other stored blocks used by the next build, with the same values."""
+    dev = tx.devices("opencl")[0]
+    q, k, v, g = _attention_inputs()
+    found = _attention_kernels(_attention_step(g, dev), q, k, v, dev, "opencl_attention")
+    assert set(found) == {"opencl-attention-fwd-causal", "opencl-attention-bwd-causal"}
+    for sig, (kern, key) in found.items():
+        res = tuner.tune_kernel(kern, dev, trials=3, repeat=3)
+        assert (res.template, res.signature) == ("opencl_attention", sig) and res.stored
+        assert res.best_seconds <= res.default_seconds
+        assert tuner.TuningDB(db).get(*key) == res.best
+    cpu_device = dev.info.extra.get("device_type") == "cpu"
+    common = dict(items=1, vw=4, chunk=2) if cpu_device else dict(items=16, vw=1, chunk=16)
+    chosen = {"opencl-attention-fwd-causal": dict(bq=32, bk=16, rows=2, per_head=False, **common),
+              "opencl-attention-bwd-causal": dict(bq=32, bk=32, rows=1, per_head=cpu_device, **common)}
+    for sig, (kern, key) in found.items():
+        _store(db, key, chosen[sig])
+    tuner.applied.clear()
+    (_, out), grads = _attention_step(g, dev)(q, k, v)
+    assert {k[1]: p for k, p in tuner.applied.items() if k[0] == "opencl_attention"} == chosen
+    _assert_attention_close([out, *grads], _attention64(q, k, v, g))

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 from llvmlite import ir
 from tilefuse.backends.llvm.irutil import counted_loop
-from tilefuse.backends.opencl.attention import Spec, spec_of
+from tilefuse.backends.opencl.attention import Spec, spec_of, tuning_key
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import CompileError
 from tilefuse.runtime import tuner
@@ -569,10 +569,6 @@ def build(kernel, device, backend, params: AttentionParams | None = None):
 # ---- the tuner's view --------------------------------------------------------------------------
 # Every configuration is a compile; AttentionParams.check prunes what the device cannot hold.
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
-
-
 def _space(kernel, device) -> dict:
     return {"threads": (32, 64, 128), "tile": (8, 16, 32, 64)}
 
@@ -585,16 +581,9 @@ def _check(params: dict, kernel, device) -> str | None:
     return AttentionParams(**params).check(device.info, spec_of(kernel.meta["eqns"][0]))
 
 
-def _key(kernel) -> tuple[str, str]:
-    """Forward or backward, causal, with a bias: the signature; sizes by power-of-two class."""
-    sp = spec_of(kernel.meta["eqns"][0])
-    sig = "cuda-attention-" + ("bwd" if sp.bwd else "fwd") + "-causal" * sp.causal + "-bias" * sp.has_bias
-    return sig, "x".join(str(_pow2(n)) for n in (sp.nb, sp.sq, sp.sk)) + f"/{sp.d}x{sp.dv}"
-
-
 def _build(kernel, device, backend, params: dict):
     return build(kernel, device, backend, AttentionParams(**params))
 
 
 tuner.register(tuner.Template("cuda_attention", "flash_attention", ("cuda",), _space, _default, _build,
-                              _check, _key, applies))
+                              _check, lambda kernel: tuning_key(kernel, "cuda"), applies))

@@ -34,12 +34,13 @@ axis is the last."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 from tilefuse.ir.kernel.lower import strides
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import CompileError
+from tilefuse.runtime import tuner
 
 F32 = np.dtype(np.float32)
 WIDTHS = (1, 2, 4, 8, 16)  # OpenCL vector widths
@@ -655,3 +656,47 @@ def build(kernel, device, backend, params: AttentionParams | None = None):
     knls = backend.programs.kernels(st.ctx, st.dev, src, names, str(kernel))
     ws_bytes = 4 * 2 * sp.nb * sp.sq if sp.bwd else 0
     return _Launch(st, knls, grids, local, ws_bytes, backend, device, src)
+
+
+# ---- the auto-tuner's view (runtime/tuner.py) ------------------------------------------------------
+# Every configuration is a compile; AttentionParams.check prunes what the device cannot hold and
+# what does not tile the blocks. CPU devices (PoCL) vectorise within one work-item; GPUs spread a
+# block's rows over the work-items of a work-group.
+
+def _spec(kernel) -> Spec:
+    return spec_of(kernel.meta["eqns"][0])
+
+
+def _space(kernel, device) -> dict:
+    sp = _spec(kernel)
+    space = {"bq": (16, 32, 64, 128, 256), "bk": (16, 32, 64, 128)}
+    if device.info.extra.get("device_type") == "cpu":
+        space.update(items=(1,), rows=(1, 2, 4, 8), vw=(4, 8, 16), chunk=(1, 2, 4, 8))
+    else:
+        space.update(items=(8, 16, 32, 64, 128), rows=(1, 2), vw=(1, 2, 4), chunk=(8, 16, 32, 64))
+    space["per_head"] = (False, True) if sp.bwd else (False,)
+    return space
+
+
+def _default(kernel, device) -> dict:
+    return asdict(default_params(device.info, _spec(kernel)))
+
+
+def _check(params: dict, kernel, device) -> str | None:
+    return AttentionParams(**params).check(device.info, _spec(kernel))
+
+
+def tuning_key(kernel, backend_name: str = "opencl") -> tuple[str, str]:
+    """Forward or backward, causal, with a bias: the signature; sizes by power-of-two class (the
+    CUDA template's key too)."""
+    sp = _spec(kernel)
+    pow2 = lambda n: 1 << max(0, int(n - 1).bit_length())
+    sig = f"{backend_name}-attention-" + ("bwd" if sp.bwd else "fwd") + "-causal" * sp.causal \
+        + "-bias" * sp.has_bias
+    return sig, "x".join(str(pow2(n)) for n in (sp.nb, sp.sq, sp.sk)) + f"/{sp.d}x{sp.dv}"
+
+
+tuner.register(tuner.Template("opencl_attention", "flash_attention", ("opencl",), _space, _default,
+                              lambda kernel, device, backend, params: build(kernel, device, backend,
+                                                                            AttentionParams(**params)),
+                              _check, tuning_key, applies))
