@@ -151,9 +151,9 @@ class PTXRenderer(Renderer):
         b.branch(head)
         b.position_at_end(done)
 
-    def _store(self, st):
+    def _store(self, st, value=None):
         if st.mode != "add":
-            return super()._store(st)
+            return super()._store(st, value)
         b = self.b
         d = np.dtype(self.k.buffers[st.buffer].dtype)
         if d not in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32),

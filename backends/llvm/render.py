@@ -17,7 +17,7 @@ import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
 
-from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, reads_ridx, reduce_levels
+from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, affine_forms, reads_ridx, reduce_levels, row_stashes
 
 from . import vecmath
 from .irutil import bf16_to_f32, counted_loop, f32_to_bf16
@@ -56,46 +56,6 @@ def is_unsigned(d) -> bool:
 
 
 # ---- analysis: affine index forms and axis merging ------------------------------------------
-
-def affine_forms(roots) -> dict:
-    """KExpr → {("idx"|"ridx", axis) | "c": coefficient} for every int64 node that is affine in
-    the indices (const, idx, ridx, add, sub, mul by a constant, neg)."""
-    forms: dict = {}
-    for root in roots:
-        for n in root.toposort():
-            if n in forms:
-                continue
-            f = None
-            if n.dtype == INDEX:
-                if n.op == "const":
-                    f = {"c": int(n.arg)}
-                elif n.op in ("idx", "ridx"):
-                    f = {(n.op, n.arg): 1}
-                elif n.op in ("add", "sub", "mul") or n.op == "neg":
-                    fs = [forms.get(s) for s in n.src]
-                    if all(x is not None for x in fs):
-                        f = _combine(n.op, fs)
-            forms[n] = f
-    return forms
-
-
-def _combine(op, fs):
-    if op == "neg":
-        return {k: -v for k, v in fs[0].items()}
-    a, b = fs
-    if op in ("add", "sub"):
-        s = -1 if op == "sub" else 1
-        out = dict(a)
-        for k, v in b.items():
-            out[k] = out.get(k, 0) + s * v
-        return out
-    if set(a) <= {"c"}:
-        a, b = b, a
-    if not set(b) <= {"c"}:
-        return None  # a product of two indices is not affine
-    k = b.get("c", 0)
-    return {key: v * k for key, v in a.items()}
-
 
 @dataclass
 class Groups:
@@ -143,6 +103,10 @@ class Renderer:
         self.levels = reduce_levels(roots)  # reductions in dependency order, one pass per level
         self.reduces = [n for level in self.levels for n in level]
         self.row_stores = set(map(id, kernel.row_stores))
+        stash = row_stashes(kernel)  # values a reduction pass keeps for the row pass
+        self.stash = {id(st): stash[id(st)][1] for st in kernel.row_stores if id(st) in stash}
+        self.stash_at = [[st for st in kernel.row_stores if stash.get(id(st), (None,))[0] == i]
+                         for i in range(len(self.levels))]
         self.forms = affine_forms(roots)
         used = self._used_forms(roots)
         self.par = merge_axes(kernel.shape, "idx", used)
@@ -271,8 +235,8 @@ class Renderer:
         """One parallel point: the reduce loops (if any), the stores, then the row stores in one
         more pass over the reduction space."""
         saved = dict(self.cache)
-        for level in self.levels:
-            self._reduce_point(level)
+        for level, stash in zip(self.levels, self.stash_at):
+            self._reduce_point(level, stash)
         for st in self.k.stores:
             if id(st) not in self.row_stores:
                 self._store(st)
@@ -283,6 +247,8 @@ class Renderer:
 
             def inner():
                 for st in rows:
+                    if id(st) in self.stash:  # kept by a reduction pass in the store's own buffer
+                        self.cache[self.stash[id(st)]] = self._load_at(st)
                     self._store(st)
                 self.cache = dict(outer)
             self._reduce_nest(inner)
@@ -295,9 +261,10 @@ class Renderer:
             b.position_at_start(self.allocas_at)
             return b.alloca(ty, size=None if count is None else ir.Constant(I64, count))
 
-    def _reduce_point(self, reduces):
+    def _reduce_point(self, reduces, stash=()):
         """Accumulators in stack slots (SROA makes them registers), one loop nest for all of
-        `reduces` (one level: they read no reduce that is not computed yet)."""
+        `reduces` (one level: they read no reduce that is not computed yet); the row stores in
+        `stash` get the value the row pass would compute again (row_stashes)."""
         b = self.b
         self._hoist_invariants([s for n in reduces for s in n.src])
         accs = [self._acc_init(n) for n in reduces]
@@ -306,6 +273,8 @@ class Renderer:
         def inner():
             for n, acc in zip(reduces, accs):
                 self._acc_step(n, acc, None)
+            for st in stash:
+                self._store(st, self.stash[id(st)])
             self.cache = dict(saved)
         self._reduce_nest(inner)
         for n, acc in zip(reduces, accs):
@@ -480,17 +449,27 @@ class Renderer:
         self._loop(c(0), n_tiles, "tile", per_tile)
 
     # -- stores --------------------------------------------------------------------------------
-    def _store(self, st):
+    def _store(self, st, value=None):
+        """st's value (or `value`, a node of the buffer's dtype) stored at st's offset."""
         b = self.b
         d = np.dtype(self.k.buffers[st.buffer].dtype)
         mt = TYPES[d][1]
         ptr = b.gep(self.ptrs[st.buffer], [self._index(self.value(st.offset), st.offset.dtype)],
                     inbounds=True, source_etype=mt)
-        v = self._convert(self.value(st.value), st.value.dtype, d)
+        value = st.value if value is None else value
+        v = self._convert(self.value(value), value.dtype, d)
         if st.mode == "add":
             old = self._from_mem(b.load(ptr, typ=mt), d)
             v = self._binary("add", d, old, v)
         b.store(self._to_mem(v, d), ptr)
+
+    def _load_at(self, st):
+        """The value at st's offset of st's buffer."""
+        d = np.dtype(self.k.buffers[st.buffer].dtype)
+        mt = TYPES[d][1]
+        ptr = self.b.gep(self.ptrs[st.buffer], [self._index(self.value(st.offset), st.offset.dtype)],
+                         inbounds=True, source_etype=mt)
+        return self._from_mem(self.b.load(ptr, typ=mt), d)
 
     def _index(self, v, dtype):
         d = np.dtype(dtype)

@@ -196,6 +196,116 @@ def reduce_levels(roots) -> list[list[KExpr]]:
     return out
 
 
+# Ops whose result is worth keeping rather than computing again (the rest cost about a load).
+COSTLY_OPS = frozenset({"exp", "log", "log1p", "expm1", "tanh", "logistic", "erf", "sin", "cos", "pow",
+                        "div", "sqrt", "rsqrt"})
+
+
+def row_stashes(kernel) -> dict:
+    """id(row store) -> (level, node): a costly value that a row store computes again after the
+    reduction pass `level` computed it at the same point of the row (softmax: exp(x - max) in
+    the sum's pass and in the write's). The renderer may store the node's value into the row
+    store's own buffer during that pass and load it back in the row pass: the buffer is written
+    by that store alone, read by no load, holds the node's dtype (the round trip is exact), and
+    its offset is one-to-one over the reduction space (each point keeps its own value)."""
+    if not kernel.row_stores:
+        return {}
+    roots = [e for st in kernel.stores for e in (st.offset, st.value)]
+    levels = reduce_levels(roots)
+    memo: dict = {}
+    for r in roots:
+        reads_ridx(r, memo)
+    loaded = {n.arg for r in roots for n in r.toposort() if n.op == "load"}
+    writers: dict = {}
+    for st in kernel.stores:
+        writers[st.buffer] = writers.get(st.buffer, 0) + 1
+    # the row-dependent nodes each pass computes: under its reduces' operands, down to other reduces
+    passes = []
+    for level in levels:
+        seen: set = set()
+        stack = [s for n in level for s in n.src]
+        while stack:
+            n = stack.pop()
+            if n in seen or n.op == "reduce" or not memo.get(n, True):
+                continue
+            seen.add(n)
+            stack.extend(n.src)
+        passes.append(seen)
+    forms = affine_forms(roots)
+    out = {}
+    for st in kernel.row_stores:
+        buf = kernel.buffers[st.buffer]
+        if st.mode != "set" or writers[st.buffer] != 1 or st.buffer in loaded \
+                or not _one_to_one(forms.get(st.offset), kernel.reduce_shape):
+            continue
+        best = None
+        for n in st.value.toposort():
+            if n.dtype != buf.dtype or not memo.get(n) or n.op not in COSTLY_OPS:
+                continue
+            level = next((i for i, p in enumerate(passes) if n in p), None)
+            if level is not None:
+                cost = sum(m.op in COSTLY_OPS for m in n.toposort() if memo.get(m))
+                if best is None or cost > best[0]:
+                    best = (cost, level, n)
+        if best is not None:
+            out[id(st)] = best[1:]
+    return out
+
+
+def _one_to_one(form, reduce_shape) -> bool:
+    """Whether an affine offset takes a distinct value at every point of the reduction space:
+    its reduce axes' coefficients, smallest first, each at least the span of the ones before."""
+    if form is None:
+        return False
+    axes = sorted((abs(form.get(("ridx", a), 0)), n) for a, n in enumerate(reduce_shape) if n > 1)
+    span = 1
+    for coeff, n in axes:
+        if coeff < span:
+            return False
+        span = coeff * n
+    return True
+
+
+def affine_forms(roots) -> dict:
+    """KExpr → {("idx"|"ridx", axis) | "c": coefficient} for every int64 node that is affine in
+    the indices (const, idx, ridx, add, sub, mul by a constant, neg)."""
+    forms: dict = {}
+    for root in roots:
+        for n in root.toposort():
+            if n in forms:
+                continue
+            f = None
+            if n.dtype == INDEX:
+                if n.op == "const":
+                    f = {"c": int(n.arg)}
+                elif n.op in ("idx", "ridx"):
+                    f = {(n.op, n.arg): 1}
+                elif n.op in ("add", "sub", "mul") or n.op == "neg":
+                    fs = [forms.get(s) for s in n.src]
+                    if all(x is not None for x in fs):
+                        f = _combine(n.op, fs)
+            forms[n] = f
+    return forms
+
+
+def _combine(op, fs):
+    if op == "neg":
+        return {k: -v for k, v in fs[0].items()}
+    a, b = fs
+    if op in ("add", "sub"):
+        s = -1 if op == "sub" else 1
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + s * v
+        return out
+    if set(a) <= {"c"}:
+        a, b = b, a
+    if not set(b) <= {"c"}:
+        return None  # a product of two indices is not affine
+    k = b.get("c", 0)
+    return {key: v * k for key, v in a.items()}
+
+
 @dataclass(frozen=True)
 class Buffer:
     """A kernel parameter: a flat buffer of `size` elements of `dtype`."""

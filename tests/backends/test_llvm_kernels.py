@@ -214,6 +214,34 @@ def test_softmax_one_row_kernel(be, shape):
         np.testing.assert_allclose(lse, np.log(np.exp(x2).sum(1)), rtol=1e-5)
 
 
+def test_row_pass_reuses_what_a_reduction_pass_computed():
+    """row_stashes: softmax's exp(x - max), computed by the sum's pass, is kept in the output
+    row for the row pass; not where the round trip would round (a bfloat16 output) or where
+    two points of the row share an element of the output."""
+    n = 16
+    ld = K.load(0, K.affine([n], reduce_strides=[1]), F32)
+    m = K.reduce("max", ld)
+    e = K.unary("exp", K.binary("sub", ld, m))
+    s = K.reduce("sum", e)
+
+    def softmax(out_dtype, offset):
+        bufs = (K.Buffer("x", F32, 4 * n), K.Buffer("y", out_dtype, 4 * n))
+        return K.Kernel("softmax", bufs, 1, (4,), (n,), (K.Store(1, offset, K.binary("div", e, s)),))
+    rows = K.affine([n], reduce_strides=[1])
+    k = softmax(F32, rows)
+    assert list(K.row_stashes(k).values()) == [(1, e)]
+    assert K.row_stashes(softmax(BF16, rows)) == {}
+    folded = K.binary("add", K.affine([n]), K.binary("rem", K.ridx(0), K.const(4, K.INDEX)))
+    assert K.row_stashes(softmax(F32, folded)) == {}  # not affine: not known one-to-one
+    ld2 = K.load(0, K.affine([n], reduce_strides=[4, 1]), F32)
+    e2 = K.unary("exp", K.binary("sub", ld2, K.reduce("max", ld2)))
+    value = K.binary("div", e2, K.reduce("sum", e2))
+    for reduce_strides, kept in (([4, 1], [(1, e2)]), ([1, 1], [])):  # ridx0 + ridx1 repeats offsets
+        k2 = K.Kernel("t", k.buffers, 1, (4,), (4, 4), (K.Store(1, K.affine([n], reduce_strides=reduce_strides),
+                                                                value),))
+        assert list(K.row_stashes(k2).values()) == kept
+
+
 # ---- casts and integer semantics -----------------------------------------------------------------
 
 @pytest.mark.parametrize("src,dst", [(F32, I32), (F32, U32), (F32, I64), (I32, F32), (I64, F64),

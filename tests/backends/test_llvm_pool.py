@@ -56,7 +56,7 @@ wait:
   br i1 %seen, label %met, label %again
 again:
   %n1 = add i64 %n, 1
-  %give_up = icmp ugt i64 %n1, 200000000
+  %give_up = icmp ugt i64 %n1, 2000000000
   br i1 %give_up, label %out, label %wait
 met:
   store i64 1, i64* %flags
