@@ -33,7 +33,8 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.ir import KExpr, Kernel, cast as kcast, pp_kernel, reads_ridx, reduce_levels
+from tilefuse.ir.kernel.ir import KExpr, Kernel, Store, cast as kcast, load as kload, pp_kernel, reads_ridx, \
+    reduce_levels, row_stashes
 
 F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
 BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
@@ -501,19 +502,23 @@ def _emit_body(k: Kernel, out: list, ind: str, vary, width: int, base: str, atom
     """Reductions (if any, one pass per dependency level) then the stores, for the point(s)
     whose indices are in scope; then the row stores in one more pass over the reduction space."""
     b = _Body(k, out, vary, width, base, ind)
-    for level in reduce_levels(st.value for st in k.stores):
-        _emit_reductions(b, level)
+    stash = row_stashes(k)  # values a reduction pass keeps in a row store's buffer for the row pass
+    for i, level in enumerate(reduce_levels(st.value for st in k.stores)):
+        _emit_reductions(b, level, [Store(st.buffer, st.offset, stash[id(st)][1]) for st in k.row_stores
+                                    if stash.get(id(st), (None,))[0] == i], atomic)
     rows = k.row_stores
     for st in k.stores:
         if st not in rows:
             b.store(st, atomic)
     if rows:
-        _emit_row_stores(b, rows, atomic)
+        _emit_row_stores(b, rows, atomic, {i: node for i, (_, node) in stash.items()})
 
 
-def _emit_row_stores(b: _Body, rows, atomic: bool) -> None:
+def _emit_row_stores(b: _Body, rows, atomic: bool, stash: dict) -> None:
     """Row stores loop over the reduction space (its last axis W steps at once in "red" mode,
-    with a scalar tail), after what does not change along a row is computed once."""
+    with a scalar tail), after what does not change along a row is computed once; a value in
+    `stash` (id(store) -> node) is loaded back from the store's buffer, where a reduction
+    pass left it."""
     k, dep = b.k, {}
     stack, seen = [e for st in rows for e in (st.offset, st.value)], set()
     while stack:  # hoist: every node reading no ridx (reduce nodes included; not their bodies)
@@ -536,6 +541,10 @@ def _emit_row_stores(b: _Body, rows, atomic: bool) -> None:
         b.line(head)
         b.ind += "  "
         for st in rows:
+            node = stash.get(id(st))
+            if node is not None:
+                s = scalar or b.scalar or not b.varying(node)
+                b.memo[(node, s)] = b.val(kload(st.buffer, st.offset, node.dtype), s)
             b.store(st, atomic, scalar)
         b.ind = b.ind[:-2]
         b.line("}")
@@ -558,7 +567,8 @@ def _identity(op: str, d) -> str:
             "argmax": _lowest(d), "argmin": _highest(d)}[op]
 
 
-def _emit_reductions(b: _Body, reds: list) -> None:
+def _emit_reductions(b: _Body, reds: list, stash=(), atomic: bool = False) -> None:
+    """One pass over the reduction space for `reds`, also storing `stash` (row_stashes)."""
     k = b.k
     dep: dict = {}
     vec_red = b.vary is not None and b.vary[0] == "ridx" and not b.scalar
@@ -584,13 +594,13 @@ def _emit_reductions(b: _Body, reds: list) -> None:
         W, R = b.W, k.reduce_shape[last]
         b.line(f"{{ long r{last} = 0;  // (a row kernel walks its row once per level)")
         b.line(f"for (; r{last} + {W} <= {R}L; r{last} += {W}) {{")
-        _loop_body(b, reds, accs, 0)
+        _loop_body(b, reds, accs, 0, stash=stash, atomic=atomic)
         b.line("}")
         b.line(f"for (; r{last} < {R}L; ++r{last}) {{")
-        _loop_body(b, reds, accs, 2)
+        _loop_body(b, reds, accs, 2, stash=stash, atomic=atomic)
         b.line("} }")
     else:
-        _loop_body(b, reds, accs, 0, indent=False)
+        _loop_body(b, reds, accs, 0, indent=False, stash=stash, atomic=atomic)
     for ax in range(nr - 1 if vec_red else nr):
         b.ind = b.ind[:-2]
         b.line("}")
@@ -614,8 +624,9 @@ def _init_acc(b: _Body, r: KExpr, d, w: int, tag: str) -> tuple:
     return (acc,)
 
 
-def _loop_body(b: _Body, reds, accs, which: int, indent: bool = True) -> None:
-    """One step of every reduction. which: 0 the (maybe vector) accumulators, 2 the scalar tail."""
+def _loop_body(b: _Body, reds, accs, which: int, indent: bool = True, stash=(), atomic=False) -> None:
+    """One step of every reduction. which: 0 the (maybe vector) accumulators, 2 the scalar tail;
+    then the stores of `stash`."""
     saved = dict(b.memo)
     if indent:
         b.ind += "  "
@@ -627,6 +638,8 @@ def _loop_body(b: _Body, reds, accs, which: int, indent: bool = True) -> None:
         v = b.bc(b.val(r.src[0], s), r.src[0], w, s)
         ix = b.bc(b.val(r.src[1], s), r.src[1], w, s) if len(r.src) > 1 else None
         _update(b, r.arg, np.dtype(r.src[0].dtype), names, v, ix, w)
+    for st in stash:
+        b.store(st, atomic, which == 2)
     if indent:
         b.ind = b.ind[:-2]
     b.memo = saved
