@@ -310,8 +310,8 @@ def test_the_attention_defaults_satisfy_the_tuners_constraints():
     from tilefuse.backends.llvm import attention, tuning
     d = attention.MAX_HEAD_DIM
     for bwd in (False, True):
-        sp = attention.Spec(bwd, 4, 512, 512, d, d, 0.1, True, False, (4 * d,) * 4, (0, 0),
-                            ((0,) * 5,) * 4, (4 * 512 * d, 4 * 512 * d))
+        sp = attention.Spec(bwd, (4,), 512, 512, d, d, 0.1, True, False, ((d,),) * 4 + ((0,),), (4 * d,) * 4,
+                            (0, 0), (4 * 512 * d, 4 * 512 * d))
         kernel = SimpleNamespace(meta={"attention_spec": sp})
         assert tuning.attention_default(kernel, None) == {"bq": 128, "bk": 64, "r": 4, "chunk": 4}
         assert tuning.attention_check(tuning.attention_default(kernel, None), kernel, None) is None

@@ -18,8 +18,8 @@ dQ += dS k (accumulated in a float32 workspace of Sq x D per head), dK += dSᵀ 
 The blocks (AttentionParams: bq, bk, r, chunk) are compiled in; the auto-tuner searches them
 (backends/llvm/tuning.py). Kernels are specialised per shape, layout and blocks (constants in the
 code) and cached like every other kernel (in memory and on disk). Operands may have any layout
-whose feature axis is the last (contiguous): per-batch base offsets are a constant table, rows a
-constant stride."""
+whose feature axis is the last (contiguous): per-batch base offsets (Spec.batch_offsets, ir/kernel/
+attention.py) are a constant table, rows a constant stride."""
 from __future__ import annotations
 
 import ctypes
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 import numpy as np
 
-from tilefuse.ir.kernel.lower import strides
 from tilefuse.ir import primitives as P
+from tilefuse.ir.kernel.attention import Spec, spec_of
 from tilefuse.ir.errors import CompileError
 from tilefuse.runtime import compile_cache
 
@@ -57,38 +57,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-@dataclass(frozen=True)
-class Spec:
-    """Everything a kernel is specialised on."""
-    bwd: bool
-    nb: int
-    sq: int
-    sk: int
-    d: int
-    dv: int
-    scale: float
-    causal: bool
-    has_bias: bool
-    rows: tuple      # element strides between sequence positions of q, k, v, out
-    bias_strides: tuple  # bias strides along Sq and Sk (0: broadcast)
-    base: tuple      # per batch index: (q, k, v, out, bias) element offsets
-    sizes: tuple     # elements of q and k: where dk and dv start in the backward's packed result
-
-    @property
-    def offset(self) -> int:  # Sk - Sq: query i sees keys j <= i + offset when causal
-        return self.sk - self.sq
-
-    def shape_class(self) -> tuple:
-        """Kernels that run alike (the tuning database's granularity): batch and sequence lengths
-        bucketed to powers of two, the features padded to whole vectors."""
-        return _pow2(self.nb), _pow2(self.sq), _pow2(self.sk), _pad(self.d), _pad(self.dv)
-
-
-def _batch_offsets(batch_shape, strides) -> np.ndarray:
-    """Element offset of every batch index (row-major over batch_shape) given the batch axes'
-    strides."""
-    idx = np.indices(batch_shape).reshape(len(batch_shape), int(np.prod(batch_shape, dtype=np.int64)))
-    return sum((i * s for i, s in zip(idx, strides)), np.zeros(idx.shape[1], np.int64))
+def shape_class(sp: Spec) -> tuple:
+    """Kernels that run alike (the tuning database's granularity): batch and sequence lengths
+    bucketed to powers of two, the features padded to whole vectors."""
+    return _pow2(sp.nb), _pow2(sp.sq), _pow2(sp.sk), _pad(sp.d), _pad(sp.dv)
 
 
 def kernel_spec(kernel) -> Spec:
@@ -97,33 +69,6 @@ def kernel_spec(kernel) -> Spec:
         (eqn,) = kernel.meta["eqns"]
         kernel.meta["attention_spec"] = spec_of(eqn)
     return kernel.meta["attention_spec"]
-
-
-def spec_of(eqn) -> Spec:
-    q, k, v = (a.aval for a in eqn.inputs[:3])
-    dims = eqn.params["dims"]
-    bwd = eqn.prim is P.fused_attention_bwd
-    has_bias = len(eqn.inputs) == (6 if bwd else 4)
-    batch_shape = tuple(q.shape[a] for a in dims[0][:-2])
-    sq, d = q.shape[dims[0][-2]], q.shape[dims[0][-1]]
-    sk, dv = k.shape[dims[1][-2]], v.shape[dims[2][-1]]
-    out_shape = list(q.shape)
-    out_shape[dims[0][-1]] = dv
-    cols = [_batch_offsets(batch_shape, [strides(shape)[a] for a in dd[:-2]])
-            for shape, dd in zip((q.shape, k.shape, v.shape, out_shape), (*dims, dims[0]))]
-    rows = tuple(strides(s)[dd[-2]] for s, dd in zip((q.shape, k.shape, v.shape, out_shape),
-                                                        (dims[0], dims[1], dims[2], dims[0])))
-    bias_strides = (0, 0)
-    if has_bias:
-        b = eqn.inputs[3].aval
-        st = [s if n != 1 else 0 for s, n in zip(strides(b.shape), b.shape)]  # 0: broadcast
-        cols.append(_batch_offsets(batch_shape, st[:-2]))
-        bias_strides = (st[-2], st[-1])
-    else:
-        cols.append(np.zeros_like(cols[0]))
-    base = tuple(tuple(int(x) for x in row) for row in np.stack(cols, axis=1))
-    return Spec(bwd, len(base), sq, sk, d, dv, float(eqn.params["scale"]),
-                bool(eqn.params["causal"]), has_bias, rows, bias_strides, base, (q.size, k.size))
 
 
 @dataclass(frozen=True)
@@ -211,7 +156,7 @@ class _Gen:
         table.global_constant = True
         table.linkage = "internal"
         table.initializer = ir.Constant(ir.ArrayType(I64, 5 * spec.nb),
-                                        [_i64(x) for row in spec.base for x in row])
+                                        [_i64(x) for row in spec.batch_offsets for x in row])
         self.table = table
         self.lane = ir.Constant(IVEC, list(range(LANES)))
 

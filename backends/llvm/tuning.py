@@ -169,7 +169,7 @@ def attention_key(kernel) -> tuple[str, str]:
     """Forward or backward, causal, with a bias: the signature; sizes by power-of-two class."""
     sp = attention.kernel_spec(kernel)
     sig = "attention-" + ("bwd" if sp.bwd else "fwd") + "-causal" * sp.causal + "-bias" * sp.has_bias
-    return sig, "x".join(map(str, sp.shape_class()))
+    return sig, "x".join(map(str, attention.shape_class(sp)))
 
 
 def attention_build(kernel, device, backend, params: dict):

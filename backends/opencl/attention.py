@@ -37,9 +37,9 @@ import hashlib
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
-from tilefuse.ir.kernel.lower import strides
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import CompileError
+from tilefuse.ir.kernel.attention import Spec, spec_of
 from tilefuse.runtime import tuner
 
 F32 = np.dtype(np.float32)
@@ -48,57 +48,6 @@ WIDTHS = (1, 2, 4, 8, 16)  # OpenCL vector widths
 
 def _pad(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-@dataclass(frozen=True)
-class Spec:
-    """Everything a kernel is specialised on."""
-    bwd: bool
-    batch: tuple     # the batch axes' sizes (row-major batch index t)
-    sq: int
-    sk: int
-    d: int
-    dv: int
-    scale: float
-    causal: bool
-    has_bias: bool
-    batch_strides: tuple  # per operand q, k, v, out, bias: element strides of the batch axes
-    rows: tuple      # element strides between sequence positions of q, k, v, out
-    bias_strides: tuple  # bias strides along Sq and Sk (0: broadcast)
-    sizes: tuple     # elements of q and k: where dk and dv start in the backward's packed result
-
-    @property
-    def nb(self) -> int:
-        return int(np.prod(self.batch, dtype=np.int64))
-
-    @property
-    def offset(self) -> int:  # Sk - Sq: query i sees keys j <= i + offset when causal
-        return self.sk - self.sq
-
-
-def spec_of(eqn) -> Spec:
-    q, k, v = (a.aval for a in eqn.inputs[:3])
-    dims = eqn.params["dims"]
-    bwd = eqn.prim is P.fused_attention_bwd
-    has_bias = len(eqn.inputs) == (6 if bwd else 4)
-    out_shape = list(q.shape)
-    out_shape[dims[0][-1]] = v.shape[dims[2][-1]]
-    shapes = (q.shape, k.shape, v.shape, tuple(out_shape))
-    layouts = (dims[0], dims[1], dims[2], dims[0])
-    batch_strides = [tuple(strides(s)[a] for a in dd[:-2]) for s, dd in zip(shapes, layouts)]
-    rows = tuple(strides(s)[dd[-2]] for s, dd in zip(shapes, layouts))
-    bias_strides = (0, 0)
-    if has_bias:
-        b = eqn.inputs[3].aval
-        st = [s if n != 1 else 0 for s, n in zip(strides(b.shape), b.shape)]  # 0: broadcast
-        batch_strides.append(tuple(st[:-2]))
-        bias_strides = (st[-2], st[-1])
-    else:
-        batch_strides.append((0,) * (len(dims[0]) - 2))
-    return Spec(bwd, tuple(q.shape[a] for a in dims[0][:-2]), q.shape[dims[0][-2]],
-                k.shape[dims[1][-2]], q.shape[dims[0][-1]], v.shape[dims[2][-1]],
-                float(eqn.params["scale"]), bool(eqn.params["causal"]), has_bias,
-                tuple(batch_strides), rows, bias_strides, (q.size, k.size))
 
 
 # ---- block sizes ---------------------------------------------------------------------------------
