@@ -1,5 +1,5 @@
-"""fused_gemm on a device whose GEMM template takes no epilogue (OpenCL, CUDA): the product
-through the dispatcher (the device's tiled GEMM where one applies) into a temporary, then the
+"""fused_gemm on OpenCL and CUDA devices where their GEMM templates (which run the epilogue in
+their stores) do not apply: the product through the dispatcher into a temporary, then the
 epilogue as one fused elementwise kernel. The generic kernel IR would run the whole fused_gemm
 as one loop nest: slower than the tiled GEMM the rewrite replaced."""
 from __future__ import annotations

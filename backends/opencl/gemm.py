@@ -6,7 +6,8 @@ work-items touch neighbouring addresses (coalesced on GPUs, vectorised across wo
 PoCL on CPUs). Panels of A (TK x TM) and B (TK x TN) are loaded cooperatively into local
 memory, with zeros past the edges, so every shape runs without bounds checks in the inner loop.
 Strides come from the dot_general's layout (ir/kernel/matmul.py) and are compiled in, so
-transposed and batched operands are read in place. The parameters are a `GemmTiles`, from
+transposed and batched operands are read in place. A fused_gemm's epilogue (bias, scale,
+activation, residual) runs on each value as it is stored. The parameters are a `GemmTiles`, from
 DeviceInfo by default and open to the tuner."""
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import numpy as np
 from tilefuse.ir.kernel.matmul import MatmulLayout, matmul_layout
 from tilefuse.runtime import dispatch
 
-from .render import Rendered, cname
+from .render import Rendered, cname, literal
 
 VECTOR_TILE = (6, 16, 2)  # CPU devices: rows, vector width, vectors per row (12 accumulators)
 DOT_TILE = (4, 4, 16)  # CPU devices, A·Bᵀ: rows, columns, vector width along k (16 accumulators)
 MIN_FLOPS = 1 << 18  # below this the generic kernel is as fast and needs no tile padding
+_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,64 @@ def _params(ctype: str, n_inputs: int) -> str:
                      + [f"__global {ctype}* restrict out0"])
 
 
+# The activations of a fused_gemm epilogue (ir/primitives.py) on one value, in OpenCL C.
+ACTIVATIONS = {
+    "relu": "fmax(v, (T)0)",
+    "tanh": "tanh(v)",
+    "sigmoid": "(T)1 / ((T)1 + exp(-v))",
+    "silu": "v / ((T)1 + exp(-v))",
+    "gelu_tanh": "(T)0.5 * v * ((T)1 + tanh((T)0.7978845608028654 * (v + (T)0.044715 * v * v * v)))",
+    "gelu_erf": "(T)0.5 * v * ((T)1 + erf(v * (T)0.7071067811865476))",
+}
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """A fused_gemm's epilogue as OpenCL C: `defs` (one function per activation step) and
+    `apply(v, z, m, n)`, the expression of C[z, m, n] from the product's value v, reading the
+    extras (residuals of C's shape, row vectors along n) as kernel parameters in<i>."""
+    defs: str = ""
+    steps: tuple = ()  # ("add", buffer, full) | ("affine", a, c) | ("fn", name)
+
+    def apply(self, v: str, z: str, m: str, n: str) -> str:
+        for st in self.steps:
+            if st[0] == "add":
+                at = f"{z} * ((long)M * N) + {m} * N + {n}" if st[2] else n
+                v = f"({v} + in{st[1]}[{at}])"
+            elif st[0] == "affine":
+                v = f"({v} * {st[1]} + {st[2]})"
+            else:
+                v = f"{st[1]}({v})"
+        return v
+
+
+def epilogue_of(e, lay: MatmulLayout, operands) -> Epilogue | None:
+    """The Epilogue of fused_gemm equation e (None where an extra is neither C-shaped nor a row
+    vector along n); an empty one for a dot_general."""
+    if e.prim.name != "fused_gemm":
+        return Epilogue()
+    out, ctype = e.outputs[0].aval, _CTYPES[lay.dtype]
+    pos = {v.id: i for i, v in enumerate(operands)}
+    defs, steps = [], []
+    for k, step in enumerate(e.params["epilogue"]):
+        if step[0] == "add":
+            x = e.inputs[2 + step[1]]
+            if x.aval.shape not in (out.shape, (lay.n,)) or not hasattr(x, "id"):
+                return None
+            steps.append(("add", pos[x.id], x.aval.shape == out.shape))
+        elif step[0] == "affine":
+            steps.append(("affine", literal(step[1], lay.dtype), literal(step[2], lay.dtype)))
+        elif step[0] in ACTIVATIONS:
+            fn = f"step{k}"
+            defs.append(f"static inline {ctype} {fn}({ctype} v) {{ return {ACTIVATIONS[step[0]]}; }}")
+            steps.append(("fn", fn))
+        else:
+            return None
+    return Epilogue(f"#define T {ctype}\n" + "\n".join(defs) + "\n#undef T\n", tuple(steps))
+
+
 def _source(name: str, lay: MatmulLayout, t: GemmTiles, ctype: str, a: int, b: int,
-            n_inputs: int) -> str:
+            n_inputs: int, epi: Epilogue) -> str:
     lx, ly = t.local
     sab, sam, sak = lay.a_strides
     sbb, sbk, sbn = lay.b_strides
@@ -76,6 +134,7 @@ def _source(name: str, lay: MatmulLayout, t: GemmTiles, ctype: str, a: int, b: i
 #define TK {t.tk}
 #define LX {lx}
 #define LY {ly}
+{epi.defs}
 __kernel __attribute__((reqd_work_group_size(LX, LY, 1)))
 void {name}({params}) {{
     __local {ctype} As[TK][TM + 1];
@@ -114,7 +173,7 @@ void {name}({params}) {{
         const long m = m0 + ty + i * LY;
         for (int j = 0; j < {t.wn}; j++) {{
             const long n = n0 + tx + j * LX;
-            if (m < M && n < N) C[m * N + n] = acc[i][j];
+            if (m < M && n < N) C[m * N + n] = {epi.apply("acc[i][j]", "z", "m", "n")};
         }}
     }}
 }}
@@ -122,7 +181,7 @@ void {name}({params}) {{
 
 
 def _vector_source(name: str, lay: MatmulLayout, wm: int, vw: int, nv: int, ctype: str, a: int,
-                   b: int, n_inputs: int) -> str:
+                   b: int, n_inputs: int, epi: Epilogue) -> str:
     """CPU devices: one work-item per work-group computes a wm x (nv*vw) tile of C in explicit
     vector registers, k innermost, B's rows read as vectors (B must be unit-stride along n). A
     work-group of one has no barriers and no per-work-item context for PoCL to spill, so the
@@ -138,14 +197,21 @@ def _vector_source(name: str, lay: MatmulLayout, wm: int, vw: int, nv: int, ctyp
         + " ".join(f"{acc[i][j]} = fma(a, b{j}, {acc[i][j]});" for j in range(nv)) + " }"
         for i in range(wm))
     rows = "\n    ".join(f"const long r{i} = min(m0 + {i}L, (long)M - 1);" for i in range(wm))
+    def finish(i, j):  # the epilogue lane by lane (the extras' rows may end mid-vector)
+        if not epi.steps:
+            return acc[i][j]
+        lanes = ", ".join(epi.apply(f"{acc[i][j]}.s{'0123456789abcdef'[l]}", "z", f"(m0 + {i})",
+                                    f"min(n0 + {j * vw + l}L, (long)N - 1)") for l in range(vw))
+        return f"({v})({lanes})"
     stores = "\n    ".join(
         f"if (m0 + {i} < M) {{ __global {ctype}* Ci = C + (m0 + {i}) * N + n0; "
-        + " ".join(f"store(Ci + {j * vw}, {acc[i][j]}, N - n0 - {j * vw});" for j in range(nv))
+        + " ".join(f"store(Ci + {j * vw}, {finish(i, j)}, N - n0 - {j * vw});" for j in range(nv))
         + " }" for i in range(wm))
     return f"""
 #define M {lay.m}
 #define N {lay.n}
 #define K {lay.k}
+{epi.defs}
 static inline void store(__global {ctype}* p, {v} x, long left) {{
     if (left >= {vw}) {{ vstore{vw}(x, 0, p); return; }}
     {ctype} t[{vw}];
@@ -179,7 +245,7 @@ __kernel void {name}({params}) {{
 
 
 def _dot_source(name: str, lay: MatmulLayout, wm: int, wn: int, vw: int, ctype: str, a: int, b: int,
-                n_inputs: int) -> str:
+                n_inputs: int, epi: Epilogue) -> str:
     """CPU devices, both operands unit-stride along k (A·Bᵀ, the backward's x·Wᵀ): one work-item
     computes a wm x wn tile as wm*wn dot products, each accumulated in a vector along k and
     summed across its lanes once at the end."""
@@ -200,7 +266,8 @@ def _dot_source(name: str, lay: MatmulLayout, wm: int, wn: int, vw: int, ctype: 
     tails = "\n    ".join(f"{ctype} {', '.join(f't{i}_{j} = 0' for j in range(wn))};" for i in range(wm))
     stores = "\n    ".join(
         f"if (m0 + {i} < M) {{ " + " ".join(
-            f"if (n0 + {j} < N) C[(m0 + {i}) * N + n0 + {j}] = hsum({acc[i][j]}) + t{i}_{j};"
+            f"if (n0 + {j} < N) C[(m0 + {i}) * N + n0 + {j}] = "
+            f"{epi.apply(f'(hsum({acc[i][j]}) + t{i}_{j})', 'z', f'(m0 + {i})', f'(n0 + {j})')};"
             for j in range(wn)) + " }" for i in range(wm))
     halves, h, width = [], "x", vw
     while width > 1:
@@ -211,6 +278,7 @@ def _dot_source(name: str, lay: MatmulLayout, wm: int, wn: int, vw: int, ctype: 
 #define M {lay.m}
 #define N {lay.n}
 #define K {lay.k}
+{epi.defs}
 static inline {ctype} hsum({v} x) {{
     {" ".join(halves)}
     return h1;
@@ -236,9 +304,6 @@ __kernel void {name}({params}) {{
 """
 
 
-_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
-
-
 def _layout(kernel):
     (e,) = kernel.meta["eqns"]
     if any(not hasattr(v, "id") for v in e.inputs):  # a literal operand
@@ -259,7 +324,8 @@ def _variant(info, lay: MatmulLayout) -> str:
 def applies(kernel, device) -> bool:
     lay, e = _layout(kernel)
     return (lay is not None and lay.dtype in _CTYPES and np.dtype(e.outputs[0].aval.dtype) == lay.dtype
-            and lay.flops >= MIN_FLOPS and (lay.dtype != np.float64 or device.info.extra["fp64"]))
+            and lay.flops >= MIN_FLOPS and (lay.dtype != np.float64 or device.info.extra["fp64"])
+            and epilogue_of(e, lay, kernel.meta["operands"]) is not None)
 
 
 def build(kernel, device, backend, tiles: GemmTiles | None = None):
@@ -271,18 +337,19 @@ def build(kernel, device, backend, tiles: GemmTiles | None = None):
     pos = {v.id: i for i, v in enumerate(operands)}
     name = cname(kernel) + "_gemm"
     a, b, ctype = pos[e.inputs[0].id], pos[e.inputs[1].id], _CTYPES[lay.dtype]
+    epi = epilogue_of(e, lay, operands)
     units = lay.batch * lay.m * lay.n
     variant = _variant(st.info, lay)
     if variant == "vector":
         wm, vw, nv = VECTOR_TILE
-        src = _vector_source(name, lay, wm, vw, nv, ctype, a, b, kernel.n_inputs)
+        src = _vector_source(name, lay, wm, vw, nv, ctype, a, b, kernel.n_inputs, epi)
         grid, local, mode = (-(-lay.m // wm), -(-lay.n // (vw * nv)), lay.batch), (1, 1, 1), "gemm_vector"
     elif variant == "dot":
         wm, wn, vw = DOT_TILE
-        src = _dot_source(name, lay, wm, wn, vw, ctype, a, b, kernel.n_inputs)
+        src = _dot_source(name, lay, wm, wn, vw, ctype, a, b, kernel.n_inputs, epi)
         grid, local, mode = (-(-lay.m // wm), -(-lay.n // wn), lay.batch), (1, 1, 1), "gemm_dot"
     else:
-        src = _source(name, lay, t, ctype, a, b, kernel.n_inputs)
+        src = _source(name, lay, t, ctype, a, b, kernel.n_inputs, epi)
         lx, ly = t.local
         grid, local, mode = (-(-lay.n // t.tn) * lx, -(-lay.m // t.tm) * ly, lay.batch), (lx, ly, 1), "gemm"
     knl = backend.programs.kernel(st.ctx, st.dev, src, name, str(kernel))
@@ -291,3 +358,6 @@ def build(kernel, device, backend, tiles: GemmTiles | None = None):
 
 IMPLEMENTATION = dispatch.register(dispatch.Implementation(
     "tiled_gemm", "dot_general", build, device_kinds=("opencl",), applies=applies, priority=10))
+# fused_gemm: the epilogue in the tile's store (before gemm_then_epilogue, which runs it apart)
+dispatch.register(dispatch.Implementation(
+    "tiled_gemm", "fused_gemm", build, device_kinds=("opencl",), applies=applies, priority=20))

@@ -71,3 +71,29 @@ def test_opencl_gemm_template_matches_numpy(variant, monkeypatch):
             assert [l.impl for l in launches if l.kind == "dot_general"] == ["tiled_gemm"], spec
         np.testing.assert_allclose(np.asarray(f(a, b)), np.einsum(spec, a, b), rtol=1e-4, atol=1e-4,
                                    err_msg=f"{spec} {sa} {sb}")
+
+
+@pytest.mark.parametrize("variant", ["vector", "dot", "local"])
+def test_fused_epilogue_runs_in_each_variants_store(variant, monkeypatch):
+    """gelu(x·w + b) + r, the product read plain, as x·wᵀ (dot) or xᵀ·wᵀ (local): one tiled_gemm
+    launch whose store applies the bias, the activation and the residual (ragged edges: 101 x 37
+    with K = 45 leaves partial tiles and vectors)."""
+    import math
+
+    from tilefuse import nn
+    from tilefuse.backends.opencl import gemm
+    dev = _opencl()
+    monkeypatch.setattr(gemm, "_variant", lambda info, lay: variant)
+    rng = np.random.default_rng(2)
+    m, n, k = 101, 37, 45
+    b, r = rng.standard_normal(n, np.float32), rng.standard_normal((m, n), np.float32)
+    x = rng.standard_normal((k, m) if variant == "local" else (m, k), np.float32)
+    w = rng.standard_normal((k, n) if variant == "vector" else (n, k), np.float32)
+    lhs = (lambda x: x.T) if variant == "local" else (lambda x: x)
+    rhs = (lambda w: w) if variant == "vector" else (lambda w: w.T)
+    f = tx.jit(lambda x, w, b, r: nn.gelu(tnp.matmul(lhs(x), rhs(w)) + b) + r, device=dev)
+    launches = f.lower(x, w, b, r).compile().program.launches
+    assert [l.impl for l in launches] == ["tiled_gemm"] and launches[0].kind == "fused_gemm"
+    y = lhs(x) @ rhs(w) + b
+    want = 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3))) + r
+    np.testing.assert_allclose(np.asarray(f(x, w, b, r)), want, rtol=1e-4, atol=1e-4)
