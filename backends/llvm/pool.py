@@ -4,7 +4,7 @@ A launch is a kernel fn(ptrs, s, e) over chunks (s, e). The caller posts it in a
 descriptor and works on the chunks itself; the workers, spinning on the descriptor's generation
 counter, claim the rest with a compare-and-swap. Everything from the post to the last chunk runs in
 native code with the GIL released (two functions of a small LLVM module below), and a worker that
-has just finished a launch spins for SPIN_US before it sleeps, so that the next kernel of a
+has just finished a launch spins for tx.config.pool_spin_us (300 µs) before it sleeps, so that the next kernel of a
 program finds it awake: waking a sleeping thread through the GIL and a queue cost 20-45 µs per
 launch on this project's 2-core VMs (benchmarks/bench_elementwise.py --threshold), more than a
 parallel 1M-point kernel saves. The caller never waits for a worker, only for chunks a worker
@@ -28,9 +28,12 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from tilefuse.runtime import compile_cache
+from tilefuse.runtime.config import config
 from tilefuse.runtime.hardware import host_info
 
-SPIN_US = 300  # a worker's busy wait for the next launch before it sleeps
+# A worker's busy wait for the next launch before it sleeps (like OpenMP's KMP_BLOCKTIME): 0 for
+# a machine whose cores other work needs more than the launches' latency.
+config.define("pool_spin_us", 300, env="TILEFUSE_POOL_SPIN_US")
 YIELD_AFTER_US = 50  # the caller, waiting for a worker's last chunk, yields its core after this
 GEN, FN, PTRS, BOUNDS, N, NEXT, DONE = 0, 8, 9, 10, 11, 16, 24
 WORDS = 32
@@ -192,9 +195,8 @@ class ThreadPool:
         self._pid = None
 
     def _start(self):
-        self._run, self._wait, spins_per_us = _functions()
-        self._spins = max(1, int(SPIN_US * spins_per_us))
-        self._patience = max(1, int(YIELD_AFTER_US * spins_per_us))
+        self._run, self._wait, self._spins_per_us = _functions()
+        self._patience = max(1, int(YIELD_AFTER_US * self._spins_per_us))
         self._desc = np.zeros(WORDS, np.int64)  # 256 bytes: the four contended words on their own lines
         self._addr = self._desc.ctypes.data
         self._queues = [queue.SimpleQueue() for _ in range(self.n - 1)]
@@ -207,8 +209,9 @@ class ThreadPool:
     def _worker(self, i, desc, q):
         seen = 0
         while True:
-            seen = self._wait(desc.ctypes.data, seen, self._spins)  # GIL released: spins, runs chunks
-            self._sleeping[i] = True  # no launch for SPIN_US: sleep until run() wakes this worker
+            spins = max(1, int(config.pool_spin_us * self._spins_per_us))
+            seen = self._wait(desc.ctypes.data, seen, spins)  # GIL released: spins, runs chunks
+            self._sleeping[i] = True  # no launch for pool_spin_us: sleep until run() wakes this worker
             if int(desc[GEN]) == seen:  # (a launch posted since the spin ended is taken at once)
                 q.get()
             self._sleeping[i] = False

@@ -124,13 +124,14 @@ def test_launches_from_several_python_threads(kernels):
     assert not errors
 
 
-def test_a_sleeping_worker_is_woken_by_the_next_launch(kernels):
+def test_a_sleeping_worker_is_woken_by_the_next_launch(kernels, monkeypatch):
+    from tilefuse.runtime.config import config
     _, meet = kernels
     pool = ThreadPool(2)
     flags = np.zeros(16, np.int64)
     launch = pool.launcher(meet, [(0, 1), (1, 2)])
     launch((ctypes.c_void_p * 1)(flags.ctypes.data))  # starts the worker
-    pool._spins = 1  # it sleeps at once after each launch from now on
+    monkeypatch.setattr(config, "pool_spin_us", 0)  # it sleeps at once after each launch from now on
     met = []
     for _ in range(5):
         time.sleep(0.01)
