@@ -10,8 +10,8 @@ shape and a longer sequence; and the training step itself before and after `tx.t
 Each GEMM problem (one per shape class: the tuning database's granularity) is timed with the
 template's default parameters (from DeviceInfo), tuned by optuna's TPE for --trials trials (the
 two times are medians measured in alternation), next to numpy's matmul on contiguous operands of
-the same sizes (no epilogue; the fastest of its default threads and one, before and after the
-tuning). The target: tuned at least 15% faster than the default wherever the default is not
+the same sizes (for a fused_gemm, "+epi", followed by the same epilogue in numpy; the fastest of
+its default threads and one, before and after the tuning). The target: tuned at least 15% faster than the default wherever the default is not
 already within 5% of numpy.
 Attention (batch 32, 4 heads, head dim 32, causal; seq 64 as in the step, and 512): each of the
 template's kernels (forward, backward) is tuned for --attention-trials trials, the two times again
@@ -52,28 +52,41 @@ def gemm_kernels(step, args):
     return out
 
 
+def _numpy_key(batch, m, n, k, epilogue, rows) -> str:
+    return f"{batch}x{m}x{n}x{k}" + (f" {json.dumps([epilogue, rows])}" if epilogue else "")
+
+
 def numpy_worker(shapes: list) -> None:
-    """In a subprocess: numpy's matmul on contiguous float32 operands of each (batch, m, n, k)."""
+    """In a subprocess: numpy's matmul on contiguous float32 operands of each (batch, m, n, k),
+    then the epilogue's steps in numpy (extras: rows along n, or of C's shape)."""
     import numpy as np
+    from tilefuse.ir.primitives import gemm_epilogue
     rng = np.random.default_rng(0)
     out = {}
-    for batch, m, n, k in shapes:
+    for batch, m, n, k, epilogue, rows in shapes:
         a = rng.standard_normal((batch, m, k)).astype(np.float32)[0 if batch == 1 else slice(None)]
         b = rng.standard_normal((batch, k, n)).astype(np.float32)[0 if batch == 1 else slice(None)]
         c = np.matmul(a, b)
-        out[f"{batch}x{m}x{n}x{k}"] = time_median(lambda: np.matmul(a, b, out=c), warmup=2, repeat=15).median
+        extras = [rng.standard_normal(n if row else c.shape).astype(np.float32) for row in rows]
+        steps = [tuple(st) for st in epilogue]
+        out[_numpy_key(batch, m, n, k, epilogue, rows)] = time_median(
+            lambda: gemm_epilogue(np.matmul(a, b, out=c), extras, steps), warmup=2, repeat=15).median
     emit(out)
 
 
+def _numpy_case(p) -> tuple:
+    return (p.batch, p.m, p.n, p.k, [list(st) for st in p.epilogue], [s == (0, 0) for s in p.extra_strides])
+
+
 def numpy_seconds(problems) -> dict:
-    """numpy's BLAS (without the epilogue; BLAS takes transposed operands at the same speed), the
-    faster of its default threads and one thread: on a busy machine OpenBLAS's spinning threads
-    can be ten times slower than one."""
-    shapes = sorted({(p.batch, p.m, p.n, p.k) for p in problems})
+    """numpy's BLAS (BLAS takes transposed operands at the same speed) and, for a fused_gemm, its
+    epilogue computed after it by numpy: the faster of OpenBLAS's default threads and one thread
+    (on a busy machine its spinning threads can be ten times slower than one)."""
+    shapes = sorted({json.dumps(_numpy_case(p)) for p in problems})
     best: dict = {}
     for env in ({}, {"OPENBLAS_NUM_THREADS": "1"}):
-        got = run_worker([os.path.abspath(__file__), "--numpy-worker", json.dumps(shapes)], env=env,
-                         timeout=600)
+        got = run_worker([os.path.abspath(__file__), "--numpy-worker", json.dumps([json.loads(s) for s in shapes])],
+                         env=env, timeout=600)
         if "error" in got:
             raise RuntimeError(f"numpy worker: {got['error']}")
         for key, v in got.items():
@@ -95,11 +108,12 @@ def bench_gemms(trials: int) -> list:
         after = numpy_seconds(problems)  # numpy's best of before and after: the load changes
         rows = []
         for prob, res in results:
-            key = f"{prob.batch}x{prob.m}x{prob.n}x{prob.k}"
+            key = _numpy_key(*_numpy_case(prob))
             numpy_s = min(before[key], after[key])
             d, t = res.default_seconds, res.best_seconds
             near = d <= 1.05 * numpy_s
-            rows.append((key + (" +epi" if prob.epilogue else ""), f"{numpy_s * 1e3:.3f}", f"{d * 1e3:.3f}",
+            shape = f"{prob.batch}x{prob.m}x{prob.n}x{prob.k}" + (" +epi" if prob.epilogue else "")
+            rows.append((shape, f"{numpy_s * 1e3:.3f}", f"{d * 1e3:.3f}",
                          f"{t * 1e3:.3f}", f"{d / t:.2f}x", f"{numpy_s / t:.2f}x",
                          "n/a: default within 5% of numpy" if near else ("met" if d / t >= 1.15 else "missed"),
                          " ".join(f"{k}={v}" for k, v in res.best.items())))
