@@ -340,3 +340,37 @@ def test_opencl_attention_is_tuned_stored_and_used(db):
     (_, out), grads = _attention_step(g, dev)(q, k, v)
     assert {k[1]: p for k, p in tuner.applied.items() if k[0] == "opencl_attention"} == chosen
     _assert_attention_close([out, *grads], _attention64(q, k, v, g))
+
+
+@pytest.mark.skipif(not tx.devices("opencl"), reason="no OpenCL device")
+@pytest.mark.parametrize("form", ["plain", "transposed"])
+def test_opencl_gemm_is_tuned_stored_and_used(db, form):
+    """The OpenCL GEMM template's tiles (per variant: x·w reads B's rows as vectors, x·wᵀ takes
+    dot products on CPU devices): tuned, stored, and stored other tiles used by the next build
+    with the same values; tiles the device cannot hold are pruned, not run."""
+    from tilefuse.backends.opencl import gemm
+    dev = tx.devices("opencl")[0]
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((96, 64)).astype(np.float32)
+    b = rng.standard_normal((64, 160) if form == "plain" else (160, 64)).astype(np.float32)
+    fn = (lambda x, y: x @ y) if form == "plain" else (lambda x, y: x @ y.T)
+    want = a @ (b if form == "plain" else b.T)
+    report = tx.tune(tx.jit(fn, device=dev), a, b, trials=4, progress=False, repeat=3)
+    (res,) = [r for r in report.results if r.template == "opencl_gemm"]
+    assert res.stored and res.best_seconds <= res.default_seconds
+    t = next(t for t in tuner.templates() if t.name == "opencl_gemm")
+    key = ("opencl_gemm", *t.key(res.ir), tuner.device_key(dev))
+    assert tuner.TuningDB(db).get(*key) == res.best
+
+    other = {k: v for k, v in res.default.items()}
+    if "tm" in other:  # the local-memory form (GPUs): smaller tiles
+        other.update(tm=32, tn=32, wm=2, wn=2)
+    else:
+        other.update(wm=2, vw=4)
+    assert gemm.check(other, dev.info, gemm._layout(res.ir)[0]) is None
+    _store(db, key, other)
+    tuner.applied.clear()
+    np.testing.assert_allclose(np.asarray(tx.jit(fn, device=dev)(a, b)), want, rtol=1e-4, atol=1e-4)
+    assert [p for k, p in tuner.applied.items() if k[0] == "opencl_gemm"] == [other]
+    bad = {**other, "tm": 1024, "tn": 1024} if "tm" in other else {**other, "wm": 64}
+    assert gemm.check(bad, dev.info, gemm._layout(res.ir)[0]) is not None

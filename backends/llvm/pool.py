@@ -3,7 +3,7 @@
 A launch is a kernel fn(ptrs, s, e) over chunks (s, e). The caller posts it in a small shared
 descriptor and works on the chunks itself; the workers, spinning on the descriptor's generation
 counter, claim the rest with a compare-and-swap. Everything from the post to the last chunk runs in
-native code with the GIL released (two functions of a small LLVM module below), and a worker that
+native code with the GIL released (a small LLVM module below), and a worker that
 has just finished a launch spins for tx.config.pool_spin_us (300 µs) before it sleeps, so that the next kernel of a
 program finds it awake: waking a sleeping thread through the GIL and a queue cost 20-45 µs per
 launch on this project's 2-core VMs (benchmarks/bench_elementwise.py --threshold), more than a
@@ -89,7 +89,7 @@ out:
   ret void
 }
 
-define void @tf_pool_run(i64* %d, i64 %fn, i64 %ptrs, i64 %bounds, i64 %n, i64 %spins) {
+define i64 @tf_pool_post(i64* %d, i64 %fn, i64 %ptrs, i64 %bounds, i64 %n) {
 entry:
   %g0 = load i64, i64* %d
   %g = add i64 %g0, 1
@@ -108,6 +108,12 @@ entry:
   %nextp = getelementptr i64, i64* %d, i64 16
   store atomic i64 %first, i64* %nextp release, align 8
   store atomic i64 %g, i64* %d release, align 8
+  ret i64 %g
+}
+
+define void @tf_pool_join(i64* %d, i64 %g, i64 %n, i64 %spins) {
+entry:
+  %donep = getelementptr i64, i64* %d, i64 24
   call void @claim_chunks(i64* %d, i64 %g)
   br label %wait
 wait:
@@ -153,25 +159,27 @@ out:
 }
 """
 
-_RUN_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_int64, ctypes.c_int64)
+_POST_T = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int64)
+_JOIN_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
 _WAIT_T = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _native: dict = {}
 
 
 def _functions():
-    """(tf_pool_run, tf_pool_wait, spins per µs), compiled once per process."""
+    """(tf_pool_post, tf_pool_join, tf_pool_wait, spins per µs), compiled once per process."""
     if not _native:
         from .compile import code_digest, get_target
         target = get_target(host_info())
         pause = "call void @llvm.x86.sse2.pause()" if target.triple.startswith(("x86_64", "i686")) else ""
         text = _IR.replace("PAUSE", pause)
         key = compile_cache.make_key("pool", code_digest("pool.py"), target.fingerprint)
-        obj = target.cache.get_or_build(key, lambda: target.compile_ir(text, "tf_pool_run", "thread pool"))
-        run = target.load(obj, "tf_pool_run", text, "thread pool", others=("tf_pool_wait",))
-        _native["run"], _native["wait"] = _RUN_T(run), _WAIT_T(target.loaded["tf_pool_wait"][0])
+        obj = target.cache.get_or_build(key, lambda: target.compile_ir(text, "tf_pool_post", "thread pool"))
+        post = target.load(obj, "tf_pool_post", text, "thread pool", others=("tf_pool_join", "tf_pool_wait"))
+        _native["post"], _native["join"], _native["wait"] = (
+            _POST_T(post), _JOIN_T(target.loaded["tf_pool_join"][0]), _WAIT_T(target.loaded["tf_pool_wait"][0]))
         _native["spins_per_us"] = _calibrate(_native["wait"])
-    return _native["run"], _native["wait"], _native["spins_per_us"]
+    return _native["post"], _native["join"], _native["wait"], _native["spins_per_us"]
 
 
 def _calibrate(wait) -> float:
@@ -195,7 +203,7 @@ class ThreadPool:
         self._pid = None
 
     def _start(self):
-        self._run, self._wait, self._spins_per_us = _functions()
+        self._post, self._join, self._wait, self._spins_per_us = _functions()
         self._patience = max(1, int(YIELD_AFTER_US * self._spins_per_us))
         self._desc = np.zeros(WORDS, np.int64)  # 256 bytes: the four contended words on their own lines
         self._addr = self._desc.ctypes.data
@@ -234,12 +242,14 @@ class ThreadPool:
                 launch.fn(ptrs, int(s), int(e))
             return
         try:
+            # posted before the sleeping workers are woken: one that wakes finds the launch (a
+            # worker decides to sleep under the GIL, after looking for a launch)
+            g = self._post(self._addr, launch.fn_addr, _addressof(ptrs), launch.bounds_addr, launch.n)
             for i, sleeping in enumerate(self._sleeping):
                 if sleeping:
                     self._sleeping[i] = False
                     self._queues[i].put(None)
-            self._run(self._addr, launch.fn_addr, _addressof(ptrs), launch.bounds_addr, launch.n,
-                      self._patience)
+            self._join(self._addr, g, launch.n, self._patience)
         finally:
             self._lock.release()
 

@@ -7,16 +7,18 @@ PoCL on CPUs). Panels of A (TK x TM) and B (TK x TN) are loaded cooperatively in
 memory, with zeros past the edges, so every shape runs without bounds checks in the inner loop.
 Strides come from the dot_general's layout (ir/kernel/matmul.py) and are compiled in, so
 transposed and batched operands are read in place. A fused_gemm's epilogue (bias, scale,
-activation, residual) runs on each value as it is stored. The parameters are a `GemmTiles`, from
-DeviceInfo by default and open to the tuner."""
+activation, residual) runs on each value as it is stored. The parameters (the local-memory form's
+`GemmTiles`, the CPU forms' register tiles) come from DeviceInfo by default; the auto-tuner
+searches them ("opencl_gemm", at the end of this file)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from tilefuse.ir.kernel.matmul import MatmulLayout, matmul_layout
-from tilefuse.runtime import dispatch
+from tilefuse.runtime import dispatch, tuner
 
 from .render import Rendered, cname, literal
 
@@ -328,11 +330,37 @@ def applies(kernel, device) -> bool:
             and epilogue_of(e, lay, kernel.meta["operands"]) is not None)
 
 
-def build(kernel, device, backend, tiles: GemmTiles | None = None):
+def default_params(info, lay: MatmulLayout) -> dict:
+    """The variant's parameters from DeviceInfo: "vector" wm, vw, nv; "dot" wm, wn, vw; "local"
+    the GemmTiles fields."""
+    variant = _variant(info, lay)
+    if variant == "vector":
+        return dict(zip(("wm", "vw", "nv"), VECTOR_TILE))
+    if variant == "dot":
+        return dict(zip(("wm", "wn", "vw"), DOT_TILE))
+    return asdict(default_tiles(info))
+
+
+def check(params: dict, info, lay: MatmulLayout) -> str | None:
+    """Why `params` cannot run the kernel's variant on the device, or None."""
+    variant = _variant(info, lay)
+    if variant == "local":
+        return None if GemmTiles(**params).valid(info) else \
+            f"{params}: the work-group or its local-memory panels exceed the device"
+    if params["vw"] not in (2, 4, 8, 16):
+        return f"vector width {params['vw']} is not an OpenCL vector"
+    acc = params["wm"] * (params["nv"] if variant == "vector" else params["wn"])
+    if acc > 32:
+        return f"{acc} vector accumulators exceed the 32 vector registers"
+    return None
+
+
+def build(kernel, device, backend, params: dict | None = None):
+    """The kernel's variant with `params` (default_params where None) as an OpenCL kernel."""
     from . import CompiledKernel
     st = backend._state(device)
     lay, e = _layout(kernel)
-    t = tiles or default_tiles(st.info)
+    p = params or default_params(st.info, lay)
     operands = kernel.meta["operands"]
     pos = {v.id: i for i, v in enumerate(operands)}
     name = cname(kernel) + "_gemm"
@@ -341,14 +369,15 @@ def build(kernel, device, backend, tiles: GemmTiles | None = None):
     units = lay.batch * lay.m * lay.n
     variant = _variant(st.info, lay)
     if variant == "vector":
-        wm, vw, nv = VECTOR_TILE
+        wm, vw, nv = p["wm"], p["vw"], p["nv"]
         src = _vector_source(name, lay, wm, vw, nv, ctype, a, b, kernel.n_inputs, epi)
         grid, local, mode = (-(-lay.m // wm), -(-lay.n // (vw * nv)), lay.batch), (1, 1, 1), "gemm_vector"
     elif variant == "dot":
-        wm, wn, vw = DOT_TILE
+        wm, wn, vw = p["wm"], p["wn"], p["vw"]
         src = _dot_source(name, lay, wm, wn, vw, ctype, a, b, kernel.n_inputs, epi)
         grid, local, mode = (-(-lay.m // wm), -(-lay.n // wn), lay.batch), (1, 1, 1), "gemm_dot"
     else:
+        t = GemmTiles(**p)
         src = _source(name, lay, t, ctype, a, b, kernel.n_inputs, epi)
         lx, ly = t.local
         grid, local, mode = (-(-lay.n // t.tn) * lx, -(-lay.m // t.tm) * ly, lay.batch), (lx, ly, 1), "gemm"
@@ -361,3 +390,32 @@ IMPLEMENTATION = dispatch.register(dispatch.Implementation(
 # fused_gemm: the epilogue in the tile's store (before gemm_then_epilogue, which runs it apart)
 dispatch.register(dispatch.Implementation(
     "tiled_gemm", "fused_gemm", build, device_kinds=("opencl",), applies=applies, priority=20))
+
+
+# ---- the auto-tuner's view (runtime/tuner.py) ------------------------------------------------------
+# Each configuration is a compile; `check` prunes what the device cannot hold.
+
+def _space(kernel, device) -> dict:
+    lay, _ = _layout(kernel)
+    variant = _variant(device.info, lay)
+    if variant == "vector":
+        return {"wm": (2, 4, 6, 8), "vw": (4, 8, 16), "nv": (1, 2, 4)}
+    if variant == "dot":
+        return {"wm": (2, 4, 8), "wn": (2, 4, 8), "vw": (4, 8, 16)}
+    return {"tm": (16, 32, 64, 128), "tn": (16, 32, 64, 128), "tk": (8, 16, 32), "wm": (2, 4, 8),
+            "wn": (2, 4, 8)}
+
+
+def _key(kernel) -> tuple[str, str]:
+    """Variant, epilogue and operands' layout: the signature; sizes by power-of-two class."""
+    lay, e = _layout(kernel)
+    pow2 = lambda n: 1 << max(0, int(n - 1).bit_length())
+    sig = repr((e.params.get("epilogue", ()), lay.a_strides[2] == 1, lay.b_strides[2] == 1, lay.dtype.name))
+    return "opencl-gemm-" + hashlib.sha1(sig.encode()).hexdigest()[:16], \
+        "x".join(str(pow2(n)) for n in (lay.batch, lay.m, lay.n, lay.k))
+
+
+tuner.register(tuner.Template(
+    "opencl_gemm", "tiled_gemm", ("opencl",), _space,
+    lambda kernel, device: default_params(device.info, _layout(kernel)[0]), build,
+    lambda params, kernel, device: check(params, device.info, _layout(kernel)[0]), _key, applies))
