@@ -14,8 +14,8 @@ from tilefuse.runtime.array import Array
 from tilefuse.runtime.config import config
 from tilefuse.runtime.device import default_device, device_put, devices, get_device
 from tilefuse.runtime.profiler import profile
-# the CLI module (python -m tilefuse.tune) is imported before the function takes its name, so a
-# later `import tilefuse.tune` cannot replace tx.tune with the module
+# the CLI package (python -m tilefuse.tune runs its __main__) is imported before the function takes
+# its name, so a later `import tilefuse.tune` cannot replace tx.tune with the package
 from tilefuse import tune as _tune_cli  # noqa: F401
 from tilefuse.runtime.tuner import tune  # noqa: E402
 from tilefuse.tracer import core as _core

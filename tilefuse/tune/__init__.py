@@ -55,7 +55,3 @@ def main(argv=None) -> int:
     where = tuner.db_path() or "(nowhere: tuning_db is off)"
     print(f"{time.perf_counter() - t0:.1f} s; results in {where}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
