@@ -45,6 +45,11 @@ log = logging.getLogger("tilefuse.tuner")
 config.define("tuning_db", None, env="TILEFUSE_TUNING_DB", compiles=True)
 
 
+def size_class(n: int) -> int:
+    """The least power of two >= n: how templates bucket sizes into the database's shape classes."""
+    return 1 << max(0, int(n - 1).bit_length())
+
+
 MIN_GAIN = 0.03  # a configuration replaces the default only when measurably faster: noise is not a win
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from tilefuse.ir import primitives as P
 from tilefuse.ir.kernel.attention import Spec, spec_of
 from tilefuse.ir.errors import CompileError
-from tilefuse.runtime import compile_cache
+from tilefuse.runtime import compile_cache, tuner
 
 from . import vecmath
 from .irutil import counted_loop
@@ -52,15 +52,10 @@ def _pad(n: int) -> int:
     return -(-n // LANES) * LANES
 
 
-def _pow2(n: int) -> int:
-    """The least power of two >= n."""
-    return 1 << max(0, int(n - 1).bit_length())
-
-
 def shape_class(sp: Spec) -> tuple:
     """Kernels that run alike (the tuning database's granularity): batch and sequence lengths
     bucketed to powers of two, the features padded to whole vectors."""
-    return _pow2(sp.nb), _pow2(sp.sq), _pow2(sp.sk), _pad(sp.d), _pad(sp.dv)
+    return (*map(tuner.size_class, (sp.nb, sp.sq, sp.sk)), _pad(sp.d), _pad(sp.dv))
 
 
 def kernel_spec(kernel) -> Spec:

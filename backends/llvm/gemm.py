@@ -31,7 +31,7 @@ from llvmlite import ir
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel.matmul import matmul_layout
-from tilefuse.runtime import compile_cache, dispatch
+from tilefuse.runtime import compile_cache, dispatch, tuner
 from tilefuse.runtime.hardware import DeviceInfo
 
 from . import blas, vecmath
@@ -107,7 +107,7 @@ class GemmProblem:
 
     def shape_class(self) -> tuple:
         """Problems that run alike: sizes bucketed to powers of two, layouts and dtypes exact."""
-        b2 = lambda v: 1 << max(0, int(v - 1).bit_length())
+        b2 = tuner.size_class
         return (b2(self.batch), b2(self.m), b2(self.n), b2(self.k), self.a_strides[2] == 1,
                 self.b_strides[2] == 1, self.in_dtype.name, self.out_dtype.name)
 
@@ -534,13 +534,18 @@ def _compile(info: DeviceInfo, p: GemmParams, prob: GemmProblem) -> tuple:
     return fn, _load(info, spec, lambda: _EpilogueGen(p, prob.out_dtype, prob.epilogue, n_x))
 
 
+def a_readable_in_place(prob: GemmProblem) -> bool:
+    """A float32 A with k contiguous: the micro-kernel can read its rows as they are."""
+    return prob.in_dtype == np.float32 and prob.a_strides[2] == 1
+
+
 def reads_a_in_place(prob: GemmProblem, p: GemmParams, info: DeviceInfo, ways: int = 8) -> bool:
     """Whether the micro-kernel reads A in place instead of packing it: float32 with k contiguous,
     and by default (p.pack_a None) unless the MR rows it reads at once map to too few L1 sets (a
     row stride of 4 KiB puts all of them in one set of an 8-way L1: 1024 x 1024 runs 0.71x
     packed; at K = 128 reading in place is 1.15-1.3x, equal on large unaliased problems; measured
     on znver4, 2 threads)."""
-    if prob.in_dtype != np.float32 or prob.a_strides[2] != 1 or p.pack_a:
+    if not a_readable_in_place(prob) or p.pack_a:
         return False
     if p.pack_a is False:
         return True

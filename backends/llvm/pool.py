@@ -215,11 +215,11 @@ class ThreadPool:
                              name=f"tilefuse-cpu-{i}").start()
 
     def _worker(self, i, desc, q):
-        seen = 0
+        seen, addr = 0, desc.ctypes.data
         while True:
             spins = max(1, int(config.pool_spin_us * self._spins_per_us))
-            seen = self._wait(desc.ctypes.data, seen, spins)  # GIL released: spins, runs chunks
-            self._sleeping[i] = True  # no launch for pool_spin_us: sleep until run() wakes this worker
+            seen = self._wait(addr, seen, spins)  # GIL released: spins, runs chunks
+            self._sleeping[i] = True  # no launch for pool_spin_us: sleep until _launch wakes this worker
             if int(desc[GEN]) == seen:  # (a launch posted since the spin ended is taken at once)
                 q.get()
             self._sleeping[i] = False
@@ -228,9 +228,6 @@ class ThreadPool:
         """A callable launch(ptrs): fn(ptrs, s, e) for every (s, e) in bounds, spread over the
         threads; ptrs a ctypes array (the addresses of fn and bounds are taken once, here)."""
         return _Launch(self, fn, bounds)
-
-    def run(self, fn, ptrs, bounds):
-        self.launcher(fn, bounds)(ptrs)
 
     def _launch(self, launch, ptrs):
         if self._pid != os.getpid():  # first use, or a forked child: it inherits no threads

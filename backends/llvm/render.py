@@ -17,7 +17,8 @@ import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
 
-from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, affine_forms, reads_ridx, reduce_levels, row_stashes
+from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, affine_forms, load, reads_ridx, reduce_levels, \
+    row_stashes
 
 from . import vecmath
 from .irutil import bf16_to_f32, counted_loop, f32_to_bf16
@@ -247,8 +248,9 @@ class Renderer:
 
             def inner():
                 for st in rows:
-                    if id(st) in self.stash:  # kept by a reduction pass in the store's own buffer
-                        self.cache[self.stash[id(st)]] = self._load_at(st)
+                    node = self.stash.get(id(st))
+                    if node is not None:  # kept by a reduction pass in the store's own buffer
+                        self.cache[node] = self.value(load(st.buffer, st.offset, node.dtype))
                     self._store(st)
                 self.cache = dict(outer)
             self._reduce_nest(inner)
@@ -462,14 +464,6 @@ class Renderer:
             old = self._from_mem(b.load(ptr, typ=mt), d)
             v = self._binary("add", d, old, v)
         b.store(self._to_mem(v, d), ptr)
-
-    def _load_at(self, st):
-        """The value at st's offset of st's buffer."""
-        d = np.dtype(self.k.buffers[st.buffer].dtype)
-        mt = TYPES[d][1]
-        ptr = self.b.gep(self.ptrs[st.buffer], [self._index(self.value(st.offset), st.offset.dtype)],
-                         inbounds=True, source_etype=mt)
-        return self._from_mem(self.b.load(ptr, typ=mt), d)
 
     def _index(self, v, dtype):
         d = np.dtype(dtype)

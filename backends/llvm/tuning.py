@@ -15,7 +15,8 @@ from tilefuse.runtime import tuner
 from . import attention
 from .attention import AttentionParams
 from .compile import KernelParams, default_params, interchanges
-from .gemm import GemmParams, build_gemm, default_gemm_params, gemm_problem, reads_a_in_place
+from .gemm import (GemmParams, a_readable_in_place, build_gemm, default_gemm_params, gemm_problem,
+                   reads_a_in_place)
 
 
 # ---- generated kernels --------------------------------------------------------------------------
@@ -71,18 +72,13 @@ def _gemm_params(params: dict, info) -> GemmParams:
                       threads=params["threads"], pack_a=params.get("pack_a", True))
 
 
-def _a_readable_in_place(kernel) -> bool:
-    prob = gemm_problem(kernel)
-    return prob.in_dtype == "float32" and prob.a_strides[2] == 1
-
-
 def gemm_space(kernel, device) -> dict:
     info = device.info
     lanes = max(4, info.simd_lanes_f32)
     space = {"mr": (4, 6, 8, 10, 12, 14), "nr": (lanes, 2 * lanes, 3 * lanes, 4 * lanes),
              "kc": (64, 128, 192, 256, 384, 512), "mc_tiles": (2, 4, 8, 12, 16, 24),
              "nc_panels": (8, 16, 32, 64, 128), "threads": _thread_choices(info.compute_units)}
-    if _a_readable_in_place(kernel):
+    if a_readable_in_place(gemm_problem(kernel)):
         space["pack_a"] = (True, False)
     return space
 
@@ -91,7 +87,7 @@ def gemm_default(kernel, device) -> dict:
     p = default_gemm_params(device.info)
     out = {"mr": p.mr, "nr": p.nr, "kc": p.kc, "mc_tiles": p.mc // p.mr, "nc_panels": p.nc // p.nr,
            "threads": p.threads}
-    if _a_readable_in_place(kernel):  # the default's choice made explicit (it depends on the problem)
+    if a_readable_in_place(gemm_problem(kernel)):  # the default's choice made explicit (it depends on the problem)
         out["pack_a"] = not reads_a_in_place(gemm_problem(kernel), p, device.info)
     return out
 

@@ -639,10 +639,9 @@ def tuning_key(kernel, backend_name: str = "opencl") -> tuple[str, str]:
     """Forward or backward, causal, with a bias: the signature; sizes by power-of-two class (the
     CUDA template's key too)."""
     sp = _spec(kernel)
-    pow2 = lambda n: 1 << max(0, int(n - 1).bit_length())
     sig = f"{backend_name}-attention-" + ("bwd" if sp.bwd else "fwd") + "-causal" * sp.causal \
         + "-bias" * sp.has_bias
-    return sig, "x".join(str(pow2(n)) for n in (sp.nb, sp.sq, sp.sk)) + f"/{sp.d}x{sp.dv}"
+    return sig, "x".join(str(tuner.size_class(n)) for n in (sp.nb, sp.sq, sp.sk)) + f"/{sp.d}x{sp.dv}"
 
 
 tuner.register(tuner.Template("opencl_attention", "flash_attention", ("opencl",), _space, _default,

@@ -20,7 +20,7 @@ import numpy as np
 from tilefuse.ir.kernel.matmul import MatmulLayout, matmul_layout
 from tilefuse.runtime import dispatch, tuner
 
-from .render import Rendered, cname, literal
+from .render import LANE, Rendered, cname, literal
 
 VECTOR_TILE = (6, 16, 2)  # CPU devices: rows, vector width, vectors per row (12 accumulators)
 DOT_TILE = (4, 4, 16)  # CPU devices, A·Bᵀ: rows, columns, vector width along k (16 accumulators)
@@ -202,7 +202,7 @@ def _vector_source(name: str, lay: MatmulLayout, wm: int, vw: int, nv: int, ctyp
     def finish(i, j):  # the epilogue lane by lane (the extras' rows may end mid-vector)
         if not epi.steps:
             return acc[i][j]
-        lanes = ", ".join(epi.apply(f"{acc[i][j]}.s{'0123456789abcdef'[l]}", "z", f"(m0 + {i})",
+        lanes = ", ".join(epi.apply(f"{acc[i][j]}.s{LANE[l]}", "z", f"(m0 + {i})",
                                     f"min(n0 + {j * vw + l}L, (long)N - 1)") for l in range(vw))
         return f"({v})({lanes})"
     stores = "\n    ".join(
@@ -409,10 +409,9 @@ def _space(kernel, device) -> dict:
 def _key(kernel) -> tuple[str, str]:
     """Variant, epilogue and operands' layout: the signature; sizes by power-of-two class."""
     lay, e = _layout(kernel)
-    pow2 = lambda n: 1 << max(0, int(n - 1).bit_length())
     sig = repr((e.params.get("epilogue", ()), lay.a_strides[2] == 1, lay.b_strides[2] == 1, lay.dtype.name))
     return "opencl-gemm-" + hashlib.sha1(sig.encode()).hexdigest()[:16], \
-        "x".join(str(pow2(n)) for n in (lay.batch, lay.m, lay.n, lay.k))
+        "x".join(str(tuner.size_class(n)) for n in (lay.batch, lay.m, lay.n, lay.k))
 
 
 tuner.register(tuner.Template(
