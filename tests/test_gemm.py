@@ -213,7 +213,10 @@ def test_a_packed_or_read_in_place_computes_the_same(rng, pack_a):
     cpu = tx.get_device("cpu")
     p = replace(gemm.default_gemm_params(cpu.info), kc=64, mc=gemm.default_gemm_params(cpu.info).mr * 2,
                 threads=2, pack_a=pack_a)
-    for (batch, m, n, k), bt in [((1, 13, 33, 129), False), ((3, 101, 47, 80), True), ((2, 25, 64, 64), False)]:
+    # a packed row-major A and a transposed B are transposed in registers a LANES x LANES square
+    # at a time: K blocks with and without a remainder past the last square, full and partial panels
+    for (batch, m, n, k), bt in [((1, 13, 33, 129), False), ((3, 101, 47, 80), True), ((2, 25, 64, 64), False),
+                                 ((1, 30, 70, 75), True)]:
         a = rng.standard_normal((batch, m, k)).astype(F32)
         b = rng.standard_normal((batch, n, k) if bt else (batch, k, n)).astype(F32)
         f = (lambda a, b: tnp.matmul(a, tnp.swapaxes(b, 1, 2))) if bt else tnp.matmul

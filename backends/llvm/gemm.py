@@ -249,12 +249,14 @@ class _Gen:
         """pack(src, s_outer, s_inner, n_outer, kc, dst): dst panels of `width` along the outer
         axis, k-major inside a panel, zero-padded: dst[p*kc*width + k*width + r] =
         src[(p*width + r)*s_outer + k*s_inner]. With s_outer == 1 a full panel's row of `width`
-        values is one vector load (B in row-major, A transposed); otherwise each of the panel's
-        rows is read along k (contiguous for a row-major A)."""
+        values is one vector load (B in row-major, A transposed); with s_inner == 1 (A in
+        row-major, B transposed) a full panel is transposed in registers, LANES rows by LANES k
+        at a time; otherwise, and for k past the last whole block, element by element."""
         st = self._storage(self.in_dtype)
         fn, b = self._func(name, [st.as_pointer(), I64, I64, I64, I64, F32P])
         src, s_out, s_in, n_out, kc, dst = fn.args
         w = self._i(width)
+        lanes = self.p.lanes
 
         def panel(p0):
             rows = self._smin(b, b.sub(n_out, p0), w)
@@ -267,27 +269,64 @@ class _Gen:
                 b.store(self._to_f32(b, v, self.in_dtype),
                         b.bitcast(out, ir.VectorType(F32, width).as_pointer()), align=4)
 
-            def strided(r):  # one row of the operand along k (contiguous when s_in == 1)
-                row = b.gep(src, [b.mul(b.add(p0, r), s_out)])
+            def transposed_block(k0):  # k0..k0+lanes of every row: loads along k, stores along rows
+                for g in range(0, width, lanes):
+                    n = min(lanes, width - g)
+                    vt = ir.VectorType(st, lanes)
+                    vecs = [self._to_f32(b, b.load(b.bitcast(
+                        b.gep(src, [b.add(b.mul(b.add(p0, self._i(g + r)), s_out), k0)]), vt.as_pointer()),
+                        align=2), self.in_dtype) for r in range(n)]
+                    vecs += [ir.Constant(self.V, None)] * (lanes - n)
+                    for kk, v in enumerate(self._transpose(b, vecs)):
+                        if n < lanes:
+                            v = b.shuffle_vector(v, ir.Constant(self.V, None), ir.Constant(
+                                ir.VectorType(I32, n), list(range(n))))
+                        out = b.gep(dst, [b.add(base, b.add(b.mul(b.add(k0, self._i(kk)), w), self._i(g)))])
+                        b.store(v, b.bitcast(out, v.type.as_pointer()), align=4)
 
-                def element(k):
-                    v = self._to_f32(b, b.load(b.gep(row, [b.mul(k, s_in)])), self.in_dtype)
-                    b.store(v, b.gep(dst, [b.add(base, b.add(b.mul(k, w), r))]))
-                self._loop(b, self._i(0), kc, self._i(1), element, name + ".k")
+            def strided(k_lo):  # row r along k from k_lo (contiguous when s_in == 1)
+                def one_row(r):
+                    row = b.gep(src, [b.mul(b.add(p0, r), s_out)])
+
+                    def element(k):
+                        v = self._to_f32(b, b.load(b.gep(row, [b.mul(k, s_in)])), self.in_dtype)
+                        b.store(v, b.gep(dst, [b.add(base, b.add(b.mul(k, w), r))]))
+                    self._loop(b, k_lo, kc, self._i(1), element, name + ".k")
+                return one_row
 
             def zeros(r):  # the padding of a partial panel
                 self._loop(b, self._i(0), kc, self._i(1), lambda k: b.store(
                     self._c(F32, 0.0), b.gep(dst, [b.add(base, b.add(b.mul(k, w), r))])), name + ".z")
-            vector = b.and_(b.icmp_signed("==", s_out, self._i(1)), b.icmp_signed("==", rows, w))
+            full = b.icmp_signed("==", rows, w)
+            vector = b.and_(b.icmp_signed("==", s_out, self._i(1)), full)
+            transpose = b.and_(b.icmp_signed("==", s_in, self._i(1)), full)
             with b.if_else(vector) as (vec, gen):
                 with vec:
                     self._loop(b, self._i(0), kc, self._i(1), vector_row, name + ".kv")
                 with gen:
-                    self._loop(b, self._i(0), rows, self._i(1), strided, name + ".r")
+                    k_whole = b.select(transpose, b.mul(b.sdiv(kc, self._i(lanes)), self._i(lanes)), self._i(0))
+                    self._loop(b, self._i(0), k_whole, self._i(lanes), transposed_block, name + ".kt")
+                    self._loop(b, self._i(0), rows, self._i(1), strided(k_whole), name + ".r")
                     self._loop(b, rows, w, self._i(1), zeros, name + ".pad")
         self._loop(b, self._i(0), n_out, w, panel, name + ".p")
         b.ret_void()
         return fn
+
+    @staticmethod
+    def _transpose(b, vecs):
+        """The transpose of a square of vectors (len(vecs) == lanes, a power of two): log2(lanes)
+        stages, each swapping the off-diagonal blocks of size h of every 2h x 2h block — two
+        two-source shuffles per pair of vectors (one vpermt2ps each on AVX-512)."""
+        n, h = len(vecs), 1
+        while h < n:
+            lo = ir.Constant(ir.VectorType(I32, n), [l if not l & h else n + l - h for l in range(n)])
+            hi = ir.Constant(ir.VectorType(I32, n), [l + h if not l & h else n + l for l in range(n)])
+            out = list(vecs)
+            for i in (i for i in range(n) if not i & h):
+                out[i] = b.shuffle_vector(vecs[i], vecs[i + h], lo)
+                out[i + h] = b.shuffle_vector(vecs[i], vecs[i + h], hi)
+            vecs, h = out, 2 * h
+        return vecs
 
     def _masked_load(self, vt):
         name = f"llvm.masked.load.v{vt.count}{self._sfx(vt.element)}.p0"
