@@ -11,7 +11,7 @@ Each GEMM problem (one per shape class: the tuning database's granularity) is ti
 template's default parameters (from DeviceInfo) and with those optuna's TPE found in --trials
 trials, next to numpy's matmul on contiguous operands of the same sizes (for a fused_gemm, "+epi",
 followed by the same epilogue in numpy; the faster of its default threads and one thread). The
-three are timed alike (the median of 15 calls) in three alternating rounds, numpy in
+three are timed alike (the median of 15 calls), shape after shape in seven rounds, numpy in
 subprocesses; the table holds the median of the rounds. The target: tuned at least 15% faster
 than the default wherever the default is not already within 5% of numpy.
 Attention (batch 32, 4 heads, head dim 32, causal; seq 64 as in the step, and 512): each of the
@@ -29,7 +29,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "examples")]
-from common import emit, run_worker, table, time_median  # noqa: E402
+from common import table, time_median  # noqa: E402
 
 
 def gemm_kernels(step, args):
@@ -53,48 +53,63 @@ def gemm_kernels(step, args):
     return out
 
 
-def _numpy_key(batch, m, n, k, epilogue, rows) -> str:
-    return f"{batch}x{m}x{n}x{k}" + (f" {json.dumps([epilogue, rows])}" if epilogue else "")
-
-
-def numpy_worker(shapes: list) -> None:
-    """In a subprocess: numpy's matmul on contiguous float32 operands of each (batch, m, n, k),
-    then the epilogue's steps in numpy (extras: rows along n, or of C's shape)."""
+def numpy_worker() -> None:
+    """In a subprocess, one case per line of stdin (a _numpy_case as JSON): numpy's matmul on
+    contiguous float32 operands of its sizes, then the epilogue's steps in numpy (extras: rows
+    along n, or of C's shape); prints the median seconds of 15 calls."""
     import numpy as np
     from tilefuse.ir.primitives import gemm_epilogue
     rng = np.random.default_rng(0)
-    out = {}
-    for batch, m, n, k, epilogue, rows in shapes:
-        a = rng.standard_normal((batch, m, k)).astype(np.float32)[0 if batch == 1 else slice(None)]
-        b = rng.standard_normal((batch, k, n)).astype(np.float32)[0 if batch == 1 else slice(None)]
-        c = np.matmul(a, b)
-        extras = [rng.standard_normal(n if row else c.shape).astype(np.float32) for row in rows]
-        steps = [tuple(st) for st in epilogue]
-        out[_numpy_key(batch, m, n, k, epilogue, rows)] = time_median(
-            lambda: gemm_epilogue(np.matmul(a, b, out=c), extras, steps), warmup=2, repeat=15).median
-    emit(out)
+    calls = {}
+    for line in sys.stdin:
+        if line not in calls:
+            batch, m, n, k, epilogue, rows = json.loads(line)
+            a = rng.standard_normal((batch, m, k)).astype(np.float32)[0 if batch == 1 else slice(None)]
+            b = rng.standard_normal((batch, k, n)).astype(np.float32)[0 if batch == 1 else slice(None)]
+            c = np.matmul(a, b)
+            extras = [rng.standard_normal(n if row else c.shape).astype(np.float32) for row in rows]
+            steps = [tuple(st) for st in epilogue]
+            calls[line] = lambda a=a, b=b, c=c, extras=extras, steps=steps: gemm_epilogue(
+                np.matmul(a, b, out=c), extras, steps)
+        print(time_median(calls[line], warmup=2, repeat=15).median, flush=True)
 
 
 def _numpy_case(p) -> tuple:
     return (p.batch, p.m, p.n, p.k, [list(st) for st in p.epilogue], [s == (0, 0) for s in p.extra_strides])
 
 
-def numpy_seconds(problems) -> dict:
+class NumpyTimer:
     """numpy's BLAS (BLAS takes transposed operands at the same speed) and, for a fused_gemm, its
-    epilogue computed after it by numpy: the faster of OpenBLAS's default threads and one thread
-    (on a busy machine its spinning threads can be ten times slower than one). In subprocesses:
-    OpenBLAS's threads spin after each call and would slow the template's measurements."""
-    shapes = sorted({json.dumps(_numpy_case(p)) for p in problems})
-    best: dict = {}
-    for env in ({}, {"OPENBLAS_NUM_THREADS": "1"}):
-        got = run_worker([os.path.abspath(__file__), "--numpy-worker", json.dumps([json.loads(s) for s in shapes])],
-                         env=env, timeout=600)
-        if "error" in got:
-            raise RuntimeError(f"numpy worker: {got['error']}")
-        for key, v in got.items():
-            if key != "peak_rss_mib":
-                best[key] = min(best.get(key, v), v)
-    return best
+    epilogue computed after it by numpy, in two worker processes: OpenBLAS's default threads and
+    one thread (on a busy machine its spinning threads can be much slower than one); a case's time
+    is the faster of the two. Not in this process: OpenBLAS's threads spin ~0.1 s after each call
+    and would slow the template's measurements, so the caller waits SPIN_S before timing its own."""
+    SPIN_S = 0.15
+
+    def __init__(self):
+        import subprocess
+        self.workers = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--numpy-worker"],
+                                         env={**os.environ, **env}, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+                        for env in ({}, {"OPENBLAS_NUM_THREADS": "1"})]
+
+    def seconds(self, prob) -> float:
+        import time
+        best = float("inf")
+        for w in self.workers:
+            w.stdin.write(json.dumps(_numpy_case(prob)) + "\n")
+            w.stdin.flush()
+            answer = w.stdout.readline()
+            if not answer:
+                raise RuntimeError(f"the numpy worker exited ({w.wait()})")
+            best = min(best, float(answer))
+        time.sleep(self.SPIN_S)
+        return best
+
+    def close(self):
+        for w in self.workers:
+            w.stdin.close()
+            w.wait()
 
 
 def template_seconds(kernel, dev, params: dict) -> float:
@@ -105,7 +120,7 @@ def template_seconds(kernel, dev, params: dict) -> float:
     return time_median(lambda: run(bufs), warmup=2, repeat=15).median
 
 
-ROUNDS = 3  # numpy, default and tuned timed in alternation, the median of the rounds' medians
+ROUNDS = 7  # numpy, default and tuned timed in alternation, the median of the rounds' medians
 
 
 def bench_gemms(trials: int) -> list:
@@ -119,19 +134,21 @@ def bench_gemms(trials: int) -> list:
         step, args = tt.tuning_workload()
         found = gemm_kernels(step, args)
         results = [(kernel, prob, dev, tune_with_bar(kernel, dev, trials)) for kernel, prob, dev in found]
-        keys = [_numpy_key(*_numpy_case(prob)) for _, prob, _, _ in results]
-        times = {key: {"numpy": [], "default": [], "tuned": []} for key in keys}
-        for _ in range(ROUNDS):
-            numpy_s = numpy_seconds([prob for _, prob, _, _ in results])
-            for key, (kernel, _, dev, res) in zip(keys, results):
-                times[key]["numpy"].append(numpy_s[key])
-                default = tuner.template_for("generated_gemm", kernel, dev).default(kernel, dev)
-                times[key]["default"].append(template_seconds(kernel, dev, default))
-                times[key]["tuned"].append(times[key]["default"][-1] if res.best == default
-                                           else template_seconds(kernel, dev, res.best))
+        times = [{"numpy": [], "default": [], "tuned": []} for _ in results]
+        numpy = NumpyTimer()
+        try:  # shape by shape, so that the machine's slow and fast spells fall on all three alike
+            for _ in range(ROUNDS):
+                for t, (kernel, prob, dev, res) in zip(times, results):
+                    t["numpy"].append(numpy.seconds(prob))
+                    default = tuner.template_for("generated_gemm", kernel, dev).default(kernel, dev)
+                    t["default"].append(template_seconds(kernel, dev, default))
+                    t["tuned"].append(t["default"][-1] if res.best == default
+                                      else template_seconds(kernel, dev, res.best))
+        finally:
+            numpy.close()
         rows = []
-        for key, (_, prob, _, res) in zip(keys, results):
-            numpy_s, d, t = (statistics.median(times[key][c]) for c in ("numpy", "default", "tuned"))
+        for rounds, (_, prob, _, res) in zip(times, results):
+            numpy_s, d, t = (statistics.median(rounds[c]) for c in ("numpy", "default", "tuned"))
             near = d <= 1.05 * numpy_s
             shape = f"{prob.batch}x{prob.m}x{prob.n}x{prob.k}" + (" +epi" if prob.epilogue else "")
             rows.append((shape, f"{numpy_s * 1e3:.3f}", f"{d * 1e3:.3f}",
@@ -209,10 +226,10 @@ def main(argv=None):
     p.add_argument("--attention-trials", type=int, default=20, help="trials per attention kernel")
     p.add_argument("--no-gemm", action="store_true")
     p.add_argument("--no-attention", action="store_true")
-    p.add_argument("--numpy-worker", help=argparse.SUPPRESS)
+    p.add_argument("--numpy-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.numpy_worker:
-        return numpy_worker(json.loads(a.numpy_worker))
+        return numpy_worker()
     import tilefuse as tx
     with tempfile.TemporaryDirectory() as d:
         if not a.no_gemm:

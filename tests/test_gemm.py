@@ -245,7 +245,14 @@ def test_a_is_read_in_place_by_default_unless_its_rows_share_l1_sets():
     assert gemm.reads_a_in_place(prob(512), p, info)       # 2 KiB apart: two sets, 6 rows each
     assert not gemm.reads_a_in_place(prob(1024), p, info)  # 4 KiB apart: 12 rows in one set
     assert not gemm.reads_a_in_place(prob(128, BF16), p, info)  # 16-bit A is converted by packing
-    assert not gemm.reads_a_in_place(prob(128, a_k_stride=2048), p, info)  # transposed A
+    assert not gemm.reads_a_in_place(prob(128, a_k_stride=2048), p, info)  # neither axis contiguous
+
+    def transposed(m, n):  # A's rows contiguous: in place where packing would not pay
+        return gemm.GemmProblem(1, m, n, 2048, (0, 1, m), (0, n, 1), F32, F32, (), (), (("lhs",), ("rhs",)))
+    two = replace(p, threads=2)
+    assert gemm.reads_a_in_place(transposed(512, 128), two, info)      # four column panels per block
+    assert gemm.reads_a_in_place(transposed(64, 1024), two, info)      # N split: each thread would pack A
+    assert not gemm.reads_a_in_place(transposed(2048, 1024), two, info)  # 32 panels repay the packing
     assert not gemm.reads_a_in_place(prob(128), replace(p, pack_a=True), info)
     assert gemm.reads_a_in_place(prob(1024), replace(p, pack_a=False), info)
 

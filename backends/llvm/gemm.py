@@ -56,8 +56,8 @@ class GemmParams:
     mc: int = 252    # rows of the packed A block (MC x KC) kept in L2; a multiple of mr
     nc: int = 4096   # columns of the packed B block (KC x NC) kept in L3; a multiple of nr
     threads: int = 1
-    pack_a: bool | None = None  # False: a float32 A with rows along k is read in place, not
-    # packed (a run-time choice); None: in place unless its rows would share L1 sets (reads_a_in_place)
+    pack_a: bool | None = None  # False: a float32 A is read in place, not packed (a run-time
+    # choice); None: as reads_a_in_place decides from the problem
 
     def __post_init__(self):
         assert self.nr % self.lanes == 0 and self.mc % self.mr == 0 and self.nc % self.nr == 0, self
@@ -423,8 +423,8 @@ class _Gen:
         slot = b.sdiv(s, per)
         ap = b.gep(work, [b.mul(slot, slot_size)])
         bp = b.gep(ap, [a_block])
-        # float32 A with k contiguous is read in place where reads_a_in_place says so: packing
-        # costs a pass over A, which a small N (few micro-panels per packed block) barely repays
+        # float32 A is read in place where reads_a_in_place says so: packing costs a pass over A,
+        # which a small N (few micro-panels per packed block) barely repays
         direct = b.icmp_signed("!=", read_a, self._i(0)) if st == F32 else None
 
         def task(u):
@@ -574,20 +574,26 @@ def _compile(info: DeviceInfo, p: GemmParams, prob: GemmProblem) -> tuple:
 
 
 def a_readable_in_place(prob: GemmProblem) -> bool:
-    """A float32 A with k contiguous: the micro-kernel can read its rows as they are."""
-    return prob.in_dtype == np.float32 and prob.a_strides[2] == 1
+    """A float32 A with k or its rows contiguous: the micro-kernel can read it as it is."""
+    return prob.in_dtype == np.float32 and 1 in prob.a_strides[1:]
 
 
 def reads_a_in_place(prob: GemmProblem, p: GemmParams, info: DeviceInfo, ways: int = 8) -> bool:
-    """Whether the micro-kernel reads A in place instead of packing it: float32 with k contiguous,
-    and by default (p.pack_a None) unless the MR rows it reads at once map to too few L1 sets (a
-    row stride of 4 KiB puts all of them in one set of an 8-way L1: 1024 x 1024 runs 0.71x
-    packed; at K = 128 reading in place is 1.15-1.3x, equal on large unaliased problems; measured
-    on znver4, 2 threads)."""
+    """Whether the micro-kernel reads A in place instead of packing it (float32 only; p.pack_a
+    forces either way). By default, with k contiguous, unless the MR rows it reads at once map to
+    too few L1 sets (a row stride of 4 KiB puts all of them in one set of an 8-way L1: 1024 x
+    1024 runs 0.71x in place; at K = 128 in place is 1.15-1.3x, equal on large unaliased
+    problems). With the rows contiguous (A transposed) only where packing would not pay: every
+    thread would pack all of A (the threads split N), or a packed block serves at most four
+    column panels (512x128x2048 1.09x in place, 64x1024x4096 1.18x; 1024^3 0.98x, 2048x2048x256
+    0.95x). Measured on znver4, 2 threads."""
     if not a_readable_in_place(prob) or p.pack_a:
         return False
     if p.pack_a is False:
         return True
+    if prob.a_strides[2] != 1:
+        split = _split(prob, p)
+        return split.n_n > 1 or min(split.nch, p.nc) <= 4 * p.nr
     sets = max(1, info.l1_bytes // (64 * ways))
     share = np.bincount([(r * prob.a_strides[1] * 4 // 64) % sets for r in range(p.mr)]).max()
     return bool(share <= ways - 2)  # two ways left for the B panel and C
@@ -602,6 +608,31 @@ def _chunk(extent: int, threads: int, unit: int) -> int:
     return -(-share // unit) * unit
 
 
+@dataclass(frozen=True)
+class Split:
+    """The problem's tasks: batch x n_m row chunks of mch x n_n column chunks of nch."""
+    threads: int
+    mch: int
+    nch: int
+    n_m: int = 1
+    n_n: int = 1
+
+
+def _split(prob: GemmProblem, p: GemmParams) -> Split:
+    """The batch over the threads when it divides evenly, else the longer of M and N (each
+    thread packs all of the other operand's blocks)."""
+    threads = p.threads if prob.flops >= PARALLEL_MIN_FLOPS else 1
+    if threads > 1 and prob.batch % threads:
+        split_n = prob.n >= threads * p.nr and (prob.n > prob.m or prob.m < threads * p.mr)
+        if split_n:
+            nch = _chunk(prob.n, threads, p.nr)
+            return Split(threads, prob.m, nch, n_n=-(-prob.n // nch))
+        if prob.m >= threads * p.mr:
+            mch = _chunk(prob.m, threads, p.mr)
+            return Split(threads, mch, prob.n, n_m=-(-prob.m // mch))
+    return Split(threads, prob.m, prob.n)
+
+
 class GemmKernel:
     """A compiled GEMM for one problem: `run(buffers)` in kernel.buffers order."""
 
@@ -614,19 +645,10 @@ class GemmKernel:
         if prob.out_dtype != np.float32:  # 16-bit C cannot hold partial sums: one K block
             kc = max(prob.k, 1)
             nc = max(p.nr, min(nc, p.nc * p.kc // kc // p.nr * p.nr))
-        threads = p.threads if prob.flops >= PARALLEL_MIN_FLOPS else 1
-        mch, nch, n_m, n_n = prob.m, prob.n, 1, 1
-        if threads > 1 and prob.batch % threads:
-            # split the longer of M and N: each thread packs all of the other operand's blocks
-            split_n = prob.n >= threads * p.nr and (prob.n > prob.m or prob.m < threads * p.mr)
-            if split_n:
-                nch = _chunk(prob.n, threads, p.nr)
-                n_n = -(-prob.n // nch)
-            elif prob.m >= threads * p.mr:
-                mch = _chunk(prob.m, threads, p.mr)
-                n_m = -(-prob.m // mch)
+        split = _split(prob, p)
+        mch, nch, n_m, n_n = split.mch, split.nch, split.n_m, split.n_n
         tasks = prob.batch * n_m * n_n
-        threads = min(threads, tasks)
+        threads = min(split.threads, tasks)
         per = -(-tasks // threads)
         self.bounds = [(s, min(s + per, tasks)) for s in range(0, tasks, per)]
         # blocks of equal size (no thin last block), at most MC x NC
