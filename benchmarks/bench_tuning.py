@@ -11,7 +11,7 @@ Each GEMM problem (one per shape class: the tuning database's granularity) is ti
 template's default parameters (from DeviceInfo) and with those optuna's TPE found in --trials
 trials, next to numpy's matmul on contiguous operands of the same sizes (for a fused_gemm, "+epi",
 followed by the same epilogue in numpy; the faster of its default threads and one thread). The
-three are timed alike (the median of 15 calls), shape after shape in seven rounds, numpy in
+three are timed alike (the median of 15 calls), shape after shape in eleven rounds, numpy in
 subprocesses; the table holds the median of the rounds. The target: tuned at least 15% faster
 than the default wherever the default is not already within 5% of numpy.
 Attention (batch 32, 4 heads, head dim 32, causal; seq 64 as in the step, and 512): each of the
@@ -120,7 +120,7 @@ def template_seconds(kernel, dev, params: dict) -> float:
     return time_median(lambda: run(bufs), warmup=2, repeat=15).median
 
 
-ROUNDS = 7  # numpy, default and tuned timed in alternation, the median of the rounds' medians
+ROUNDS = 11  # numpy, default and tuned timed in alternation, the median of the rounds' medians
 
 
 def bench_gemms(trials: int) -> list:
