@@ -154,6 +154,30 @@ def test_opencl_work_group_size_is_tuned_and_used(db):
     assert [p for k, p in tuner.applied.items() if k[0] == "opencl_kernel"] == [res.best]
 
 
+def test_cuda_block_size_is_a_template_and_a_stored_block_is_built(db):
+    """The CUDA kernels' block size (no GPU here: an offline sm_90 device compiles, and the
+    dispatcher's build with a stored block gives a kernel that launches with it)."""
+    from tilefuse.backends.cuda import offline_device
+    from tilefuse.runtime import dispatch
+    dev = offline_device("sm_90")
+    x = np.ones((1000, 300), np.float32)
+    (launch,) = tx.jit(lambda x: (x * 2 + 1).sum(axis=1), device=dev).lower(x).compile().program.launches
+    kernel = launch.kernel
+    t = tuner.template_for(launch.impl, kernel, dev)
+    assert t.name == "cuda_kernel"
+    assert t.default(kernel, dev) == {"block": 32}  # 1000 points over 132 SMs: a warp per block
+    assert t.space(kernel, dev) == {"block": (32, 64, 128, 256, 512, 1024)}
+    assert t.check({"block": 48}, kernel, dev) and t.check({"block": 2048}, kernel, dev)
+    run = t.build(kernel, dev, dev.backend, {"block": 256})
+    assert (run.grid, run.block) == (4, 256) and ".target sm_90" in run.source
+    sig, shape = t.key(kernel)
+    assert tuner.database().put({"template": t.name, "signature": sig, "shape_class": shape,
+                                 "device": tuner.device_key(dev), "params": {"block": 128},
+                                 "seconds": 1e-5, "default_seconds": 2e-5, "trials": 4})
+    run = tuner.build(dispatch.choose(kernel, dev), kernel, dev, dev.backend)
+    assert (run.grid, run.block) == (8, 128)
+
+
 @needs_cpu
 def test_the_gemm_defaults_satisfy_the_tuners_constraints():
     """Stored defaults are re-checked by every later compile: a default the constraints reject

@@ -29,20 +29,22 @@ SM_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
 # ---- launch configuration (pure: unit-tested against DeviceInfo values) ------------------------
 
-def launch_config(points: int, info: DeviceInfo) -> tuple[int, int]:
+def launch_config(points: int, info: DeviceInfo, block: int | None = None) -> tuple[int, int]:
     """(grid, block) for a grid-stride kernel over `points` threads' worth of work.
 
-    Block: BLOCK threads (capped by the device's max threads per block, a whole number of
-    warps), halved down to one warp while the space would not give every SM a block, so small
-    kernels spread over the SMs. Grid: enough blocks to cover the space, capped at one wave of
-    resident blocks (SM count × blocks an SM holds); the grid-stride loop does the rest."""
+    Block (unless given, as the tuner does): BLOCK threads (capped by the device's max threads
+    per block, a whole number of warps), halved down to one warp while the space would not give
+    every SM a block, so small kernels spread over the SMs. Grid: enough blocks to cover the
+    space, capped at one wave of resident blocks (SM count × blocks an SM holds); the
+    grid-stride loop does the rest."""
     warp = max(int(info.sub_group or 32), 1)
-    block = max(warp, min(BLOCK, int(info.max_work_group or BLOCK)) // warp * warp)
     sms = max(int(info.compute_units), 1)
+    if block is None:
+        block = max(warp, min(BLOCK, int(info.max_work_group or BLOCK)) // warp * warp)
+        while points > 0 and block > warp and -(-points // block) < sms:
+            block = max(warp, block // 2 // warp * warp)
     if points <= 0:
         return 0, block
-    while block > warp and -(-points // block) < sms:
-        block = max(warp, block // 2 // warp * warp)
     per_sm = max(1, int(info.extra.get("max_threads_per_sm", 2048)) // block)
     grid = min(-(-points // block), sms * per_sm)
     return max(grid, 1), block
@@ -125,11 +127,12 @@ class CudaKernel:
     """A kernel compiled to PTX; calling it launches it on the device's stream (the module is
     loaded on the first call)."""
 
-    def __init__(self, kernel, fn_name: str, llvm_ir: str, ptx: str, backend, device):
+    def __init__(self, kernel, fn_name: str, llvm_ir: str, ptx: str, backend, device,
+                 block: int | None = None):
         self.kernel, self.fn_name, self.llvm_ir, self.source = kernel, fn_name, llvm_ir, ptx
         self.backend, self.device = backend, device
         self.points = int(np.prod(kernel.shape, dtype=np.int64))
-        self.grid, self.block = launch_config(self.points, backend.info_of(device))
+        self.grid, self.block = launch_config(self.points, backend.info_of(device), block)
         self._fn = None
 
     def __call__(self, buffers):
@@ -192,14 +195,16 @@ class CUDABackend(Backend):
         return pool
 
     # -- kernels ---------------------------------------------------------------------------
-    def compile_kernel(self, kernel, device=None) -> CudaKernel:
+    def compile_kernel(self, kernel, device=None, block: int | None = None) -> CudaKernel:
+        """The kernel's PTX (made once per kernel and target) launched with `block` threads per
+        block (None: launch_config's choice); the grid-stride PTX runs with any."""
         sm = self.info_of(device).extra.get("sm", "sm_80")
         key = (str(kernel), sm)
         hit = self._ptx.get(key)
         if hit is None:
             name = _fn_name(kernel)
             hit = self._ptx[key] = (name, *kernel_ptx(kernel, name, sm))
-        return CudaKernel(kernel, hit[0], hit[1], hit[2], self, device)
+        return CudaKernel(kernel, hit[0], hit[1], hit[2], self, device, block)
 
     def compile(self, graph, device):
         from tilefuse.runtime.compiler import compile_graph
@@ -289,3 +294,6 @@ def create() -> CUDABackend:
 
 __all__ = ["CUDABackend", "OfflineCUDABackend", "DeviceBuffer", "launch_config", "device_info",
            "sm_target", "offline_device", "ptx_for", "create"]
+
+
+from . import tuning  # noqa: E402,F401  (registers the block size with the auto-tuner)
