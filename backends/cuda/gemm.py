@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
-from tilefuse.backends.llvm.gemm import GemmProblem, _EpilogueGen, gemm_problem
+from tilefuse.backends.llvm.gemm import GemmProblem, activation, gemm_problem
 from tilefuse.backends.llvm.irutil import bf16_to_f32, counted_loop, f32_to_bf16
 from tilefuse.ir.errors import CompileError
 from tilefuse.runtime import tuner
@@ -264,7 +264,7 @@ class _Gen:
                     x = b.load(b.gep(self.extras[step[1]], [off], inbounds=True, source_etype=st), typ=st)
                     v = b.fadd(v, _to_f32(b, x, out))
                 else:
-                    v = _EpilogueGen._activation(b, step, v)
+                    v = activation(b, step, v)
             off = b.add(b.mul(self.z, _c64(prob.m * prob.n)), b.add(b.mul(r, _c64(prob.n)), c))
             b.store(_from_f32(b, v, out), b.gep(self.c_ptr, [off], inbounds=True, source_etype=st))
 

@@ -72,8 +72,8 @@ def interchanges(kernel: Kernel) -> bool:
 
 
 def code_digest(*files: str) -> str:
-    """A hash of code generators (files of this folder, with the IR helpers every generator
-    uses), so that changed code never reuses old objects from the disk cache."""
+    """A hash of code generators (files of this folder or absolute paths, with the IR helpers
+    every generator uses), so that changed code never reuses old objects from the disk cache."""
     h = hashlib.sha256(BACKEND_VERSION.encode())
     here = os.path.dirname(os.path.abspath(__file__))
     for name in ("vecmath.py", "irutil.py", "compile.py") + files:

@@ -30,6 +30,8 @@ import numpy as np
 from llvmlite import ir
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
+from tilefuse.ir.kernel import lower
+from tilefuse.ir.kernel.lower import epilogue_value, gemm_activation
 from tilefuse.ir.kernel.matmul import matmul_layout
 from tilefuse.runtime import compile_cache, dispatch, tuner
 from tilefuse.runtime.hardware import DeviceInfo
@@ -37,6 +39,7 @@ from tilefuse.runtime.hardware import DeviceInfo
 from . import blas, vecmath
 from .irutil import bf16_to_f32, counted_loop, f32_to_bf16, splat
 from .compile import code_digest, KernelFn, get_pool, get_target
+from .render import emit_pointwise
 
 F32, I1, I16, I32, I64 = ir.FloatType(), ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 HALF = ir.HalfType()
@@ -480,6 +483,12 @@ class _Gen:
         return str(self.mod)
 
 
+def activation(b, step, v):
+    """A fused_gemm epilogue step other than "add" on the float32 value v (a scalar or a vector)."""
+    y = epilogue_value()
+    return emit_pointwise(b, gemm_activation(step, y), {y: v})
+
+
 class _EpilogueGen(_Gen):
     """Emits an epilogue module: epilogue(ptrs, batch, row, col, rows, cols) applies the steps to
     a rows x cols tile of C (rows <= MR, cols <= NR) in place."""
@@ -517,41 +526,16 @@ class _EpilogueGen(_Gen):
                                          ptr.type)
                         val = b.fadd(val, load(xptr, v))
                     else:
-                        val = self._activation(b, step, val)
+                        val = activation(b, step, val)
                 store(val, ptr, v)
         self._loop(b, self._i(0), rows, self._i(1), one_row, "row")
         b.ret_void()
         return str(self.mod)
 
-    @staticmethod
-    def _activation(b, step, v):
-        """A step other than "add" on the float32 vector v."""
-        em = vecmath.Emit(b)
-        V = v.type
-        op = step[0]
-        if op == "affine":
-            return em.fma(v, em.c(V, step[1]), em.c(V, step[2]))
-        if op == "relu":
-            return b.select(em.lt(v, em.c(V, 0.0)), em.c(V, 0.0), v)
-        if op == "silu":
-            return b.fmul(v, vecmath.logistic(em, v))
-        if op == "tanh":
-            return vecmath.tanh(em, v)
-        if op == "sigmoid":
-            return vecmath.logistic(em, v)
-        if op == "gelu_tanh":
-            inner = b.fmul(em.c(V, math.sqrt(2.0 / math.pi)),
-                           em.fma(b.fmul(em.c(V, 0.044715), b.fmul(v, v)), v, v))
-            return b.fmul(b.fmul(em.c(V, 0.5), v), b.fadd(em.c(V, 1.0), vecmath.tanh(em, inner)))
-        if op == "gelu_erf":
-            e = vecmath.erf(em, b.fmul(v, em.c(V, 1.0 / math.sqrt(2.0))))
-            return b.fmul(b.fmul(em.c(V, 0.5), v), b.fadd(em.c(V, 1.0), e))
-        raise CompileError(f"the GEMM template has no epilogue step {step}")
-
 
 # ---- compiling and running ------------------------------------------------------------------------
 
-_DIGEST = code_digest("gemm.py")
+_DIGEST = code_digest("gemm.py", lower.__file__)  # the epilogue's expressions come from lower.py
 
 
 def _load(info: DeviceInfo, spec: tuple, make_gen) -> int:

@@ -21,7 +21,7 @@ from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, affine_forms, load, read
     row_stashes
 
 from . import vecmath
-from .irutil import bf16_to_f32, counted_loop, f32_to_bf16
+from .irutil import bf16_to_f32, counted_loop, f32_to_bf16, splat
 from .vecmath import F32, F64, I32, I64, Emit
 
 I1, I8, I16 = ir.IntType(1), ir.IntType(8), ir.IntType(16)
@@ -698,6 +698,38 @@ UNARY_OPS = {
     **{op: (lambda op: lambda r, d, x: vecmath.unary(r.em, op, x))(op) for op in vecmath.LIBM},
     "logistic": lambda r, d, x: vecmath.unary(r.em, "logistic", x),
 }
+
+
+class _Ops:
+    """What the op tables need of a renderer: a builder and its math emitter."""
+
+    def __init__(self, b: ir.IRBuilder):
+        self.b, self.em = b, Emit(b)
+
+
+def emit_pointwise(b: ir.IRBuilder, expr: KExpr, bound: dict):
+    """The LLVM value of a float expression of constants, unary and binary ops and selects over
+    the leaves `bound` maps to values (scalars, or vectors, all of one type) — a GEMM template's
+    epilogue (ir/kernel/lower.gemm_activation), rendered by the same op tables as the kernels."""
+    r, values = _Ops(b), dict(bound)
+    ty = next(iter(bound.values())).type
+
+    def value(n: KExpr):
+        v = values.get(n)
+        if v is None:
+            if n.op == "const":
+                v = splat(ty, n.arg)
+            elif n.op == "select":
+                v = b.select(*(value(s) for s in n.src))
+            elif n.op in UNARY_OPS:
+                v = UNARY_OPS[n.op](r, n.dtype, value(n.src[0]))
+            elif n.op in CMP:
+                v = b.fcmp_ordered(CMP[n.op], value(n.src[0]), value(n.src[1]))
+            else:
+                v = BINARY_OPS[n.op](r, "f", value(n.src[0]), value(n.src[1]))
+            values[n] = v
+        return v
+    return value(expr)
 
 
 def render(kernel: Kernel, fn_name: str, vector_bits: int = 256, interleave: int = INTERLEAVE,

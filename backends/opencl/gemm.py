@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from tilefuse.ir.kernel.lower import epilogue_value, gemm_activation
 from tilefuse.ir.kernel.matmul import MatmulLayout, matmul_layout
 from tilefuse.runtime import dispatch, tuner
 
-from .render import LANE, Rendered, cname, literal
+from .render import LANE, Rendered, cname, pointwise_function
 
 VECTOR_TILE = (6, 16, 2)  # CPU devices: rows, vector width, vectors per row (12 accumulators)
 DOT_TILE = (4, 4, 16)  # CPU devices, A·Bᵀ: rows, columns, vector width along k (16 accumulators)
@@ -62,35 +63,32 @@ def _params(ctype: str, n_inputs: int) -> str:
                      + [f"__global {ctype}* restrict out0"])
 
 
-# The activations of a fused_gemm epilogue (ir/primitives.py) on one value, in OpenCL C.
-ACTIVATIONS = {
-    "relu": "fmax(v, (T)0)",
-    "tanh": "tanh(v)",
-    "sigmoid": "(T)1 / ((T)1 + exp(-v))",
-    "silu": "v / ((T)1 + exp(-v))",
-    "gelu_tanh": "(T)0.5 * v * ((T)1 + tanh((T)0.7978845608028654 * (v + (T)0.044715 * v * v * v)))",
-    "gelu_erf": "(T)0.5 * v * ((T)1 + erf(v * (T)0.7071067811865476))",
-}
-
-
 @dataclass(frozen=True)
 class Epilogue:
-    """A fused_gemm's epilogue as OpenCL C: `defs` (one function per activation step) and
-    `apply(v, z, m, n)`, the expression of C[z, m, n] from the product's value v, reading the
-    extras (residuals of C's shape, row vectors along n) as kernel parameters in<i>."""
+    """A fused_gemm's epilogue as OpenCL C: `defs` (a function per run of steps between adds,
+    rendered from ir/kernel/lower.gemm_activation) and `apply(v, z, m, n)`, the expression of
+    C[z, m, n] from the product's value v, reading the extras (residuals of C's shape, row
+    vectors along n) as kernel parameters in<i>."""
     defs: str = ""
-    steps: tuple = ()  # ("add", buffer, full) | ("affine", a, c) | ("fn", name)
+    steps: tuple = ()  # ("add", buffer, full) | ("fn", name)
 
     def apply(self, v: str, z: str, m: str, n: str) -> str:
         for st in self.steps:
             if st[0] == "add":
                 at = f"{z} * ((long)M * N) + {m} * N + {n}" if st[2] else n
                 v = f"({v} + in{st[1]}[{at}])"
-            elif st[0] == "affine":
-                v = f"({v} * {st[1]} + {st[2]})"
             else:
                 v = f"{st[1]}({v})"
         return v
+
+
+def _function(name: str, steps: list, dtype) -> str:
+    """An OpenCL C function of one value applying the epilogue steps (none an add) in order."""
+    y = epilogue_value(dtype)
+    expr = y
+    for step in steps:
+        expr = gemm_activation(step, expr)
+    return pointwise_function(name, expr, y)
 
 
 def epilogue_of(e, lay: MatmulLayout, operands) -> Epilogue | None:
@@ -98,24 +96,27 @@ def epilogue_of(e, lay: MatmulLayout, operands) -> Epilogue | None:
     vector along n); an empty one for a dot_general."""
     if e.prim.name != "fused_gemm":
         return Epilogue()
-    out, ctype = e.outputs[0].aval, _CTYPES[lay.dtype]
+    out = e.outputs[0].aval
     pos = {v.id: i for i, v in enumerate(operands)}
-    defs, steps = [], []
-    for k, step in enumerate(e.params["epilogue"]):
+    defs, steps, run = [], [], []
+
+    def close_run():
+        if run:
+            name = f"epilogue{len(defs)}"
+            defs.append(_function(name, run, lay.dtype))
+            steps.append(("fn", name))
+            run.clear()
+    for step in e.params["epilogue"]:
         if step[0] == "add":
             x = e.inputs[2 + step[1]]
             if x.aval.shape not in (out.shape, (lay.n,)) or not hasattr(x, "id"):
                 return None
+            close_run()
             steps.append(("add", pos[x.id], x.aval.shape == out.shape))
-        elif step[0] == "affine":
-            steps.append(("affine", literal(step[1], lay.dtype), literal(step[2], lay.dtype)))
-        elif step[0] in ACTIVATIONS:
-            fn = f"step{k}"
-            defs.append(f"static inline {ctype} {fn}({ctype} v) {{ return {ACTIVATIONS[step[0]]}; }}")
-            steps.append(("fn", fn))
         else:
-            return None
-    return Epilogue(f"#define T {ctype}\n" + "\n".join(defs) + "\n#undef T\n", tuple(steps))
+            run.append(step)
+    close_run()
+    return Epilogue("\n".join(defs), tuple(steps))
 
 
 def _source(name: str, lay: MatmulLayout, t: GemmTiles, ctype: str, a: int, b: int,

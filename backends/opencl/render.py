@@ -427,6 +427,17 @@ ATOMIC_DTYPES = (I32, U32, F32)
 ATOMIC64_DTYPES = (I64, F64)
 
 
+def pointwise_function(name: str, expr: KExpr, arg: KExpr) -> str:
+    """An OpenCL C function `name(v)` of expr, an expression of constants, unary and binary ops
+    and selects over the leaf `arg` (its parameter v): a GEMM template's epilogue."""
+    lines: list = []
+    body = _Body(None, lines, None, 1, "", "    ")
+    body.memo[(arg, True)] = "v"
+    result = body.val(expr, scalar=True)
+    ctype = VALUE_T[np.dtype(arg.dtype)]
+    return "\n".join([f"static inline {ctype} {name}({ctype} v) {{", *lines, f"    return {result};", "}"])
+
+
 def _nodes(k: Kernel):
     seen = []
     for st in k.stores:

@@ -411,13 +411,18 @@ def _dot_general(b, e, I):
     return cast(acc, compute(e.outputs[0].aval.dtype))
 
 
-def _gemm_step(b, e, I, step, y: KExpr) -> KExpr:
-    """One fused_gemm epilogue step on the float32 value y (see ir/primitives.py)."""
+def epilogue_value(dtype=np.float32) -> KExpr:
+    """The value a GEMM template's epilogue applies gemm_activation to: a leaf the template binds
+    to its own value (a register, a vector, a variable), never read from a buffer."""
+    return KExpr("load", np.dtype(dtype), (const(0, INDEX),), -1)
+
+
+def gemm_activation(step, y: KExpr) -> KExpr:
+    """A fused_gemm epilogue step other than "add" (see ir/primitives.py) on the float32 value y:
+    the one definition that the kernel IR and every GEMM template render (the LLVM and PTX
+    templates through backends/llvm/render.emit_pointwise, OpenCL's through its renderer)."""
     c = lambda v: const(v, y.dtype)
     op = step[0]
-    if op == "add":
-        x = e.inputs[2 + step[1]]
-        return binary("add", y, b.value(x, I if x.aval.ndim == len(I) else I[-1:]))
     if op == "affine":
         return binary("add", binary("mul", y, c(step[1])), c(step[2]))
     if op == "relu":
@@ -430,9 +435,18 @@ def _gemm_step(b, e, I, step, y: KExpr) -> KExpr:
         cube = binary("mul", binary("mul", y, y), y)
         inner = binary("mul", c(math.sqrt(2.0 / math.pi)), binary("add", y, binary("mul", c(0.044715), cube)))
         return binary("mul", binary("mul", c(0.5), y), binary("add", c(1.0), unary("tanh", inner)))
-    assert op == "gelu_erf", step
-    erf = unary("erf", binary("mul", y, c(1.0 / math.sqrt(2.0))))
-    return binary("mul", binary("mul", c(0.5), y), binary("add", c(1.0), erf))
+    if op == "gelu_erf":
+        erf = unary("erf", binary("mul", y, c(1.0 / math.sqrt(2.0))))
+        return binary("mul", binary("mul", c(0.5), y), binary("add", c(1.0), erf))
+    raise CompileError(f"fused_gemm has no epilogue step {step}")
+
+
+def _gemm_step(b, e, I, step, y: KExpr) -> KExpr:
+    """One fused_gemm epilogue step on the float32 value y: an extra added, or gemm_activation."""
+    if step[0] == "add":
+        x = e.inputs[2 + step[1]]
+        return binary("add", y, b.value(x, I if x.aval.ndim == len(I) else I[-1:]))
+    return gemm_activation(step, y)
 
 
 @_rule("fused_gemm")
