@@ -36,7 +36,7 @@ TRANSFORMER = [  # (name, M, N, K, A transposed)
 
 
 def _gelu_np(y):
-    return 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3)))
+    return 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * (y * y * y))))
 
 
 def _tilefuse(mode: str, fn, args, device="cpu"):
@@ -115,23 +115,32 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
 
 
 SETTLE = 0.4  # seconds: OpenBLAS, OpenMP (torch) and Eigen (jax) threads spin after a call
+WARM_S = 0.03  # seconds of calls before timing: a core that was idle runs the next calls slowly
+SAMPLE_S = 0.01  # seconds of calls per sample (at least one call)
 
 
 def interleaved(fns: dict, repeat: int, clock=time.perf_counter) -> dict:
-    """Median seconds of each callable, measured in rounds (each once per round, after a warm-up
-    each): on a shared, noisy machine every contender sees the same moments of load. Between
-    contenders a pause lets the last one's spinning threads go to sleep, so that nobody is
-    timed beside another's."""
+    """Median seconds per call of each callable, measured in rounds (each once per round): on a
+    shared, noisy machine every contender sees the same moments of load. Between contenders a
+    pause lets the last one's spinning threads go to sleep, so that nobody is timed beside
+    another's; then each runs WARM_S of calls before its sample, as in a training loop: after
+    the pause the first calls of every contender run up to 1.6x slower (the idle cores of this
+    VM wake slowly; measured on 2048x128x384, numpy and the template alike)."""
     samples = {who: [] for who in fns}
     for f in fns.values():
-        f(), f()  # warm: compiled, pages touched, threads awake
+        f(), f()  # compiled, pages touched
     for _ in range(repeat):
         for who, f in fns.items():
             time.sleep(SETTLE)
-            f()  # wakes this contender's own threads
-            t = clock()
-            f()
-            samples[who].append(clock() - t)
+            calls, until = 0, time.perf_counter() + WARM_S
+            while calls < 2 or time.perf_counter() < until:
+                f()
+                calls += 1
+            calls, start, until = 0, clock(), time.perf_counter() + SAMPLE_S
+            while calls < 1 or time.perf_counter() < until:
+                f()
+                calls += 1
+            samples[who].append((clock() - start) / calls)
     return {who: statistics.median(ts) for who, ts in samples.items()}
 
 

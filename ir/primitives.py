@@ -459,7 +459,7 @@ def gemm_epilogue(y, extras, epilogue):
         elif op == "sigmoid":
             y = 1 / (1 + np.exp(-y))
         elif op == "gelu_tanh":
-            y = 0.5 * y * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (y + 0.044715 * y ** 3)))
+            y = 0.5 * y * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (y + 0.044715 * (y * y * y))))
         elif op == "gelu_erf":
             y = 0.5 * y * (1 + np.asarray(_erf(y / np.float32(math.sqrt(2))), np.float32))
     return np.asarray(y, np.float32)

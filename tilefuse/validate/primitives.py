@@ -211,7 +211,7 @@ def _fused_gemm():
     def ref(x, w, b, r):
         f = lambda a: a.astype(np.float32)  # noqa: E731
         y = f(x) @ f(w) + f(b)
-        y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3))) + f(r)
+        y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * (y * y * y)))) + f(r)
         return y.astype(x.dtype)
     return Op("fused_gemm(3,4)x(4,5)+b,gelu,+r", P.fused_gemm,
               lambda r, s, d: [_rand(r, (3, 4), d), _rand(r, (4, 5), d), _rand(r, (5,), d), _rand(r, (3, 5), d)],
