@@ -23,7 +23,6 @@ Kernels of kind "dot_general" (a dot_general or fused_gemm equation) are describ
 from __future__ import annotations
 
 import ctypes
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,6 @@ from llvmlite import ir
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel import lower
-from tilefuse.ir.kernel.lower import epilogue_value, gemm_activation
 from tilefuse.ir.kernel.matmul import matmul_layout
 from tilefuse.runtime import compile_cache, dispatch, tuner
 from tilefuse.runtime.hardware import DeviceInfo
@@ -322,8 +320,8 @@ class _Gen:
         two-source shuffles per pair of vectors (one vpermt2ps each on AVX-512)."""
         n, h = len(vecs), 1
         while h < n:
-            lo = ir.Constant(ir.VectorType(I32, n), [l if not l & h else n + l - h for l in range(n)])
-            hi = ir.Constant(ir.VectorType(I32, n), [l + h if not l & h else n + l for l in range(n)])
+            lo = ir.Constant(ir.VectorType(I32, n), [j if not j & h else n + j - h for j in range(n)])
+            hi = ir.Constant(ir.VectorType(I32, n), [j + h if not j & h else n + j for j in range(n)])
             out = list(vecs)
             for i in (i for i in range(n) if not i & h):
                 out[i] = b.shuffle_vector(vecs[i], vecs[i + h], lo)
@@ -485,8 +483,8 @@ class _Gen:
 
 def activation(b, step, v):
     """A fused_gemm epilogue step other than "add" on the float32 value v (a scalar or a vector)."""
-    y = epilogue_value()
-    return emit_pointwise(b, gemm_activation(step, y), {y: v})
+    y = lower.epilogue_value()
+    return emit_pointwise(b, lower.gemm_activation(step, y), {y: v})
 
 
 class _EpilogueGen(_Gen):

@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 
-import llvmlite.binding as llvm
 import numpy as np
 
 from tilefuse.runtime import compile_cache

@@ -830,7 +830,7 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
     else:
         units = k.size
         if mode == "serial":
-            out.append(f"  if (get_global_id(0) != 0) return;  // \"add\" stores: one work-item, in order")
+            out.append("  if (get_global_id(0) != 0) return;  // \"add\" stores: one work-item, in order")
             out.append(f"  for (long u = 0; u < {units}L; ++u) {{")
         else:
             out.append(f"  for (long u = get_global_id(0); u < {units}L; u += get_global_size(0)) {{")
