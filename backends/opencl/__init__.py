@@ -182,7 +182,9 @@ class OpenCLBackend(Backend):
         """Render, build (cached) and size one kernel; `mode` forces a rendering (render.py)."""
         st = self._state(device)
         if mode is None and config.deterministic and racy_float_adds(kernel):
-            mode = "serial"  # atomic float adds land in any order: the sum's rounding varies
+            # atomic float adds land in any order, so the sum's rounding varies: an owner axis
+            # keeps them in order with a work-item per index, else one work-item runs them all
+            mode = "serial" if kernel.owner_axis is None else "owner"
         key = (kernel.signature(), mode)
         ck = st.kernels.get(key)
         if ck is None:
@@ -218,9 +220,12 @@ class OpenCLBackend(Backend):
         has_f64 = any(np.dtype(b.dtype) == F64 for b in kernel.buffers)
         width = x["preferred_width"]["double" if has_f64 else "float"]
         tree = 0 if x["device_type"] == "cpu" else 1 << (min(256, info.max_work_group).bit_length() - 1)
+        # CPU devices: atomic float adds are compare-and-swap loops, which contend; an owner axis
+        # split in two blocks per core runs the adds in order instead, vectorised along the block
+        owners = 2 * info.compute_units if x["device_type"] == "cpu" else 0
         return render(kernel, width=width, fp64=x["fp64"], int64_atomics=x["int64_atomics"],
                       tree=tree if mode in (None, "tree") else 0, tree_below=4 * info.compute_units,
-                      mode=mode)
+                      owners=owners, mode=mode)
 
     def _finish(self, kernel, key, r: Rendered, knl, st: _State, t0: float) -> CompiledKernel:
         g, l = launch_dims(r, st.info)

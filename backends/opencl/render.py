@@ -469,16 +469,23 @@ def racy_float_adds(k: Kernel) -> bool:
     return any(s.mode == "add" and _is_float(k.buffers[s.buffer].dtype) for s in k.stores)
 
 
-def choose_mode(k: Kernel, width: int, *, int64_atomics: bool) -> str:
+def choose_mode(k: Kernel, width: int, *, int64_atomics: bool, owners: int = 0) -> str:
+    """How a kernel's points map to work-items (see render). Kernels with "add" stores: where an
+    axis can own them (Kernel.owner_axis) and `owners` is set, "owner" (the axis split among
+    that many work-items, each running the rest of the space in order); else atomics
+    ("scalar"); else "owner" with a work-item per index; else one work-item ("serial")."""
     adds = [s for s in k.stores if s.mode == "add"]
     if adds:
+        set_bufs = {s.buffer for s in k.stores if s.mode == "set"}
+        if set_bufs & {s.buffer for s in adds}:
+            return "serial"
+        a = k.owner_axis
+        if owners and a is not None:
+            return "owner"
         atomic_ok = all(np.dtype(k.buffers[s.buffer].dtype) in ATOMIC_DTYPES or
                         (int64_atomics and np.dtype(k.buffers[s.buffer].dtype) in ATOMIC64_DTYPES)
                         for s in adds)
-        set_bufs = {s.buffer for s in k.stores if s.mode == "set"}
-        if atomic_ok and not set_bufs & {s.buffer for s in adds}:
-            return "scalar"
-        return "serial"
+        return "scalar" if atomic_ok else "owner" if a is not None else "serial"
     if width <= 1 or not k.shape and not k.reduce_shape:
         return "scalar"
     par_ok = bool(k.shape) and k.shape[-1] >= width
@@ -768,24 +775,25 @@ def _local_arrays(k: Kernel, local: int) -> list:
 
 
 def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool = True,
-           tree: int = 0, tree_below: int = 0, mode: str | None = None) -> Rendered:
+           tree: int = 0, tree_below: int = 0, owners: int = 0, mode: str | None = None) -> Rendered:
     """OpenCL C for a kernel. `width`: the device's preferred vector width for its dtypes;
     `tree`: the work-group size of tree reductions (0: none, as on CPU devices, where one
     work-group runs on one core), used for kernels of fewer than `tree_below` points reducing
-    at least 8 steps per work-item; `mode` overrides the choice (tests, the tuner)."""
+    at least 8 steps per work-item; `owners`: the work-items that share an owner axis in place
+    of atomic adds (0: atomics where they exist; choose_mode); `mode` overrides the choice."""
     used = {np.dtype(b.dtype) for b in k.buffers} | {np.dtype(n.dtype) for n in _nodes(k)}
     if F64 in used and not fp64:
         raise CompileError(f"opencl: kernel {k.name} needs float64, which this device lacks "
                            "(no cl_khr_fp64); use float32", backend="opencl", kernel=pp_kernel(k))
     name = cname(k)
     if mode is None:
-        mode = choose_mode(k, width, int64_atomics=int64_atomics)
+        mode = choose_mode(k, width, int64_atomics=int64_atomics, owners=owners)
         steps = int(np.prod(k.reduce_shape, dtype=np.int64)) if k.has_reduce else 0
         rows = k.row_stores or len(reduce_levels(st.value for st in k.stores)) > 1
         if tree and mode != "serial" and not k.serial and not rows and k.size < tree_below and \
                 steps >= 8 * tree:
             mode = "tree"
-    assert mode in ("par", "red", "scalar", "serial", "tree"), mode
+    assert mode in ("par", "red", "scalar", "serial", "tree", "owner"), mode
     if mode == "tree":
         assert tree and tree & (tree - 1) == 0 and k.has_reduce, "tree mode: a power-of-two work-group"
     W = width if mode == "par" else red_width(width) if mode == "red" else 1
@@ -798,8 +806,23 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
                        for i, b in enumerate(k.buffers))
     out = head + [f"__kernel void {name}({params}) {{"]
     shape = tuple(k.shape)
-    atomic = mode != "serial"
-    if mode == "par":
+    atomic = mode not in ("serial", "owner")
+    if mode == "owner":  # a block of the owner axis per work-item, the rest of the space in order
+        a = k.owner_axis
+        n_a = shape[a]
+        block = -(-n_a // min(owners or n_a, n_a))
+        units = -(-n_a // block)
+        rest = [(f"i{j}", n) for j, n in enumerate(shape) if j != a]
+        out.append(f"  for (long w = get_global_id(0); w < {units}L; w += get_global_size(0)) {{")
+        out.append(f"    const long lo = w * {block}L, hi = min(lo + {block}L, {n_a}L);")
+        out.append(f"    for (long u = 0; u < {k.size // n_a}L; ++u) {{")
+        _decompose(out, "      ", "u", rest)
+        out.append(f"      for (long i{a} = lo; i{a} < hi; ++i{a}) {{")  # contiguous when a is last
+        _emit_body(k, out, "        ", None, 1, "", atomic)
+        out.append("      }")
+        out.append("    }")
+        out.append("  }")
+    elif mode == "par":
         n_last = shape[-1]
         chunks = -(-n_last // W)
         units = int(np.prod(shape[:-1], dtype=np.int64)) * chunks

@@ -357,12 +357,61 @@ class Kernel:
         """Whether the kernel must run on one thread (it accumulates into shared elements)."""
         return any(s.mode == "add" for s in self.stores)
 
+    @property
+    def owner_axis(self) -> int | None:
+        """A parallel axis along which the "add" stores never meet, or None: every add offset is
+        c * idx(a) + g with g free of idx(a) and always a multiple of |c| * shape[a] (an
+        embedding gradient's feature axis: row * d + column). Then one thread may own each index
+        along a and run the rest of the space in order: no atomics, and a fixed order of adds."""
+        adds = [s for s in self.stores if s.mode == "add"]
+        if not adds or self.has_reduce:
+            return None
+        for a in reversed(range(len(self.shape))):
+            if self.shape[a] > 1 and all(_owned(s.offset, a, self.shape[a]) for s in adds):
+                return a
+        return None
+
     def signature(self) -> str:
         """A stable text form, for cache keys."""
         return pp_kernel(self)
 
     def __str__(self):
         return pp_kernel(self)
+
+
+def _terms(n: KExpr) -> list:
+    return [t for s in n.src for t in _terms(s)] if n.op == "add" else [n]
+
+
+def _multiple_of(n: KExpr, m: int) -> bool:
+    """Whether the integer n is a multiple of m at every point (known from its form)."""
+    if n.op == "const":
+        return n.arg % m == 0
+    if n.op == "mul":
+        return any(_multiple_of(s, m) for s in n.src)
+    if n.op in ("add", "sub"):
+        return all(_multiple_of(s, m) for s in n.src)
+    if n.op == "cast" and np.dtype(n.dtype).kind in "iu" and np.dtype(n.src[0].dtype).kind in "iu":
+        return _multiple_of(n.src[0], m)
+    return False
+
+
+def _owned(offset: KExpr, axis: int, extent: int) -> bool:
+    """Whether offset = c * idx(axis) + g, g free of idx(axis) and a multiple of |c| * extent."""
+    a = idx(axis)
+    scaled, rest = [], []
+    for t in _terms(offset):
+        (scaled if a in t.toposort() else rest).append(t)
+    if len(scaled) != 1:
+        return False
+    t = scaled[0]
+    if t == a:
+        c = 1
+    elif t.op == "mul" and a in t.src and t.src[1 - t.src.index(a)].op == "const":
+        c = t.src[1 - t.src.index(a)].arg
+    else:
+        return False
+    return c != 0 and all(_multiple_of(g, abs(c) * extent) for g in rest)
 
 
 def pp_kernel(k: Kernel) -> str:

@@ -249,3 +249,22 @@ def test_scatter_add_is_a_copy_then_an_add_kernel():
     kernels = [lk.kernel for lk in lower_region(partition(g)[0])]
     assert [k.meta["kind"] for k in kernels] == ["copy", "scatter_add"]
     assert not kernels[0].serial and kernels[1].serial
+    assert kernels[1].owner_axis == 1  # out[idx[t], j]: row * 3 + j, j never meets another j
+
+
+def test_owner_axis_only_where_the_adds_of_two_indices_never_meet():
+    from tilefuse.ir.kernel import ir as K
+
+    def kernel(offset, shape=(50, 8)):
+        bufs = (K.Buffer("idx", I32, 50), K.Buffer("out", F32, 4096))
+        return K.Kernel("k", bufs, 1, shape, (), (K.Store(1, offset, K.const(1.0, F32), "add"),))
+    row = K.cast(K.load(0, K.idx(0), I32), I64)
+    assert kernel(row * 8 + K.idx(1)).owner_axis == 1
+    assert kernel(row * 16 + K.idx(1) * 2).owner_axis == 1                  # a stride of 2
+    assert kernel(row * 16 + K.idx(1)).owner_axis == 1                      # rows further apart
+    assert kernel(row * 8 + K.idx(1) + K.const(8, I64)).owner_axis == 1   # shifted by whole rows
+    assert kernel(row * 4 + K.idx(1)).owner_axis is None                  # rows overlap
+    assert kernel(row * 8 + K.idx(1) + K.const(1, I64)).owner_axis is None
+    assert kernel(row + K.idx(1) * 64).owner_axis is None                 # column-major: rows meet
+    assert kernel(row, (50,)).owner_axis is None                          # one element per index
+    assert kernel(K.idx(0) * 8 + K.idx(1)).owner_axis == 1                # no two points meet at all
