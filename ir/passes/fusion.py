@@ -9,8 +9,9 @@ concatenate or pad with the index maps only it reads, which its kernels read thr
 effectful one (debug_print) is a host step.
 
 Before grouping, cheap producers are copied where that keeps values out of memory: index maps
-go to each consumer, and a reduction gets its own copy of an operand's producers when they
-read one full-size array (softmax: max, sum(exp(x - max)), exp(x - max) / sum).
+go to each consumer, and every fusible consumer of a shared elementwise value gets its own copy
+of its producers when they read one full-size array (softmax: max, sum(exp(x - max)),
+exp(x - max) / sum; the residuals a backward pass reads, recomputed from the forward's input).
 Regions then grow greedily, producer into consumer, from the last equation back. A merge is
 refused when it would create a cycle between regions (some other region on a path between the
 two): the region graph stays a DAG, checked with networkx.
@@ -122,13 +123,15 @@ def _cone(v: Var, producer: dict, stored) -> list[Eqn] | None:
     return list(cone.values())
 
 
-def _clone_into_reductions(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
-    """A reduction whose operand's producers are also read by other fusible consumers gets its
-    own copy of them (softmax's exp(x - max), layernorm's x - mean), so no value is written to
-    memory only to be read back: each consumer recomputes it from one full-size input.
+def _clone_shared_producers(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
+    """A value that elementwise producers compute and several fusible consumers read is
+    recomputed by each consumer (the producers copied) instead of being written to memory and
+    read back: a reduction's operand (softmax's exp(x - max), layernorm's x - mean) and a
+    backward pass's residuals (gelu's x * x, tanh(...) and 1 + tanh(...), which the forward
+    kernel would write for the backward one to read, both recompute from the one input x).
 
-    Only when the copy reads at most one array as large as the operand: then recomputing costs
-    fewer bytes (one read per consumer) than writing the operand once and reading it twice."""
+    Only when the copy reads at most one array as large as the value: then recomputing costs
+    fewer bytes (one read per consumer) than writing the value once and reading it twice."""
     producer = {o.id: e for e in eqns for o in e.outputs}
     consumers: dict[int, list[Eqn]] = {}
     for e in eqns:
@@ -138,25 +141,39 @@ def _clone_into_reductions(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
 
     def stored(a: Var) -> bool:  # a graph output, or read by a kernel that cannot fuse it
         return a.id in graph_out or not all(map(is_fusible, consumers.get(a.id, ())))
+
+    def computed(v) -> bool:  # by an elementwise producer (index maps are copied on their own)
+        p = producer.get(getattr(v, "id", None))
+        return p is not None and is_elementwise(p)
     order = {id(e): i for i, e in enumerate(eqns)}
     out = []
     for e in eqns:
-        v = e.inputs[0] if e.prim.name in REDUCTIONS else None
-        cone = _cone(v, producer, stored) if isinstance(v, Var) and not stored(v) else None
-        if cone:
+        if e.prim.name in REDUCTIONS:
+            operands = [e.inputs[0]]
+        elif is_elementwise(e):
+            operands = [a for a in dict.fromkeys(e.inputs) if computed(a) and len(consumers[a.id]) > 1]
+        else:
+            operands = []
+        copy: dict[int, Var] = {}
+        for v in operands:
+            cone = _cone(v, producer, stored) if isinstance(v, Var) and not stored(v) else None
+            if not cone:
+                continue
             cone.sort(key=lambda c: order[id(c)])
             ids = {o.id for c in cone for o in c.outputs}
             shared = any(id(u) != id(e) for o in ids for u in consumers.get(o, ()) if u.outputs and
                          u.outputs[0].id not in ids)
             reads = {a.id: a for c in cone for a in c.inputs if isinstance(a, Var) and a.id not in ids}
             if shared and sum(a.aval.size >= v.aval.size for a in reads.values()) <= 1:
-                copy: dict[int, Var] = {}
                 for c in cone:
+                    if c.outputs[0].id in copy:  # shared with another operand's cone: copied already
+                        continue
                     outs = tuple(Var(o.aval) for o in c.outputs)
                     copy.update((o.id, n) for o, n in zip(c.outputs, outs))
                     out.append(c.replace(inputs=tuple(copy.get(getattr(a, "id", None), a) for a in c.inputs),
                                          outputs=outs))
-                e = e.replace(inputs=(copy[v.id],) + tuple(e.inputs[1:]))
+        if copy:
+            e = e.replace(inputs=tuple(copy.get(getattr(a, "id", None), a) for a in e.inputs))
         out.append(e)
     return out
 
@@ -200,6 +217,11 @@ class _Partitioner:
                 live.update(a.id for a in e.inputs if isinstance(a, Var))
             else:
                 self.dead.add(i)
+        for i in self.dead:  # gone before any merge: no region takes one, no value is kept for one
+            self.members.pop(i)
+            self.dag.remove_node(i)
+        for users in self.consumers.values():
+            users -= self.dead
 
     # ---- questions about groups ----
     def outputs(self, members: set[int]) -> list[Var]:
@@ -377,10 +399,6 @@ class _Partitioner:
         return Region(eqns, tuple(inputs.values()), outputs, kind, meta or {})
 
     def regions(self) -> list[Region]:
-        for g in list(self.members):
-            if all(i in self.dead for i in self.members[g]):
-                self.members.pop(g)
-                self.dag.remove_node(g)
         assert nx.is_directed_acyclic_graph(self.dag), "fusion created a cycle between regions"
         assert all(self.pos[u] < self.pos[v] for u, v in self.dag.edges), "positions not topological"
         # a row region keeps the kernel its last merge lowered (its members since)
@@ -395,7 +413,7 @@ def partition(graph: Graph, fuse: bool = True) -> list[Region]:
     eqns = list(graph.eqns)
     if fuse:
         graph_out = {v.id for v in graph.outvars if isinstance(v, Var)}
-        eqns = _copy_index_maps(_clone_into_reductions(eqns, graph_out))
+        eqns = _copy_index_maps(_clone_shared_producers(eqns, graph_out))
     p = _Partitioner(graph, eqns)
     if fuse:
         p.run()
