@@ -205,6 +205,28 @@ def softmax_rows(x):
     return e / tnp.sum(e, axis=1, keepdims=True)
 
 
+def test_backward_residuals_are_recomputed_not_written():
+    """gelu between two matmuls, differentiated: the backward pass (after a matmul of its own)
+    needs x*x, tanh(...) and 1 + tanh(...) of the forward's x; it recomputes them from x (read
+    anyway), so the forward's kernel writes its result only, and the gradients are right."""
+    from tilefuse import nn
+    rng = np.random.default_rng(4)
+    a, b, c = (rng.standard_normal(s).astype(F32) for s in ((8, 16), (16, 32), (32, 4)))
+
+    def loss(a, b, c):
+        return ((nn.gelu(tnp.matmul(a, b)) @ c) ** 2).sum()
+    g = run_passes(tx.make_graph(tx.grad(loss, argnums=(0, 1, 2)))(a, b, c))
+    regions = partition(g)
+    check_regions(g, regions)
+    (forward,) = [r for r in regions if r.kind == "fused" and any(e.prim.name == "tanh" for e in r.eqns)
+                  and not any(e.prim.name == "sub" for e in r.eqns)]  # the derivative's 1 - t*t
+    assert len(forward.outputs) == 1, forward
+    want = ref_eval(g, [a, b, c])
+    _, got = run_compiled(g, [a, b, c])
+    for x, y in zip(got, want):
+        assert_close(x, y, rtol=1e-4, atol=1e-5 * float(np.abs(y).max()))
+
+
 def test_layernorm_is_one_row_kernel():
     def layernorm(x):
         mu = tnp.mean(x, axis=-1, keepdims=True)
