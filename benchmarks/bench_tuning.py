@@ -112,12 +112,12 @@ class NumpyTimer:
             w.wait()
 
 
-def template_seconds(kernel, dev, params: dict) -> float:
-    """The template with `params` on the kernel's buffers, timed as numpy_worker times numpy."""
+def template_call(kernel, dev, params: dict):
+    """The template with `params` on buffers of the kernel's sizes: a call to time."""
     from tilefuse.runtime import tuner
     run = tuner.template_for("generated_gemm", kernel, dev).build(kernel, dev, dev.backend, params)
     bufs = tuner.random_buffers(kernel, dev)
-    return time_median(lambda: run(bufs), warmup=2, repeat=15).median
+    return lambda: run(bufs)
 
 
 ROUNDS = 11  # numpy, default and tuned timed in alternation, the median of the rounds' medians
@@ -135,15 +135,20 @@ def bench_gemms(trials: int) -> list:
         found = gemm_kernels(step, args)
         results = [(kernel, prob, dev, tune_with_bar(kernel, dev, trials)) for kernel, prob, dev in found]
         times = [{"numpy": [], "default": [], "tuned": []} for _ in results]
+        calls = []  # per problem: the default's call and the tuned one's (the same when equal)
+        for kernel, _, dev, res in results:
+            default = tuner.template_for("generated_gemm", kernel, dev).default(kernel, dev)
+            calls.append({"default": template_call(kernel, dev, default)})
+            calls[-1]["tuned"] = calls[-1]["default"] if res.best == default else \
+                template_call(kernel, dev, res.best)
         numpy = NumpyTimer()
         try:  # shape by shape, so that the machine's slow and fast spells fall on all three alike
             for _ in range(ROUNDS):
-                for t, (kernel, prob, dev, res) in zip(times, results):
-                    t["numpy"].append(numpy.seconds(prob))
-                    default = tuner.template_for("generated_gemm", kernel, dev).default(kernel, dev)
-                    t["default"].append(template_seconds(kernel, dev, default))
-                    t["tuned"].append(t["default"][-1] if res.best == default
-                                      else template_seconds(kernel, dev, res.best))
+                for t, call, (_, prob, _, _) in zip(times, calls, results):
+                    t["numpy"].append(numpy.seconds(prob))  # timed as numpy_worker times numpy
+                    t["default"].append(time_median(call["default"], warmup=2, repeat=15).median)
+                    t["tuned"].append(t["default"][-1] if call["tuned"] is call["default"]
+                                      else time_median(call["tuned"], warmup=2, repeat=15).median)
         finally:
             numpy.close()
         rows = []

@@ -91,6 +91,14 @@ def _function(name: str, steps: list, dtype) -> str:
     return pointwise_function(name, expr, y)
 
 
+def kernel_epilogue(kernel) -> Epilogue | None:
+    """epilogue_of the kernel's equation, kept in its meta (applies and build both ask)."""
+    if "opencl_epilogue" not in kernel.meta:
+        lay, e = _layout(kernel)
+        kernel.meta["opencl_epilogue"] = None if lay is None else epilogue_of(e, lay, kernel.meta["operands"])
+    return kernel.meta["opencl_epilogue"]
+
+
 def epilogue_of(e, lay: MatmulLayout, operands) -> Epilogue | None:
     """The Epilogue of fused_gemm equation e (None where an extra is neither C-shaped nor a row
     vector along n); an empty one for a dot_general."""
@@ -328,7 +336,7 @@ def applies(kernel, device) -> bool:
     lay, e = _layout(kernel)
     return (lay is not None and lay.dtype in _CTYPES and np.dtype(e.outputs[0].aval.dtype) == lay.dtype
             and lay.flops >= MIN_FLOPS and (lay.dtype != np.float64 or device.info.extra["fp64"])
-            and epilogue_of(e, lay, kernel.meta["operands"]) is not None)
+            and kernel_epilogue(kernel) is not None)
 
 
 def default_params(info, lay: MatmulLayout) -> dict:
@@ -366,7 +374,7 @@ def build(kernel, device, backend, params: dict | None = None):
     pos = {v.id: i for i, v in enumerate(operands)}
     name = cname(kernel) + "_gemm"
     a, b, ctype = pos[e.inputs[0].id], pos[e.inputs[1].id], _CTYPES[lay.dtype]
-    epi = epilogue_of(e, lay, operands)
+    epi = kernel_epilogue(kernel)
     units = lay.batch * lay.m * lay.n
     variant = _variant(st.info, lay)
     if variant == "vector":

@@ -207,9 +207,14 @@ def row_stashes(kernel) -> dict:
     the sum's pass and in the write's). The renderer may store the node's value into the row
     store's own buffer during that pass and load it back in the row pass: the buffer is written
     by that store alone, read by no load, holds the node's dtype (the round trip is exact), and
-    its offset is one-to-one over the reduction space (each point keeps its own value)."""
-    if not kernel.row_stores:
-        return {}
+    its offset is one-to-one over the reduction space (each point keeps its own value). Kept in
+    the kernel's meta: a renderer asks once per body it emits."""
+    if "row_stashes" not in kernel.meta:
+        kernel.meta["row_stashes"] = _row_stashes(kernel) if kernel.row_stores else {}
+    return kernel.meta["row_stashes"]
+
+
+def _row_stashes(kernel) -> dict:
     roots = [e for st in kernel.stores for e in (st.offset, st.value)]
     levels = reduce_levels(roots)
     memo: dict = {}
@@ -363,13 +368,12 @@ class Kernel:
         c * idx(a) + g with g free of idx(a) and always a multiple of |c| * shape[a] (an
         embedding gradient's feature axis: row * d + column). Then one thread may own each index
         along a and run the rest of the space in order: no atomics, and a fixed order of adds."""
-        adds = [s for s in self.stores if s.mode == "add"]
-        if not adds or self.has_reduce:
-            return None
-        for a in reversed(range(len(self.shape))):
-            if self.shape[a] > 1 and all(_owned(s.offset, a, self.shape[a]) for s in adds):
-                return a
-        return None
+        if "owner_axis" not in self.meta:
+            adds = [s for s in self.stores if s.mode == "add"]
+            self.meta["owner_axis"] = None if not adds or self.has_reduce else next(
+                (a for a in reversed(range(len(self.shape)))
+                 if self.shape[a] > 1 and all(_owned(s.offset, a, self.shape[a]) for s in adds)), None)
+        return self.meta["owner_axis"]
 
     def signature(self) -> str:
         """A stable text form, for cache keys."""
