@@ -55,10 +55,10 @@ def gemm_kernels(step, args):
 
 def numpy_worker() -> None:
     """In a subprocess, one case per line of stdin (a _numpy_case as JSON): numpy's matmul on
-    contiguous float32 operands of its sizes, then the epilogue's steps in numpy (extras: rows
-    along n, or of C's shape); prints the median seconds of 15 calls."""
+    contiguous float32 operands of its sizes, then the epilogue in numpy (a ScalarFn's rows;
+    extras: rows along n, or of C's shape); prints the median seconds of 15 calls."""
     import numpy as np
-    from tilefuse.ir.primitives import gemm_epilogue
+    from tilefuse.ir.primitives import ScalarFn
     rng = np.random.default_rng(0)
     calls = {}
     for line in sys.stdin:
@@ -68,14 +68,22 @@ def numpy_worker() -> None:
             b = rng.standard_normal((batch, k, n)).astype(np.float32)[0 if batch == 1 else slice(None)]
             c = np.matmul(a, b)
             extras = [rng.standard_normal(n if row else c.shape).astype(np.float32) for row in rows]
-            steps = [tuple(st) for st in epilogue]
-            calls[line] = lambda a=a, b=b, c=c, extras=extras, steps=steps: gemm_epilogue(
-                np.matmul(a, b, out=c), extras, steps)
+            fn = ScalarFn.from_rows(_tuples(epilogue)) if epilogue else (lambda y: y)
+            calls[line] = lambda a=a, b=b, c=c, extras=extras, fn=fn: fn(np.matmul(a, b, out=c), *extras)
         print(time_median(calls[line], warmup=2, repeat=15).median, flush=True)
 
 
+def _tuples(x):
+    """JSON's lists back to the tuples a ScalarFn's rows are made of."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
 def _numpy_case(p) -> tuple:
-    return (p.batch, p.m, p.n, p.k, [list(st) for st in p.epilogue], [s == (0, 0) for s in p.extra_strides])
+    rows = p.epilogue.to_rows() if p.epilogue is not None else None
+    if rows is not None:  # dtype parameters (casts) by name, for JSON
+        rows = (rows[0], tuple((n, ins, tuple((k, getattr(v, "name", v)) for k, v in ps)) for n, ins, ps in rows[1]),
+                rows[2])
+    return (p.batch, p.m, p.n, p.k, rows, [s == (0, 0) for s in p.extra_strides])
 
 
 class NumpyTimer:

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from . import dtypes
-from .core import ShapedArray, eval_graph
+from .core import Eqn, Graph, Literal, ShapedArray, Var, eval_graph, pp_graph
 from .errors import DTypeError, ShapeError, with_user_line
 
 PRIMITIVES: dict[str, "Primitive"] = {}
@@ -417,12 +417,76 @@ dot_general = Primitive("dot_general", _dot_rule, _dot_impl)
 # ---- fused GEMM (made by the pass ir/passes/gemm_epilogue.py) -----------------------------------
 #
 # fused_gemm(lhs, rhs, *extras; dimension_numbers, preferred_element_type, epilogue) is
-# dot_general followed by `epilogue`, steps applied in order on the float32 result:
-# ("add", i) adds extras[i] (the output's shape, or a row vector along its last axis),
-# ("affine", a, c) computes y*a + c, and the activations ("relu",), ("gelu_tanh",), ("gelu_erf",),
-# ("silu",), ("tanh",), ("sigmoid",).
+# epilogue(dot_general(lhs, rhs), *extras) elementwise: `epilogue` is a ScalarFn of the product
+# and one value of each extra (an array of the output's shape, or a row vector along its last
+# axis, of the product's dtype). Any elementwise computation is a legal epilogue: the pass takes
+# what the graph computes, and every implementation lowers the same expression.
 
-GEMM_ACTIVATIONS = ("relu", "gelu_tanh", "gelu_erf", "silu", "tanh", "sigmoid")
+
+class ScalarFn:
+    """An elementwise function as a graph over 0-d values: every equation elementwise, inputs and
+    the one output 0-d. Compared and hashed by its text, so equal functions built apart are one
+    cache key; `fn(*arrays)` evaluates it on arrays that broadcast (the numpy reference)."""
+    __slots__ = ("graph", "text", "_hash")
+
+    def __init__(self, graph):
+        for v in (*graph.invars, *graph.outvars):
+            assert v.aval.shape == (), f"ScalarFn over a non-scalar value {v}"
+        assert len(graph.outvars) == 1 and not graph.constvars, graph
+        for e in graph.eqns:
+            assert e.prim.elementwise and not e.prim.effectful, f"ScalarFn with a {e.prim.name}"
+        self.graph = graph
+        self.text = " ".join(line.strip() for line in pp_graph(graph).splitlines())
+        self._hash = hash(self.text)
+
+    @property
+    def in_dtypes(self) -> tuple:
+        return tuple(np.dtype(v.aval.dtype) for v in self.graph.invars)
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        return np.dtype(self.graph.outvars[0].aval.dtype)
+
+    def __call__(self, *xs) -> np.ndarray:
+        return eval_graph(self.graph, xs, lambda e, vs: e.prim.impl(*vs, **e.params))[0]
+
+    def __eq__(self, other):
+        return isinstance(other, ScalarFn) and other.text == self.text
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        return self.text
+
+    # a plain form (names, indices, values) for JSON caches and pickling: no code, no objects
+    def to_rows(self) -> tuple:
+        g = self.graph
+        num = {v.id: i for i, v in enumerate(g.invars)}
+        rows = []
+        for e in g.eqns:
+            ins = tuple(num[a.id] if isinstance(a, Var) else (a.val.item(), a.aval.dtype.name) for a in e.inputs)
+            num[e.outputs[0].id] = len(num)
+            rows.append((e.prim.name, ins, tuple(sorted(e.params.items()))))
+        return tuple(d.name for d in self.in_dtypes), tuple(rows), num[g.outvars[0].id]
+
+    @staticmethod
+    def from_rows(rows) -> "ScalarFn":
+        in_dtypes, eqns, out = rows
+        vs = [Var(ShapedArray((), dtypes.canonicalize(d))) for d in in_dtypes]
+        invars, body = tuple(vs), []
+        for name, ins, params in eqns:
+            atoms = tuple(vs[i] if isinstance(i, int) else
+                          Literal(i[0], ShapedArray((), dtypes.canonicalize(i[1]))) for i in ins)
+            prim = PRIMITIVES[name]
+            (aval,) = prim.abstract_eval(*(a.aval for a in atoms), **dict(params))
+            o = Var(aval.strip_weak())
+            body.append(Eqn(prim, atoms, (o,), dict(params)))
+            vs.append(o)
+        return ScalarFn(Graph((), invars, tuple(body), (vs[out],)))
+
+    def __reduce__(self):
+        return ScalarFn.from_rows, (self.to_rows(),)
 
 
 def _fused_gemm_rule(lhs, rhs, *extras, dimension_numbers, preferred_element_type, epilogue):
@@ -434,45 +498,22 @@ def _fused_gemm_rule(lhs, rhs, *extras, dimension_numbers, preferred_element_typ
         if x.shape not in (out.shape, out.shape[-1:]) or x.dtype != out.dtype:
             raise shape_error("fused_gemm", f"an epilogue operand must be {out} or a row of it",
                               lhs, rhs, *extras)
-    for step in epilogue:
-        ok = (step[0] == "add" and len(step) == 2 and 0 <= step[1] < len(extras)) or \
-             (step[0] == "affine" and len(step) == 3) or (step[0] in GEMM_ACTIVATIONS and len(step) == 1)
-        if not ok:
-            raise shape_error("fused_gemm", f"bad epilogue step {step}", lhs, rhs, *extras)
-    return out
-
-
-def gemm_epilogue(y, extras, epilogue):
-    """numpy: the epilogue steps on a float32 GEMM result `y` (in place where it can)."""
-    for step in epilogue:
-        op = step[0]
-        if op == "add":
-            y = y + np.asarray(extras[step[1]], np.float32)
-        elif op == "affine":
-            y = y * np.float32(step[1]) + np.float32(step[2])
-        elif op == "relu":
-            y = np.maximum(y, np.float32(0))
-        elif op == "silu":
-            y = y / (1 + np.exp(-y))
-        elif op == "tanh":
-            y = np.tanh(y)
-        elif op == "sigmoid":
-            y = 1 / (1 + np.exp(-y))
-        elif op == "gelu_tanh":
-            y = 0.5 * y * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (y + 0.044715 * (y * y * y))))
-        elif op == "gelu_erf":
-            y = 0.5 * y * (1 + np.asarray(_erf(y / np.float32(math.sqrt(2))), np.float32))
-    return np.asarray(y, np.float32)
+    if not isinstance(epilogue, ScalarFn) or epilogue.in_dtypes != (np.dtype(out.dtype),) * (1 + len(extras)):
+        raise shape_error("fused_gemm", f"the epilogue {epilogue!r} does not take the product and "
+                          f"{len(extras)} extras of dtype {out.dtype}", lhs, rhs, *extras)
+    return ShapedArray(out.shape, epilogue.out_dtype)
 
 
 def _fused_gemm_impl(lhs, rhs, *extras, dimension_numbers, preferred_element_type, epilogue):
-    out = np.dtype(preferred_element_type or lhs.dtype)
     cd = dtypes.compute_dtype(lhs.dtype)
-    y = _dot_impl(lhs.astype(cd), rhs.astype(cd), dimension_numbers=dimension_numbers)
-    return gemm_epilogue(y.astype(np.float32), extras, epilogue).astype(out)
+    y = _dot_impl(lhs.astype(cd), rhs.astype(cd), dimension_numbers=dimension_numbers,
+                  preferred_element_type=epilogue.in_dtypes[0])  # the product as the graph had it
+    return np.asarray(epilogue(y, *extras), epilogue.out_dtype)
 
 
 fused_gemm = Primitive("fused_gemm", _fused_gemm_rule, _fused_gemm_impl, compile_only=True)
+
+
 
 
 # ---- fused attention (made by nn.dot_product_attention and the attention pattern pass) ----------

@@ -124,6 +124,8 @@ def _value(v):
         return {"d": [[_value(a), _value(b)] for a, b in v.items()]}
     if isinstance(v, np.dtype):
         return {"dt": v.name}
+    if isinstance(v, P.ScalarFn):  # a fused_gemm's epilogue: its rows of names, numbers, values
+        return {"sf": _value(v.to_rows())}
     if isinstance(v, (np.ndarray, np.generic)):
         a = np.ascontiguousarray(v)
         return {"a": [a.dtype.name, list(a.shape), base64.b64encode(a.tobytes()).decode()],
@@ -142,6 +144,8 @@ def _unvalue(v):
         return {_unvalue(a): _unvalue(b) for a, b in v["d"]}
     if "dt" in v:
         return dtypes.canonicalize(v["dt"])
+    if "sf" in v:
+        return P.ScalarFn.from_rows(_unvalue(v["sf"]))
     name, shape, data = v["a"]
     a = np.frombuffer(base64.b64decode(data), dtypes.canonicalize(name)).reshape(shape).copy()
     return a[()] if v["s"] else a

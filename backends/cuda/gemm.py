@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
-from tilefuse.backends.llvm.gemm import GemmProblem, activation, gemm_problem
+from tilefuse.backends.llvm.gemm import GemmProblem, apply_epilogue, gemm_problem
 from tilefuse.backends.llvm.irutil import bf16_to_f32, counted_loop, f32_to_bf16
 from tilefuse.ir.errors import CompileError
 from tilefuse.runtime import tuner
@@ -257,14 +257,12 @@ class _Gen:
             v = b.load(acc, typ=F32)
             out = prob.out_dtype
             st = _STORAGE[out.name]
-            for step in prob.epilogue:
-                if step[0] == "add":
-                    sb, sm = prob.extra_strides[step[1]]
+            if prob.epilogue is not None:
+                xs = []
+                for (sb, sm), ptr in zip(prob.extra_strides, self.extras):
                     off = b.add(b.add(b.mul(self.z, _c64(sb)), b.mul(r, _c64(sm))), c)
-                    x = b.load(b.gep(self.extras[step[1]], [off], inbounds=True, source_etype=st), typ=st)
-                    v = b.fadd(v, _to_f32(b, x, out))
-                else:
-                    v = activation(b, step, v)
+                    xs.append(_to_f32(b, b.load(b.gep(ptr, [off], inbounds=True, source_etype=st), typ=st), out))
+                v = apply_epilogue(b, prob.epilogue, [v, *xs])
             off = b.add(b.mul(self.z, _c64(prob.m * prob.n)), b.add(b.mul(r, _c64(prob.n)), c))
             b.store(_from_f32(b, v, out), b.gep(self.c_ptr, [off], inbounds=True, source_etype=st))
 

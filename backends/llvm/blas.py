@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
-from tilefuse.ir.primitives import gemm_epilogue
 
 
 def _typed(buf, dtype, size):
@@ -41,7 +40,9 @@ class VendorGemm:
         y = np.matmul(a, b).reshape(self._out_shape)
         extras = [_typed(buffers[i], d, n).reshape(-1 if n == p.n else self._out_shape)
                   for i, (d, n) in zip(self._pos[2:], self._inputs[2:])]
-        c[...] = gemm_epilogue(y, extras, p.epilogue).reshape(c.shape)
+        if p.epilogue is not None:  # the ScalarFn on the product as the graph had it
+            y = p.epilogue(y.astype(p.epilogue.in_dtypes[0], copy=False), *extras)
+        c[...] = y.reshape(c.shape)
 
 
 def build_vendor(prob) -> VendorGemm:

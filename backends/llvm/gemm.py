@@ -97,7 +97,7 @@ class GemmProblem:
     b_strides: tuple   # (batch, k, column)
     in_dtype: np.dtype
     out_dtype: np.dtype
-    epilogue: tuple    # steps: ("add", extra), ("affine", scale, shift), (activation,)
+    epilogue: object   # the fused_gemm's ScalarFn of (product, *extras), or None
     extra_strides: tuple  # per extra: (batch, row) strides; columns are contiguous
     roles: tuple       # per kernel input buffer: a tuple of roles
     eqn: object = None
@@ -145,7 +145,7 @@ def _gemm_problem(kernel) -> GemmProblem | None:
     roles = tuple(tuple(r for r, a in zip(["lhs", "rhs", *range(len(e.inputs) - 2)], e.inputs)
                         if a.id == v.id) for v in operands)
     return GemmProblem(lay.batch, lay.m, lay.n, lay.k, lay.a_strides, lay.b_strides, lay.dtype,
-                       np.dtype(out.dtype), tuple(e.params.get("epilogue", ())),
+                       np.dtype(out.dtype), e.params.get("epilogue"),
                        tuple(extra_strides), roles, e)
 
 
@@ -481,10 +481,11 @@ class _Gen:
         return str(self.mod)
 
 
-def activation(b, step, v):
-    """A fused_gemm epilogue step other than "add" on the float32 value v (a scalar or a vector)."""
-    y = lower.epilogue_value()
-    return emit_pointwise(b, lower.gemm_activation(step, y), {y: v})
+def apply_epilogue(b, fn, values):
+    """A fused_gemm's epilogue `fn` (a ScalarFn) on LLVM values of one width (scalars or vectors
+    in float32): the product's, then each extra's."""
+    expr, leaves = lower.epilogue_leaves(fn)
+    return emit_pointwise(b, expr, dict(zip(leaves, values)))
 
 
 class _EpilogueGen(_Gen):
@@ -516,16 +517,11 @@ class _EpilogueGen(_Gen):
         def one_row(r):
             for v in range(self.nv):
                 ptr = at(r, v)
-                val = load(ptr, v)
-                for step in self.epilogue:
-                    if step[0] == "add":  # extra rows are read like C's, with their own stride
-                        x, sm = extras[step[1]]
-                        xptr = b.bitcast(b.gep(x, [b.add(b.mul(r, sm), self._i(v * p.lanes))]),
-                                         ptr.type)
-                        val = b.fadd(val, load(xptr, v))
-                    else:
-                        val = activation(b, step, val)
-                store(val, ptr, v)
+                xs = []  # extra rows are read like C's, with their own stride
+                for x, sm in extras:
+                    xptr = b.bitcast(b.gep(x, [b.add(b.mul(r, sm), self._i(v * p.lanes))]), ptr.type)
+                    xs.append(load(xptr, v))
+                store(apply_epilogue(b, self.epilogue, [load(ptr, v), *xs]), ptr, v)
         self._loop(b, self._i(0), rows, self._i(1), one_row, "row")
         b.ret_void()
         return str(self.mod)
@@ -533,7 +529,7 @@ class _EpilogueGen(_Gen):
 
 # ---- compiling and running ------------------------------------------------------------------------
 
-_DIGEST = code_digest("gemm.py", lower.__file__)  # the epilogue's expressions come from lower.py
+_DIGEST = code_digest("gemm.py", "render.py", lower.__file__)  # epilogues: lower.py, render.py
 
 
 def _load(info: DeviceInfo, spec: tuple, make_gen) -> int:

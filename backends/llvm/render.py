@@ -21,7 +21,7 @@ from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, affine_forms, load, read
     row_stashes
 
 from . import vecmath
-from .irutil import bf16_to_f32, counted_loop, f32_to_bf16, splat
+from .irutil import _like, bf16_to_f32, counted_loop, f32_to_bf16, splat
 from .vecmath import F32, F64, I32, I64, Emit
 
 I1, I8, I16 = ir.IntType(1), ir.IntType(8), ir.IntType(16)
@@ -557,37 +557,43 @@ class Renderer:
 
     # -- conversions ---------------------------------------------------------------------------
     def _convert(self, v, src, dst):
-        b = self.b
-        src, dst = np.dtype(src), np.dtype(dst)
-        if src == dst:
-            return v
-        f32 = np.dtype(np.float32)
-        if is_16(src):  # widen to float32 first
-            v = bf16_to_f32(b, v) if src == BF16 else b.fpext(v, F32)
-            return self._convert(v, f32, dst)
-        if is_16(dst):  # narrow from float32 (float64 and ints go through float32)
-            if src != f32:
-                v, src = self._convert(v, src, f32), f32
-            if dst == F16:
-                return b.fptrunc(v, HALF)
-            return f32_to_bf16(b, v)
-        rt = TYPES[dst][0]
-        if dst == BOOL:
-            zero = ir.Constant(v.type, 0)
-            return b.fcmp_unordered("!=", v, zero) if is_float(src) else b.icmp_unsigned("!=", v, zero)
-        if is_float(dst):
-            if is_float(src):
-                return b.fpext(v, rt) if rt == F64 else b.fptrunc(v, rt)
-            return (b.uitofp if is_unsigned(src) else b.sitofp)(v, rt)
-        if is_float(src):  # float → int truncates (C); uint32 wraps like numpy via int64
-            if dst == UINT32:
-                return b.trunc(b.fptosi(v, I64), I32)
-            return b.fptosi(v, rt)
-        if v.type.width == rt.width:
-            return v
-        if v.type.width > rt.width:
-            return b.trunc(v, rt)
-        return (b.zext if is_unsigned(src) else b.sext)(v, rt)
+        return convert(self.b, v, src, dst)
+
+
+def convert(b: ir.IRBuilder, v, src, dst):
+    """v (a scalar or a vector) from dtype src to dst, as numpy's astype."""
+    src, dst = np.dtype(src), np.dtype(dst)
+    if src == dst:
+        return v
+    f32 = np.dtype(np.float32)
+    like = lambda t: _like(v, t)  # noqa: E731
+    if is_16(src):  # widen to float32 first
+        v = bf16_to_f32(b, v) if src == BF16 else b.fpext(v, like(F32))
+        return convert(b, v, f32, dst)
+    if is_16(dst):  # narrow from float32 (float64 and ints go through float32)
+        if src != f32:
+            v, src = convert(b, v, src, f32), f32
+        if dst == F16:
+            return b.fptrunc(v, like(HALF))
+        return f32_to_bf16(b, v)
+    rt = like(TYPES[dst][0])
+    if dst == BOOL:
+        zero = splat(v.type, 0)
+        return b.fcmp_unordered("!=", v, zero) if is_float(src) else b.icmp_unsigned("!=", v, zero)
+    if is_float(dst):
+        if is_float(src):
+            return b.fpext(v, rt) if TYPES[dst][0] == F64 else b.fptrunc(v, rt)
+        return (b.uitofp if is_unsigned(src) or src == BOOL else b.sitofp)(v, rt)
+    if is_float(src):  # float → int truncates (C); uint32 wraps like numpy via int64
+        if dst == UINT32:
+            return b.trunc(b.fptosi(v, like(I64)), rt)
+        return b.fptosi(v, rt)
+    w, rw = TYPES[src][0].width, TYPES[dst][0].width
+    if w == rw:
+        return v
+    if w > rw:
+        return b.trunc(v, rt)
+    return (b.zext if is_unsigned(src) or src == BOOL else b.sext)(v, rt)
 
 
 CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
@@ -614,7 +620,7 @@ def _bf16_bits(value) -> int:
 def _int_div(r: Renderer, kind, x, y, rem=False):
     """C division (truncating) guarded like the numpy reference: x/0 = 0, x%0 = x, and
     INT_MIN/-1 wraps (LLVM would trap)."""
-    b, c = r.b, (lambda v: ir.Constant(x.type, v))
+    b, c = r.b, (lambda v: splat(x.type, v))
     zero = b.icmp_signed("==", y, c(0))
     if kind == "u":
         safe = b.select(zero, c(1), y)
@@ -630,10 +636,10 @@ def _int_div(r: Renderer, kind, x, y, rem=False):
 def _shift(r: Renderer, kind, x, y, left):
     """Shifts by ≥ the width (or negative amounts) give 0, as numpy's."""
     b = r.b
-    width = ir.Constant(x.type, x.type.width)
-    big = b.icmp_unsigned(">=", y, width)
+    elem = x.type.element if isinstance(x.type, ir.VectorType) else x.type
+    big = b.icmp_unsigned(">=", y, splat(x.type, elem.width))
     s = b.shl(x, y) if left else b.lshr(x, y)
-    return b.select(big, ir.Constant(x.type, 0), s)
+    return b.select(big, splat(x.type, 0), s)
 
 
 def _minmax(r: Renderer, kind, x, y, which):
@@ -665,7 +671,7 @@ BINARY_OPS = {
 
 def _sign(r: Renderer, d, x):
     b = r.b
-    c = (lambda v: ir.Constant(x.type, v))
+    c = (lambda v: splat(x.type, v))
     if is_float(d):  # ±0 and NaN give themselves
         return b.select(b.fcmp_ordered(">", x, c(0.0)), c(1.0),
                         b.select(b.fcmp_ordered("<", x, c(0.0)), c(-1.0), x))
@@ -680,21 +686,21 @@ def _abs(r: Renderer, d, x):
         return r.em.fabs(x)
     if is_unsigned(d):
         return x
-    neg = r.b.icmp_signed("<", x, ir.Constant(x.type, 0))
-    return r.b.select(neg, r.b.sub(ir.Constant(x.type, 0), x), x)
+    neg = r.b.icmp_signed("<", x, splat(x.type, 0))
+    return r.b.select(neg, r.b.sub(splat(x.type, 0), x), x)
 
 
 UNARY_OPS = {
-    "neg": lambda r, d, x: r.b.fneg(x) if is_float(d) else r.b.sub(ir.Constant(x.type, 0), x),
+    "neg": lambda r, d, x: r.b.fneg(x) if is_float(d) else r.b.sub(splat(x.type, 0), x),
     "sqrt": lambda r, d, x: r.em.intrinsic("sqrt", x.type, [x]),
-    "rsqrt": lambda r, d, x: r.b.fdiv(ir.Constant(x.type, 1.0), r.em.intrinsic("sqrt", x.type, [x])),
+    "rsqrt": lambda r, d, x: r.b.fdiv(splat(x.type, 1.0), r.em.intrinsic("sqrt", x.type, [x])),
     "abs": _abs,
     "sign": _sign,
     "floor": lambda r, d, x: r.em.intrinsic("floor", x.type, [x]),
     "ceil": lambda r, d, x: r.em.intrinsic("ceil", x.type, [x]),
     "round": lambda r, d, x: r.em.intrinsic("roundeven", x.type, [x]),  # half to even, as numpy
     "not": lambda r, d, x: r.b.not_(x),
-    "is_finite": lambda r, d, x: r.b.fcmp_ordered("<", r.em.fabs(x), ir.Constant(x.type, math.inf)),
+    "is_finite": lambda r, d, x: r.b.fcmp_ordered("<", r.em.fabs(x), splat(x.type, math.inf)),
     **{op: (lambda op: lambda r, d, x: vecmath.unary(r.em, op, x))(op) for op in vecmath.LIBM},
     "logistic": lambda r, d, x: vecmath.unary(r.em, "logistic", x),
 }
@@ -708,25 +714,36 @@ class _Ops:
 
 
 def emit_pointwise(b: ir.IRBuilder, expr: KExpr, bound: dict):
-    """The LLVM value of a float expression of constants, unary and binary ops and selects over
-    the leaves `bound` maps to values (scalars, or vectors, all of one type) — a GEMM template's
-    epilogue (ir/kernel/lower.gemm_activation), rendered by the same op tables as the kernels."""
+    """The LLVM value of an elementwise expression (constants, unary and binary ops, comparisons,
+    selects, casts) over the leaves `bound` maps to values, scalars or vectors of one width: a GEMM
+    template's epilogue (ir/kernel/lower.epilogue_expr), rendered by the same op tables as the
+    kernels. 16-bit values compute in float32, as in kernels."""
     r, values = _Ops(b), dict(bound)
-    ty = next(iter(bound.values())).type
+    lanes = next(iter(bound.values()))
 
     def value(n: KExpr):
         v = values.get(n)
         if v is None:
+            d = np.dtype(n.dtype)
             if n.op == "const":
-                v = splat(ty, n.arg)
+                v = splat(_like(lanes, TYPES[d][0]), _constant(n.arg, d).constant)
             elif n.op == "select":
                 v = b.select(*(value(s) for s in n.src))
+            elif n.op == "cast":
+                v = convert(b, value(n.src[0]), n.src[0].dtype, d)
             elif n.op in UNARY_OPS:
-                v = UNARY_OPS[n.op](r, n.dtype, value(n.src[0]))
-            elif n.op in CMP:
-                v = b.fcmp_ordered(CMP[n.op], value(n.src[0]), value(n.src[1]))
+                v = UNARY_OPS[n.op](r, d, value(n.src[0]))
             else:
-                v = BINARY_OPS[n.op](r, "f", value(n.src[0]), value(n.src[1]))
+                sd = np.dtype(n.src[0].dtype)
+                x, y = value(n.src[0]), value(n.src[1])
+                if n.op in CMP:
+                    if is_float(sd):
+                        v = b.fcmp_unordered("!=", x, y) if n.op == "ne" else b.fcmp_ordered(CMP[n.op], x, y)
+                    else:
+                        v = (b.icmp_unsigned if is_unsigned(sd) or sd == BOOL else b.icmp_signed)(CMP[n.op], x, y)
+                else:
+                    kind = "f" if is_float(sd) else "b" if sd == BOOL else "u" if is_unsigned(sd) else "i"
+                    v = BINARY_OPS[n.op](r, kind, x, y)
             values[n] = v
         return v
     return value(expr)

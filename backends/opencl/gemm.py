@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tilefuse.ir.kernel.lower import epilogue_value, gemm_activation
+from tilefuse.ir.kernel.lower import epilogue_leaves
 from tilefuse.ir.kernel.matmul import MatmulLayout, matmul_layout
 from tilefuse.runtime import dispatch, tuner
 
@@ -65,30 +65,19 @@ def _params(ctype: str, n_inputs: int) -> str:
 
 @dataclass(frozen=True)
 class Epilogue:
-    """A fused_gemm's epilogue as OpenCL C: `defs` (a function per run of steps between adds,
-    rendered from ir/kernel/lower.gemm_activation) and `apply(v, z, m, n)`, the expression of
-    C[z, m, n] from the product's value v, reading the extras (residuals of C's shape, row
-    vectors along n) as kernel parameters in<i>."""
+    """A fused_gemm's epilogue as OpenCL C: `defs` (the function `epilogue`, rendered from
+    ir/kernel/lower.epilogue_expr) and `apply(v, z, m, n)`, the expression of C[z, m, n] from the
+    product's value v, reading the extras (residuals of C's shape, row vectors along n) as kernel
+    parameters in<i>. Empty for a dot_general."""
     defs: str = ""
-    steps: tuple = ()  # ("add", buffer, full) | ("fn", name)
+    extras: tuple = ()  # per extra: (kernel input number, whether it has C's shape)
 
     def apply(self, v: str, z: str, m: str, n: str) -> str:
-        for st in self.steps:
-            if st[0] == "add":
-                at = f"{z} * ((long)M * N) + {m} * N + {n}" if st[2] else n
-                v = f"({v} + in{st[1]}[{at}])"
-            else:
-                v = f"{st[1]}({v})"
-        return v
-
-
-def _function(name: str, steps: list, dtype) -> str:
-    """An OpenCL C function of one value applying the epilogue steps (none an add) in order."""
-    y = epilogue_value(dtype)
-    expr = y
-    for step in steps:
-        expr = gemm_activation(step, expr)
-    return pointwise_function(name, expr, y)
+        if not self.defs:
+            return v
+        xs = [f"in{i}[{z} * ((long)M * N) + {m} * N + {n}]" if full else f"in{i}[{n}]"
+              for i, full in self.extras]
+        return f"epilogue({', '.join([v, *xs])})"
 
 
 def kernel_epilogue(kernel) -> Epilogue | None:
@@ -106,25 +95,13 @@ def epilogue_of(e, lay: MatmulLayout, operands) -> Epilogue | None:
         return Epilogue()
     out = e.outputs[0].aval
     pos = {v.id: i for i, v in enumerate(operands)}
-    defs, steps, run = [], [], []
-
-    def close_run():
-        if run:
-            name = f"epilogue{len(defs)}"
-            defs.append(_function(name, run, lay.dtype))
-            steps.append(("fn", name))
-            run.clear()
-    for step in e.params["epilogue"]:
-        if step[0] == "add":
-            x = e.inputs[2 + step[1]]
-            if x.aval.shape not in (out.shape, (lay.n,)) or not hasattr(x, "id"):
-                return None
-            close_run()
-            steps.append(("add", pos[x.id], x.aval.shape == out.shape))
-        else:
-            run.append(step)
-    close_run()
-    return Epilogue("\n".join(defs), tuple(steps))
+    extras = []
+    for x in e.inputs[2:]:
+        if x.aval.shape not in (out.shape, (lay.n,)) or not hasattr(x, "id"):
+            return None
+        extras.append((pos[x.id], x.aval.shape == out.shape))
+    expr, leaves = epilogue_leaves(e.params["epilogue"])
+    return Epilogue(pointwise_function("epilogue", expr, leaves), tuple(extras))
 
 
 def _source(name: str, lay: MatmulLayout, t: GemmTiles, ctype: str, a: int, b: int,
@@ -209,7 +186,7 @@ def _vector_source(name: str, lay: MatmulLayout, wm: int, vw: int, nv: int, ctyp
         for i in range(wm))
     rows = "\n    ".join(f"const long r{i} = min(m0 + {i}L, (long)M - 1);" for i in range(wm))
     def finish(i, j):  # the epilogue lane by lane (the extras' rows may end mid-vector)
-        if not epi.steps:
+        if not epi.defs:
             return acc[i][j]
         lanes = ", ".join(epi.apply(f"{acc[i][j]}.s{LANE[l]}", "z", f"(m0 + {i})",
                                     f"min(n0 + {j * vw + l}L, (long)N - 1)") for l in range(vw))
@@ -418,7 +395,7 @@ def _space(kernel, device) -> dict:
 def _key(kernel) -> tuple[str, str]:
     """Variant, epilogue and operands' layout: the signature; sizes by power-of-two class."""
     lay, e = _layout(kernel)
-    sig = repr((e.params.get("epilogue", ()), lay.a_strides[2] == 1, lay.b_strides[2] == 1, lay.dtype.name))
+    sig = repr((e.params.get("epilogue"), lay.a_strides[2] == 1, lay.b_strides[2] == 1, lay.dtype.name))
     return "opencl-gemm-" + hashlib.sha1(sig.encode()).hexdigest()[:16], \
         "x".join(str(tuner.size_class(n)) for n in (lay.batch, lay.m, lay.n, lay.k))
 

@@ -427,15 +427,17 @@ ATOMIC_DTYPES = (I32, U32, F32)
 ATOMIC64_DTYPES = (I64, F64)
 
 
-def pointwise_function(name: str, expr: KExpr, arg: KExpr) -> str:
-    """An OpenCL C function `name(v)` of expr, an expression of constants, unary and binary ops
-    and selects over the leaf `arg` (its parameter v): a GEMM template's epilogue."""
+def pointwise_function(name: str, expr: KExpr, args: list) -> str:
+    """An OpenCL C function `name(v0, v1, ...)` of expr, an elementwise expression over the leaves
+    `args` (its parameters, in order): a GEMM template's epilogue."""
     lines: list = []
     body = _Body(None, lines, None, 1, "", "    ")
-    body.memo[(arg, True)] = "v"
+    for i, a in enumerate(args):
+        body.memo[(a, True)] = f"v{i}"
     result = body.val(expr, scalar=True)
-    ctype = VALUE_T[np.dtype(arg.dtype)]
-    return "\n".join([f"static inline {ctype} {name}({ctype} v) {{", *lines, f"    return {result};", "}"])
+    params = ", ".join(f"{VALUE_T[np.dtype(a.dtype)]} v{i}" for i, a in enumerate(args))
+    return "\n".join([f"static inline {VALUE_T[np.dtype(expr.dtype)]} {name}({params}) {{", *lines,
+                      f"    return {result};", "}"])
 
 
 def _nodes(k: Kernel):

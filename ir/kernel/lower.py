@@ -13,7 +13,6 @@ short sequence of kernels (`REGION_RULES`).
 convert to a 16-bit type rounds (a cast there and back)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -411,50 +410,33 @@ def _dot_general(b, e, I):
     return cast(acc, compute(e.outputs[0].aval.dtype))
 
 
-def epilogue_value(dtype=np.float32) -> KExpr:
-    """The value a GEMM template's epilogue applies gemm_activation to: a leaf the template binds
-    to its own value (a register, a vector, a variable), never read from a buffer."""
-    return KExpr("load", np.dtype(dtype), (const(0, INDEX),), -1)
+def epilogue_value(dtype=np.float32, slot: int = 0) -> KExpr:
+    """A leaf that a GEMM template binds to a value of its own (a register, a vector, a variable),
+    never read from a buffer: the product (slot 0) or an element of extra `slot - 1`."""
+    return KExpr("load", np.dtype(dtype), (const(0, INDEX),), -1 - slot)
 
 
-def gemm_activation(step, y: KExpr) -> KExpr:
-    """A fused_gemm epilogue step other than "add" (see ir/primitives.py) on the float32 value y:
-    the one definition that the kernel IR and every GEMM template render (the LLVM and PTX
-    templates through backends/llvm/render.emit_pointwise, OpenCL's through its renderer)."""
-    c = lambda v: const(v, y.dtype)
-    op = step[0]
-    if op == "affine":
-        return binary("add", binary("mul", y, c(step[1])), c(step[2]))
-    if op == "relu":
-        return select(binary("lt", y, c(0.0)), c(0.0), y)
-    if op == "silu":
-        return binary("mul", y, unary("logistic", y))
-    if op in ("tanh", "sigmoid"):
-        return unary("logistic" if op == "sigmoid" else "tanh", y)
-    if op == "gelu_tanh":
-        cube = binary("mul", binary("mul", y, y), y)
-        inner = binary("mul", c(math.sqrt(2.0 / math.pi)), binary("add", y, binary("mul", c(0.044715), cube)))
-        return binary("mul", binary("mul", c(0.5), y), binary("add", c(1.0), unary("tanh", inner)))
-    if op == "gelu_erf":
-        erf = unary("erf", binary("mul", y, c(1.0 / math.sqrt(2.0))))
-        return binary("mul", binary("mul", c(0.5), y), binary("add", c(1.0), erf))
-    raise CompileError(f"fused_gemm has no epilogue step {step}")
+def epilogue_expr(fn, values) -> KExpr:
+    """A fused_gemm's epilogue (a ScalarFn) applied to `values`, the product and its extras as
+    expressions in their compute dtype: the one lowering of an epilogue, which the kernel IR and
+    every GEMM template render (the LLVM and PTX templates through backends/llvm/render.
+    emit_pointwise, OpenCL's through its renderer)."""
+    b = _Builder(fn.graph.eqns)
+    for v, x in zip(fn.graph.invars, values, strict=True):
+        b.memo[(v.id, ())] = x
+    return b.value(fn.graph.outvars[0], ())
 
 
-def _gemm_step(b, e, I, step, y: KExpr) -> KExpr:
-    """One fused_gemm epilogue step on the float32 value y: an extra added, or gemm_activation."""
-    if step[0] == "add":
-        x = e.inputs[2 + step[1]]
-        return binary("add", y, b.value(x, I if x.aval.ndim == len(I) else I[-1:]))
-    return gemm_activation(step, y)
+def epilogue_leaves(fn) -> tuple[KExpr, list]:
+    """(the epilogue over leaves, the leaves: the product's, then each extra's)."""
+    leaves = [epilogue_value(compute(d), i) for i, d in enumerate(fn.in_dtypes)]
+    return epilogue_expr(fn, leaves), leaves
 
 
 @_rule("fused_gemm")
 def _fused_gemm(b, e, I):
-    y = _dot_general(b, e, I)
-    for step in e.params["epilogue"]:
-        y = _gemm_step(b, e, I, step, y)
-    return y
+    extras = [b.value(x, I if x.aval.ndim == len(I) else I[-1:]) for x in e.inputs[2:]]
+    return epilogue_expr(e.params["epilogue"], [_dot_general(b, e, I), *extras])
 
 
 def _clamped_index(b, indices, I, n: int) -> KExpr:

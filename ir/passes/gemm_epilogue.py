@@ -1,34 +1,30 @@
-"""GEMM epilogue fusion: dot_general followed by bias adds, scalings, an activation and residual
-adds becomes one fused_gemm, whose epilogue runs on the output tile while it is in registers or
-cache (ir/primitives.py defines the steps).
+"""GEMM epilogue fusion: a dot_general and the elementwise computation that follows it become one
+fused_gemm, whose epilogue runs on the output tile while it is in registers or cache.
 
-From each dot_general the pass walks its result forward, one step at a time:
-- `y + v` where y has no other reader and v is an array of y's shape (a residual) or a
-  broadcast of a row vector along y's last axis (a bias): an ("add", i) step;
-- otherwise the largest chain of elementwise equations that reads only y and scalars and whose
-  intermediate values nobody else reads, recognised by what it computes rather than how it is
-  written: evaluated on probe points, it must equal relu, gelu (tanh or erf form), silu, tanh,
-  sigmoid or an affine map y*a + c (a scale, a shift, a division by a constant) to float32 precision.
-Steps keep the user's order, so a*(x@w + b) stays a*(xW + b). Anything else ends the chain: a
-bias of another shape (not along the last axis), a value read elsewhere, a function that is none
-of these. The fused equation takes the place of the chain's last equation (its operands are all
-defined before it); the dead producers are left for dce. The pass runs after fuse_attention,
-whose pattern starts with the scores' dot_general and its scale and mask."""
+The decision is structural: from each dot_general the pass collects the elementwise equations
+whose operands are the product, values computed from it here, scalars (literals, uniform
+constants, broadcasts of one), extras — arrays of the output's shape that are written out anyway
+(inputs, constants, results of non-elementwise equations, graph outputs), or row vectors along
+its last axis broadcast to it, of the product's dtype, that do not depend on the product (else the
+fused equation would read its own result) — and elementwise values made from those, which the
+epilogue recomputes (as fusion recomputes a value shared by kernels) rather than read. The largest such sub-DAG ending in one value of the
+product's dtype whose intermediate values nobody else reads becomes the epilogue: a ScalarFn (the
+same equations over 0-d values) that every implementation lowers as the kernel IR expression it
+is. Nothing is recognised by evaluating it: clamps, `where`, comparisons and casts inside the
+expression are as legal as a bias and a gelu. What does not fit (a value read elsewhere, a bias
+along another axis, an extra of another dtype) stays outside, unfused. The fused equation takes
+the place of the sub-DAG's last equation (its operands are all defined before it); the dead
+producers are left for dce. The pass runs after fuse_attention, whose pattern starts with the
+scores' dot_general and its scale and mask."""
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from .. import primitives as P
-from ..core import Eqn, Graph, Literal, Var
+from ..core import Eqn, Graph, Literal, ShapedArray, Var
 from .util import literal, new_eqn
 
-MAX_CHAIN = 24  # elementwise equations an activation may take
-PROBE = np.concatenate([np.linspace(-8.0, 8.0, 161), [-30.0, -0.37, 1e-3, 0.61, 30.0]]).astype(np.float32)
-_SQRT2 = math.sqrt(2.0)
-
-
+MAX_EPILOGUE = 64  # elementwise equations an epilogue may take
 FUSIBLE_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -46,157 +42,176 @@ class _Graph:
                     self.readers.setdefault(a.id, []).append(e)
         self.outputs = {v.id for v in g.outvars if isinstance(v, Var)}
         self.consts = {v.id: np.asarray(c) for v, c in zip(g.constvars, g.consts)}
+        self.fused: set[int] = set()  # results of the fused_gemms made so far: written out
 
-    def sole_reader(self, v: Var) -> Eqn | None:
-        r = self.readers.get(v.id, [])
-        return r[0] if len(r) == 1 and v.id not in self.outputs else None
-
-    def scalar(self, a):
+    def scalar(self, a) -> Literal | None:
         """The one value an atom holds everywhere (a literal, a uniform constant or a broadcast
-        of one) as a float32 0-d array, else None."""
+        of one), as a literal of the atom's dtype; else None."""
         if isinstance(a, Literal):
-            v = np.asarray(a.val)
-        elif a.id in self.consts:
+            return literal(a.val, a.aval.dtype)
+        if a.id in self.consts:
             v = self.consts[a.id]
         else:
             p = self.producer.get(a.id)
-            return self.scalar(p.inputs[0]) if p is not None and p.prim is P.broadcast_in_dim else None
+            if p is None or p.prim is not P.broadcast_in_dim:
+                return None
+            inner = self.scalar(p.inputs[0])
+            return None if inner is None else literal(inner.val, a.aval.dtype)
         flat = v.reshape(-1)
-        if flat.size == 0 or not np.all(flat == flat[0]):
+        if flat.size == 0:
             return None
-        return np.asarray(flat[0], np.float32)
+        first = flat[0]
+        same = flat == first
+        if np.issubdtype(flat.dtype, np.inexact) or flat.dtype.kind == "V":
+            same = same | (np.isnan(flat.astype(np.float64)) & np.isnan(np.float64(first)))
+        return literal(first, a.aval.dtype) if bool(np.all(same)) else None
+
+    def descendants(self, v: Var) -> set:
+        """Ids of the variables computed from v."""
+        seen, work = set(), [v]
+        while work:
+            for e in self.readers.get(work.pop().id, ()):
+                for o in e.outputs:
+                    if o.id not in seen:
+                        seen.add(o.id)
+                        work.append(o)
+        return seen
 
 
-def _add_step(G: _Graph, e: Eqn, y: Var):
-    """(extra operand, eqns taken) when e is y + a residual or a row bias, else None."""
-    if e.prim is not P.add or len(e.inputs) != 2 or sum(a is y for a in e.inputs) != 1:
-        return None
-    (other,) = [a for a in e.inputs if a is not y]
-    if not isinstance(other, Var) or other.aval.dtype != y.aval.dtype or G.scalar(other) is not None:
-        return None
-    p = G.producer.get(other.id)
-    if p is not None and p.prim is P.broadcast_in_dim:
-        x = p.inputs[0]
-        row = (y.aval.shape[-1],) if y.aval.ndim else None
-        along_rows = p.params["broadcast_dimensions"] == (y.aval.ndim - 1,)
-        if isinstance(x, Var) and x.aval.shape == row and along_rows:
-            return x
-        return None  # a broadcast along other axes: not a bias of the output's rows
-    return other if other.aval.shape == y.aval.shape else None
+class _Epilogue:
+    """The candidate epilogue of one product y: its equations and how each operand is read."""
 
+    def __init__(self, G: _Graph, y: Var):
+        self.G, self.y = G, y
+        self.below = G.descendants(y)
+        self.shape, self.dtype = y.aval.shape, np.dtype(y.aval.dtype)
 
-def _closure(G: _Graph, y: Var) -> list[Eqn]:
-    """Elementwise equations reading only y, values computed from y here, and scalars."""
-    inside, chain, taken, work = {y.id}, [], set(), [y]
-    while work and len(chain) < MAX_CHAIN:
-        v = work.pop()
-        for e in G.readers.get(v.id, ()):
-            if id(e) in taken or not e.prim.elementwise or e.prim.effectful or len(e.outputs) != 1 or \
-                    e.outputs[0].aval.shape != y.aval.shape:
+    def extra(self, a) -> Var | None:
+        """The array an operand reads as an extra (itself, or the row it broadcasts), or None."""
+        if not isinstance(a, Var) or a.id in self.below or a.id == self.y.id or a.aval.dtype != self.dtype:
+            return None
+        p = self.G.producer.get(a.id)
+        if p is not None and p.prim is P.broadcast_in_dim:
+            x = p.inputs[0]
+            if isinstance(x, Var) and x.aval.shape == self.shape[-1:] and \
+                    p.params["broadcast_dimensions"] == (len(self.shape) - 1,) and x.aval.dtype == self.dtype:
+                return x  # a row vector along the output's last axis (a bias)
+            return None  # a broadcast along other axes: fusing it would write it out whole
+        if a.aval.shape != self.shape:
+            return None
+        if p is not None and p.prim.elementwise and a.id not in self.G.outputs and a.id not in self.G.fused:
+            return None  # an elementwise value is not written out unless needed: recompute it (_side)
+        return a
+
+    def _fusible(self, e: Eqn, gone: set) -> bool:
+        return id(e) not in gone and e.prim.elementwise and not e.prim.effectful and \
+            len(e.outputs) == 1 and e.outputs[0].aval.shape == self.shape
+
+    def _side(self, a, gone: set, taken: set, pulled: list) -> bool:
+        """Whether `a` is a scalar, an extra, or an elementwise value made from those, not from y
+        (its equations, appended to `pulled`, are recomputed in the epilogue, as fusion recomputes
+        a value shared by several kernels, and stay where they are for their other readers)."""
+        if self.G.scalar(a) is not None or self.extra(a) is not None:
+            return True
+        p = self.G.producer.get(a.id)
+        if p is None or not self._fusible(p, gone) or a.id in self.below or len(pulled) >= MAX_EPILOGUE:
+            return False
+        if id(p) in taken or any(p is q for q in pulled):
+            return True
+        if all(self._side(x, gone, taken, pulled) for x in p.inputs):
+            pulled.append(p)
+            return True
+        return False
+
+    def closure(self, gone: set) -> tuple[list[Eqn], set]:
+        """Elementwise equations over y, values computed from y here, scalars, extras and the
+        values made from those; and the ids of the values computed from y."""
+        G, inside, chain, taken, work = self.G, {self.y.id}, [], set(), [self.y]
+        while work and len(chain) < MAX_EPILOGUE:
+            v = work.pop()
+            for e in G.readers.get(v.id, ()):
+                if id(e) in taken or not self._fusible(e, gone):
+                    continue
+                pulled: list = []
+                if all((isinstance(a, Var) and a.id in inside) or self._side(a, gone, taken, pulled)
+                       for a in e.inputs):
+                    for x in pulled + [e]:
+                        chain.append(x)
+                        taken.add(id(x))
+                    inside.add(e.outputs[0].id)
+                    work.append(e.outputs[0])
+        return sorted(chain, key=lambda e: G.pos[id(e)]), inside
+
+    def best(self, gone: set):
+        """(equations, sink) of the largest epilogue: the sink's ancestors in the closure, whose
+        values computed from y (y included) no one outside them reads; or None."""
+        G = self.G
+        if self.y.id in G.outputs:  # y must stay: an epilogue would replace it
+            return None
+        chain, inside = self.closure(gone)
+        by_out = {e.outputs[0].id: e for e in chain}
+        for e in reversed(chain):
+            sink = e.outputs[0]
+            if sink.aval.dtype != self.dtype or sink.id not in inside:
                 continue
-            if all((isinstance(a, Var) and a.id in inside) or G.scalar(a) is not None for a in e.inputs):
-                chain.append(e)
-                taken.add(id(e))
-                inside.add(e.outputs[0].id)
-                work.append(e.outputs[0])
-    return sorted(chain, key=lambda e: G.pos[id(e)])
-
-
-def _ancestors(sink: Var, chain: list[Eqn], y: Var) -> list[Eqn] | None:
-    """The equations of `chain` that sink depends on, if their values are read only among them."""
-    by_out = {e.outputs[0].id: e for e in chain}
-    keep, stack = {}, [sink]
-    while stack:
-        v = stack.pop()
-        e = by_out.get(v.id)
-        if e is None or id(e) in keep:
-            continue
-        keep[id(e)] = e
-        stack.extend(a for a in e.inputs if isinstance(a, Var))
-    return [e for e in chain if id(e) in keep]
-
-
-def _evaluate(G: _Graph, sub: list[Eqn], y: Var, x: np.ndarray) -> np.ndarray:
-    env = {y.id: x}
-    for e in sub:
-        args = [env[a.id] if isinstance(a, Var) and a.id in env else G.scalar(a) for a in e.inputs]
-        with np.errstate(all="ignore"):
-            env[e.outputs[0].id] = np.asarray(e.prim.impl(*args, **e.params)[0], np.float64)
-    return env[sub[-1].outputs[0].id]
-
-
-def _identify(G: _Graph, sub: list[Eqn], y: Var):
-    """The epilogue step that the equations `sub` compute from y, or None."""
-    x = PROBE.astype(np.float64)
-    f = _evaluate(G, sub, y, PROBE)
-    if not np.array_equal(np.isfinite(f), np.isfinite(x)):
+            sub, stack = {}, [sink]
+            while stack:
+                x = by_out.get(stack.pop().id)
+                if x is not None and id(x) not in sub:
+                    sub[id(x)] = x
+                    stack.extend(a for a in x.inputs if isinstance(a, Var))
+            inner = [self.y] + [s.outputs[0] for s in sub.values() if s is not e and s.outputs[0].id in inside]
+            if any(v.id in G.outputs or any(id(r) not in sub for r in G.readers.get(v.id, ()))
+                   for v in inner):
+                continue  # y or a value computed from it is read elsewhere
+            return [x for x in chain if id(x) in sub], sink
         return None
-    for name in P.GEMM_ACTIVATIONS:  # against the primitive's own reference of each step
-        if np.allclose(f, P.gemm_epilogue(PROBE, (), ((name,),)), rtol=1e-5, atol=2e-6):
-            return (name,)
-    c, one = _evaluate(G, sub, y, np.array([0.0, 1.0], np.float32))
-    a = one - c
-    if np.allclose(f, a * x + c, rtol=1e-5, atol=1e-6 * max(1.0, abs(a), abs(c))):
-        return ("affine", float(np.float32(a)), float(np.float32(c)))
-    return None
 
-
-def _activation_step(G: _Graph, y: Var, gone: set):
-    """(step, eqns taken, result) for the largest elementwise chain from y that is a known
-    function, else None."""
-    if y.id in G.outputs:  # y must stay: an epilogue would replace it
-        return None
-    chain = [e for e in _closure(G, y) if id(e) not in gone]
-    for e in reversed(chain):  # the largest candidate first
-        sink = e.outputs[0]
-        if sink.aval.dtype != y.aval.dtype:
-            continue
-        sub = _ancestors(sink, chain, y)
-        taken = {id(s) for s in sub}
-        inner = [y] + [s.outputs[0] for s in sub if s is not e]
-        if any(v.id in G.outputs or any(id(r) not in taken for r in G.readers.get(v.id, ()))
-               for v in inner):
-            continue  # y or an intermediate value is read elsewhere
-        step = _identify(G, sub, y)
-        if step is not None:
-            return step, sub, sink
-    return None
+    def scalar_fn(self, eqns: list[Eqn]) -> tuple[P.ScalarFn, list[Var]]:
+        """The epilogue over 0-d values, and the extras in the order it takes them."""
+        y0 = Var(ShapedArray((), self.dtype))
+        env, extras, ins, body = {self.y.id: y0}, [], [y0], []
+        for e in eqns:
+            atoms = []
+            for a in e.inputs:
+                if isinstance(a, Var) and a.id in env:
+                    atoms.append(env[a.id])
+                    continue
+                lit = self.G.scalar(a)
+                if lit is not None:
+                    atoms.append(lit)
+                    continue
+                x = self.extra(a)
+                if not any(x is z for z in extras):
+                    extras.append(x)
+                    ins.append(Var(ShapedArray((), self.dtype)))
+                    env[x.id] = ins[-1]
+                atoms.append(env[x.id])
+            new, (o,) = new_eqn(e.prim, atoms, e.params)
+            env[e.outputs[0].id] = o
+            body.append(new)
+        return P.ScalarFn(Graph((), tuple(ins), tuple(body), (env[eqns[-1].outputs[0].id],))), extras
 
 
 def _fuse_from(G: _Graph, dot: Eqn, gone: set):
-    """The fused_gemm replacing dot and its epilogue chain, and the equations it takes (none
-    that an earlier rewrite took: `gone`)."""
-    y = dot.outputs[0]
-    extras, steps, taken = [], [], [dot]
-    while True:
-        reader = G.sole_reader(y)
-        if reader is not None and id(reader) in gone:
-            break
-        extra = _add_step(G, reader, y) if reader is not None else None
-        if extra is not None:
-            if not any(extra is x for x in extras):
-                extras.append(extra)
-            steps.append(("add", next(i for i, x in enumerate(extras) if x is extra)))
-            taken.append(reader)
-            y = reader.outputs[0]
-            continue
-        act = _activation_step(G, y, gone)
-        if act is None:
-            break
-        step, sub, y = act
-        steps.append(step)
-        taken.extend(sub)
-    if not steps:
+    """The fused_gemm replacing dot and its epilogue, and the equations it consumes (the dot and
+    those computed from its product; none that an earlier rewrite took: `gone`). Equations the
+    epilogue recomputes from other values stay for their other readers (dce drops the rest)."""
+    ep = _Epilogue(G, dot.outputs[0])
+    found = ep.best(gone)
+    if found is None:
         return None
+    eqns, sink = found
+    fn, extras = ep.scalar_fn(eqns)
     params = {"dimension_numbers": dot.params["dimension_numbers"],
-              "preferred_element_type": dot.params.get("preferred_element_type"), "epilogue": tuple(steps)}
-    fused = Eqn(P.fused_gemm, tuple(dot.inputs[:2]) + tuple(extras), (y,), params, dot.source)
-    return fused, taken
+              "preferred_element_type": dot.params.get("preferred_element_type"), "epilogue": fn}
+    fused = Eqn(P.fused_gemm, tuple(dot.inputs[:2]) + tuple(extras), (sink,), params, dot.source)
+    return fused, [dot] + [e for e in eqns if e.outputs[0].id in ep.below]
 
 
 def fuse_gemm_epilogues(graph: Graph) -> Graph:
     G = _Graph(graph)
-    replaced: dict[int, Eqn] = {}  # id of a chain's last equation -> the fused equation
+    replaced: dict[int, Eqn] = {}  # id of an epilogue's last equation -> the fused equation
     gone: set[int] = set()
     for e in graph.eqns:
         if e.prim is not P.dot_general or id(e) in gone or \
@@ -207,6 +222,7 @@ def fuse_gemm_epilogues(graph: Graph) -> Graph:
             continue
         fused, taken = r
         gone.update(id(t) for t in taken)
+        G.fused.add(fused.outputs[0].id)
         replaced[id(max(taken, key=lambda t: G.pos[id(t)]))] = fused
     if not replaced:
         return graph
@@ -217,47 +233,28 @@ def fuse_gemm_epilogues(graph: Graph) -> Graph:
 # ---- the way back: a fused_gemm as dot_general and ordinary elementwise equations ---------------
 
 def unfused_graph(eqn: Eqn) -> Graph:
-    """A graph computing `eqn` (a fused_gemm) with dot_general and the primitives its epilogue
-    stands for, over the same input and output variables: for a device whose GEMM takes no
-    epilogue, and to check the fused result against."""
+    """A graph computing `eqn` (a fused_gemm) with dot_general and its epilogue's equations over
+    the same input and output variables: for a device whose GEMM takes no epilogue, and to check
+    the fused result against."""
     lhs, rhs, *extras = eqn.inputs
     out = eqn.outputs[0]
+    shape, ndim = out.aval.shape, out.aval.ndim
     eqns = []
 
     def emit(prim, *ins, **params):
         e, (o,) = new_eqn(prim, ins, params)
         eqns.append(e)
         return o
-
-    shape, ndim = out.aval.shape, out.aval.ndim
-
-    def scalar(v):
-        return emit(P.broadcast_in_dim, literal(v, out.aval.dtype), shape=shape, broadcast_dimensions=())
+    fn: P.ScalarFn = eqn.params["epilogue"]
     y = emit(P.dot_general, lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
              preferred_element_type=eqn.params["preferred_element_type"])
-    for step in eqn.params["epilogue"]:
-        op = step[0]
-        if op == "add":
-            x = extras[step[1]]
-            if x.aval.shape != shape:  # a row along the last axis
-                x = emit(P.broadcast_in_dim, x, shape=shape, broadcast_dimensions=(ndim - 1,))
-            y = emit(P.add, y, x)
-        elif op == "affine":
-            y = emit(P.add, emit(P.mul, y, scalar(step[1])), scalar(step[2]))
-        elif op == "relu":
-            y = emit(P.max_, y, scalar(0.0))
-        elif op in ("tanh", "sigmoid"):
-            y = emit(P.tanh if op == "tanh" else P.logistic, y)
-        elif op == "silu":
-            y = emit(P.mul, y, emit(P.logistic, y))
-        else:
-            if op == "gelu_tanh":
-                cube = emit(P.mul, emit(P.mul, y, y), y)
-                inner = emit(P.add, y, emit(P.mul, scalar(0.044715), cube))
-                t = emit(P.tanh, emit(P.mul, scalar(math.sqrt(2 / math.pi)), inner))
-            else:
-                t = emit(P.erf, emit(P.mul, y, scalar(1 / _SQRT2)))
-            y = emit(P.mul, emit(P.mul, scalar(0.5), y), emit(P.add, scalar(1.0), t))
+    full = [x if x.aval.shape == shape else
+            emit(P.broadcast_in_dim, x, shape=shape, broadcast_dimensions=(ndim - 1,)) for x in extras]
+    env = {v.id: a for v, a in zip(fn.graph.invars, [y, *full])}
+    for e in fn.graph.eqns:
+        ins = [env[a.id] if isinstance(a, Var) else
+               emit(P.broadcast_in_dim, a, shape=shape, broadcast_dimensions=()) for a in e.inputs]
+        env[e.outputs[0].id] = emit(e.prim, *ins, **e.params)
     last = eqns[-1]
     eqns[-1] = last.replace(outputs=(out,))  # the fused equation's own output variable
     return Graph((), tuple(eqn.inputs), tuple(eqns), (out,))

@@ -283,11 +283,15 @@ class Emu:
             R[ops[0]] = b32(r)
             return
         if head == "cvt":
-            dt, st = [p for p in parts[1:] if p not in ("rn", "rni", "rzi", "rz", "sat", "ftz")][:2]
+            dt, st = [p for p in parts[1:] if p not in ("rn", "rni", "rzi", "rmi", "rpi", "rz", "sat", "ftz")][:2]
             x = self.val(t, ops[1], width(st))
             if st == "f32" and dt == "f32":
                 v = f32(x)
-                R[ops[0]] = b32(np.rint(v)) if "rni" in parts else b32(np.trunc(v))
+                rnd = np.rint if "rni" in parts else np.floor if "rmi" in parts else np.ceil if "rpi" in parts \
+                    else np.trunc
+                R[ops[0]] = b32(rnd(v))
+            elif dt == "f32" and st[0] in "su":
+                R[ops[0]] = b32(np.float32(sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]))
             elif st == "f16" and dt == "f32":
                 R[ops[0]] = b32(f16v(x))
             elif st == "f32" and dt == "f16":

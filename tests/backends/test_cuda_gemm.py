@@ -22,6 +22,8 @@ from tilefuse.backends.llvm.gemm import GemmProblem
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import CompileError
 from tilefuse.tracer.core import bind1
+from tilefuse.validate.primitives import epilogue_fn
+from tilefuse import nn
 from test_cuda_ptx import ARCHS, _ptxas, need_ptxas  # the ptxas this machine has (one discovery)
 
 BF16 = ml_dtypes.bfloat16
@@ -42,8 +44,18 @@ def fused(epilogue, contract=((1,), (0,)), batch=((), ())):
 
 
 MM = dot(((1,), (0,)))
-EVERY_STEP = (("affine", 0.5, 0.1), ("relu",), ("add", 0), ("silu",), ("tanh",), ("sigmoid",),
-              ("gelu_erf",), ("add", 1), ("gelu_tanh",))
+F16 = np.float16
+# every kind of elementwise op a fused_gemm's epilogue may hold: arithmetic on extras, the
+# activations, comparisons, selects, casts through integers
+EVERY_STEP = epilogue_fn(lambda y, b, r: tnp.where(
+    nn.gelu(tnp.tanh(nn.silu(nn.sigmoid(nn.relu(0.5 * y + 0.1) + b)))) + r > 0,
+    tnp.floor(nn.gelu(y, approximate=False) * 4).astype(tnp.int32).astype(tnp.float32), -y), 3)
+
+
+def epi(f, n, dtype=np.float32):
+    return epilogue_fn(f, n, dtype)
+
+
 # name -> (function, arguments): ragged sizes (no dimension a multiple of a tile) unless named
 CASES = {
     "f32": (MM, (u(131, 77), u(77, 53))),
@@ -60,14 +72,14 @@ CASES = {
     "f32 transposed lhs": (dot(((0,), (0,))), (u(77, 131), u(77, 53))),
     "bf16 transposed rhs": (dot(((1,), (1,))), (u(131, 77, dtype=BF16), u(53, 77, dtype=BF16))),
     "f32 every epilogue step": (fused(EVERY_STEP), (u(131, 77), u(77, 53), u(53), u(131, 53))),
-    "f16 bias gelu residual": (fused((("add", 0), ("gelu_tanh",), ("add", 1))),
+    "f16 bias gelu residual": (fused(epi(lambda y, b, r: nn.gelu(y + b) + r, 3, F16)),
                                (u(131, 77, dtype=np.float16), u(77, 53, dtype=np.float16),
                                 u(53, dtype=np.float16), u(131, 53, dtype=np.float16))),
     "f16 tanh(x @ w + b), fused by the pass": (lambda x, w, b: tnp.tanh(x @ w + b),
                                                (u(96, 64, dtype=np.float16), u(64, 80, dtype=np.float16),
                                                 u(80, dtype=np.float16))),
     "bf16 batched transposed epilogue": (
-        fused((("add", 0), ("silu",)), contract=((2,), (2,)), batch=((0,), (0,))),
+        fused(epi(lambda y, r: nn.silu(y + r), 2, BF16), contract=((2,), (2,)), batch=((0,), (0,))),
         (u(2, 70, 41, dtype=BF16), u(2, 50, 41, dtype=BF16), u(2, 70, 50, dtype=BF16))),
 }
 
@@ -197,7 +209,7 @@ need_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU on this machine"
 RTOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float16): 4e-3, np.dtype(BF16): 2e-2}
 
 
-@pytest.mark.parametrize("case", ["f16", "bf16"])
+@pytest.mark.parametrize("case", ["f16", "bf16", "f16 bias gelu residual", "f32 every epilogue step"])
 def test_tensor_core_kernels_compute_the_product_in_a_ptx_interpreter(case):
     """Without a GPU: the tensor-core kernel of a ragged product (mma.sync and ldmatrix fragments,
     zero-filled edges) runs in a PTX interpreter (ptxemu.py) and matches the reference."""

@@ -16,6 +16,10 @@ from tilefuse.ir.kernel.lower import reshape_index
 from tilefuse.ir.passes import partition
 from tilefuse.ir.passes.util import new_eqn
 from tilefuse.ir.primitives import PRIMITIVES
+from tilefuse.validate.primitives import epilogue_fn
+
+import tilefuse.numpy as tnp
+from tilefuse import nn
 
 F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 I32, I64, BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
@@ -148,11 +152,14 @@ CASES["dot_general"] = [
 ]
 CASES["fused_gemm"] = [
     C(f(3, 4), f(4, 5), f(5), f(3, 5), dimension_numbers=(((1,), (0,)), ((), ())), preferred_element_type=None,
-      epilogue=(("add", 0), ("gelu_tanh",), ("affine", 0.5, 1.0), ("add", 1))),
+      epilogue=epilogue_fn(lambda y, b, r: 0.5 * nn.gelu(y + b) + 1.0 + r, 3)),
     C(f(2, 4, 3), f(2, 4, 5), dimension_numbers=(((1,), (1,)), ((0,), (0,))), preferred_element_type=None,
-      epilogue=(("gelu_erf",), ("silu",), ("relu",))),
+      epilogue=epilogue_fn(lambda y: nn.relu(nn.silu(nn.gelu(y, approximate=False))), 1)),
     C(f(3, 8, dtype=BF16), f(8, 2, dtype=BF16), f(2, dtype=BF16), dimension_numbers=(((1,), (0,)), ((), ())),
-      preferred_element_type=None, epilogue=(("add", 0), ("relu",))),
+      preferred_element_type=None, epilogue=epilogue_fn(lambda y, b: nn.relu(y + b), 2, BF16)),
+    C(f(5, 6, lo=-9, hi=9), f(6, 4), f(5, 4), dimension_numbers=(((1,), (0,)), ((), ())), preferred_element_type=None,
+      epilogue=epilogue_fn(lambda y, r: tnp.where(tnp.clip(y, -1.5, 2.0) > r, tnp.floor(y).astype(tnp.int32)
+                                                 .astype(tnp.float32), -y), 2)),
 ]
 CASES["gather"] = [C(f(5, 3), np.array([[0, 4], [-1, 7]], I32), axis=0),
                    C(f(2, 6, 3), np.array([5, 0, 2], I64), axis=1),

@@ -16,6 +16,7 @@ import numpy as np
 
 import tilefuse as tx
 from tilefuse.ir import primitives as P
+from tilefuse.api import make_graph
 from tilefuse.ir.core import ShapedArray
 from tilefuse.tracer.core import bind
 
@@ -206,19 +207,25 @@ def _dot(ls, rs, dn):
               params=dict(dimension_numbers=dn), tol={F16: (1e-2, 2e-2), BF16: (3e-2, 1e-1)})
 
 
-def _fused_gemm():
+def _fused_gemm(dtype):
     """x @ w + b, gelu (tanh form), + a residual: the epilogue written out in numpy."""
     def ref(x, w, b, r):
         f = lambda a: a.astype(np.float32)  # noqa: E731
-        y = f(x) @ f(w) + f(b)
+        y = (f(x) @ f(w)).astype(x.dtype).astype(np.float32) + f(b)
         y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * (y * y * y)))) + f(r)
         return y.astype(x.dtype)
-    return Op("fused_gemm(3,4)x(4,5)+b,gelu,+r", P.fused_gemm,
+    return Op(f"fused_gemm(3,4)x(4,5)+b,gelu,+r-{np.dtype(dtype).name}", P.fused_gemm,
               lambda r, s, d: [_rand(r, (3, 4), d), _rand(r, (4, 5), d), _rand(r, (5,), d), _rand(r, (3, 5), d)],
-              ref, (F32, BF16), shapes=[None],
+              ref, (dtype,), shapes=[None],
               params=dict(dimension_numbers=(((1,), (0,)), ((), ())), preferred_element_type=None,
-                          epilogue=(("add", 0), ("gelu_tanh",), ("add", 1))),
+                          epilogue=epilogue_fn(lambda y, b, r: tx.nn.gelu(y + b) + r, 3, dtype)),
               tol={BF16: (3e-2, 1e-1)})
+
+
+def epilogue_fn(f, n_inputs: int, dtype=F32) -> P.ScalarFn:
+    """A fused_gemm epilogue: f (of the product and the extras, written with tilefuse.numpy) traced
+    over 0-d values of `dtype`."""
+    return P.ScalarFn(make_graph(f)(*[np.zeros((), dtype)] * n_inputs))
 
 
 def _gather(shape, ishape, axis):
@@ -352,7 +359,8 @@ OPS = [
     _dot((1, 1), (1, 1), (((1,), (0,)), ((), ()))),
     _dot((3,), (2,), (((), ()), ((), ()))),
     _dot((2, 3, 4), (3, 4, 5), (((1, 2), (0, 1)), ((), ()))),
-    _fused_gemm(),
+    _fused_gemm(F32),
+    _fused_gemm(BF16),
     _gather((5, 3), (4,), 0),
     _gather((5, 3), (2, 2), 1),
     _gather((5,), (), 0),
