@@ -1,7 +1,7 @@
 """Reverse and forward mode automatic differentiation as transformations over traces."""
-from .api import (custom_vjp, grad, hessian, jacfwd, jacrev, jvp, stop_gradient, value_and_grad,
+from .api import (custom_jvp, custom_vjp, grad, hessian, jacfwd, jacrev, jvp, stop_gradient, value_and_grad,
                   vjp)
 from .check import check_grads
 
-__all__ = ["check_grads", "custom_vjp", "grad", "hessian", "jacfwd", "jacrev", "jvp",
+__all__ = ["check_grads", "custom_jvp", "custom_vjp", "grad", "hessian", "jacfwd", "jacrev", "jvp",
            "stop_gradient", "value_and_grad", "vjp"]

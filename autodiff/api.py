@@ -1,5 +1,5 @@
 """The public differentiation API: vjp, grad, value_and_grad, jvp, jacfwd, jacrev, hessian,
-custom_vjp and stop_gradient, over pytrees of arrays (JAX's signatures)."""
+custom_vjp, custom_jvp and stop_gradient, over pytrees of arrays (JAX's signatures)."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +11,7 @@ import numpy as np
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import TilefuseError, TransformError, filter_traceback, with_user_line
-from tilefuse.tracer.core import bind1, bind_custom_vjp, get_aval, is_array_like
+from tilefuse.tracer.core import bind1, bind_custom_jvp, bind_custom_vjp, get_aval, is_array_like
 from tilefuse.tracer.pytree import PyTreeDef, tree_flatten, tree_map, tree_unflatten
 
 from . import ops
@@ -352,19 +352,49 @@ def hessian(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
 
 # ---- user-defined derivatives and gradient barriers ----------------------------------------
 
-class custom_vjp:
+class _Custom:
+    """What custom_vjp and custom_jvp share: the arguments split into differentiable leaves and
+    the nondiff_argnums (static Python values, passed to the rule first, as in JAX)."""
+
+    def __init__(self, fun: Callable, nondiff_argnums=()):
+        functools.update_wrapper(self, fun)
+        self.fun, self.nondiff_argnums = fun, tuple(nondiff_argnums)
+
+    def _split(self, args, kwargs):
+        if kwargs:
+            args = inspect.signature(self.fun).bind(*args, **kwargs).args
+        static = tuple(args[i] for i in self.nondiff_argnums)
+        dyn = tuple(a for i, a in enumerate(args) if i not in self.nondiff_argnums)
+        leaves, in_tree = tree_flatten(dyn)
+
+        def full_args(xs) -> list:
+            it, st = iter(tree_unflatten(in_tree, xs)), iter(static)
+            return [next(st) if i in self.nondiff_argnums else next(it) for i in range(len(args))]
+        return static, dyn, leaves, in_tree, full_args
+
+    def _flat_fun(self, full_args, store) -> Callable:
+        def fun_flat(*xs):
+            out_leaves, store["out_tree"] = tree_flatten(self.fun(*full_args(xs)))
+            return out_leaves
+        fun_flat.__name__ = _fname(self.fun)
+        return fun_flat
+
+
+class custom_vjp(_Custom):
     """A function with a user-supplied reverse-mode derivative (JAX's API):
 
-        f = custom_vjp(f)
-        f.defvjp(fwd, bwd)   # fwd(*args) -> (out, residuals); bwd(residuals, ct) -> tuple of
-                             # one cotangent per argument (None for no gradient)
+        f = custom_vjp(f)    # or custom_vjp(f, nondiff_argnums=(1,))
+        f.defvjp(fwd, bwd)   # fwd(*args) -> (out, residuals); bwd(*nondiff_args, residuals, ct)
+                             # -> tuple of one cotangent per other argument (None: no gradient)
 
-    Reverse mode (grad, vjp, jacrev) uses fwd/bwd; forward mode and plain calls run f. Under
-    grad(jit(f)) jit's graph holds f's primitives, so reverse mode differentiates f itself."""
+    Reverse mode (grad, vjp, jacrev) uses fwd/bwd in every composition: jit keeps the function
+    whole in its graph with the rule beside it, and vmap batches the function and the rule, so
+    grad(jit(f)), vmap(grad(f)) and grad(vmap(f)) use the rule too. Forward mode and plain calls
+    run f itself."""
 
-    def __init__(self, fun: Callable):
-        functools.update_wrapper(self, fun)
-        self.fun, self.fwd, self.bwd = fun, None, None
+    def __init__(self, fun: Callable, nondiff_argnums=()):
+        super().__init__(fun, nondiff_argnums)
+        self.fwd, self.bwd = None, None
 
     def defvjp(self, fwd: Callable, bwd: Callable) -> "custom_vjp":
         self.fwd, self.bwd = fwd, bwd
@@ -375,18 +405,12 @@ class custom_vjp:
         name = _fname(self.fun)
         if self.fwd is None:
             raise _error(f"custom_vjp: {name} has no VJP yet; call {name}.defvjp(fwd, bwd)")
-        if kwargs:
-            args = inspect.signature(self.fun).bind(*args, **kwargs).args
-        leaves, in_tree = tree_flatten(args)
-        arg_trees = [tree_flatten(a)[1] for a in args]
+        static, dyn, leaves, in_tree, full_args = self._split(args, kwargs)
+        arg_trees = [tree_flatten(a)[1] for a in dyn]
         store: dict = {}
 
-        def fun_flat(*xs):
-            out_leaves, store["out_tree"] = tree_flatten(self.fun(*tree_unflatten(in_tree, xs)))
-            return out_leaves
-
         def fwd_flat(*xs):
-            r = self.fwd(*tree_unflatten(in_tree, xs))
+            r = self.fwd(*full_args(xs))
             if not (isinstance(r, (tuple, list)) and len(r) == 2):
                 raise _error(f"custom_vjp: the fwd of {name} must return a pair (output, "
                              f"residuals), got a {type(r).__name__}")
@@ -394,10 +418,10 @@ class custom_vjp:
             return out_leaves, r[1]
 
         def bwd_flat(residuals, cts):
-            r = self.bwd(residuals, tree_unflatten(store["out_tree"], cts))
-            if not isinstance(r, (tuple, list)) or len(r) != len(args):
+            r = self.bwd(*static, residuals, tree_unflatten(store["out_tree"], cts))
+            if not isinstance(r, (tuple, list)) or len(r) != len(dyn):
                 raise _error(f"custom_vjp: the bwd of {name} must return a tuple with one "
-                             f"cotangent per argument ({len(args)}), got {type(r).__name__}"
+                             f"cotangent per argument ({len(dyn)} differentiable), got {type(r).__name__}"
                              f"{' of ' + str(len(r)) if isinstance(r, (tuple, list)) else ''}")
             flat = []
             for i, (c, td) in enumerate(zip(r, arg_trees)):
@@ -415,8 +439,72 @@ class custom_vjp:
                                  f"{get_aval(c).shape} for an input of shape {get_aval(x).shape}")
             return flat
 
-        outs = bind_custom_vjp(fun_flat, fwd_flat, bwd_flat, *leaves,
+        outs = bind_custom_vjp(self._flat_fun(full_args, store), fwd_flat, bwd_flat, *leaves,
                                out_tree_thunk=lambda: store["out_tree"])
+        return tree_unflatten(store["out_tree"], outs)
+
+
+class custom_jvp(_Custom):
+    """A function with a user-supplied forward-mode derivative (JAX's API):
+
+        f = custom_jvp(f)           # or custom_jvp(f, nondiff_argnums=(1,))
+        @f.defjvp
+        def f_jvp(primals, tangents):   # (*nondiff_args, primals, tangents) with nondiff_argnums
+            x, = primals; t, = tangents
+            return f(x), tangent_out
+
+    or f.defjvps(lambda t, out, *primals: ..., ...), one tangent function per argument. Forward
+    mode (jvp, jacfwd) uses the rule; reverse mode (grad, vjp) transposes it, which needs the
+    tangent output linear in the tangents, as JAX requires. jit keeps the function whole with its
+    rule and vmap batches both, so every composition uses it; plain calls run f."""
+
+    def __init__(self, fun: Callable, nondiff_argnums=()):
+        super().__init__(fun, nondiff_argnums)
+        self.jvp = None
+
+    def defjvp(self, jvp: Callable) -> Callable:
+        self.jvp = jvp
+        return jvp
+
+    def defjvps(self, *tangent_fns) -> None:
+        """One function per argument, t_out_i = fn_i(tangent_i, primal_out, *primals) (None: no
+        dependence); the output tangent is their sum."""
+        def jvp(primals, tangents):
+            out = self.fun(*primals)
+            total = None
+            for fn, t in zip(tangent_fns, tangents, strict=True):
+                if fn is not None:
+                    c = fn(t, out, *primals)
+                    total = c if total is None else tree_map(ops.add, total, c)
+            return out, total if total is not None else tree_map(lambda o: ops.zeros(get_aval(o)), out)
+        self.jvp = jvp
+
+    @_user_frames
+    def __call__(self, *args, **kwargs):
+        name = _fname(self.fun)
+        if self.jvp is None:
+            raise _error(f"custom_jvp: {name} has no JVP yet; decorate one with @{name}.defjvp")
+        static, dyn, leaves, in_tree, full_args = self._split(args, kwargs)
+        store: dict = {}
+
+        def jvp_flat(primals, tangents):
+            r = self.jvp(*static, tuple(tree_unflatten(in_tree, primals)),
+                         tuple(tree_unflatten(in_tree, tangents)))
+            if not (isinstance(r, (tuple, list)) and len(r) == 2):
+                raise _error(f"custom_jvp: the JVP of {name} must return a pair (primal output, "
+                             f"tangent output), got a {type(r).__name__}")
+            out_leaves, store["out_tree"] = tree_flatten(r[0])
+            t_leaves, t_tree = tree_flatten(r[1])
+            if t_tree != store["out_tree"]:
+                raise _error(f"custom_jvp: the JVP of {name} returned a tangent output of structure "
+                             f"{t_tree} for a primal output of structure {store['out_tree']}")
+            for o, t in zip(out_leaves, t_leaves):
+                if get_aval(t).shape != get_aval(o).shape:
+                    raise _error(f"custom_jvp: the JVP of {name} returned a tangent of shape "
+                                 f"{get_aval(t).shape} for an output of shape {get_aval(o).shape}")
+            return out_leaves, [ops.convert(t, get_aval(o).dtype) for o, t in zip(out_leaves, t_leaves)]
+
+        outs = bind_custom_jvp(self._flat_fun(full_args, store), jvp_flat, *leaves)
         return tree_unflatten(store["out_tree"], outs)
 
 
@@ -429,5 +517,5 @@ def stop_gradient(x: Any) -> Any:
     return tree_map(leaf, x)
 
 
-__all__ = ["custom_vjp", "grad", "hessian", "jacfwd", "jacrev", "jvp",
+__all__ = ["custom_jvp", "custom_vjp", "grad", "hessian", "jacfwd", "jacrev", "jvp",
            "stop_gradient", "value_and_grad", "vjp"]

@@ -53,6 +53,15 @@ class JVPTrace(Trace):
         return [JVPTracer(self, outs[0], rule(tangents, *primals, out=outs[0], **params))]
 
 
+    def process_custom_jvp(self, fun, jvp, tracers):
+        primals = [t.primal for t in tracers]
+        if all(t.tangent is None for t in tracers):
+            return [JVPTracer(self, o, None) for o in fun(*primals)]
+        tangents = [ops.instantiate(t.tangent, p) for t, p in zip(tracers, primals)]
+        outs, tangents_out = jvp(primals, tangents)
+        return [JVPTracer(self, o, t) for o, t in zip(outs, tangents_out, strict=True)]
+
+
 def jvp_flat(fun: Callable, primals: list, tangents: list):
     """Trace fun(*tracers) -> (output leaves, aux) in forward mode. Returns (output primals,
     output tangents with None for symbolic zeros, aux)."""

@@ -104,6 +104,25 @@ class VJPTrace(Trace):
         return [VJPTracer(self, o, n) for o, n in zip(outs, out_nodes)]
 
 
+    def process_custom_jvp(self, fun, jvp, tracers):
+        """Reverse mode of a user JVP: its tangent map is linear, so its transpose is its VJP,
+        taken (by this module) on the map at zero tangents when the backward pass runs."""
+        primals = [t.primal for t in tracers]
+        if all(t.node is None for t in tracers):
+            return fun(*primals)
+        outs = fun(*primals)
+        out_nodes = _float_outputs(self.tape, outs)
+
+        def backward(cts):
+            def tangent_map(*ts):
+                return list(jvp(primals, list(ts))[1]), None
+            zeros = [ops.zeros(ops.aval(p)) for p in primals]
+            _, pullback, _ = vjp_flat(tangent_map, zeros)
+            return pullback([ops.instantiate(c, o) for c, o in zip(cts, outs)])
+        self.tape.entries.append(_Entry(backward, tuple(t.node for t in tracers), out_nodes))
+        return [VJPTracer(self, o, n) for o, n in zip(outs, out_nodes)]
+
+
 def backpropagate(tape: Tape, seeds: dict, in_nodes) -> list:
     """Cotangents of `in_nodes` given cotangents of some nodes (None = symbolic zero)."""
     cts = dict(seeds)

@@ -656,23 +656,32 @@ scatter_add = Primitive("scatter_add", _scatter_add_rule, _scatter_add_impl)
 
 # ---- calls ----------------------------------------------------------------------------------
 
-def _tile_call_rule(*avals, graph, name, n_consts, bwd):
+def _call_rule(*avals, graph, name, n_consts, **rules):
     want = [(a.shape, a.dtype) for a in graph.in_avals]
     got = [(a.shape, a.dtype) for a in avals]
     if got != want:
-        raise ShapeError(with_user_line(f"tile_op {name}: operands {[str(a) for a in avals]} do not "
+        raise ShapeError(with_user_line(f"{name}: operands {[str(a) for a in avals]} do not "
                                         f"match its body's inputs {[str(a) for a in graph.in_avals]}"))
-    return graph.out_avals[0]
+    return graph.out_avals
 
 
-def _tile_call_impl(*xs, graph, name, n_consts, bwd):
-    return eval_graph(graph, xs, lambda e, vals: e.prim.impl(*vals, **e.params))[0]
+def _call_impl(*xs, graph, name, n_consts, **rules):
+    return eval_graph(graph, xs, lambda e, vals: e.prim.impl(*vals, **e.params))
 
 
-# One user-defined operator (tilefuse.tile_op) as a unit: `graph` is its closed body (one output;
-# its first n_consts inputs are the body's captured constants), `bwd` a user VJP or None. The
-# pass pipeline inlines it before fusion (ir/passes/inline.py).
-tile_call = Primitive("tile_op", _tile_call_rule, _tile_call_impl)
+# A call is a function kept whole in the graph: `graph` is its closed body (its first n_consts
+# inputs are the body's captured constants), with the user's derivative rules beside it. Traces
+# that know the rule use it (tracer/core.bind hands custom_vjp/custom_jvp calls to the top
+# trace again); the pass pipeline inlines every call before fusion (ir/passes/inline.py).
+# - tile_op: one user-defined operator (tilefuse.tile_op), one output; `bwd` a user VJP or None.
+tile_call = Primitive("tile_op", lambda *a, **p: _call_rule(*a, **p)[0],
+                      lambda *x, **p: _call_impl(*x, **p)[0])
+# - custom_vjp_call: a tx.custom_vjp function; fwd(*args) -> (outs, residuals), bwd(residuals,
+#   cts) -> cts of args (flat lists).
+custom_vjp_call = Primitive("custom_vjp_call", _call_rule, _call_impl, multiple_results=True)
+# - custom_jvp_call: a tx.custom_jvp function; jvp(primals, tangents) -> (outs, tangents out).
+custom_jvp_call = Primitive("custom_jvp_call", _call_rule, _call_impl, multiple_results=True)
+CALLS = (tile_call, custom_vjp_call, custom_jvp_call)
 
 
 # ---- effects --------------------------------------------------------------------------------

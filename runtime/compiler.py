@@ -20,6 +20,7 @@ from tilefuse.ir.core import Graph, Literal, Var
 from tilefuse.ir.kernel import copy_kernel, lower_region
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.passes import Dump, partition, run_passes
+from tilefuse.ir.passes.inline import inline_calls
 
 from . import dispatch, frontend_cache, profiler
 from .config import config
@@ -130,6 +131,9 @@ class _Builder:
 def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) -> Program:
     """Optimise, fuse, lower and compile `graph` for `device`; see the module docstring."""
     fuse = config.fusion if fuse is None else fuse
+    # calls (tile_op, custom_vjp/jvp) keep rules only transformations use: without them the graph's
+    # text decides its compile, so the front-end cache applies
+    graph = inline_calls(graph)
     key = frontend_cache.key(graph, fuse)
     front = frontend_cache.load(key)  # (never while dumping: key is None)
     dump = Dump(config.dump_dir, graph.meta.get("name", "graph"))

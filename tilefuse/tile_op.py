@@ -37,7 +37,7 @@ from tilefuse.ir.core import Graph, ShapedArray, eval_graph
 from tilefuse.ir.errors import (ArgumentError, DTypeError, ShapeError, TilefuseError, TransformError,
                                 filter_traceback, with_user_line)
 from tilefuse.tracer.core import Tracer, bind, bind1, get_aval, is_array_like
-from tilefuse.tracer.staging import trace_to_graph
+from tilefuse.tracer.staging import closed_graph
 from tilefuse.tracer.vmap import batch_rules, vmap
 
 __all__ = ["Tensor", "TensorSpec", "TileOp", "tile_op"]
@@ -338,7 +338,7 @@ class TileOp:
                 raise ArgumentError(f"tile_op {self.name} returned a {type(out).__name__}; a tile_op "
                                     "returns one array")
             return [out], None
-        graph, consts = _closed(body, avals)
+        graph, consts = closed_graph(body, avals)
         self.trace_count += 1
         if self.result is not None:
             _check_spec(self.name, self.result, graph.out_avals[0], "<result>", dict(bound))
@@ -355,12 +355,6 @@ def tile_op(fun: Callable | None = None, *, tunable: dict | None = None):
 
 
 # ---- the primitive's rules: each transforms the body ----------------------------------------
-
-def _closed(fun: Callable, avals) -> tuple[Graph, tuple]:
-    """Trace fun over avals into a graph whose captured constants are its leading inputs."""
-    graph, _ = trace_to_graph(fun, list(avals))
-    return graph.replace(constvars=(), invars=graph.constvars + graph.invars, consts=()), graph.consts
-
 
 def _run_body(graph: Graph, *xs):
     return eval_graph(graph, xs, lambda e, vals: bind(e.prim, *vals, **e.params))[0]
@@ -403,7 +397,7 @@ def _tile_batch(vals, dims, *, graph, name, n_consts, bwd):
     hit = _batched.get(key)
     if hit is None:
         batched = vmap(functools.partial(_run_body, graph), in_axes=tuple(dims))
-        hit = _batched[key] = _closed(lambda *xs: ([batched(*xs)], None), avals)
+        hit = _batched[key] = closed_graph(lambda *xs: ([batched(*xs)], None), avals)
     bgraph, consts = hit
     out = bind1(P.tile_call, *consts, *vals, graph=bgraph, name=name, n_consts=len(consts) + n_consts,
                 bwd=None if bwd is None else _BatchedVJP(bwd, tuple(dims[n_consts:])))

@@ -9,7 +9,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from tilefuse.ir import dtypes
-from tilefuse.ir.core import ShapedArray, aval_of_value
+from tilefuse.ir import primitives as P
+from tilefuse.ir.core import ShapedArray, aval_of_value, eval_graph
 from tilefuse.ir.errors import ConcretizationError, TracerLeakError, with_user_line
 from tilefuse.ir.primitives import Primitive
 
@@ -67,6 +68,10 @@ class Trace:
     def process_custom_vjp(self, fun: Callable, fwd: Callable, bwd: Callable, tracers: list,
                            out_tree_thunk) -> list:
         """Default: a custom-VJP function means just its primal function to other transforms."""
+        return fun(*tracers)
+
+    def process_custom_jvp(self, fun: Callable, jvp: Callable, tracers: list) -> list:
+        """Default: a custom-JVP function means just its primal function to other transforms."""
         return fun(*tracers)
 
 
@@ -205,8 +210,31 @@ def full_lower(val):
 def bind(prim: Primitive, *args, **params) -> list:
     trace = find_top_trace(args)
     tracers = [full_raise(trace, a) for a in args]
-    outs = trace.process_primitive(prim, tracers, params)
+    if prim in _CUSTOM:  # a staged custom_vjp/custom_jvp function: its rule is the trace's again
+        outs = _CUSTOM[prim](trace, tracers, params)
+    else:
+        outs = trace.process_primitive(prim, tracers, params)
     return [full_lower(o) for o in outs]
+
+
+def _body(params, consts) -> Callable:
+    """A call's body run on tracers: the function a custom_vjp/custom_jvp call stands for."""
+    graph = params["graph"]
+    return lambda *xs: eval_graph(graph, [*consts, *xs], lambda e, vs: bind(e.prim, *vs, **e.params))
+
+
+def _rebind_vjp(trace, tracers, params):
+    n = params["n_consts"]
+    return trace.process_custom_vjp(_body(params, tracers[:n]), params["fwd"], params["bwd"], tracers[n:],
+                                    None)
+
+
+def _rebind_jvp(trace, tracers, params):
+    n = params["n_consts"]
+    return trace.process_custom_jvp(_body(params, tracers[:n]), params["jvp"], tracers[n:])
+
+
+_CUSTOM = {P.custom_vjp_call: _rebind_vjp, P.custom_jvp_call: _rebind_jvp}
 
 
 def bind1(prim: Primitive, *args, **params):
@@ -220,6 +248,16 @@ def bind_custom_vjp(fun: Callable, fwd: Callable, bwd: Callable, *args, out_tree
     trace = find_top_trace(args)
     tracers = [full_raise(trace, a) for a in args]
     outs = trace.process_custom_vjp(fun, fwd, bwd, tracers, out_tree_thunk)
+    return [full_lower(o) for o in outs]
+
+
+def bind_custom_jvp(fun: Callable, jvp: Callable, *args) -> list:
+    """Call a function with a user-defined JVP on flat arguments: the top trace decides what it
+    means (forward mode uses jvp, reverse mode transposes it; other traces run `fun`).
+    fun(*args) -> outs, jvp(primals, tangents) -> (outs, tangents out); all flat lists."""
+    trace = find_top_trace(args)
+    tracers = [full_raise(trace, a) for a in args]
+    outs = trace.process_custom_jvp(fun, jvp, tracers)
     return [full_lower(o) for o in outs]
 
 

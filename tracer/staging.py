@@ -8,7 +8,9 @@ import numpy as np
 from tilefuse.ir.core import Eqn, Graph, Literal, ShapedArray, Var, aval_of_value
 from tilefuse.ir.errors import user_line
 
-from .core import Trace, Tracer, new_dynamic, new_main
+from tilefuse.ir import primitives as P
+
+from .core import Trace, Tracer, full_raise, new_dynamic, new_main
 
 
 class StagingTracer(Tracer):
@@ -97,6 +99,14 @@ class StagingTrace(Trace):
                           tuple(b.vars[id(o)] for o in outs), params, user_line()))
         return outs
 
+    # a custom_vjp/custom_jvp function stays whole, with its rule, so a transformation outside
+    # the staged graph (grad of a jitted function) finds the rule when it replays the graph
+    def process_custom_vjp(self, fun, fwd, bwd, tracers, out_tree_thunk):
+        return _stage_call(self, P.custom_vjp_call, fun, tracers, fwd=fwd, bwd=bwd)
+
+    def process_custom_jvp(self, fun, jvp, tracers):
+        return _stage_call(self, P.custom_jvp_call, fun, tracers, jvp=jvp)
+
 
 def trace_to_graph(f: Callable, in_avals: Sequence[ShapedArray]) -> tuple[Graph, object]:
     """Trace f over flat inputs of the given avals; f returns a flat list of outputs.
@@ -111,3 +121,18 @@ def trace_to_graph(f: Callable, in_avals: Sequence[ShapedArray]) -> tuple[Graph,
                            else o for o in outs]
             graph = builder.build(in_tracers, out_tracers)
     return graph, aux
+
+
+def closed_graph(fun: Callable, avals) -> tuple[Graph, tuple]:
+    """Trace fun (-> (output leaves, aux)) over avals into a graph whose captured constants are
+    its leading inputs, and those constants: the body of a call primitive."""
+    graph, _ = trace_to_graph(fun, list(avals))
+    return graph.replace(constvars=(), invars=graph.constvars + graph.invars, consts=()), graph.consts
+
+
+def _stage_call(trace: "StagingTrace", prim, fun: Callable, tracers, **rules) -> list:
+    graph, consts = closed_graph(lambda *xs: (list(fun(*xs)), None), [t.aval for t in tracers])
+    ins = [full_raise(trace, c) for c in consts] + list(tracers)
+    return trace.process_primitive(prim, ins, dict(graph=graph, name=getattr(fun, "__name__", prim.name),
+                                                   n_consts=len(consts), **rules))
+

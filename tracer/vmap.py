@@ -17,8 +17,8 @@ from tilefuse.ir.errors import TilefuseError, TransformError, filter_traceback, 
 from tilefuse.ir.primitives import Primitive
 
 from . import pytree
-from .core import (Trace, Tracer, bind, bind1, full_lower, full_raise, get_aval, is_array_like,
-                   new_main)
+from .core import (Trace, Tracer, bind, bind1, bind_custom_jvp, bind_custom_vjp, full_lower, full_raise,
+                   get_aval, is_array_like, new_main)
 
 __all__ = ["vmap", "batch_rules", "BatchTrace", "BatchTracer"]
 
@@ -61,6 +61,30 @@ class BatchTrace(Trace):
                 "tilefuse.tracer.vmap.batch_rules"))
         outs, out_dims = rule(vals, dims, **params)
         return [BatchTracer(self, o, d) for o, d in zip(outs, out_dims, strict=True)]
+
+    # A custom_vjp/custom_jvp function batched stays one: its function and its rule are vmapped
+    # (every argument's batch axis at 0, unbatched ones broadcast), so a grad outside still uses
+    # the user's rule, per example.
+    def _batched_all(self, tracers):
+        vals, dims = [t.val for t in tracers], [t.bdim for t in tracers]
+        if all(d is None for d in dims):
+            return vals, None
+        n = _axis_size(vals, dims)
+        return [bdim_at(v, d, n, 0) for v, d in zip(vals, dims)], n
+
+    def process_custom_vjp(self, fun, fwd, bwd, tracers, out_tree_thunk):
+        vals, n = self._batched_all(tracers)
+        if n is None:
+            return [BatchTracer(self, o, None) for o in bind_custom_vjp(fun, fwd, bwd, *vals)]
+        outs = bind_custom_vjp(vmap(fun), vmap(fwd), lambda res, cts: vmap(bwd)(res, cts), *vals)
+        return [BatchTracer(self, o, 0) for o in outs]
+
+    def process_custom_jvp(self, fun, jvp, tracers):
+        vals, n = self._batched_all(tracers)
+        if n is None:
+            return [BatchTracer(self, o, None) for o in bind_custom_jvp(fun, jvp, *vals)]
+        outs = bind_custom_jvp(vmap(fun), lambda ps, ts: vmap(jvp)(ps, ts), *vals)
+        return [BatchTracer(self, o, 0) for o in outs]
 
 
 # ---- helpers, written with primitives ------------------------------------------------------

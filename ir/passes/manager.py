@@ -15,11 +15,11 @@ from .cse import cse
 from .dce import dce
 from .fold import fold_constants
 from .gemm_epilogue import fuse_gemm_epilogues
-from .inline import inline_tile_ops
+from .inline import inline_calls
 from .simplify import fold_transpose_into_dot, simplify
 
 PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
-    ("inline_tile_ops", inline_tile_ops),                  # tile_op calls become their bodies
+    ("inline_calls", inline_calls),                        # calls (tile_op, custom_vjp) become their bodies
     ("dce", dce),                                          # drop what nobody reads
     ("cse", cse),                                          # one copy of each computation
     ("fold_constants", fold_constants),                    # evaluate what is known now

@@ -142,7 +142,7 @@ ALL = {**TABLE, **PROGRAMS}
 # whole primitives: the FlashAttention template's PTX is checked in test_cuda_attention.py, and
 # where it does not apply they run as the kernels of their decomposition (covered above)
 COMPOSITES = {"fused_attention", "fused_attention_bwd"}
-INLINED = {"tile_call"}  # replaced by its body before lowering (ir/passes/inline.py)
+INLINED = {"tile_call", "custom_vjp_call", "custom_jvp_call"}  # replaced by its body before lowering (ir/passes/inline.py)
 
 
 def test_the_table_covers_every_primitive():

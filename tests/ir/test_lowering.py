@@ -172,7 +172,7 @@ CASES["scatter_add"] = [C(f(5, 3), np.array([0, 2, 0, 9, -4], I32), f(5, 3), axi
 # debug_print is no kernel: the pipeline runs it on the host (tests/backends/test_pipeline.py)
 HOST_ONLY = {"debug_print"}
 # tile_op calls are inlined before fusion, never lowered (tests/test_tile_op.py)
-INLINED = {"tile_op"}
+INLINED = {"tile_op", "custom_vjp_call", "custom_jvp_call"}
 TEMPLATES = {"fused_attention", "fused_attention_bwd"}  # taken whole by implementations: tests/test_attention.py
 
 

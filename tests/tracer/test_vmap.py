@@ -131,14 +131,15 @@ CASES += [
     Case(P.fused_attention_bwd, [(normal, (2, 3, 4))] * 5, scale=0.5, causal=False,
          dims=((0, 1, 2),) * 3),
 ]
-DEDICATED = {"debug_print": "test_debug_print_per_example", "tile_op": "tests/test_tile_op.py"}
+DEDICATED = {"debug_print": "test_debug_print_per_example", "tile_op": "tests/test_tile_op.py",
+             "custom_vjp_call": "tests/autodiff/test_custom.py", "custom_jvp_call": "tests/autodiff/test_custom.py"}
 
 
 def test_every_primitive_has_a_rule_and_a_case():
     names = {n for n, p in P.PRIMITIVES.items() if not p.compile_only}  # made after vmap ran
     covered = {c.prim.name for c in CASES} | set(DEDICATED)
     assert names - covered == set(), f"primitives without a vmap test case: {names - covered}"
-    ruled = {p.name for p in batch_rules}
+    ruled = {p.name for p in batch_rules} | {"custom_vjp_call", "custom_jvp_call"}  # BatchTrace takes them
     assert names - ruled == set(), f"primitives without a batching rule: {names - ruled}"
 
 
