@@ -141,7 +141,7 @@ def vjp(fun: Callable, *primals, has_aux: bool = False):
     leaves, in_tree = _check_leaves("vjp", fun, primals, nums)
     store: dict = {}
     flat = _flat_fun("vjp", fun, primals, {}, nums, in_tree, has_aux, store)
-    outs, pullback, aux = vjp_flat(flat, leaves)
+    outs, pullback, aux = vjp_flat(flat, leaves, prepare=True)
     out_tree = store["out_tree"]
 
     @_user_frames
@@ -168,7 +168,7 @@ def _value_and_grad(where, fun, argnums, has_aux, args, kwargs):
     leaves, in_tree = _check_leaves(where, fun, args, nums)
     store: dict = {}
     flat = _flat_fun(where, fun, args, kwargs, nums, in_tree, has_aux, store)
-    outs, pullback, aux = vjp_flat(flat, leaves)
+    outs, pullback, aux = vjp_flat(flat, leaves, prepare=True)
     a = get_aval(outs[0]) if len(outs) == 1 else None
     if a is None or a.shape != ():
         got = f"an output of type {a}" if a is not None else f"{len(outs)} output arrays"
@@ -300,7 +300,7 @@ def jacrev(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
         leaves, in_tree = _check_leaves("jacrev", fun, args, nums)
         store: dict = {}
         flat = _flat_fun("jacrev", fun, args, kwargs, nums, in_tree, has_aux, store)
-        outs, pullback, aux = vjp_flat(flat, leaves)
+        outs, pullback, aux = vjp_flat(flat, leaves, prepare=True)
         _check_float_outputs("jacrev", fun, outs)
         out_avals, in_avals = [get_aval(o) for o in outs], [get_aval(x) for x in leaves]
         _, stacked = _map_basis(lambda cts: ((), _materialize_all(pullback(cts), leaves)),

@@ -358,9 +358,10 @@ def _jvp_by_decomposition(prim):
 
 def _vjp_by_decomposition(prim):
     def rule(ct, *primals, out, needs, **params):
-        from .api import vjp
-        _, pullback = vjp(_decomposed(prim, params, primals), *primals)
-        return tuple(c if n else None for c, n in zip(pullback(ct), needs))
+        from .vjp import vjp_flat  # (not api.vjp: its rewrites would fuse the decomposition back)
+        f = _decomposed(prim, params, primals)
+        _, pullback, _ = vjp_flat(lambda *xs: ([f(*xs)], None), list(primals))
+        return tuple(c if n else None for c, n in zip(pullback([ct]), needs))
     return rule
 
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from tilefuse.ir.errors import TransformError, with_user_line
-from tilefuse.tracer.core import Trace, Tracer, bind, full_lower, get_aval, new_main
-from tilefuse.tracer.pytree import tree_map
+from tilefuse.ir.core import eval_graph
+from tilefuse.ir.passes.manager import prepare_for_ad
+from tilefuse.tracer.core import Trace, Tracer, bind, full_lower, get_aval, new_main, staging
+from tilefuse.tracer.pytree import tree_flatten, tree_map, tree_unflatten
+from tilefuse.tracer.staging import closed_graph
 
 from . import ops
 from .rules import ZERO_DERIVATIVE, vjp_rules
@@ -136,10 +139,40 @@ def backpropagate(tape: Tape, seeds: dict, in_nodes) -> list:
     return [cts.get(n) for n in in_nodes]
 
 
-def vjp_flat(fun: Callable, primals: list):
+def _staged_first(fun: Callable, primals: list) -> Callable:
+    """Under jit: fun traced into a graph and rewritten by prepare_for_ad (fused attention, whose
+    VJP is the fused backward), then replayed; the same (outputs, aux) as fun. Eager grad runs
+    fun itself, so Python control flow on values keeps working there."""
+    store: dict = {}
+
+    def flat(*xs):
+        outs, aux = fun(*xs)
+        aux_leaves, store["aux_tree"] = tree_flatten(aux)
+        store["arrays"] = [i for i, a in enumerate(aux_leaves) if isinstance(a, Tracer)]
+        store["aux"] = aux_leaves
+        store["n_out"] = len(outs)
+        return list(outs) + [aux_leaves[i] for i in store["arrays"]], None
+    graph, consts = closed_graph(flat, [get_aval(p) for p in primals])
+    graph = prepare_for_ad(graph)
+
+    def replay(*xs):
+        vals = eval_graph(graph, [*consts, *xs], lambda e, vs: bind(e.prim, *vs, **e.params))
+        n = store["n_out"]
+        aux = list(store["aux"])
+        for i, v in zip(store["arrays"], vals[n:]):
+            aux[i] = v
+        return vals[:n], tree_unflatten(store["aux_tree"], aux)
+    return replay
+
+
+def vjp_flat(fun: Callable, primals: list, prepare: bool = False):
     """Trace fun(*tracers) -> (output leaves, aux) in reverse mode. Returns (output primals,
     pullback, aux): pullback(output cotangents) -> input cotangents, None for symbolic zeros.
-    The pullback may be called many times; it runs outside this trace (on lower levels)."""
+    The pullback may be called many times; it runs outside this trace (on lower levels).
+    prepare (the user-facing transforms; never rules, whose decompositions the rewrites would
+    fuse back): under jit, differentiate fun's graph after prepare_for_ad."""
+    if prepare and staging():
+        fun = _staged_first(fun, primals)
     with new_main(VJPTrace, Tape()) as main:
         trace = VJPTrace(main)
         tape = main.global_data

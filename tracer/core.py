@@ -41,6 +41,11 @@ def new_main(trace_type: type, global_data=None):
         stack.pop()
 
 
+def staging() -> bool:
+    """Whether a jit is tracing on this thread (then every bind is staged into its graph)."""
+    return _state.dynamic is not None
+
+
 @contextlib.contextmanager
 def new_dynamic(main: MainTrace):
     """Make `main` catch every primitive bound, even on constants (jit's omnistaging)."""

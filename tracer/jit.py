@@ -12,6 +12,7 @@ import numpy as np
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Graph, ShapedArray, eval_graph
 from tilefuse.ir.errors import ArgumentError, TilefuseError, filter_traceback, user_line
+from tilefuse.ir.passes.manager import prepare_for_ad
 
 from . import pytree
 from .core import Tracer, bind, get_aval
@@ -187,6 +188,7 @@ class JitFunction:
                                           (in_tree, avals, static, None, hooks.config.cache_key()))
             if graph is None:
                 return self.fun(*args, **kwargs)
+            graph = prepare_for_ad(graph)  # a grad outside differentiates fused attention whole
             outs = eval_graph(graph, leaves, lambda e, xs: bind(e.prim, *xs, **e.params))
             return pytree.tree_unflatten(out_tree, outs)
         avals = self._avals(leaves, in_tree)

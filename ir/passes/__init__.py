@@ -4,7 +4,7 @@ from .cse import cse
 from .dce import dce
 from .fold import fold_constants
 from .fusion import Region, partition
-from .manager import PIPELINE, Dump, run_passes
+from .manager import BEFORE_AD, PIPELINE, Dump, prepare_for_ad, run_passes
 from .simplify import RULES, fold_transpose_into_dot, simplify
 
 __all__ = ["PIPELINE", "RULES", "Dump", "Region", "cse", "dce", "fold_constants",

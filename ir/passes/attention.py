@@ -12,18 +12,13 @@ the plain numpy form); then dot_general(p, v) contracting the key axis, when not
 the weights p. Anything else, such as a softmax over another axis or a fill other than -inf, is
 left alone.
 
-Under grad the weights are also read by the backward autodiff wrote. That backward is found from
-the weights' other matmul (dV = Pᵀ·dO gives dO) and the matmuls that read q or k with values
-made from the weights and dO (dS·k, dSᵀ·q); with it, the forward becomes fused_attention and
-the backward fused_attention_bwd (dq, dk, dv sliced out of its packed result), when nothing
-else reads the intermediates. Since the chain between (dP - rowsum(dP·P))·P and the softmax's
-derivative takes as many forms as the softmax is written in, the candidate is accepted only
-after the old and new equations agree on random inputs (which also finds each gradient's
-layout); a graph whose weights exceed CHECK_LIMIT keeps its backward (and so its forward)."""
+Every decision is made from the graph's structure (primitives, operands, axes, broadcasts and
+constant values), never by evaluating candidates. The weights p must have no other reader: under
+grad, the backward autodiff writes reads them, so the rewrite is made before differentiation
+instead (ir/passes/manager.prepare_for_ad, which grad under jit and the replay of a jitted
+function under grad apply): fused_attention's own VJP rule then writes the fused backward."""
 from __future__ import annotations
 
-import hashlib
-import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,7 +26,6 @@ import numpy as np
 from .. import dtypes
 from .. import primitives as P
 from ..core import Graph, Literal, Var
-from .dce import dce
 from .simplify import simplify
 from .util import Rewriter, literal, new_eqn
 
@@ -425,287 +419,10 @@ def _match(m: _Matcher, d2):
 
 # ---- the backward written by autodiff -------------------------------------------------------------
 
-# Elements of the weights: a backward rewrite is made only once checked on random inputs of its
-# own size (about 1.5 s on two cores at this limit, 4 s at 4x; once per structure, see _CHECKED).
-CHECK_LIMIT = 1 << 22
-
-
-class _Uses:
-    """Where each variable is made (equation index) and read (indices; -1 for a graph output)."""
-
-    def __init__(self, graph: Graph):
-        self.eqns = graph.eqns
-        self.index = {o.id: i for i, e in enumerate(graph.eqns) for o in e.outputs}
-        self.users: dict[int, list] = {}
-        for i, e in enumerate(graph.eqns):
-            for a in e.inputs:
-                if isinstance(a, Var):
-                    self.users.setdefault(a.id, []).append(i)
-        for a in graph.outvars:
-            if isinstance(a, Var):
-                self.users.setdefault(a.id, []).append(-1)
-
-    def descendants(self, ids, start: int) -> set:
-        """Indices of the equations from `start` on that read (transitively) variables `ids`."""
-        live, out = set(ids), set()
-        for i in range(start, len(self.eqns)):
-            e = self.eqns[i]
-            if any(isinstance(a, Var) and a.id in live for a in e.inputs):
-                out.add(i)
-                live.update(o.id for o in e.outputs)
-        return out
-
-    def ancestors(self, variables) -> set:
-        """Indices of the equations that `variables` are computed from, their producers included."""
-        want = {v.id for v in variables}
-        out = set()
-        for i in range(max((self.index.get(i, -1) for i in want), default=-1), -1, -1):
-            e = self.eqns[i]
-            if any(o.id in want for o in e.outputs):
-                out.add(i)
-                want.update(a.id for a in e.inputs if isinstance(a, Var))
-        return out
-
-
-GLUE_DEPTH = 3  # producers of a checked graph's inputs it may evaluate too (a scale, a broadcast)
-
-
-def _evaluate(m: _Matcher, g: _Uses, eqns, env: dict, depth: int = 0):
-    """env (var id -> value) after running `eqns` with numpy; an input that is neither in env
-    nor a constant is computed by its producers up to GLUE_DEPTH deep, else None."""
-    for e in eqns:
-        ins = []
-        for a in e.inputs:
-            val = a.val if isinstance(a, Literal) else env.get(a.id)
-            val = m.value(a) if val is None else val
-            if val is None and depth < GLUE_DEPTH and a.id in g.index and \
-                    _evaluate(m, g, [g.eqns[g.index[a.id]]], env, depth + 1) is not None:
-                val = env[a.id]
-            if val is None:
-                return None
-            ins.append(val)
-        env.update((o.id, np.asarray(x)) for o, x in zip(e.outputs, e.prim.impl(*ins, **e.params)))
-    return env
-
-
-def _random(rng, aval):
-    """Random test values of a float or bool variable (None for other dtypes)."""
-    if aval.dtype == np.bool_:
-        return rng.random(aval.shape) > 0.3
-    return rng.standard_normal(aval.shape).astype(aval.dtype) if dtypes.is_float(aval.dtype) else None
-
-
-def _layout_of(want, got, tol):
-    """The permutation p with got.transpose(p) == want (numerically), else None."""
-    bound = tol * max(1.0, float(np.max(np.abs(want), initial=0.0)))
-    for p in itertools.permutations(range(got.ndim)):
-        t = got.transpose(p)
-        if t.shape == want.shape and np.allclose(t, want, rtol=tol, atol=bound):
-            return p
-    return None
-
-
-_CHECKED: dict = {}  # signature of a checked (old, new) pair -> the layouts found
-
-
-def _signature(m: _Matcher, old_eqns, new_eqns, free: list, outs: list, divisors):
-    """The equations' structure with variables numbered (the free inputs by position, constants
-    by value) and the outputs compared: equal signatures compute the same. None if an input is
-    neither (not cached)."""
-    names = {a.id: ("free", i, str(a.aval)) for i, a in enumerate(free)}
-    parts = []
-    for e in [*old_eqns, *new_eqns]:
-        ins = []
-        for a in e.inputs:
-            if isinstance(a, Literal):
-                ins.append(("literal", repr(a.val), str(a.aval)))
-            elif a.id in names:
-                ins.append(names[a.id])
-            else:
-                c = m.value(a)
-                if c is None:
-                    return None
-                ins.append(("const", c.shape, str(c.dtype), hashlib.sha1(np.ascontiguousarray(c)).hexdigest()))
-        names.update((o.id, ("var", len(parts), i)) for i, o in enumerate(e.outputs))
-        parts.append((e.prim.name, repr(sorted(e.params.items())), tuple(ins),
-                      tuple(str(o.aval) for o in e.outputs)))
-    return tuple(parts), tuple(names[o.id] for o in outs), tuple(divisors)
-
-
-def _checked_layouts(m: _Matcher, g: _Uses, old_eqns, new_eqns, old_outs, new_outs, divisors):
-    """Run the old and new equations on the same random inputs: for each old output the
-    permutation of the new one, divided by its divisor, equal to it; None if one has none.
-    Verdicts are cached by signature (a model's layers repeat)."""
-    made = {o.id for e in new_eqns for o in e.outputs}
-    free = list({a.id: a for e in new_eqns for a in e.inputs
-                 if isinstance(a, Var) and a.id not in made and m.value(a) is None}.values())
-    key = _signature(m, old_eqns, new_eqns, free, [*old_outs, *new_outs], divisors)
-    if key and key in _CHECKED:
-        return _CHECKED[key]
-    rng = np.random.default_rng(0)
-    env = {a.id: _random(rng, a.aval) for a in free}
-    if any(x is None for x in env.values()):
-        return None
-    old = _evaluate(m, g, old_eqns, dict(env))
-    new = _evaluate(m, g, new_eqns, dict(env))
-    if old is None or new is None:
-        return None
-    tol = 1e-3 if free[0].aval.dtype.itemsize >= 4 else 5e-2
-    perms = []
-    for var, x, c in zip(old_outs, new_outs, divisors):
-        perms.append(_layout_of(old[var.id], new[x.id] / c, tol))
-    perms = None if None in perms else tuple(perms)
-    if key:
-        if len(_CHECKED) > 256:
-            _CHECKED.clear()
-        _CHECKED[key] = perms
-    return perms
-
-
-@dataclass
-class _Backward:
-    """A forward and its backward rewritten: the equations removed, the forward's replacement
-    (at d2's index), the backward's (after index `after`) and what it replaces."""
-    removed: set
-    forward: _Hit
-    at: int
-    after: int
-    eqns: list
-    subst: list  # (old variable, new atom)
-
-
-def _match_backward(m: _Matcher, g: _Uses, i2: int):
-    """The attention read by dot_general eqns[i2] together with the backward autodiff wrote for
-    it (dV = Pᵀ·dO, and dS·k, dSᵀ·q from the weights and dO), else None. The candidate is found
-    by structure and accepted only if, on random inputs, the old and new equations agree."""
-    d2 = g.eqns[i2]
-    hit = _match(m, d2)
-    weights, v = d2.inputs
-    if hit is None or weights.aval.size > CHECK_LIMIT:
-        return None
-    i1 = g.index[hit.d1.outputs[0].id]
-    q0, k0 = hit.d1.inputs
-    if q0 is k0 or any(not isinstance(x, Var) for x in (q0, k0, v)):
-        return None
-    fwd = (g.ancestors([weights]) & g.descendants({hit.d1.outputs[0].id}, i1)) | {i1}
-    n = weights.aval.ndim - 2
-    # dV = Pᵀ·dO: the other dot_general reading the weights, contracting the query axis
-    readers = [j for j in g.users[weights.id] if j not in (i2, -1) and g.eqns[j].prim is P.dot_general]
-    if len(readers) != 1:
-        return None
-    jv = readers[0]
-    ev = g.eqns[jv]
-    if ev.params.get("preferred_element_type") is not None or ev.inputs[0] is ev.inputs[1]:
-        return None
-    side = 0 if ev.inputs[0] is weights else 1
-    (c0, c1), (b0, b1) = ev.params["dimension_numbers"]
-    pc, pb, oc, ob = (c0, b0, c1, b1) if side == 0 else (c1, b1, c0, b0)
-    dout = ev.inputs[1 - side]
-    if tuple(pc) != (n,) or sorted(pb) != list(range(n)) or not isinstance(dout, Var) \
-            or dout.aval.ndim != n + 2:
-        return None
-    free = next(a for a in range(n + 2) if a not in ob and a != oc[0])
-    dout_canonical = (*(ob[list(pb).index(a)] for a in range(n)), oc[0], free)
-    # dS·k and dSᵀ·q: the dot_generals reading k or q and values made from both the forward's
-    # intermediates and dO
-    below = g.descendants({o.id for j in fwd for o in g.eqns[j].outputs}, i1)
-    jo = g.index.get(dout.id, -1)
-    from_dout = g.descendants({dout.id}, jo + 1)
-
-    def reader(x):
-        # the first: an earlier layer's gradients (with the same k) come later, made from these
-        js = [j for j in g.users.get(x.id, ()) if j in below and j in from_dout
-              and g.eqns[j].prim is P.dot_general]
-        return min(js, default=None)
-    jq, jk = reader(k0), reader(q0)
-    if jq is None or jk is None:
-        return None
-    outs = [g.eqns[j].outputs[0] for j in (jq, jk, jv)]
-    made_before = g.ancestors([dout]) if jo >= 0 else set()
-    region = (g.ancestors(outs) & (below | from_dout)) - fwd - {i2} - made_before
-    after = max(i2, jo)
-    if min(jq, jk, jv) <= after:
-        return None
-    inside = fwd | region | {i2}
-    keep = {o.id for o in outs}
-    if any(u not in inside for j in fwd | region for o in g.eqns[j].outputs if o.id not in keep
-           for u in g.users.get(o.id, ())):
-        return None  # an intermediate is read elsewhere too: it has to stay
-    if any(g.eqns[j].prim.effectful for j in inside):
-        return None
-    # the replacement: fused_attention_bwd(q, k, v[, bias], out, dO in q's layout), split
-    fused = hit.fused
-    q, k = fused.inputs[:2]
-    dims = fused.params["dims"]
-    em = _Emit()
-    dout_q = em.permute(dout, np.asarray(dout_canonical)[np.argsort(dims[0])])
-    if dout_q.aval.shape != fused.outputs[0].aval.shape or dout_q.aval.dtype != q.aval.dtype:
-        return None
-    packed = em(P.fused_attention_bwd, *fused.inputs, fused.outputs[0], dout_q, **fused.params)
-    grads, start = [], 0
-    for x in (q, k, v):
-        part = em(P.slice_, packed, start_indices=(start,), limit_indices=(start + x.aval.size,),
-                  strides=(1,))
-        grads.append(em(P.reshape, part, new_sizes=x.aval.shape))
-        start += x.aval.size
-    old_eqns = [g.eqns[j] for j in sorted(inside)]
-    # the cotangent of q·cq is dq / cq
-    divisors = (1.0, *hit.operand_scales, 1.0)
-    perms = _checked_layouts(m, g, old_eqns, hit.eqns + em.eqns, [d2.outputs[0], *outs],
-                             [hit.out, *grads], divisors)
-    if perms is None or perms[0] != tuple(range(n + 2)):
-        return None
-    subst = []
-    for var, grad, c, perm in zip(outs, grads, divisors[1:], perms[1:]):
-        if c != 1.0:
-            grad = em(P.mul, grad, em.full(1.0 / c, grad))
-        subst.append((var, em.permute(grad, perm)))
-    return _Backward(inside, hit, i2, after, em.eqns, subst)
-
-
-def _fuse_with_backward(graph: Graph) -> Graph:
-    """Rewrites every attention whose weights only the backward autodiff wrote reads too."""
-    original, graph = graph, dce(graph)  # a dead reader of an intermediate must not count
-    g = _Uses(graph)
-    rw = Rewriter(graph)
-    for e in graph.eqns:
-        rw.emit(e)
-    m = _Matcher(graph, rw)
-    found: list[_Backward] = []
-    for i, e in enumerate(graph.eqns):
-        if e.prim is P.dot_general and isinstance(e.inputs[0], Var) and \
-                len(g.users.get(e.inputs[0].id, ())) > 1:
-            hit = _match_backward(m, g, i)
-            if hit is not None and not any(hit.removed & b.removed for b in found):
-                found.append(hit)
-    if not found:
-        return original
-    at = {b.at: b for b in found}
-    after: dict[int, list] = {}
-    for b in found:
-        after.setdefault(b.after, []).append(b)
-    removed = set().union(*(b.removed for b in found))
-    out = Rewriter(graph)
-    for i, e in enumerate(graph.eqns):
-        if i in at:
-            for x in at[i].forward.eqns:
-                out.emit(out.rewrite_inputs(x))
-            out.alias(e.outputs[0], at[i].forward.out)
-        elif i not in removed:
-            out.emit(out.rewrite_inputs(e))
-        for b in after.get(i, ()):
-            for x in b.eqns:
-                out.emit(out.rewrite_inputs(x))
-            for var, atom in b.subst:
-                out.alias(var, atom)
-    return simplify(out.finish())
-
-
 def fuse_attention(graph: Graph) -> Graph:
     """softmax(q kᵀ·scale + mask) v -> fused_attention (see the module docstring)."""
     if not any(e.prim is P.dot_general for e in graph.eqns):
         return graph
-    graph = _fuse_with_backward(graph)
     rw = Rewriter(graph)
     m = _Matcher(graph, rw)
     uses: dict[int, int] = {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from typing import Callable, Sequence
 
 from ..core import Graph, typecheck_graph
@@ -30,6 +31,29 @@ PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("cse_after", cse),                                    # rewrites expose new duplicates
     ("dce_after", dce),                                    # and leave dead producers behind
 )
+
+# Structural rewrites into primitives that have differentiation and batching rules, run on a
+# function's graph before it is differentiated (jit(grad(f)) and grad(jit(f))), so the rule of
+# the fused primitive writes the backward: autodiff's own backward would read the intermediates
+# (the attention weights) and keep the forward from fusing.
+BEFORE_AD: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
+    ("fuse_attention", fuse_attention),                    # its VJP is fused_attention_bwd
+)
+
+
+_prepared: "weakref.WeakKeyDictionary[Graph, Graph]" = weakref.WeakKeyDictionary()
+_UNCHANGED = Graph((), (), (), ())
+
+
+def prepare_for_ad(graph: Graph) -> Graph:
+    """The BEFORE_AD rewrites of a graph about to be differentiated (once per graph: a jitted
+    function's graph is replayed at every call under grad)."""
+    hit = _prepared.get(graph)
+    if hit is None:
+        hit = run_passes(graph, BEFORE_AD)
+        _prepared[graph] = hit if hit is not graph else _UNCHANGED  # (no strong ref to the key)
+    return graph if hit is _UNCHANGED else hit
+
 
 _dump_ids = itertools.count()
 
