@@ -77,6 +77,15 @@ INT_BIN = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor",
            "eq", "ne", "lt", "le", "gt", "ge")
 BOOL_BIN = ("add", "mul", "max", "min", "and", "or", "xor", "eq", "ne", "lt", "ge")
 PRIM = P.PRIMITIVES
+# Input scales and constants span magnitudes (issue 18: a rewrite that held on [-30, 30] only was
+# silently wrong at 640). float16 stays small: its reference overflows at 65504 where a fused
+# chain, computing in float32, does not (README, Dtypes), so large values would be false alarms.
+MAGNITUDES = {F32: (1e-3, 0.5, 1.0, 3.0, 1e2, 1e4), BF16: (1e-3, 0.5, 1.0, 3.0, 1e2, 1e4),
+              F16: (1e-3, 0.5, 1.0, 3.0)}
+CONSTANTS = {F32: (0.0, -0.0, 1.0, -1.0, 1e-3, -2.5e-3, 0.5, 3.0, -7.25, 100.0, -640.0, 1e4, -3e4),
+             F16: (0.0, -0.0, 1.0, -1.0, 1e-3, 0.5, 3.0, -7.25),
+             I32: (0, 1, -1, 3, -100, 1000), BOOL: (False, True)}
+CONSTANTS[BF16] = CONSTANTS[F32]
 
 
 class Builder:
@@ -96,7 +105,7 @@ class Builder:
         shape, rng = tuple(shape), self.rng
         if dtypes.is_float(dtype):
             # smooth programs stay small: finite differences of sin(exp(9)) are noise
-            scale = self.draw(st.sampled_from((0.5, 1.0) if self.smooth_only else (0.5, 1.0, 3.0)))
+            scale = self.draw(st.sampled_from((0.5, 1.0) if self.smooth_only else MAGNITUDES[np.dtype(dtype)]))
             x = (rng.standard_normal(shape) * scale).astype(dtype)
         elif dtype == BOOL:
             x = rng.random(shape) < 0.5
@@ -195,6 +204,24 @@ def op_binary(b: Builder):
     x, y = b.broadcast(x, shape), b.broadcast(y, shape)
     if x is not None and y is not None:
         b.emit(name, [x, y], exact)
+
+
+def op_constant(b: Builder):
+    """x op c for a constant c over wide magnitudes, written as numpy code writes it: a literal
+    broadcast to x's shape (what the epilogue and simplification passes read as a scalar)."""
+    x = b.pick()
+    d = x.aval.dtype
+    c = Literal(np.asarray(b.draw(st.sampled_from(CONSTANTS[np.dtype(d)])), d), ShapedArray((), d))
+    full = b.emit("broadcast_in_dim", [c], True, abs(float(c.val)) <= 3, shape=x.aval.shape,
+                  broadcast_dimensions=())
+    if dtypes.is_float(d):
+        names = FLOAT_BIN + FLOAT_BIN_EXACT + ("div",) + (FLOAT_BIN_STEP if b.is_exact(x) else ())
+    else:
+        names = INT_BIN if d == I32 else BOOL_BIN
+    name = b.draw(st.sampled_from(names))
+    args = [x, full] if b.draw(st.booleans()) or name == "div" else [full, x]
+    exact = b.is_exact(x) and not (dtypes.is_float(d) and name in FLOAT_BIN_ROUNDED)
+    b.emit(name, args, exact)
 
 
 def op_integer_pow(b: Builder):
@@ -321,8 +348,9 @@ def op_gather(b: Builder):
     b.emit("gather", [x, idx], b.is_exact(x), b.bounded[x.id], axis=axis)
 
 
-OPS = (op_unary, op_unary, op_binary, op_binary, op_binary, op_integer_pow, op_select,
-       op_convert, op_reduce, op_reduce, op_layout, op_layout, op_layout, op_dot, op_gather)
+OPS = (op_unary, op_unary, op_binary, op_binary, op_binary, op_constant, op_constant, op_integer_pow,
+       op_select, op_convert, op_reduce, op_reduce, op_layout, op_layout, op_layout, op_dot, op_dot,
+       op_gather)
 
 
 # ---- strategies ----------------------------------------------------------------------------
