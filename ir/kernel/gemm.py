@@ -1,0 +1,327 @@
+"""GEMM written once, as a tile kernel: C[z, i, j] = epilogue(sum_k A[z, i, k] B[z, k, j], extras)
+for operands at any strides (transposed and batched operands are read in place), 16-bit inputs
+accumulated in float32, and any fused_gemm epilogue (a ScalarFn, lowered by lower.epilogue_expr).
+
+One parameter space (GemmSchedule), two forms of one algorithm, picked by the target:
+- "shared" (GPUs): a work-group computes a tm x tn tile of C; its work-items stage tk-deep panels of
+  A and B through shared memory (zeros past the edges), then each accumulates a wm x wn block in
+  registers at rows ty + i*LY and columns tx + j*LX, so neighbouring work-items touch
+  neighbouring addresses.
+- "packed" (CPUs): a task computes an mc x nc block of C; it packs its K x nc panel of B into
+  scratch memory once (any layout and dtype in, float32 vectors out, zeros past N), then runs a
+  register micro-kernel of wm rows x wn vectors of `vec` lanes over it, A's elements broadcast
+  from where they lie.
+`default_schedule` derives the parameters from the Target; the tuner searches `space`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes
+from .ir import INDEX, Buffer, KExpr, binary, cast, const, select, unary
+from .lower import epilogue_expr, iadd, imul
+from .matmul import MatmulLayout, matmul_layout
+from .target import Target
+from .tile import (Alloc, Barrier, If, Range, Store, TileKernel, broadcast, tload, var, vload)
+
+F32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """The problem: the strided view, dtypes, the epilogue, and the kernel buffers' roles."""
+    layout: MatmulLayout
+    out_dtype: np.dtype
+    epilogue: object       # a ScalarFn of (product, *extras), or None
+    a: int                 # buffer numbers in the kernel
+    b: int
+    extras: tuple          # per extra: (buffer number, whether it has C's shape (else a row along n))
+    c: int
+
+    @property
+    def acc_dtype(self) -> np.dtype:
+        return dtypes.compute_dtype(self.layout.dtype)
+
+
+def gemm_spec(kernel) -> GemmSpec | None:
+    """The GEMM a dot_general or fused_gemm kernel poses, or None when its operands cannot be
+    read through strides (a literal operand, axes that do not collapse)."""
+    eqns, operands = kernel.meta.get("eqns", ()), kernel.meta.get("operands")
+    if len(eqns) != 1 or operands is None or eqns[0].prim.name not in ("dot_general", "fused_gemm"):
+        return None
+    e = eqns[0]
+    if not all(hasattr(a, "id") for a in e.inputs):
+        return None
+    lay = matmul_layout(e)
+    out = e.outputs[0].aval
+    if lay is None or not dtypes.is_float(lay.dtype) or not dtypes.is_float(out.dtype):
+        return None
+    pos = {v.id: i for i, v in enumerate(operands)}
+    extras = []
+    for x in e.inputs[2:]:
+        if x.aval.shape not in (out.shape, (lay.n,)):
+            return None
+        extras.append((pos[x.id], x.aval.shape == out.shape))
+    return GemmSpec(lay, np.dtype(out.dtype), e.params.get("epilogue"), pos[e.inputs[0].id],
+                    pos[e.inputs[1].id], tuple(extras), kernel.n_inputs)
+
+
+@dataclass(frozen=True)
+class GemmSchedule:
+    """shared: the GPU form (tm, tn, tk, wm, wn; vec 1); else the CPU form (mc, nc, wm, wn, vec)."""
+    shared: bool
+    wm: int
+    wn: int
+    vec: int = 1
+    tm: int = 0
+    tn: int = 0
+    tk: int = 0
+    mc: int = 0
+    nc: int = 0
+
+    def check(self, spec: GemmSpec, target: Target) -> str | None:
+        """Why this schedule cannot run on the target, or None."""
+        if min(self.wm, self.wn, self.vec) < 1:
+            return f"{self}: register tiles of at least one element"
+        if self.shared:
+            if target.shared_bytes == 0:
+                return "the target has no shared memory"
+            if self.vec != 1 or self.tm % self.wm or self.tn % self.wn or self.tk < 1:
+                return f"{self}: tm, tn multiples of wm, wn; vec 1"
+            group = (self.tm // self.wm) * (self.tn // self.wn)
+            if group > target.max_group:
+                return f"{group} work-items exceed the work-group limit {target.max_group}"
+            if (self.tm + self.tn) * self.tk * 4 > target.shared_bytes:
+                return f"panels of {(self.tm + self.tn) * self.tk * 4} bytes exceed shared memory"
+            return None
+        if self.vec not in (1, 2, 4, 8, 16) or self.mc % self.wm or self.nc % (self.wn * self.vec):
+            return f"{self}: vec a power of two to 16; mc, nc multiples of the register tile"
+        if self.wm * self.wn > max(4, target.vector_registers - 4):
+            return f"a {self.wm} x {self.wn} register tile exceeds {target.vector_registers} registers"
+        return None
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
+    """The parameters the target's description implies (the tuner may find better ones)."""
+    lay = spec.layout
+    if target.kind == "gpu" and target.shared_bytes:
+        tile = 64 if lay.m * lay.n >= 64 * 64 * target.cores else 32
+        wm = wn = 4 if tile == 64 else 2
+        while (tile // wm) * (tile // wn) > target.max_group:
+            wm, wn = wm * 2, wn * 2
+        return GemmSchedule(True, wm, wn, 1, tm=tile, tn=tile, tk=8)
+    vec = max(1, target.lanes)
+    # register tile: wm rows x wn vectors, leaving registers for B's row and A's broadcast
+    wn = 2 if lay.n > vec else 1
+    wm = max(1, min(8, (target.vector_registers - wn - 2) // wn, lay.m))
+    nr = wn * vec
+    # the packed panel (K x nc floats) stays in L2 beside the micro-kernel's traffic
+    nc = max(nr, min(_ceil(lay.n, nr) * nr, (target.l2_bytes // 2) // (4 * max(lay.k, 1)) // nr * nr))
+    # enough tasks for every core, each reusing its panel over several micro-tiles
+    tasks_n = _ceil(lay.n, nc) * lay.batch
+    blocks_m = max(1, min(_ceil(lay.m, wm), _ceil(2 * target.cores, tasks_n)))
+    mc = _ceil(_ceil(lay.m, blocks_m), wm) * wm
+    return GemmSchedule(False, wm, wn, vec, mc=mc, nc=nc)
+
+
+def space(spec: GemmSpec, target: Target) -> dict:
+    """The tuner's search space (schedule fields -> candidate values)."""
+    if target.kind == "gpu" and target.shared_bytes:
+        return {"tm": (32, 64, 128), "tn": (32, 64, 128), "tk": (8, 16, 32), "wm": (2, 4, 8), "wn": (2, 4, 8)}
+    return {"wm": (2, 4, 6, 8), "wn": (1, 2, 3, 4), "vec": (4, 8, 16), "mc": (24, 48, 96, 192),
+            "nc": (32, 64, 128, 256, 512)}
+
+
+# ---- building ---------------------------------------------------------------------------------
+
+def _i(v: int) -> KExpr:
+    return const(int(v), INDEX)
+
+
+def _x(v) -> KExpr:
+    return v if isinstance(v, KExpr) else _i(v)
+
+
+def _add(*xs) -> KExpr:
+    """A sum of index expressions and ints, constants folded (kernels stay small and readable)."""
+    out = None
+    for x in xs:
+        out = _x(x) if out is None else iadd(out, _x(x))
+    return out
+
+
+def _mul(a, k) -> KExpr:
+    return imul(_x(a), k) if not isinstance(k, KExpr) else binary("mul", _x(a), k)
+
+
+def _min(a: KExpr, b) -> KExpr:
+    return binary("min", a, b if isinstance(b, KExpr) else _i(b))
+
+
+def _lt(a: KExpr, b) -> KExpr:
+    return binary("lt", a, b if isinstance(b, KExpr) else _i(b))
+
+
+def _and(a: KExpr, b: KExpr) -> KExpr:
+    return binary("and", a, b)
+
+
+def _fp(x: KExpr) -> KExpr:
+    """An operand's element in the accumulation dtype."""
+    return cast(x, dtypes.compute_dtype(x.dtype))
+
+
+class _Gemm:
+    def __init__(self, spec: GemmSpec, sched: GemmSchedule, kernel_buffers: tuple):
+        self.s, self.p, self.bufs = spec, sched, kernel_buffers
+        self.lay = spec.layout
+        self.acc = spec.acc_dtype
+
+    def a_at(self, z, row, k) -> KExpr:
+        sab, sam, sak = self.lay.a_strides
+        return tload(self.s.a, _add(_mul(z, sab), _mul(row, sam), _mul(k, sak)), self.lay.dtype)
+
+    def b_at(self, z, k, col) -> KExpr:
+        sbb, sbk, sbn = self.lay.b_strides
+        return tload(self.s.b, _add(_mul(z, sbb), _mul(k, sbk), _mul(col, sbn)), self.lay.dtype)
+
+    def finish(self, acc: KExpr, z, row, col, lanes: int) -> KExpr:
+        """The value stored at C[z, row, col .. col+lanes): the epilogue of the product."""
+        if self.s.epilogue is None:
+            return cast(acc, self.s.out_dtype)
+        lay, xs = self.lay, []
+        for buf, full in self.s.extras:
+            off = _add(_mul(z, lay.m * lay.n), _mul(row, lay.n), col) if full else col
+            dt = np.dtype(self.bufs[buf].dtype)
+            xs.append(_fp(vload(buf, off, dt, lanes) if lanes > 1 else tload(buf, off, dt)))
+        return cast(epilogue_expr(self.s.epilogue, [acc, *xs]), self.s.out_dtype)
+
+    def c_offset(self, z, row, col) -> KExpr:
+        return _add(_mul(z, self.lay.m * self.lay.n), _mul(row, self.lay.n), col)
+
+    # -- the CPU form -----------------------------------------------------------------------
+    def packed(self) -> tuple:
+        lay, p = self.lay, self.p
+        wm, wn, vec, mc, nc = p.wm, p.wn, p.vec, p.mc, p.nc
+        nr = wn * vec
+        z, jc, ic = var("z"), var("jc"), var("ic")
+        jr, k, jj = var("jr"), var("k"), var("jj")
+        col = _add(_mul(jc, nc), _mul(jr, nr), jj)
+        packed_b = select(_lt(col, lay.n), _fp(self.b_at(z, k, _min(col, lay.n - 1))), const(0, self.acc))
+        pack = Range("jr", nc // nr, "serial", (
+            Range("k", lay.k, "serial", (
+                Range("jj", nr, "serial", (
+                    Store("bp", _add(_mul(_add(_mul(jr, lay.k), k), nr), jj), packed_b),)),)),))
+
+        ir, i, j, t, lane = var("ir"), var("i"), var("j"), var("t"), var("l")
+        row0 = _add(_mul(ic, mc), _mul(ir, wm))
+        col0 = _add(_mul(jc, nc), _mul(jr, nr))
+        zero = broadcast(const(0, self.acc), vec)
+        acc_at = lambda i_, j_: _mul(_add(_mul(i_, wn), j_), vec)  # noqa: E731
+        a_elem = _fp(self.a_at(z, _min(_add(row0, i), lay.m - 1), k))
+        b_vec = vload("bp", _add(_mul(_add(_mul(jr, lay.k), k), nr), _mul(j, vec)), self.acc, vec)
+        fma = binary("add", vload("acc", acc_at(i, j), self.acc, vec),
+                     binary("mul", broadcast(a_elem, vec), b_vec))
+        micro = (
+            Range("t", wm * wn, "unroll", (Store("acc", _mul(t, vec), zero),)),
+            Range("k", lay.k, "serial", (
+                Range("i", wm, "unroll", (Range("j", wn, "unroll", (Store("acc", acc_at(i, j), fma),)),)),)),
+        )
+        row, c = _add(row0, i), _add(col0, _mul(j, vec))
+        vector = Store(self.s.c, self.c_offset(z, row, c),
+                       self.finish(vload("acc", acc_at(i, j), self.acc, vec), z, row, c, vec))
+        lane_c = _add(c, lane)
+        scalar = If(_lt(lane_c, lay.n), (
+            Store(self.s.c, self.c_offset(z, row, lane_c),
+                  self.finish(tload("acc", _add(acc_at(i, j), lane), self.acc), z, row, lane_c, 1)),))
+        whole = _lt(_add(c, vec - 1), lay.n)  # the vector lies inside C's row
+        store = Range("i", wm, "unroll", (If(_lt(row, lay.m), (
+            Range("j", wn, "unroll", (
+                If(whole, (vector,)),
+                If(unary("not", whole), (
+                    Range("l", vec, "unroll", (scalar,)),)),)),)),))
+        body = (
+            Alloc("bp", self.acc, lay.k * nc, "scratch"),
+            Alloc("acc", self.acc, wm * wn * vec, "register"),
+            pack,
+            Range("ir", mc // wm, "serial", (
+                Range("jr", nc // nr, "serial", (
+                    If(_and(_lt(row0, lay.m), _lt(col0, lay.n)), micro + (store,)),)),)),
+        )
+        return (Range("z", lay.batch, "grid", (
+            Range("jc", _ceil(lay.n, nc), "grid", (
+                Range("ic", _ceil(lay.m, mc), "grid", body),)),)),)
+
+    # -- the GPU form -----------------------------------------------------------------------
+    def shared(self) -> tuple:
+        lay, p = self.lay, self.p
+        tm, tn, tk, wm, wn = p.tm, p.tn, p.tk, p.wm, p.wn
+        ly, lx = tm // wm, tn // wn
+        nl = ly * lx
+        z, bm, bn, ty, tx = var("z"), var("bm"), var("bn"), var("ty"), var("tx")
+        k0, r, kk, i, j, t = var("k0"), var("r"), var("kk"), var("i"), var("j"), var("t")
+        tid = _add(_mul(ty, lx), tx)
+        e = _add(_mul(r, nl), tid)
+
+        def stage(name, rows, a_side):
+            """Work-item tid copies elements e = r*nl + tid of the tk x rows panel, walking the
+            operand's contiguous axis with consecutive work-items."""
+            if a_side:
+                unit_k = self.lay.a_strides[2] == 1
+            else:
+                unit_k = self.lay.b_strides[1] == 1
+            if unit_k:  # consecutive work-items read consecutive k
+                q, kq = binary("div", e, _i(tk)), binary("rem", e, _i(tk))
+            else:
+                kq, q = binary("div", e, _i(rows)), binary("rem", e, _i(rows))
+            g = _add(_mul(bm if a_side else bn, rows), q)
+            gk = _add(_mul(k0, tk), kq)
+            limit = lay.m if a_side else lay.n
+            inside = _and(_lt(g, limit), _lt(gk, lay.k))
+            gc, kc = _min(g, limit - 1), _min(gk, lay.k - 1)
+            val = _fp(self.a_at(z, gc, kc) if a_side else self.b_at(z, kc, gc))
+            return Range("r", _ceil(tk * rows, nl), "serial", (
+                If(_lt(e, tk * rows), (
+                    Store(name, _add(_mul(kq, rows), q), select(inside, val, const(0, self.acc))),)),))
+        acc_at = _add(_mul(i, wn), j)
+        a = tload("as", _add(_mul(kk, tm), ty, _mul(i, ly)), self.acc)
+        b = tload("bs", _add(_mul(kk, tn), tx, _mul(j, lx)), self.acc)
+        row = _add(_mul(bm, tm), ty, _mul(i, ly))
+        col = _add(_mul(bn, tn), tx, _mul(j, lx))
+        inner = (
+            Alloc("as", self.acc, tk * tm, "shared"),
+            Alloc("bs", self.acc, tk * tn, "shared"),
+            Alloc("acc", self.acc, wm * wn, "register"),
+            Range("t", wm * wn, "unroll", (Store("acc", t, const(0, self.acc)),)),
+            Range("k0", _ceil(lay.k, tk), "serial", (
+                stage("as", tm, True), stage("bs", tn, False), Barrier(),
+                Range("kk", tk, "serial", (
+                    Range("i", wm, "unroll", (Range("j", wn, "unroll", (
+                        Store("acc", acc_at, binary("add", tload("acc", acc_at, self.acc),
+                                                    binary("mul", a, b))),)),)),)),
+                Barrier())),
+            Range("i", wm, "unroll", (Range("j", wn, "unroll", (
+                If(_and(_lt(row, lay.m), _lt(col, lay.n)), (
+                    Store(self.s.c, self.c_offset(z, row, col),
+                          self.finish(tload("acc", acc_at, self.acc), z, row, col, 1)),)),)),)),
+        )
+        return (Range("z", lay.batch, "grid", (
+            Range("bm", _ceil(lay.m, tm), "grid", (
+                Range("bn", _ceil(lay.n, tn), "grid", (
+                    Range("ty", ly, "lane", (Range("tx", lx, "lane", inner),)),)),)),)),)
+
+
+def build(spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple, n_inputs: int) -> TileKernel:
+    """The tile kernel of `spec` under `sched` over the kernel's `buffers`."""
+    g = _Gemm(spec, sched, buffers)
+    body = g.shared() if sched.shared else g.packed()
+    return TileKernel(name, tuple(buffers), n_inputs, body,
+                      meta={"gemm": (spec, sched), "flops": spec.layout.flops})
+
+
+__all__ = ["Buffer", "GemmSchedule", "GemmSpec", "build", "default_schedule", "gemm_spec", "space"]

@@ -1,0 +1,37 @@
+"""What the scheduler knows of a device: the part of its hardware description (runtime's
+DeviceInfo, which fills a Target) that decides how a tile kernel is laid out, and what its
+renderer can print. Overridable like the description itself, so hardware nobody here has is
+scheduled, rendered and tested by construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MMA:
+    """A matrix-multiply-accumulate instruction: C[m x n] += A[m x k] B[k x n] in one step, per
+    warp (GPU) or core (CPU), with inputs of `in_dtype` accumulated in `acc_dtype`."""
+    name: str
+    m: int
+    n: int
+    k: int
+    in_dtype: str
+    acc_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Target:
+    """kind "cpu": work-groups of one work-item, memory per task in scratch (no shared memory);
+    kind "gpu": work-groups of many work-items staging tiles through shared memory."""
+    kind: str
+    lanes: int = 4              # float32 lanes of a native vector register (1 on GPUs: SIMT)
+    vector_registers: int = 16  # architectural vector registers (the register tile fits in them)
+    cores: int = 1              # compute units: cores, SMs
+    shared_bytes: int = 0       # shared (local) memory per work-group
+    max_group: int = 1          # work-items per work-group
+    warp: int = 1               # work-items that run in lockstep
+    l1_bytes: int = 32 << 10
+    l2_bytes: int = 1 << 20
+    l3_bytes: int = 0
+    fp16: bool = True           # arithmetic on float16 (else storage only: computed in float32)
+    mma: tuple = ()             # MMA instructions, best first

@@ -1,0 +1,418 @@
+"""The tile level of the kernel IR: a kernel as a scheduled loop nest over tiles.
+
+Where a `Kernel` (ir.py) says what is computed over an index space, a `TileKernel` says how: which
+loops run in parallel and where, what lives in registers, in a work-group's shared memory or in a
+work-item's scratch space, where vectors are loaded and stored, where work-items wait for each
+other. Builders (ir/kernel/gemm.py, ...) write algorithms once in this form, parametrised by a
+schedule that the scheduler picks from the device's Target; renderers only print it.
+
+Statements (a tree; `body` tuples nest):
+  Range(var, extent, kind, body)  a loop over var = 0 .. extent-1. kind:
+      "grid"    a launch dimension, outermost; its iterations run in parallel, in any order
+                (work-groups on a GPU, tasks of the thread pool on a CPU)
+      "lane"    a work-item of the work-group: the lanes Ranges directly under the grids make the
+                work-group, whose work-items run together and share its "shared" Allocs
+      "serial"  an ordinary loop;   "unroll"  a loop the renderer unrolls (var is a constant in
+                each copy: register arrays indexed by it become registers)
+  Alloc(name, dtype, size, scope) memory of the kernel: "register" (per work-item, small),
+      "scratch" (per work-item, large: a CPU task's packed panel), "shared" (per work-group)
+  Store(target, offset, value)    target: a global buffer's number or an Alloc's name; a vector
+      value stores its lanes at consecutive offsets
+  Barrier()                       every work-item of the work-group arrives before any goes on
+  If(cond, body)
+Expressions are the kernel IR's KExpr nodes, plus:
+  var(name)                       a Range's variable (int64)
+  load(target, offset)            target as in Store (an int: a global buffer; a str: an Alloc)
+  vload(target, offset, lanes)    `lanes` consecutive elements as a vector
+  broadcast(x, lanes)             a scalar in every lane;   hsum / hmax (x)  across the lanes
+Elementwise ops take operands of one width, or a scalar with a vector (a broadcast).
+
+`run_tile` is the reference: each work-group runs its work-items in lockstep, statement by
+statement, as vectors of numpy (so Barrier needs nothing, and shared memory behaves as on a GPU);
+`check_tile` is the type checker; `pp_tile` the printer."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .interp import BINARY, UNARY, _cast
+from .ir import INDEX, Buffer, KExpr
+
+RANGE_KINDS = ("grid", "lane", "serial", "unroll")
+SCOPES = ("register", "scratch", "shared")
+TILE_OPS = ("var", "vload", "broadcast", "hsum", "hmax")
+
+
+# ---- expressions -------------------------------------------------------------------------------
+
+def var(name: str) -> KExpr:
+    return KExpr("var", INDEX, (), name)
+
+
+def tload(target, offset: KExpr, dtype) -> KExpr:
+    return KExpr("load", np.dtype(dtype), (offset,), target)
+
+
+def vload(target, offset: KExpr, dtype, lanes: int) -> KExpr:
+    return KExpr("vload", np.dtype(dtype), (offset,), (target, int(lanes)))
+
+
+def broadcast(x: KExpr, lanes: int) -> KExpr:
+    return x if lanes == 1 else KExpr("broadcast", x.dtype, (x,), int(lanes))
+
+
+def hsum(x: KExpr) -> KExpr:
+    return KExpr("hsum", x.dtype, (x,))
+
+
+def hmax(x: KExpr) -> KExpr:
+    return KExpr("hmax", x.dtype, (x,))
+
+
+def lanes_of(n: KExpr, memo: dict | None = None) -> int:
+    """The vector width of a node's value (1: a scalar)."""
+    memo = {} if memo is None else memo
+    stack = [n]
+    while stack:  # iterative: expressions can be deep
+        x = stack[-1]
+        if x in memo:
+            stack.pop()
+            continue
+        if x.op == "vload":
+            memo[x] = x.arg[1]
+        elif x.op == "broadcast":
+            memo[x] = x.arg
+        elif x.op in ("hsum", "hmax"):
+            memo[x] = 1
+        else:
+            pending = [s for s in x.src if s not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            memo[x] = max((memo[s] for s in x.src), default=1)
+        stack.pop()
+    return memo[n]
+
+
+# ---- statements ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Range:
+    var: str
+    extent: Any  # an int, or a KExpr of enclosing variables (serial ranges only)
+    kind: str
+    body: tuple
+
+
+@dataclass(frozen=True)
+class Alloc:
+    name: str
+    dtype: np.dtype
+    size: int
+    scope: str
+
+
+@dataclass(frozen=True)
+class Store:
+    target: Any  # a global buffer's number, or an Alloc's name
+    offset: KExpr
+    value: KExpr
+
+
+@dataclass(frozen=True)
+class Barrier:
+    pass
+
+
+@dataclass(frozen=True)
+class If:
+    cond: KExpr
+    body: tuple
+
+
+@dataclass(frozen=True)
+class TileKernel:
+    """A scheduled kernel: global `buffers` (inputs first, as in Kernel) and a statement tree."""
+    name: str
+    buffers: tuple
+    n_inputs: int
+    body: tuple
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def grid(self) -> list[Range]:
+        """The launch dimensions, outermost first."""
+        out, body = [], self.body
+        while len(body) == 1 and isinstance(body[0], Range) and body[0].kind == "grid":
+            out.append(body[0])
+            body = body[0].body
+        return out
+
+    def lanes(self) -> list[Range]:
+        """The work-group's dimensions (the lane Ranges directly under the grid)."""
+        out, body = [], (self.grid()[-1].body if self.grid() else self.body)
+        while len(body) == 1 and isinstance(body[0], Range) and body[0].kind == "lane":
+            out.append(body[0])
+            body = body[0].body
+        return out
+
+    def inner(self) -> tuple:
+        """The statements each work-item runs, under the grid and lane Ranges."""
+        body = self.body
+        while len(body) == 1 and isinstance(body[0], Range) and body[0].kind in ("grid", "lane"):
+            body = body[0].body
+        return body
+
+    def allocs(self) -> list[Alloc]:
+        return [s for s in walk(self.body) if isinstance(s, Alloc)]
+
+    def __str__(self):
+        return pp_tile(self)
+
+
+def walk(body):
+    """Every statement of a tree, parents before children."""
+    for s in body:
+        yield s
+        if isinstance(s, (Range, If)):
+            yield from walk(s.body)
+
+
+def expressions(s) -> list[KExpr]:
+    """The expressions a statement reads directly."""
+    if isinstance(s, Store):
+        return [s.offset, s.value]
+    if isinstance(s, If):
+        return [s.cond]
+    if isinstance(s, Range) and isinstance(s.extent, KExpr):
+        return [s.extent]
+    return []
+
+
+# ---- printing ------------------------------------------------------------------------------------
+
+def pp_tile(k: TileKernel) -> str:
+    lines = [f"tile kernel {k.name}(" + ", ".join(
+        f"{'in' if i < k.n_inputs else 'out'} {b.name}:{np.dtype(b.dtype).name}[{b.size}]"
+        for i, b in enumerate(k.buffers)) + ")"]
+    names: dict = {}
+
+    def ex(n: KExpr) -> str:
+        for x in n.toposort():
+            if x in names:
+                continue
+            if x.op == "const":
+                names[x] = repr(x.arg)
+            elif x.op == "var":
+                names[x] = x.arg
+            else:
+                args = ", ".join(names[s] for s in x.src)
+                arg = "" if x.arg is None else f"[{x.arg}]"
+                names[x] = f"{x.op}{arg}({args})"
+                if len(names[x]) > 60:  # long subexpressions get a name of their own
+                    tmp = f"%{len(names)}"
+                    lines.append(f"{pad}{tmp} = {names[x]}")
+                    names[x] = tmp
+        return names[n]
+
+    def emit(body, depth):
+        nonlocal pad
+        for s in body:
+            pad = "  " * depth
+            if isinstance(s, Range):
+                ext = ex(s.extent) if isinstance(s.extent, KExpr) else s.extent
+                lines.append(f"{pad}{s.kind} {s.var} < {ext}:")
+                emit(s.body, depth + 1)
+            elif isinstance(s, Alloc):
+                lines.append(f"{pad}{s.scope} {s.name}:{np.dtype(s.dtype).name}[{s.size}]")
+            elif isinstance(s, Store):
+                off, val = ex(s.offset), ex(s.value)
+                tgt = k.buffers[s.target].name if isinstance(s.target, int) else s.target
+                lines.append(f"{pad}{tgt}[{off}] = {val}")
+            elif isinstance(s, Barrier):
+                lines.append(f"{pad}barrier")
+            elif isinstance(s, If):
+                lines.append(f"{pad}if {ex(s.cond)}:")
+                emit(s.body, depth + 1)
+    pad = ""
+    emit(k.body, 1)
+    return "\n".join(lines)
+
+
+# ---- checking ------------------------------------------------------------------------------------
+
+def check_tile(k: TileKernel) -> None:
+    """Structure and types: grids outermost, lanes right under them; every variable, Alloc and
+    buffer defined where it is used; stores of a target's dtype; operands of one width; barriers
+    only where every work-item of a group reaches them. Raises AssertionError."""
+    for b in k.buffers:
+        assert isinstance(b, Buffer), b
+    allocs: dict = {}
+    head = len(k.grid()) + len(k.lanes())
+
+    def target_dtype(t):
+        if isinstance(t, int):
+            assert 0 <= t < len(k.buffers), f"buffer {t} out of range"
+            return np.dtype(k.buffers[t].dtype)
+        assert t in allocs, f"alloc {t!r} used before it is made"
+        return np.dtype(allocs[t].dtype)
+
+    def check_expr(n: KExpr, scope: set):
+        memo: dict = {}
+        for x in n.toposort():
+            if x.op == "var":
+                assert x.arg in scope, f"variable {x.arg!r} outside its range"
+            elif x.op in ("load", "vload"):
+                t = x.arg[0] if x.op == "vload" else x.arg
+                assert target_dtype(t) == np.dtype(x.dtype), f"{x.op} of {t} as {x.dtype}"
+                assert lanes_of(x.src[0], memo) == 1, "a load's offset is a scalar"
+            elif x.op in ("idx", "ridx", "reduce"):
+                raise AssertionError(f"{x.op} belongs to the index-space kernel, not a tile kernel")
+            elif x.op not in ("const", "broadcast", "hsum", "hmax"):
+                widths = {lanes_of(s, memo) for s in x.src} - {1}
+                assert len(widths) <= 1, f"{x.op} of operands of widths {widths}"
+
+    def visit(body, scope: set, depth: int, in_if: bool):
+        for s in body:
+            if isinstance(s, Range):
+                assert s.kind in RANGE_KINDS, s.kind
+                assert (s.kind in ("grid", "lane")) == (depth < head), \
+                    f"{s.kind} range {s.var} at depth {depth}: grids and lanes lead the kernel"
+                assert s.var not in scope, f"variable {s.var!r} bound twice"
+                if isinstance(s.extent, KExpr):
+                    assert s.kind == "serial", "only serial ranges have computed extents"
+                    check_expr(s.extent, scope)
+                visit(s.body, scope | {s.var}, depth + 1, in_if)
+            elif isinstance(s, Alloc):
+                assert s.scope in SCOPES and s.name not in allocs, s
+                assert s.scope != "shared" or depth == head, "shared memory is made by the work-group"
+                allocs[s.name] = s
+            elif isinstance(s, Store):
+                d = target_dtype(s.target)
+                assert np.dtype(s.value.dtype) == d, f"store of {s.value.dtype} into {s.target} ({d})"
+                check_expr(s.offset, scope)
+                check_expr(s.value, scope)
+            elif isinstance(s, Barrier):
+                assert not in_if, "a barrier under an If: some work-items may never reach it"
+            elif isinstance(s, If):
+                check_expr(s.cond, scope)
+                visit(s.body, scope, depth + 1, True)
+            else:
+                raise AssertionError(f"not a statement: {s!r}")
+    visit(k.body, set(), 0, False)
+
+
+# ---- the reference -------------------------------------------------------------------------------
+
+class _Group:
+    """One work-group in lockstep: every value is an array (L, W) over its L work-items."""
+
+    def __init__(self, k: TileKernel, arrays, env: dict, n_lanes: int):
+        self.k, self.arrays, self.env, self.L = k, arrays, env, n_lanes
+        self.mem: dict = {}  # alloc name -> (scope, array): (L, size) per work-item, (size,) shared
+        self.rows = np.arange(n_lanes)[:, None]
+
+    def _mem(self, t):
+        if isinstance(t, int):
+            return "global", self.arrays[t]
+        return self.mem[t]
+
+    def value(self, n: KExpr, memo: dict, mask: np.ndarray) -> np.ndarray:
+        """n's value on every work-item; loads are checked on the active ones (`mask`) only."""
+        for x in n.toposort():
+            if x in memo:
+                continue
+            op = x.op
+            if op == "const":
+                v = np.full((1, 1), x.arg, x.dtype)
+            elif op == "var":
+                v = np.broadcast_to(np.asarray(self.env[x.arg], INDEX).reshape(-1, 1), (self.L, 1))
+            elif op in ("load", "vload"):
+                t, w = (x.arg, 1) if op == "load" else x.arg
+                off = np.broadcast_to(memo[x.src[0]], (self.L, 1)) + np.arange(w)
+                scope, arr = self._mem(t)
+                per_item = scope in ("register", "scratch")
+                size = arr.shape[-1]
+                live = off[mask]
+                if live.size and (live.min() < 0 or live.max() >= size):
+                    raise IndexError(f"tile kernel {self.k.name}: {op} of {t} at {live.min()}..{live.max()} "
+                                     f"outside its {size} elements")
+                off = np.clip(off, 0, max(size - 1, 0))  # inactive work-items read anything
+                v = arr[self.rows, off] if per_item else arr[off]
+            elif op == "broadcast":
+                v = np.broadcast_to(memo[x.src[0]], (self.L, x.arg))
+            elif op in ("hsum", "hmax"):
+                v = (np.sum if op == "hsum" else np.max)(memo[x.src[0]], axis=1, keepdims=True)
+            else:
+                xs = [memo[s] for s in x.src]
+                if op in UNARY:
+                    v = UNARY[op](xs[0])
+                elif op in BINARY:
+                    v = BINARY[op](xs[0], xs[1])
+                elif op == "select":
+                    v = np.where(xs[0], xs[1], xs[2])
+                elif op == "cast":
+                    v = _cast(xs[0], np.dtype(x.dtype))
+                else:
+                    raise NotImplementedError(f"run_tile: op {op}")
+            memo[x] = np.asarray(v).astype(x.dtype, copy=False)
+        return memo[n]
+
+    def run(self, body, mask: np.ndarray) -> None:
+        if not mask.any():
+            return
+        for s in body:
+            if isinstance(s, Range):
+                extent = s.extent
+                if isinstance(extent, KExpr):
+                    ext = np.broadcast_to(self.value(extent, {}, mask), (self.L, 1))[mask]
+                    assert ext.size == 0 or (ext == ext.flat[0]).all(), \
+                        f"range {s.var}: its extent differs between work-items"
+                    extent = int(ext.flat[0]) if ext.size else 0
+                for i in range(extent):
+                    self.env[s.var] = i
+                    self.run(s.body, mask)
+                self.env.pop(s.var, None)
+            elif isinstance(s, Alloc):
+                shape = (s.size,) if s.scope == "shared" else (self.L, s.size)
+                # fresh memory holds garbage: a read before a write shows up in results
+                fill = np.nan if np.dtype(s.dtype).kind == "f" else 0x5A
+                self.mem[s.name] = (s.scope, np.full(shape, fill).astype(s.dtype))
+            elif isinstance(s, Store):
+                memo: dict = {}
+                off = np.broadcast_to(self.value(s.offset, memo, mask), (self.L, 1))
+                val = self.value(s.value, memo, mask)
+                w = val.shape[1]
+                offs = np.broadcast_to(off + np.arange(w), (self.L, w))
+                vals = np.broadcast_to(val, (self.L, w))
+                scope, arr = self._mem(s.target)
+                size = arr.shape[-1]
+                sel = offs[mask]
+                if sel.size and (sel.min() < 0 or sel.max() >= size):
+                    raise IndexError(f"tile kernel {self.k.name}: store to {s.target} at "
+                                     f"{sel.min()}..{sel.max()} outside its {size} elements")
+                if scope in ("register", "scratch"):
+                    arr[np.broadcast_to(self.rows, offs.shape)[mask], sel] = vals[mask]
+                else:
+                    arr[sel] = vals[mask]
+            elif isinstance(s, If):
+                c = np.broadcast_to(self.value(s.cond, {}, mask), (self.L, 1))[:, 0].astype(bool)
+                self.run(s.body, mask & c)
+            elif isinstance(s, Barrier):
+                pass  # lockstep: every work-item has finished the statements before it
+
+
+def run_tile(k: TileKernel, arrays) -> None:
+    """Run a tile kernel on flat typed arrays (in k.buffers order), writing outputs in place."""
+    grid, lanes = k.grid(), k.lanes()
+    body = k.inner()
+    with np.errstate(all="ignore"):
+        for g in itertools.product(*(range(r.extent) for r in grid)):
+            env = {r.var: i for r, i in zip(grid, g)}
+            ids = list(itertools.product(*(range(r.extent) for r in lanes)))
+            for d, r in enumerate(lanes):
+                env[r.var] = np.array([i[d] for i in ids], INDEX)
+            group = _Group(k, arrays, env, max(1, len(ids)))
+            group.run(body, np.ones(group.L, bool))
