@@ -34,6 +34,13 @@ class Backend:
     def compile(self, graph: Graph, device):
         raise NotImplementedError
 
+    # Tile kernels (ir/kernel/tile.py): a backend that prints them sets `tile_kernels` and
+    # returns from compile_tile a callable run(buffers), buffers in the kernel's order.
+    tile_kernels = False
+
+    def compile_tile(self, kernel, device):
+        raise NotImplementedError(f"{self.kind}: no tile kernels")
+
     def synchronize(self, device) -> None:
         pass
 

@@ -75,3 +75,21 @@ def _mem_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def target_of(info: DeviceInfo):
+    """The scheduler's view of a device (ir/kernel/target.Target), from its description: a CPU
+    device (the host, or an OpenCL device of type CPU) runs work-groups of one work-item over
+    SIMD vectors; a GPU stages tiles through shared memory."""
+    from tilefuse.ir.kernel.target import Target
+    cpu = info.kind == "cpu" or info.extra.get("device_type") == "cpu"
+    # an OpenCL CPU device is this host: its caches as /sys reports them (OpenCL's cache size
+    # is whatever the driver says, 480 MiB from one PoCL)
+    caches = host_info() if cpu else info
+    feats = caches.features if cpu else ()
+    lanes = info.simd_lanes_f32 if cpu else 1
+    return Target(kind="cpu" if cpu else "gpu", lanes=max(1, lanes),
+                  vector_registers=32 if "avx512f" in feats else 16, cores=max(1, info.compute_units),
+                  shared_bytes=0 if cpu else info.local_mem_bytes, max_group=max(1, info.max_work_group),
+                  warp=max(1, info.sub_group), l1_bytes=caches.l1_bytes, l2_bytes=caches.l2_bytes,
+                  l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)))

@@ -18,6 +18,7 @@ from tilefuse.runtime.hardware import DeviceInfo, host_info
 from tilefuse.runtime.memory import PoolAllocator
 
 from ..base import Backend
+from ..cstyle import print_tile
 from .build import ProgramCache, translate
 from .render import F64, Rendered, racy_float_adds, render
 
@@ -120,6 +121,38 @@ class CompiledKernel:
     def __repr__(self):
         return f"<opencl kernel {self.name} {self.mode} W={self.width} global={self.global_size} " \
                f"local={self.local_size}>"
+
+
+class TileLaunch:
+    """A built tile kernel: `run(buffers)` enqueues it with its workspace (scratch memory, made
+    at the first launch) and returns the event."""
+
+    def __init__(self, tk, printed, cl_kernel, state: _State):
+        self.kernel, self.name, self.source = tk, printed.name, printed.source
+        self.global_size, self.local_size = printed.global_size, printed.local
+        self._p, self._knl, self._state = printed, cl_kernel, state
+        self._ws = None
+        self.last_event = None
+
+    def __call__(self, buffers):
+        st, p = self._state, self._p
+        args = [getattr(b, "mem", b) for b in buffers]
+        if p.scratch_elems:
+            if self._ws is None:
+                n = int(np.prod(p.groups)) * p.scratch_elems * np.dtype(p.scratch_dtype).itemsize
+                self._ws = DeviceBuffer(st.pool.alloc(n), n, st.pool)
+            args.append(self._ws.mem)
+        try:
+            with st.launch_lock:
+                self._knl.set_args(*args)
+                ev = st.cl.enqueue_nd_range_kernel(st.queue, self._knl, self.global_size, self.local_size)
+        except st.cl.Error as e:
+            raise translate(e, f"launch kernel {self.name}", st.info.name) from None
+        self.last_event = st.last_event = ev
+        return ev
+
+    def __repr__(self):
+        return f"<opencl tile kernel {self.name} global={self.global_size} local={self.local_size}>"
 
 
 def event_times(ev) -> tuple[int, int]:
@@ -234,6 +267,23 @@ class OpenCLBackend(Backend):
             print(f"[tilefuse opencl] {ck!r} built in {time.perf_counter() - t0:.3f} s\n{r.source}",
                   file=sys.stderr)
         return ck
+
+    tile_kernels = True
+
+    def compile_tile(self, tk, device) -> "TileLaunch":
+        """A tile kernel printed as OpenCL C (backends/cstyle.py), built (cached), ready to launch."""
+        st = self._state(device)
+        key = ("tile", tk.name, str(tk))
+        hit = st.kernels.get(key)
+        if hit is None:
+            t0 = time.perf_counter()
+            p = print_tile(tk)
+            knl = self.programs.kernel(st.ctx, st.dev, p.source, p.name, str(tk))
+            hit = st.kernels[key] = TileLaunch(tk, p, knl, st)
+            if config.debug:
+                print(f"[tilefuse opencl] tile kernel {p.name} built in {time.perf_counter() - t0:.3f} s\n"
+                      f"{p.source}", file=sys.stderr)
+        return hit
 
     def compile(self, graph, device):
         try:

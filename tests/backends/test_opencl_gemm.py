@@ -68,7 +68,7 @@ def test_opencl_gemm_template_matches_numpy(variant, monkeypatch):
         f = tx.jit(lambda a, b: tnp.einsum(spec, a, b), device=dev)
         launches = f.lower(a, b).compile().program.launches
         if matmul_layout(_eqn(lambda a, b: tnp.einsum(spec, a, b), a, b)).flops >= gemm.MIN_FLOPS:
-            assert [l.impl for l in launches if l.kind == "dot_general"] == ["tiled_gemm"], spec
+            assert [l.impl for l in launches if l.kind == "dot_general"] == ["tile_gemm"], spec
         np.testing.assert_allclose(np.asarray(f(a, b)), np.einsum(spec, a, b), rtol=1e-4, atol=1e-4,
                                    err_msg=f"{spec} {sa} {sb}")
 
@@ -93,7 +93,7 @@ def test_fused_epilogue_runs_in_each_variants_store(variant, monkeypatch):
     rhs = (lambda w: w) if variant == "vector" else (lambda w: w.T)
     f = tx.jit(lambda x, w, b, r: nn.gelu(tnp.matmul(lhs(x), rhs(w)) + b) + r, device=dev)
     launches = f.lower(x, w, b, r).compile().program.launches
-    assert [l.impl for l in launches] == ["tiled_gemm"] and launches[0].kind == "fused_gemm"
+    assert [l.impl for l in launches] == ["tile_gemm"] and launches[0].kind == "fused_gemm"
     y = lhs(x) @ rhs(w) + b
     want = 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3))) + r
     np.testing.assert_allclose(np.asarray(f(x, w, b, r)), want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,382 @@
+"""Tile kernels (ir/kernel/tile.py) printed as C-like source: one printer for every C-like
+language, a dialect a table of spellings (OpenCL C here; WGSL, CUDA C would be others). The
+printer schedules nothing: the tile kernel says which loops are launch dimensions, which are
+work-items, what is unrolled, where vectors are and what memory lives where.
+
+Launch: grid Ranges are work-groups (innermost grid Range first, dimensions beyond the dialect's
+last folded into it), lane Ranges the work-items of one. "scratch" Allocs are carved from one
+workspace buffer, an extra last parameter holding `scratch_elems` elements per work-group.
+Semantics are the kernel IR's (ir/kernel/interp.py): C division, numpy's NaN-propagating
+max/min, float16 in buffers as half (vload_half: no cl_khr_fp16 needed), bfloat16 as ushort
+bits, both computed in float."""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from tilefuse.ir import dtypes
+from tilefuse.ir.errors import CompileError
+from tilefuse.ir.kernel.ir import INDEX, KExpr
+from tilefuse.ir.kernel.tile import Alloc, Barrier, If, Range, Store, TileKernel, lanes_of, pp_tile
+
+F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
+BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
+VALUE_T = {BOOL: "uchar", I32: "int", U32: "uint", I64: "long", F16: "float", BF16: "float",
+           F32: "float", F64: "double"}
+STORE_T = {**VALUE_T, F16: "half", BF16: "ushort"}
+MASK_T = {1: "char", 2: "short", 4: "int", 8: "long"}
+FLOAT_FN = {"exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh",
+            "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "erf": "erf",
+            "floor": "floor", "ceil": "ceil", "round": "rint"}
+ARITH = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^"}
+COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """The spellings of one C-like language."""
+    kernel: str = "__kernel void"
+    global_ptr: str = "__global"
+    shared_decl: str = "__local"
+    group_id: str = "get_group_id({})"
+    local_id: str = "get_local_id({})"
+    barrier: str = "barrier(CLK_LOCAL_MEM_FENCE);"
+    dims: int = 3
+
+
+OPENCL = Dialect()
+
+
+@dataclass(frozen=True)
+class Printed:
+    """A tile kernel's source and launch shape."""
+    name: str
+    source: str
+    groups: tuple         # work-groups per dimension (dimension 0 first)
+    local: tuple          # work-items per work-group per dimension
+    scratch_elems: int    # workspace elements per work-group (0: no workspace parameter)
+    scratch_dtype: np.dtype
+
+    @property
+    def global_size(self) -> tuple:
+        return tuple(g * l for g, l in zip(self.groups, self.local))
+
+
+def literal(value, dtype) -> str:
+    d = np.dtype(dtype)
+    if d == BOOL:
+        return "((uchar)1)" if value else "((uchar)0)"
+    if dtypes.is_float(d):
+        v = float(value)
+        t = "double" if d == F64 else "float"
+        if math.isnan(v):
+            return f"(({t})NAN)"
+        if math.isinf(v):
+            return f"(({t})INFINITY)" if v > 0 else f"(-({t})INFINITY)"
+        return f"({v.hex()}{'' if d == F64 else 'f'})"
+    v, bits = int(value), d.itemsize * 8
+    if d == U32:
+        return f"((uint){v & 0xFFFFFFFF}u)"
+    t, suffix = ("long", "L") if bits == 64 else ("int", "")
+    if v == -(1 << (bits - 1)):
+        return f"(({t})(-{(1 << (bits - 1)) - 1}{suffix}-1{suffix}))"
+    return f"(({t}){v}{suffix})"
+
+
+def cname(k: TileKernel) -> str:
+    digest = hashlib.sha1(pp_tile(k).encode()).hexdigest()[:8]
+    return f"tf_{re.sub(r'[^A-Za-z0-9_]', '_', k.name)}_{digest}"
+
+
+class _Printer:
+    def __init__(self, k: TileKernel, d: Dialect):
+        self.k, self.d = k, d
+        self.lines: list[str] = []
+        self.memo: list[dict] = [{}]  # one layer per block: a value computed inside stays inside
+        self.consts: dict = {}        # unrolled variables -> their value in this copy
+        self.width: dict = {}
+        self.n = 0
+        self.allocs = {a.name: a for a in k.allocs()}
+        self.scratch_at: dict = {}
+        total = 0
+        for a in self.allocs.values():
+            if a.scope == "scratch":
+                self.scratch_at[a.name] = total
+                total += a.size
+        self.scratch = total
+        sd = {np.dtype(a.dtype) for a in self.allocs.values() if a.scope == "scratch"}
+        if len(sd) > 1:
+            raise CompileError(f"{k.name}: scratch memory of several dtypes {sd}", backend="cstyle")
+        self.scratch_dtype = sd.pop() if sd else F32
+
+    # -- helpers ------------------------------------------------------------------------------
+    def line(self, s: str, depth: int) -> None:
+        self.lines.append("    " * depth + s)
+
+    def lanes(self, n: KExpr) -> int:
+        return lanes_of(n, self.width)
+
+    def ty(self, d, w: int = 1) -> str:
+        t = VALUE_T[np.dtype(d)]
+        return t if w == 1 else f"{t}{w}"
+
+    def lookup(self, n: KExpr):
+        for layer in reversed(self.memo):
+            if n in layer:
+                return layer[n]
+        return None
+
+    def forget(self, target) -> None:
+        """After a store to `target`: loads of it, and what was computed from them, are stale."""
+        def reads(n):
+            return any(x.op in ("load", "vload") and (x.arg if x.op == "load" else x.arg[0]) == target
+                       for x in n.toposort())
+        for layer in self.memo:
+            for n in [n for n in layer if reads(n)]:
+                del layer[n]
+
+    # -- expressions --------------------------------------------------------------------------
+    def val(self, n: KExpr, depth: int) -> str:
+        if n.op == "var" and n.arg in self.consts:
+            return literal(self.consts[n.arg], INDEX)
+        got = self.lookup(n)
+        if got is not None:
+            return got
+        expr = self.expr(n, depth)
+        if n.op in ("const", "var"):
+            self.memo[-1][n] = expr
+            return expr
+        self.n += 1
+        name = f"v{self.n}"
+        self.line(f"const {self.ty(n.dtype, self.lanes(n))} {name} = {expr};", depth)
+        self.memo[-1][n] = name
+        return name
+
+    def ptr(self, target) -> tuple[str, np.dtype]:
+        """The C pointer expression of a target and its element dtype."""
+        if isinstance(target, int):
+            return f"b{target}", np.dtype(self.k.buffers[target].dtype)
+        a = self.allocs[target]
+        if a.scope == "scratch":
+            return f"(ws + {self.scratch_at[target]})", np.dtype(a.dtype)
+        return target, np.dtype(a.dtype)
+
+    def expr(self, n: KExpr, depth: int) -> str:
+        op, d = n.op, np.dtype(n.dtype)
+        w = self.lanes(n)
+        if op == "const":
+            return literal(n.arg, d)
+        if op == "var":
+            return n.arg
+        if op in ("load", "vload"):
+            target, lanes = (n.arg, 1) if op == "load" else n.arg
+            ptr, sd = self.ptr(target)
+            off = self.val(n.src[0], depth)
+            if lanes == 1:
+                if sd == F16:
+                    return f"vload_half({off}, {ptr})"
+                x = f"{ptr}[{off}]"
+                return f"as_float((uint){x} << 16)" if sd == BF16 else x
+            if sd == F16:
+                return f"vload_half{lanes}(0, {ptr} + {off})"
+            x = f"vload{lanes}(0, {ptr} + {off})"
+            return f"as_float{lanes}(convert_uint{lanes}({x}) << 16)" if sd == BF16 else x
+        if op == "broadcast":
+            return f"(({self.ty(d, w)})({self.val(n.src[0], depth)}))"
+        if op in ("hsum", "hmax"):
+            x, k = self.val(n.src[0], depth), self.lanes(n.src[0])
+            parts = [f"{x}.s{i:x}" for i in range(k)]
+            if op == "hsum":
+                return "(" + " + ".join(parts) + ")"
+            out = parts[0]
+            for p in parts[1:]:
+                out = f"fmax({out}, {p})"
+            return out
+        args = []
+        for s in n.src:
+            a = self.val(s, depth)
+            if w > 1 and self.lanes(s) == 1:  # a scalar operand of a vector op
+                a = f"(({self.ty(s.dtype, w)})({a}))"
+            args.append(a)
+        if op == "select":
+            c, a, b = args
+            if w == 1:
+                return f"({c} ? {a} : {b})"
+            return f"select({b}, {a}, {self._mask(c, d, w)})"
+        if op == "cast":
+            return self.cast(args[0], np.dtype(n.src[0].dtype), d, w, depth)
+        if len(args) == 1:
+            return self.unary(op, args[0], d, w)
+        return self.binary(op, args[0], args[1], np.dtype(n.src[0].dtype), w)
+
+    def _mask(self, c: str, d, w: int) -> str:
+        """A bool vector (uchar 0/1) as the signed mask select() needs for element size of d."""
+        mt = f"{MASK_T[np.dtype(d).itemsize]}{w}"
+        return f"(-convert_{mt}({c}))"
+
+    def _to_bool(self, cond: str, w: int) -> str:
+        return f"(({cond}) ? (uchar)1 : (uchar)0)" if w == 1 else f"convert_uchar{w}(-({cond}))"
+
+    def unary(self, op, x, d, w) -> str:
+        one = literal(1, d)
+        if op in FLOAT_FN:
+            return f"{FLOAT_FN[op]}({x})"
+        if op == "neg":
+            return f"(-{x})"
+        if op == "logistic":
+            return f"({one} / ({one} + exp(-{x})))"
+        if op == "abs":
+            return f"fabs({x})" if dtypes.is_float(d) else f"abs({x})"
+        if op == "sign":
+            zero = literal(0, d)
+            if w == 1:
+                return f"({x} > {zero} ? {one} : ({x} < {zero} ? -{one} : {x}))"
+            vt = self.ty(d, w)
+            return f"select(select({x}, ({vt})(-{one}), {x} < {zero}), ({vt})({one}), {x} > {zero})"
+        if op == "not":
+            return f"({x} ^ {one})" if d == BOOL else f"(~{x})"
+        if op == "is_finite":
+            return self._to_bool(f"isfinite({x})", w)
+        raise CompileError(f"cstyle: no spelling of the unary op {op!r}", backend="cstyle")
+
+    def binary(self, op, a, b, d, w) -> str:
+        if d == BOOL and op in ("add", "mul"):
+            op = "or" if op == "add" else "and"
+        if op in ARITH:
+            return f"({a} {ARITH[op]} {b})"
+        if op in COMPARE:
+            return self._to_bool(f"{a} {COMPARE[op]} {b}", w)
+        if op in ("max", "min"):
+            if not dtypes.is_float(d):
+                return f"{op}({a}, {b})"
+            cmp = ">" if op == "max" else "<"
+            if w == 1:  # np.maximum: a NaN on either side wins
+                return f"(({a} {cmp} {b} || isnan({a})) ? {a} : {b})"
+            return f"select({b}, {a}, ({a} {cmp} {b}) | isnan({a}))"
+        if op == "pow":
+            return f"pow({a}, {b})"
+        if op == "div":
+            return f"({a} / {b})"
+        if op == "rem":
+            return f"fmod({a}, {b})" if dtypes.is_float(d) else f"({a} % {b})"
+        if op == "shift_left":
+            return f"({a} << {b})"
+        raise CompileError(f"cstyle: no spelling of the binary op {op!r}", backend="cstyle")
+
+    def cast(self, x, src, dst, w, depth) -> str:
+        vs, vd = VALUE_T[src], VALUE_T[dst]
+        if dst == BOOL:
+            return self._to_bool(f"{x} != {literal(0, src)}", w)
+        conv = x if vs == vd else (f"(({vd}){x})" if w == 1 else f"convert_{vd}{w}({x})")
+        if dst == F16:  # round to half and back: a float holding a half's value
+            self.n += 1
+            t = f"h{self.n}"
+            # (half arrays need cl_khr_fp16: the bits go through a ushort array instead)
+            if w == 1:
+                self.line(f"ushort {t}[1]; vstore_half_rte({conv}, 0, (__private half*){t});", depth)
+                return f"vload_half(0, (__private half*){t})"
+            self.line(f"ushort {t}[{w}]; vstore_half{w}_rte({conv}, 0, (__private half*){t});", depth)
+            return f"vload_half{w}(0, (__private half*){t})"
+        if dst == BF16:
+            t = "uint" if w == 1 else f"uint{w}"
+            u = f"as_{t}({conv})"
+            rne = f"(({u} + 0x7FFFu + (({u} >> 16) & 1u)) & 0xFFFF0000u)"
+            return f"as_float{'' if w == 1 else w}({rne})"
+        return conv
+
+    # -- statements ---------------------------------------------------------------------------
+    def store(self, s: Store, depth: int) -> None:
+        ptr, sd = self.ptr(s.target)
+        off = self.val(s.offset, depth)
+        v = self.val(s.value, depth)
+        w = self.lanes(s.value)
+        if sd == F16:
+            self.line(f"vstore_half{'' if w == 1 else w}_rte({v}, 0, {ptr} + {off});", depth)
+        elif sd == BF16:
+            bits = self.cast(v, F32, BF16, w, depth)  # round, then keep the upper half
+            hi = f"convert_ushort{'' if w == 1 else w}(as_uint{'' if w == 1 else w}({bits}) >> 16)" \
+                if w > 1 else f"(ushort)(as_uint({bits}) >> 16)"
+            self.line(f"{ptr}[{off}] = {hi};" if w == 1 else f"vstore{w}({hi}, 0, {ptr} + {off});", depth)
+        elif w == 1:
+            self.line(f"{ptr}[{off}] = {v};", depth)
+        else:
+            self.line(f"vstore{w}({v}, 0, {ptr} + {off});", depth)
+        self.forget(s.target)
+
+    def block(self, body, depth: int) -> None:
+        self.memo.append({})
+        for s in body:
+            if isinstance(s, Range):
+                if s.kind == "unroll":
+                    for i in range(int(s.extent)):
+                        self.consts[s.var] = i
+                        self.block(s.body, depth)
+                    self.consts.pop(s.var, None)
+                    continue
+                ext = self.val(s.extent, depth) if isinstance(s.extent, KExpr) else f"{int(s.extent)}L"
+                self.line(f"for (long {s.var} = 0; {s.var} < {ext}; {s.var}++) {{", depth)
+                self.block(s.body, depth + 1)
+                self.line("}", depth)
+            elif isinstance(s, Alloc):
+                if s.scope == "register":
+                    self.line(f"{self.ty(s.dtype)} {s.name}[{s.size}];", depth)
+                elif s.scope == "shared":
+                    self.line(f"{self.d.shared_decl} {STORE_T[np.dtype(s.dtype)]} {s.name}[{s.size}];", depth)
+            elif isinstance(s, Store):
+                self.store(s, depth)
+            elif isinstance(s, Barrier):
+                self.line(self.d.barrier, depth)
+                self.memo = [{} for _ in self.memo]  # other work-items wrote shared memory
+            elif isinstance(s, If):
+                self.line(f"if ({self.val(s.cond, depth)}) {{", depth)
+                self.block(s.body, depth + 1)
+                self.line("}", depth)
+        self.memo.pop()
+
+    def print(self) -> Printed:
+        k, d = self.k, self.d
+        name = cname(k)
+        grid, lanes = k.grid(), k.lanes()
+        if len(lanes) > d.dims:
+            raise CompileError(f"{k.name}: {len(lanes)} work-item dimensions, the device has {d.dims}",
+                               backend="cstyle")
+        # grid dimension 0 is the innermost grid Range; Ranges past the last dimension fold into it
+        gdims = [[r] for r in reversed(grid[-d.dims:])]
+        if len(grid) > d.dims:
+            gdims[-1] = list(reversed(grid[:len(grid) - d.dims + 1]))
+        groups = tuple(math.prod(int(r.extent) for r in rs) for rs in gdims) or (1,)
+        local = tuple(int(r.extent) for r in reversed(lanes))
+        dims = max(len(groups), len(local))
+        groups, local = groups + (1,) * (dims - len(groups)), local + (1,) * (dims - len(local))
+        params = [f"{d.global_ptr} {'const ' if i < k.n_inputs else ''}{STORE_T[np.dtype(b.dtype)]}* "
+                  f"restrict b{i}" for i, b in enumerate(k.buffers)]
+        if self.scratch:
+            params.append(f"{d.global_ptr} {VALUE_T[self.scratch_dtype]}* restrict ws_all")
+        head = ["// generated by tilefuse from:", *("// " + ln for ln in pp_tile(k).splitlines())]
+        if any(np.dtype(b.dtype) == F64 for b in k.buffers):
+            head.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
+        self.lines = head + [f"{d.kernel} {name}({', '.join(params)}) {{"]
+        for dim, rs in enumerate(gdims):
+            gid = d.group_id.format(dim)
+            for r in rs[:-1]:  # folded: the innermost of them varies fastest
+                self.line(f"const long {r.var} = (long){gid} % {int(r.extent)}L;", 1)
+                gid = f"((long){gid} / {int(r.extent)}L)"
+            self.line(f"const long {rs[-1].var} = (long){gid};", 1)
+        for dim, r in enumerate(reversed(lanes)):
+            self.line(f"const long {r.var} = (long){d.local_id.format(dim)};", 1)
+        if self.scratch:
+            flat = " + ".join(f"(long)get_group_id({i}) * {math.prod(groups[:i])}L" for i in range(len(groups)))
+            self.line(f"{d.global_ptr} {VALUE_T[self.scratch_dtype]}* ws = ws_all + ({flat}) * "
+                      f"{self.scratch}L;", 1)
+        self.block(k.inner(), 1)
+        self.lines.append("}")
+        return Printed(name, "\n".join(self.lines) + "\n", groups, local, self.scratch, self.scratch_dtype)
+
+
+def print_tile(k: TileKernel, dialect: Dialect = OPENCL) -> Printed:
+    """C-like source of a tile kernel for `dialect`, with its launch shape."""
+    return _Printer(k, dialect).print()
