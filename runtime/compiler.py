@@ -22,7 +22,7 @@ from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.passes import Dump, partition, run_passes
 from tilefuse.ir.passes.inline import inline_calls
 
-from . import dispatch, frontend_cache, profiler, tiled  # noqa: F401  (tiled: the tile builders register)
+from . import dispatch, frontend_cache, profiler
 from .config import config
 from .planner import Interval, plan_buffers
 

@@ -1,14 +1,19 @@
-"""Kernels built by the shared tile-level builders (ir/kernel/: GEMM) for every backend that
-prints tile kernels: the builder writes the algorithm under a schedule chosen from the device's
-Target (or the tuning database), the backend only prints and launches it."""
+"""Kernels built by the shared tile-level builders (ir/kernel/: GEMM) for the backends that print
+tile kernels: the builder writes the algorithm under a schedule the scheduler picks from the
+device's Target, or the tuning database holds (one parameter space for every backend); the
+backend only prints and launches. A backend takes a builder for its device kind with
+register_gemm (it may keep a vendor library beside it)."""
 from __future__ import annotations
+
+import hashlib
 
 from tilefuse.ir.kernel import gemm
 
-from . import dispatch
+from . import dispatch, tuner
 from .hardware import target_of
 
 MIN_FLOPS = 1 << 18  # smaller products: the generic kernel is as fast and needs no tile padding
+_gemm_kinds: list[str] = []
 
 
 def _target(device):
@@ -16,22 +21,46 @@ def _target(device):
 
 
 def gemm_applies(kernel, device) -> bool:
-    if not device.backend.tile_kernels:
-        return False
     spec = gemm.gemm_spec(kernel)
-    return spec is not None and spec.layout.flops >= MIN_FLOPS and \
-        gemm.default_schedule(spec, _target(device)).check(spec, _target(device)) is None
+    if spec is None or spec.layout.flops < MIN_FLOPS:
+        return False
+    t = _target(device)
+    return gemm.default_schedule(spec, t).check(spec, t) is None
 
 
 def gemm_build(kernel, device, backend, params: dict | None = None):
-    spec = gemm.gemm_spec(kernel)
-    target = _target(device)
-    sched = gemm.default_schedule(spec, target) if params is None else gemm.GemmSchedule(**params)
-    why = sched.check(spec, target)
+    spec, t = gemm.gemm_spec(kernel), _target(device)
+    sched = gemm.default_schedule(spec, t) if params is None else gemm.schedule_of(params, t)
+    why = sched.check(spec, t)
     if why is not None:
         raise ValueError(f"GEMM schedule {sched}: {why}")
     return backend.compile_tile(gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs), device)
 
 
-for _kind in ("dot_general", "fused_gemm"):
-    dispatch.register(dispatch.Implementation("tile_gemm", _kind, gemm_build, ("*",), gemm_applies, 30))
+def _key(kernel) -> tuple[str, str]:
+    """Problems alike in epilogue, operands' layout and dtypes share a signature; sizes by class."""
+    spec = gemm.gemm_spec(kernel)
+    lay = spec.layout
+    sig = repr((spec.epilogue, lay.a_strides[2] == 1, lay.b_strides[2] == 1, lay.dtype.name,
+                spec.out_dtype.name, tuple(full for _, full in spec.extras)))
+    return "gemm-" + hashlib.sha1(sig.encode()).hexdigest()[:16], "x".join(str(tuner.size_class(n)) for n in (lay.batch, lay.m, lay.n, lay.k))
+
+
+def register_gemm(device_kind: str, priority: int) -> None:
+    """The shared GEMM runs dot_general and fused_gemm kernels on `device_kind` (whose backend
+    prints tile kernels), searched by the tuner in gemm.space."""
+    for kind in ("dot_general", "fused_gemm"):
+        dispatch.register(dispatch.Implementation("tile_gemm", kind, gemm_build, (device_kind,), gemm_applies,
+                                                  priority))
+    _gemm_kinds.append(device_kind)
+    tuner.register(tuner.Template(
+        "tile_gemm", "tile_gemm", tuple(_gemm_kinds),
+        lambda kernel, device: gemm.space(gemm.gemm_spec(kernel), _target(device)),
+        lambda kernel, device: gemm.params_of(gemm.default_schedule(gemm.gemm_spec(kernel), _target(device))),
+        gemm_build,
+        lambda params, kernel, device: gemm.schedule_of(params, _target(device)).check(
+            gemm.gemm_spec(kernel), _target(device)),
+        _key, gemm_applies))
+
+
+__all__ = ["gemm_applies", "gemm_build", "register_gemm"]

@@ -368,11 +368,12 @@ def test_opencl_attention_is_tuned_stored_and_used(db):
 
 @pytest.mark.skipif(not tx.devices("opencl"), reason="no OpenCL device")
 @pytest.mark.parametrize("form", ["plain", "transposed"])
-def test_opencl_gemm_is_tuned_stored_and_used(db, form):
-    """The OpenCL GEMM template's tiles (per variant: x·w reads B's rows as vectors, x·wᵀ takes
-    dot products on CPU devices): tuned, stored, and stored other tiles used by the next build
-    with the same values; tiles the device cannot hold are pruned, not run."""
-    from tilefuse.backends.opencl import gemm
+def test_tile_gemm_is_tuned_stored_and_used(db, form):
+    """The shared GEMM's schedule on OpenCL (one space for every backend, its fields the
+    target's form): tuned, stored, and stored other parameters used by the next build with the
+    same values; parameters the device cannot hold are pruned, not run."""
+    from tilefuse.ir.kernel import gemm
+    from tilefuse.runtime.hardware import target_of
     dev = tx.devices("opencl")[0]
     rng = np.random.default_rng(0)
     a = rng.standard_normal((96, 64)).astype(np.float32)
@@ -380,21 +381,22 @@ def test_opencl_gemm_is_tuned_stored_and_used(db, form):
     fn = (lambda x, y: x @ y) if form == "plain" else (lambda x, y: x @ y.T)
     want = a @ (b if form == "plain" else b.T)
     report = tx.tune(tx.jit(fn, device=dev), a, b, trials=4, progress=False, repeat=3)
-    (res,) = [r for r in report.results if r.template == "opencl_gemm"]
+    (res,) = [r for r in report.results if r.template == "tile_gemm"]
     assert res.stored and res.best_seconds <= res.default_seconds
-    t = next(t for t in tuner.templates() if t.name == "opencl_gemm")
-    key = ("opencl_gemm", *t.key(res.ir), tuner.device_key(dev))
+    t = next(t for t in tuner.templates() if t.name == "tile_gemm")
+    key = ("tile_gemm", *t.key(res.ir), tuner.device_key(dev))
     assert tuner.TuningDB(db).get(*key) == res.best
 
-    other = {k: v for k, v in res.default.items()}
-    if "tm" in other:  # the local-memory form (GPUs): smaller tiles
+    target, spec = target_of(dev.info), gemm.gemm_spec(res.ir)
+    other = dict(res.default)
+    if "tm" in other:  # the shared-memory form (GPUs): smaller tiles
         other.update(tm=32, tn=32, wm=2, wn=2)
     else:
-        other.update(wm=2, vw=4)
-    assert gemm.check(other, dev.info, gemm._layout(res.ir)[0]) is None
+        other.update(wm=2, vec=4)
+    assert gemm.schedule_of(other, target).check(spec, target) is None
     _store(db, key, other)
     tuner.applied.clear()
     np.testing.assert_allclose(np.asarray(tx.jit(fn, device=dev)(a, b)), want, rtol=1e-4, atol=1e-4)
-    assert [p for k, p in tuner.applied.items() if k[0] == "opencl_gemm"] == [other]
+    assert [p for k, p in tuner.applied.items() if k[0] == "tile_gemm"] == [other]
     bad = {**other, "tm": 1024, "tn": 1024} if "tm" in other else {**other, "wm": 64}
-    assert gemm.check(bad, dev.info, gemm._layout(res.ir)[0]) is not None
+    assert gemm.schedule_of(bad, target).check(spec, target) is not None

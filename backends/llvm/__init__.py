@@ -71,6 +71,13 @@ class LLVMBackend(Backend):
         """A graph's kernels, built in parallel processes where no cache holds them."""
         compile_kernels(kernels, self._info(device))
 
+    tile_kernels = True
+
+    def compile_tile(self, kernel, device=None):
+        """A tile kernel printed as LLVM IR (tile.py), compiled through the caches, on the pool."""
+        from .tile import compile_tile
+        return compile_tile(kernel, self._info(device))
+
     def compile(self, graph, device):
         try:
             from tilefuse.runtime.compiler import compile_graph

@@ -16,6 +16,7 @@ from tilefuse.ir.kernel.ir import Kernel, pp_kernel
 from tilefuse.runtime.config import config
 from tilefuse.runtime.hardware import DeviceInfo, host_info
 from tilefuse.runtime.memory import PoolAllocator
+from tilefuse.runtime.tiled import register_gemm
 
 from ..base import Backend
 from ..cstyle import print_tile
@@ -422,5 +423,6 @@ def create() -> OpenCLBackend:
     return OpenCLBackend()
 
 
-from . import gemm  # noqa: E402,F401  (registers the GEMM template with the dispatcher)
+# GEMM: the shared tile builder (ir/kernel/gemm.py), ahead of gemm_then_epilogue
+register_gemm("opencl", priority=20)
 from . import tuning  # noqa: E402,F401  (registers the work-group size with the auto-tuner)

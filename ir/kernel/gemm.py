@@ -109,7 +109,7 @@ def _ceil(a: int, b: int) -> int:
 def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     """The parameters the target's description implies (the tuner may find better ones)."""
     lay = spec.layout
-    if target.kind == "gpu" and target.shared_bytes:
+    if _shared_form(target):
         tile = 64 if lay.m * lay.n >= 64 * 64 * target.cores else 32
         wm = wn = 4 if tile == 64 else 2
         while (tile // wm) * (tile // wn) > target.max_group:
@@ -129,12 +129,30 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     return GemmSchedule(False, wm, wn, vec, mc=mc, nc=nc)
 
 
+def _shared_form(target: Target) -> bool:
+    return target.kind == "gpu" and target.shared_bytes > 0
+
+
+SHARED_FIELDS = ("tm", "tn", "tk", "wm", "wn")
+PACKED_FIELDS = ("wm", "wn", "vec", "mc", "nc")
+
+
 def space(spec: GemmSpec, target: Target) -> dict:
-    """The tuner's search space (schedule fields -> candidate values)."""
-    if target.kind == "gpu" and target.shared_bytes:
+    """The tuner's search space (schedule fields -> candidate values): the target's form's fields."""
+    if _shared_form(target):
         return {"tm": (32, 64, 128), "tn": (32, 64, 128), "tk": (8, 16, 32), "wm": (2, 4, 8), "wn": (2, 4, 8)}
     return {"wm": (2, 4, 6, 8), "wn": (1, 2, 3, 4), "vec": (4, 8, 16), "mc": (24, 48, 96, 192),
             "nc": (32, 64, 128, 256, 512)}
+
+
+def params_of(sched: GemmSchedule) -> dict:
+    """A schedule as the tuner stores it: its form's fields."""
+    return {f: getattr(sched, f) for f in (SHARED_FIELDS if sched.shared else PACKED_FIELDS)}
+
+
+def schedule_of(params: dict, target: Target) -> GemmSchedule:
+    """The schedule stored parameters describe on this target (the form is the target's)."""
+    return GemmSchedule(_shared_form(target), **params)
 
 
 # ---- building ---------------------------------------------------------------------------------
@@ -324,4 +342,5 @@ def build(spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple, n_inpu
                       meta={"gemm": (spec, sched), "flops": spec.layout.flops})
 
 
-__all__ = ["Buffer", "GemmSchedule", "GemmSpec", "build", "default_schedule", "gemm_spec", "space"]
+__all__ = ["Buffer", "GemmSchedule", "GemmSpec", "build", "default_schedule", "gemm_spec", "params_of",
+           "schedule_of", "space"]

@@ -1,4 +1,4 @@
-"""The OpenCL GEMM template (backends/opencl/gemm.py) and the batched-GEMM view of dot_general
+"""The shared GEMM on OpenCL (ir/kernel/gemm.py, printed by backends/cstyle.py) and the batched-GEMM view of dot_general
 it reads (ir/kernel/matmul.py): every layout against numpy, both tile variants."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import tilefuse as tx
+from tilefuse.runtime.tiled import MIN_FLOPS
 import tilefuse.numpy as tnp
 from tilefuse.ir.errors import DeviceError
 from tilefuse.ir.kernel.matmul import matmul_layout
@@ -50,47 +51,36 @@ def test_matmul_layout_reads_operands_in_place():
         np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["vector", "dot", "local"])
-def test_opencl_gemm_template_matches_numpy(variant, monkeypatch):
-    """Each variant forced where it can read the layout (local, the GPU form, reads any)."""
+def test_opencl_gemm_matches_numpy():
+    """The shared GEMM (ir/kernel/gemm.py, printed as OpenCL C) over every layout CASES holds."""
     dev = _opencl()
-    from tilefuse.backends.opencl import gemm
-    chosen = gemm._variant
-
-    def forced(info, lay):
-        can = {"vector": lay.b_strides[2] == 1,
-               "dot": lay.a_strides[2] == 1 and lay.b_strides[1] == 1}.get(variant, True)
-        return variant if can and chosen(info, lay) != "local" or variant == "local" else "local"
-    monkeypatch.setattr(gemm, "_variant", forced)
     rng = np.random.default_rng(1)
     for sa, sb, spec in CASES:
         a, b = rng.standard_normal(sa, np.float32), rng.standard_normal(sb, np.float32)
         f = tx.jit(lambda a, b: tnp.einsum(spec, a, b), device=dev)
         launches = f.lower(a, b).compile().program.launches
-        if matmul_layout(_eqn(lambda a, b: tnp.einsum(spec, a, b), a, b)).flops >= gemm.MIN_FLOPS:
+        if matmul_layout(_eqn(lambda a, b: tnp.einsum(spec, a, b), a, b)).flops >= MIN_FLOPS:
             assert [l.impl for l in launches if l.kind == "dot_general"] == ["tile_gemm"], spec
         np.testing.assert_allclose(np.asarray(f(a, b)), np.einsum(spec, a, b), rtol=1e-4, atol=1e-4,
                                    err_msg=f"{spec} {sa} {sb}")
 
 
-@pytest.mark.parametrize("variant", ["vector", "dot", "local"])
-def test_fused_epilogue_runs_in_each_variants_store(variant, monkeypatch):
-    """gelu(x·w + b) + r, the product read plain, as x·wᵀ (dot) or xᵀ·wᵀ (local): one tiled_gemm
-    launch whose store applies the bias, the activation and the residual (ragged edges: 101 x 37
-    with K = 45 leaves partial tiles and vectors)."""
+@pytest.mark.parametrize("form", ["plain", "B transposed", "both transposed"])
+def test_fused_epilogue_runs_in_the_store(form):
+    """gelu(x·w + b) + r with the operands read in place: one tile_gemm launch whose store
+    applies the bias, the activation and the residual (ragged edges: 101 x 37 with K = 45 leave
+    partial tiles and vectors)."""
     import math
 
     from tilefuse import nn
-    from tilefuse.backends.opencl import gemm
     dev = _opencl()
-    monkeypatch.setattr(gemm, "_variant", lambda info, lay: variant)
     rng = np.random.default_rng(2)
     m, n, k = 101, 37, 45
     b, r = rng.standard_normal(n, np.float32), rng.standard_normal((m, n), np.float32)
-    x = rng.standard_normal((k, m) if variant == "local" else (m, k), np.float32)
-    w = rng.standard_normal((k, n) if variant == "vector" else (n, k), np.float32)
-    lhs = (lambda x: x.T) if variant == "local" else (lambda x: x)
-    rhs = (lambda w: w) if variant == "vector" else (lambda w: w.T)
+    x = rng.standard_normal((k, m) if form == "both transposed" else (m, k), np.float32)
+    w = rng.standard_normal((k, n) if form == "plain" else (n, k), np.float32)
+    lhs = (lambda x: x.T) if form == "both transposed" else (lambda x: x)
+    rhs = (lambda w: w) if form == "plain" else (lambda w: w.T)
     f = tx.jit(lambda x, w, b, r: nn.gelu(tnp.matmul(lhs(x), rhs(w)) + b) + r, device=dev)
     launches = f.lower(x, w, b, r).compile().program.launches
     assert [l.impl for l in launches] == ["tile_gemm"] and launches[0].kind == "fused_gemm"
