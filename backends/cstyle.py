@@ -108,10 +108,33 @@ class _Printer:
                 self.scratch_at[a.name] = total
                 total += a.size
         self.scratch = total
+        self.whole = self._whole_registers()
         sd = {np.dtype(a.dtype) for a in self.allocs.values() if a.scope == "scratch"}
         if len(sd) > 1:
             raise CompileError(f"{k.name}: scratch memory of several dtypes {sd}", backend="cstyle")
         self.scratch_dtype = sd.pop() if sd else F32
+
+    def _whole_registers(self) -> set:
+        """Register Allocs only ever accessed whole (offset 0, all their elements at once): printed
+        as one variable (a scalar or a vector), which compilers keep in registers more surely than
+        an array (PoCL keeps private arrays of multi-item work-groups in memory)."""
+        regs = {n: a for n, a in self.allocs.items() if a.scope == "register"}
+        whole = set(regs)
+
+        def access(target, off, w):
+            if target in whole and not (off.op == "const" and off.arg == 0 and w == regs[target].size):
+                whole.discard(target)
+        for st in _all_statements(self.k.body):
+            if isinstance(st, Store):
+                access(st.target, st.offset, lanes_of(st.value, self.width))
+            for root in ([st.offset, st.value] if isinstance(st, Store) else [st.cond] if isinstance(st, If)
+                         else [st.extent] if isinstance(st, Range) and isinstance(st.extent, KExpr) else []):
+                for n in root.toposort():
+                    if n.op == "load":
+                        access(n.arg, n.src[0], lanes_of(n.src[0], self.width))
+                    elif n.op == "vload":
+                        access(n.arg[0], n.src[0], n.arg[1])
+        return whole
 
     # -- helpers ------------------------------------------------------------------------------
     def line(self, s: str, depth: int) -> None:
@@ -172,6 +195,15 @@ class _Printer:
             return literal(n.arg, d)
         if op == "var":
             return n.arg
+        if op == "iota":
+            return f"((long{w})({', '.join(str(i) for i in range(w))}))"
+        if op == "load" and self.lanes(n.src[0]) > 1:  # a gather: a load per lane
+            ptr, sd = self.ptr(n.arg)
+            off = self.val(n.src[0], depth)
+            lanes = ", ".join(self.scalar_load(ptr, sd, f"{off}.s{i:x}") for i in range(w))
+            return f"(({self.ty(d, w)})({lanes}))"
+        if op in ("load", "vload") and (n.arg if op == "load" else n.arg[0]) in self.whole:
+            return n.arg if op == "load" else n.arg[0]
         if op in ("load", "vload"):
             target, lanes = (n.arg, 1) if op == "load" else n.arg
             ptr, sd = self.ptr(target)
@@ -187,15 +219,15 @@ class _Printer:
             return f"as_float{lanes}(convert_uint{lanes}({x}) << 16)" if sd == BF16 else x
         if op == "broadcast":
             return f"(({self.ty(d, w)})({self.val(n.src[0], depth)}))"
-        if op in ("hsum", "hmax"):
+        if op in ("hsum", "hmax", "hmin"):
             x, k = self.val(n.src[0], depth), self.lanes(n.src[0])
             parts = [f"{x}.s{i:x}" for i in range(k)]
-            if op == "hsum":
-                return "(" + " + ".join(parts) + ")"
-            out = parts[0]
-            for p in parts[1:]:
-                out = f"fmax({out}, {p})"
-            return out
+            while len(parts) > 1:  # a tree: log2(k) dependent steps, pairwise sums
+                pairs = [parts[i:i + 2] for i in range(0, len(parts), 2)]
+                parts = [p[0] if len(p) == 1 else
+                         (f"({p[0]} + {p[1]})" if op == "hsum" else self.binary(op[1:], p[0], p[1], d, 1))
+                         for p in pairs]
+            return parts[0]
         args = []
         for s in n.src:
             a = self.val(s, depth)
@@ -213,6 +245,11 @@ class _Printer:
             return self.unary(op, args[0], d, w)
         return self.binary(op, args[0], args[1], np.dtype(n.src[0].dtype), w)
 
+    def scalar_load(self, ptr: str, sd, off: str) -> str:
+        if sd == F16:
+            return f"vload_half({off}, {ptr})"
+        return f"as_float((uint){ptr}[{off}] << 16)" if sd == BF16 else f"{ptr}[{off}]"
+
     def _mask(self, c: str, d, w: int) -> str:
         """A bool vector (uchar 0/1) as the signed mask select() needs for element size of d."""
         mt = f"{MASK_T[np.dtype(d).itemsize]}{w}"
@@ -226,11 +263,14 @@ class _Printer:
         if op in FLOAT_FN:
             return f"{FLOAT_FN[op]}({x})"
         if op == "neg":
+            if d in (I32, I64):
+                ut = ("ulong" if d == I64 else "uint") + ("" if w == 1 else str(w))
+                return f"as_{self.ty(d, w)}(({ut})(0) - as_{ut}({x}))"
             return f"(-{x})"
         if op == "logistic":
             return f"({one} / ({one} + exp(-{x})))"
         if op == "abs":
-            return f"fabs({x})" if dtypes.is_float(d) else f"abs({x})"
+            return f"fabs({x})" if dtypes.is_float(d) else f"as_{self.ty(d, w)}(abs({x}))"
         if op == "sign":
             zero = literal(0, d)
             if w == 1:
@@ -246,6 +286,9 @@ class _Printer:
     def binary(self, op, a, b, d, w) -> str:
         if d == BOOL and op in ("add", "mul"):
             op = "or" if op == "add" else "and"
+        if op in ("add", "sub", "mul") and d in (I32, I64):  # wrap as numpy does: C's signed overflow is UB
+            ut = ("ulong" if d == I64 else "uint") + ("" if w == 1 else str(w))
+            return f"as_{self.ty(d, w)}(as_{ut}({a}) {ARITH[op]} as_{ut}({b}))"
         if op in ARITH:
             return f"({a} {ARITH[op]} {b})"
         if op in COMPARE:
@@ -259,13 +302,38 @@ class _Printer:
             return f"select({b}, {a}, ({a} {cmp} {b}) | isnan({a}))"
         if op == "pow":
             return f"pow({a}, {b})"
-        if op == "div":
-            return f"({a} / {b})"
-        if op == "rem":
-            return f"fmod({a}, {b})" if dtypes.is_float(d) else f"({a} % {b})"
-        if op == "shift_left":
-            return f"({a} << {b})"
+        if op in ("div", "rem"):
+            if dtypes.is_float(d):
+                return f"({a} / {b})" if op == "div" else f"fmod({a}, {b})"
+            return self.int_divrem(op, a, b, d, w)
+        if op in ("shift_left", "shift_right_logical"):
+            ut = ("ulong" if d.itemsize == 8 else "uint") + ("" if w == 1 else str(w))
+            vt = self.ty(d, w)
+            sh = f"({a} << {b})" if op == "shift_left" else f"as_{vt}(as_{ut}({a}) >> as_{ut}({b}))"
+            zero, bits = literal(0, d), literal(d.itemsize * 8, d)
+            bad = f"({b} >= {bits})" if d == U32 else f"(({b} < {zero}) | ({b} >= {bits}))"
+            if w == 1:  # numpy: shifting by the width or more (or by < 0) gives 0
+                return f"({bad} ? {zero} : {sh})"
+            return f"select({sh}, ({vt})({zero}), {bad})"
         raise CompileError(f"cstyle: no spelling of the binary op {op!r}", backend="cstyle")
+
+    def int_divrem(self, op, a, b, d, w) -> str:
+        """C division with numpy's answers at the edges (never a trap): x/0 = 0, x%0 = x, and
+        MIN/-1 wraps (the lowering guards zero where the primitive defines it; this guards any)."""
+        zero, one, sym = literal(0, d), literal(1, d), "/" if op == "div" else "%"
+        signed = d != U32
+        ut = ("ulong" if d == I64 else "uint") + ("" if w == 1 else str(w))
+        if w == 1:
+            neg = f"({self.ty(d)})(({ut})0 - ({ut}){a})"
+            edge = (f"({b} == -{one}) ? {neg if op == 'div' else zero} : " if signed else "")
+            return f"(({b} == {zero}) ? {a if op == 'rem' else zero} : {edge}({a} {sym} {b}))"
+        vt = self.ty(d, w)
+        z = f"({b} == ({vt})({zero}))"
+        m1 = f"({b} == ({vt})(-{one}))" if signed else f"({b} != {b})"
+        safe = f"select({b}, ({vt})({one}), {z} | {m1})"
+        q = f"select({a} {sym} {safe}, " + (f"as_{vt}(({ut})(0) - as_{ut}({a}))" if op == "div" else f"({vt})({zero})") \
+            + f", {m1})"
+        return f"select({q}, {a if op == 'rem' else f'({vt})({zero})'}, {z})"
 
     def cast(self, x, src, dst, w, depth) -> str:
         vs, vd = VALUE_T[src], VALUE_T[dst]
@@ -290,10 +358,24 @@ class _Printer:
 
     # -- statements ---------------------------------------------------------------------------
     def store(self, s: Store, depth: int) -> None:
+        if s.target in self.whole:
+            self.line(f"{s.target} = {self.val(s.value, depth)};", depth)
+            self.forget(s.target)
+            return
         ptr, sd = self.ptr(s.target)
         off = self.val(s.offset, depth)
         v = self.val(s.value, depth)
         w = self.lanes(s.value)
+        if s.mode == "add" or self.lanes(s.offset) > 1:  # lane by lane: atomic adds, scatters
+            for i in range(max(w, self.lanes(s.offset))):
+                o = f"{off}.s{i:x}" if self.lanes(s.offset) > 1 else off
+                x = f"{v}.s{i:x}" if w > 1 else v
+                if s.mode == "add":
+                    self.atomic_add(ptr, o, x, sd, depth)
+                else:
+                    self.scalar_store(ptr, sd, o, x, depth)
+            self.forget(s.target)
+            return
         if sd == F16:
             self.line(f"vstore_half{'' if w == 1 else w}_rte({v}, 0, {ptr} + {off});", depth)
         elif sd == BF16:
@@ -306,6 +388,32 @@ class _Printer:
         else:
             self.line(f"vstore{w}({v}, 0, {ptr} + {off});", depth)
         self.forget(s.target)
+
+    def scalar_store(self, ptr: str, sd, off: str, v: str, depth: int) -> None:
+        if sd == F16:
+            self.line(f"vstore_half_rte({v}, {off}, {ptr});", depth)
+        elif sd == BF16:
+            self.line(f"{ptr}[{off}] = (ushort)(as_uint({self.cast(v, F32, BF16, 1, depth)}) >> 16);", depth)
+        else:
+            self.line(f"{ptr}[{off}] = {v};", depth)
+
+    def atomic_add(self, ptr: str, off: str, v: str, sd, depth: int) -> None:
+        """ptr[off] += v, atomically: integer atomics, floats by compare-and-swap of the bits."""
+        p = f"{ptr} + {off}"
+        if sd in (I32, U32):
+            self.line(f"atomic_add((volatile __global {VALUE_T[sd]}*)({p}), {v});", depth)
+        elif sd == I64:
+            self.line(f"atom_add((volatile __global long*)({p}), {v});", depth)
+        elif sd in (F32, F64):
+            ut, cas = ("uint", "atomic_cmpxchg") if sd == F32 else ("ulong", "atom_cmpxchg")
+            self.n += 1
+            q, old, prev = f"q{self.n}", f"o{self.n}", f"p{self.n}"
+            self.line(f"{{ volatile __global {ut}* {q} = (volatile __global {ut}*)({p}); "
+                      f"{ut} {old} = *{q}, {prev};", depth)
+            self.line(f"  do {{ {prev} = {old}; {old} = {cas}({q}, {prev}, as_{ut}(as_{VALUE_T[sd]}({prev}) "
+                      f"+ {v})); }} while ({old} != {prev}); }}", depth)
+        else:
+            raise CompileError(f"cstyle: no atomic add of {sd}", backend="cstyle")
 
     def block(self, body, depth: int) -> None:
         self.memo.append({})
@@ -322,7 +430,9 @@ class _Printer:
                 self.block(s.body, depth + 1)
                 self.line("}", depth)
             elif isinstance(s, Alloc):
-                if s.scope == "register":
+                if s.name in self.whole:
+                    self.line(f"{self.ty(s.dtype, s.size)} {s.name};", depth)
+                elif s.scope == "register":
                     self.line(f"{self.ty(s.dtype)} {s.name}[{s.size}];", depth)
                 elif s.scope == "shared":
                     self.line(f"{self.d.shared_decl} {STORE_T[np.dtype(s.dtype)]} {s.name}[{s.size}];", depth)
@@ -357,8 +467,11 @@ class _Printer:
         if self.scratch:
             params.append(f"{d.global_ptr} {VALUE_T[self.scratch_dtype]}* restrict ws_all")
         head = ["// generated by tilefuse from:", *("// " + ln for ln in pp_tile(k).splitlines())]
-        if any(np.dtype(b.dtype) == F64 for b in k.buffers):
+        if any(np.dtype(b.dtype) == F64 for b in k.buffers) or \
+                any(np.dtype(n.dtype) == F64 for st in _stores(k.body) for n in st.value.toposort()):
             head.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
+        if any(s.mode == "add" and np.dtype(k.buffers[s.target].dtype) in (I64, F64) for s in _stores(k.body)):
+            head.append("#pragma OPENCL EXTENSION cl_khr_int64_base_atomics : enable")
         self.lines = head + [f"{d.kernel} {name}({', '.join(params)}) {{"]
         for dim, rs in enumerate(gdims):
             gid = d.group_id.format(dim)
@@ -375,6 +488,21 @@ class _Printer:
         self.block(k.inner(), 1)
         self.lines.append("}")
         return Printed(name, "\n".join(self.lines) + "\n", groups, local, self.scratch, self.scratch_dtype)
+
+
+def _all_statements(body):
+    for s in body:
+        yield s
+        if isinstance(s, (Range, If)):
+            yield from _all_statements(s.body)
+
+
+def _stores(body):
+    for s in body:
+        if isinstance(s, Store):
+            yield s
+        elif isinstance(s, (Range, If)):
+            yield from _stores(s.body)
 
 
 def print_tile(k: TileKernel, dialect: Dialect = OPENCL) -> Printed:

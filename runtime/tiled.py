@@ -5,9 +5,11 @@ backend only prints and launches. A backend takes a builder for its device kind 
 register_gemm (it may keep a vendor library beside it)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 from tilefuse.ir.kernel import gemm
+from tilefuse.ir.kernel.schedule import Schedule, default_schedule
 
 from . import dispatch, tuner
 from .hardware import target_of
@@ -63,4 +65,35 @@ def register_gemm(device_kind: str, priority: int) -> None:
         _key, gemm_applies))
 
 
-__all__ = ["gemm_applies", "gemm_build", "register_gemm"]
+GROUPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _kernel_default(kernel, device) -> Schedule:
+    from .config import config
+    return default_schedule(kernel, _target(device), config.deterministic)
+
+
+def register_kernels(device_kind: str) -> None:
+    """Every kernel of `device_kind` goes through the shared scheduler (its backend's
+    compile_kernel); the tuner searches the work-group size of those that take one."""
+    _kernel_kinds.append(device_kind)
+
+    def space(kernel, device):
+        s = _kernel_default(kernel, device)
+        if s.serial:
+            return {"group": (s.group,)}
+        return {"group": tuple(g for g in GROUPS if g <= _target(device).max_group)}
+
+    def build(kernel, device, backend, params):
+        s = _kernel_default(kernel, device)
+        return backend.compile_kernel(kernel, device, dataclasses.replace(s, group=params["group"]))
+    tuner.register(tuner.Template(
+        "tile_kernel", "kernel_ir", tuple(_kernel_kinds), space,
+        lambda kernel, device: {"group": _kernel_default(kernel, device).group}, build,
+        lambda params, kernel, device: None if params["group"] <= _target(device).max_group else
+        f"the device's work-groups hold at most {_target(device).max_group} work-items"))
+
+
+_kernel_kinds: list[str] = []
+
+__all__ = ["gemm_applies", "gemm_build", "register_gemm", "register_kernels"]

@@ -129,13 +129,14 @@ class _Printer:
             return self.load(target, self._val(n.src[0]), d, lanes)
         if op == "broadcast":
             return self.splat(self._val(n.src[0]), w)
-        if op in ("hsum", "hmax"):
+        if op in ("hsum", "hmax", "hmin"):
             x = self._val(n.src[0])
-            out = b.extract_element(x, ir.Constant(ir.IntType(32), 0))
-            for i in range(1, x.type.count):
-                e = b.extract_element(x, ir.Constant(ir.IntType(32), i))
-                out = b.fadd(out, e) if op == "hsum" else self.ops.em.intrinsic("maxnum", out.type, [out, e])
-            return out
+            parts = [b.extract_element(x, ir.Constant(ir.IntType(32), i)) for i in range(x.type.count)]
+            bop = {"hsum": "add", "hmax": "max", "hmin": "min"}[op]
+            while len(parts) > 1:  # a tree: pairwise sums
+                parts = [self.arith(bop, d, parts[i:i + 2]) if i + 1 < len(parts) else parts[i]
+                         for i in range(0, len(parts), 2)]
+            return parts[0]
         xs = [self.val(s, w) for s in n.src]
         if op == "select":
             return b.select(*xs)

@@ -1,5 +1,6 @@
-"""The OpenCL backend: kernel IR rendered to OpenCL C (render.py), built and launched with
-pyopencl on an in-order, profiling queue. Devices appear as opencl:0, opencl:1, ... (one per
+"""The OpenCL backend: kernels laid out by the shared scheduler (ir/kernel/schedule.py) and the
+tile builders, printed as OpenCL C (backends/cstyle.py), built and launched with pyopencl on an
+in-order, profiling queue. Devices appear as opencl:0, opencl:1, ... (one per
 OpenCL device of every platform). On CPU devices (PoCL) buffers are allocated in host-visible
 memory and read back by mapping, so reading a result copies nothing."""
 from __future__ import annotations
@@ -12,16 +13,18 @@ import time
 import numpy as np
 
 from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
-from tilefuse.ir.kernel.ir import Kernel, pp_kernel
+from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.runtime.config import config
 from tilefuse.runtime.hardware import DeviceInfo, host_info
 from tilefuse.runtime.memory import PoolAllocator
-from tilefuse.runtime.tiled import register_gemm
+from tilefuse.runtime.tiled import register_gemm, register_kernels
 
 from ..base import Backend
-from ..cstyle import print_tile
+from tilefuse.ir.kernel.schedule import Schedule, default_schedule, schedule
+from tilefuse.runtime.hardware import target_of
+
+from ..cstyle import F64, print_tile
 from .build import ProgramCache, translate
-from .render import F64, Rendered, racy_float_adds, render
 
 INSTALL_HINT = ("install an OpenCL driver (ICD): on Debian/Ubuntu `apt-get install pocl-opencl-icd "
                 "ocl-icd-libopencl1` for the CPU, or your GPU vendor's OpenCL runtime")
@@ -90,40 +93,6 @@ class DeviceBuffer:
         return f"<opencl buffer {self.nbytes} B{' view' if self._parent is not None else ''}>"
 
 
-class CompiledKernel:
-    """A built kernel: `ck(buffers)` enqueues it (buffers in the kernel's order, inputs first)
-    and returns the launch's event, also kept as `last_event` for the profiler."""
-
-    def __init__(self, kernel: Kernel, rendered: Rendered, cl_kernel, state: _State, global_size,
-                 local_size):
-        self.name, self.kernel, self.rendered = rendered.name, kernel, rendered
-        self.source, self.mode, self.width = rendered.source, rendered.mode, rendered.width
-        self.global_size, self.local_size = global_size, local_size
-        self._knl, self._state = cl_kernel, state
-        self.last_event = None
-
-    def __call__(self, buffers):
-        if not self.rendered.units:
-            return None
-        st = self._state
-        try:
-            with st.launch_lock:  # a cl.Kernel holds its arguments: set and enqueue as one step
-                self._knl.set_args(*[getattr(b, "mem", b) for b in buffers])
-                ev = st.cl.enqueue_nd_range_kernel(st.queue, self._knl, self.global_size, self.local_size)
-        except st.cl.Error as e:
-            raise translate(e, f"launch kernel {self.name}", st.info.name) from None
-        self.last_event = st.last_event = ev
-        return ev
-
-    def times(self) -> tuple[int, int]:
-        """(start, end) of the last launch in device nanoseconds (waits for it)."""
-        return event_times(self.last_event)
-
-    def __repr__(self):
-        return f"<opencl kernel {self.name} {self.mode} W={self.width} global={self.global_size} " \
-               f"local={self.local_size}>"
-
-
 class TileLaunch:
     """A built tile kernel: `run(buffers)` enqueues it with its workspace (scratch memory, made
     at the first launch) and returns the event."""
@@ -137,6 +106,8 @@ class TileLaunch:
 
     def __call__(self, buffers):
         st, p = self._state, self._p
+        if not all(self.global_size):
+            return None  # an empty index space: nothing to launch
         args = [getattr(b, "mem", b) for b in buffers]
         if p.scratch_elems:
             if self._ws is None:
@@ -151,6 +122,10 @@ class TileLaunch:
             raise translate(e, f"launch kernel {self.name}", st.info.name) from None
         self.last_event = st.last_event = ev
         return ev
+
+    def times(self) -> tuple[int, int]:
+        """(start, end) of the last launch in device nanoseconds (waits for it)."""
+        return event_times(self.last_event)
 
     def __repr__(self):
         return f"<opencl tile kernel {self.name} global={self.global_size} local={self.local_size}>"
@@ -212,73 +187,63 @@ class OpenCLBackend(Backend):
         return st
 
     # ---- kernels ----
-    def compile_kernel(self, kernel: Kernel, device, mode: str | None = None) -> CompiledKernel:
-        """Render, build (cached) and size one kernel; `mode` forces a rendering (render.py)."""
-        st = self._state(device)
-        if mode is None and config.deterministic and racy_float_adds(kernel):
-            # atomic float adds land in any order, so the sum's rounding varies: an owner axis
-            # keeps them in order with a work-item per index, else one work-item runs them all
-            mode = "serial" if kernel.owner_axis is None else "owner"
-        key = (kernel.signature(), mode)
-        ck = st.kernels.get(key)
-        if ck is None:
-            t0 = time.perf_counter()
-            r = self._render(kernel, st, mode)
-            knl = self.programs.kernel(st.ctx, st.dev, r.source, r.name, pp_kernel(kernel))
-            ck = self._finish(kernel, key, r, knl, st, t0)
-        return ck
+    def compile_kernel(self, kernel: Kernel, device, sched: Schedule | None = None) -> "TileLaunch":
+        """The kernel laid out by the shared scheduler (ir/kernel/schedule.py; `sched` overrides
+        its choice), printed as OpenCL C and built (cached)."""
+        return self.compile_tile(self._schedule(kernel, device, sched), device)
 
-    def compile_kernels(self, kernels, device) -> list[CompiledKernel]:
+    def compile_kernels(self, kernels, device) -> list:
         """Several kernels (a graph's) with one program build; a failing batch is built again
         kernel by kernel, so that the CompileError names the kernel at fault."""
-        st = self._state(device)
-        todo = {}
-        for k in kernels:
-            if (k.signature(), None) not in st.kernels:
-                todo.setdefault(k.signature(), k)
-        if len(todo) > 1:
-            t0 = time.perf_counter()
-            rs = [self._render(k, st, None) for k in todo.values()]
-            try:
-                knls = self.programs.kernels(st.ctx, st.dev, "\n".join(r.source for r in rs),
-                                             [r.name for r in rs])
-            except CompileError:
-                knls = None
-            if knls is not None:
-                for (sig, k), r, knl in zip(todo.items(), rs, knls):
-                    self._finish(k, (sig, None), r, knl, st, t0)
-        return [self.compile_kernel(k, device) for k in kernels]
+        tks = [self._schedule(k, device, None) for k in kernels]
+        self._build_tiles([tk for tk in tks if self._key(tk) not in self._state(device).kernels], device)
+        return [self.compile_tile(tk, device) for tk in tks]
 
-    def _render(self, kernel: Kernel, st: _State, mode: str | None) -> Rendered:
-        info, x = st.info, st.info.extra
-        has_f64 = any(np.dtype(b.dtype) == F64 for b in kernel.buffers)
-        width = x["preferred_width"]["double" if has_f64 else "float"]
-        tree = 0 if x["device_type"] == "cpu" else 1 << (min(256, info.max_work_group).bit_length() - 1)
-        # CPU devices: atomic float adds are compare-and-swap loops, which contend; an owner axis
-        # split in two blocks per core runs the adds in order instead, vectorised along the block
-        owners = 2 * info.compute_units if x["device_type"] == "cpu" else 0
-        return render(kernel, width=width, fp64=x["fp64"], int64_atomics=x["int64_atomics"],
-                      tree=tree if mode in (None, "tree") else 0, tree_below=4 * info.compute_units,
-                      owners=owners, mode=mode)
-
-    def _finish(self, kernel, key, r: Rendered, knl, st: _State, t0: float) -> CompiledKernel:
-        g, l = launch_dims(r, st.info)
-        ck = st.kernels[key] = CompiledKernel(kernel, r, knl, st, g, l)
-        if config.debug:
-            print(f"[tilefuse opencl] {ck!r} built in {time.perf_counter() - t0:.3f} s\n{r.source}",
-                  file=sys.stderr)
-        return ck
+    def _schedule(self, kernel: Kernel, device, sched: Schedule | None):
+        target = target_of(self._state(device).info)
+        return schedule(kernel, target, sched or default_schedule(kernel, target, config.deterministic))
 
     tile_kernels = True
+
+    @staticmethod
+    def _key(tk) -> tuple:
+        key = tk.meta.get("opencl_key")
+        if key is None:
+            key = tk.meta["opencl_key"] = ("tile", tk.name, str(tk))
+        return key
+
+    def _build_tiles(self, tks, device) -> None:
+        """One program for several tile kernels (a batch that fails is left to compile_tile)."""
+        st = self._state(device)
+        todo = list({self._key(tk): tk for tk in tks}.values())
+        if len(todo) < 2:
+            return
+        t0 = time.perf_counter()
+        try:
+            ps = [self._print(tk, st) for tk in todo]
+            knls = self.programs.kernels(st.ctx, st.dev, "\n".join(p.source for p in ps), [p.name for p in ps])
+        except CompileError:
+            return
+        for tk, p, knl in zip(todo, ps, knls):
+            st.kernels[self._key(tk)] = TileLaunch(tk, p, knl, st)
+        if config.debug:
+            print(f"[tilefuse opencl] {len(todo)} kernels built in {time.perf_counter() - t0:.3f} s", file=sys.stderr)
+
+    def _print(self, tk, st: _State):
+        if not st.info.extra["fp64"] and (any(np.dtype(b.dtype) == F64 for b in tk.buffers) or
+                                          any(np.dtype(a.dtype) == F64 for a in tk.allocs())):
+            raise CompileError(f"opencl: kernel {tk.name} needs float64, which {st.info.name} lacks "
+                               "(no cl_khr_fp64); use float32", backend="opencl", kernel=str(tk))
+        return print_tile(tk)
 
     def compile_tile(self, tk, device) -> "TileLaunch":
         """A tile kernel printed as OpenCL C (backends/cstyle.py), built (cached), ready to launch."""
         st = self._state(device)
-        key = ("tile", tk.name, str(tk))
+        key = self._key(tk)
         hit = st.kernels.get(key)
         if hit is None:
             t0 = time.perf_counter()
-            p = print_tile(tk)
+            p = self._print(tk, st)
             knl = self.programs.kernel(st.ctx, st.dev, p.source, p.name, str(tk))
             hit = st.kernels[key] = TileLaunch(tk, p, knl, st)
             if config.debug:
@@ -372,24 +337,6 @@ class OpenCLBackend(Backend):
         return self._state(device).last_event
 
 
-def launch_dims(r: Rendered, info: DeviceInfo, local: int | None = None) -> tuple[tuple, tuple]:
-    """Global and local sizes: one work unit per work-item, the global size rounded up to whole
-    work-groups of 256 (capped at a million work-groups, beyond which the grid-stride loop gives
-    a work-item several units). On CPU devices a work-group runs on one core, so kernels of few
-    units get smaller work-groups, at least four per compute unit. `local` (the auto-tuner's)
-    replaces the work-group size of kernels that run with any."""
-    if r.local:  # a work-group per point
-        return (min(r.units, 1 << 16) * r.local,), (r.local,)
-    if r.mode == "serial" or r.units <= 1:
-        return (1,), (1,)
-    if local is None:
-        local = max(1, min(info.max_work_group, 256))
-        if info.extra.get("device_type") == "cpu":
-            local = max(1, min(local, r.units // (4 * info.compute_units)))
-    groups = min(-(-r.units // local), 1 << 20)
-    return (groups * local,), (local,)
-
-
 def device_info(cl, platform, d) -> DeviceInfo:
     """The hardware description, read from the device itself."""
     ext = tuple(sorted(d.extensions.split()))
@@ -425,4 +372,4 @@ def create() -> OpenCLBackend:
 
 # GEMM: the shared tile builder (ir/kernel/gemm.py), ahead of gemm_then_epilogue
 register_gemm("opencl", priority=20)
-from . import tuning  # noqa: E402,F401  (registers the work-group size with the auto-tuner)
+register_kernels("opencl")  # every kernel through the shared scheduler; the tuner searches its work-groups

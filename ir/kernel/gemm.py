@@ -118,7 +118,7 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     vec = max(1, target.lanes)
     # register tile: wm rows x wn vectors, leaving registers for B's row and A's broadcast
     wn = 2 if lay.n > vec else 1
-    wm = max(1, min(8, (target.vector_registers - wn - 2) // wn, lay.m))
+    wm = max(1, min(12, (target.vector_registers - wn - 2) // wn, lay.m))
     nr = wn * vec
     # the packed panel (K x nc floats) stays in L2 beside the micro-kernel's traffic
     nc = max(nr, min(_ceil(lay.n, nr) * nr, (target.l2_bytes // 2) // (4 * max(lay.k, 1)) // nr * nr))
@@ -230,11 +230,21 @@ class _Gemm:
         z, jc, ic = var("z"), var("jc"), var("ic")
         jr, k, jj = var("jr"), var("k"), var("jj")
         col = _add(_mul(jc, nc), _mul(jr, nr), jj)
+        panel_at = lambda col_in_strip: _add(_mul(_add(_mul(jr, lay.k), k), nr), col_in_strip)  # noqa: E731
         packed_b = select(_lt(col, lay.n), _fp(self.b_at(z, k, _min(col, lay.n - 1))), const(0, self.acc))
+        edge = Range("jj", nr, "serial", (Store("bp", panel_at(jj), packed_b),))
+        strip_inside = _lt(_add(_mul(jc, nc), _mul(jr, nr), nr - 1), lay.n)
+        if self.lay.b_strides[2] == 1 and vec > 1:  # B's rows are contiguous: copy whole vectors
+            j = var("j")
+            c = _add(_mul(jc, nc), _mul(jr, nr), _mul(j, vec))
+            sbb, sbk, _ = self.lay.b_strides
+            row = vload(self.s.b, _add(_mul(z, sbb), _mul(k, sbk), c), self.lay.dtype, vec)
+            inside = Range("j", wn, "unroll", (Store("bp", panel_at(_mul(j, vec)), _fp(row)),))
+        else:
+            inside = Range("jj", nr, "serial", (Store("bp", panel_at(jj), _fp(self.b_at(z, k, col))),))
         pack = Range("jr", nc // nr, "serial", (
             Range("k", lay.k, "serial", (
-                Range("jj", nr, "serial", (
-                    Store("bp", _add(_mul(_add(_mul(jr, lay.k), k), nr), jj), packed_b),)),)),))
+                If(strip_inside, (inside,)), If(unary("not", strip_inside), (edge,)),)),))
 
         ir, i, j, t, lane = var("ir"), var("i"), var("j"), var("t"), var("l")
         row0 = _add(_mul(ic, mc), _mul(ir, wm))

@@ -16,15 +16,18 @@ Statements (a tree; `body` tuples nest):
                 each copy: register arrays indexed by it become registers)
   Alloc(name, dtype, size, scope) memory of the kernel: "register" (per work-item, small),
       "scratch" (per work-item, large: a CPU task's packed panel), "shared" (per work-group)
-  Store(target, offset, value)    target: a global buffer's number or an Alloc's name; a vector
-      value stores its lanes at consecutive offsets
+  Store(target, offset, value, mode)  target: a global buffer's number or an Alloc's name; a
+      vector value stores its lanes at consecutive offsets (a vector offset: one per lane);
+      mode "add" adds atomically (work-items may add to one element at once)
   Barrier()                       every work-item of the work-group arrives before any goes on
   If(cond, body)
 Expressions are the kernel IR's KExpr nodes, plus:
   var(name)                       a Range's variable (int64)
-  load(target, offset)            target as in Store (an int: a global buffer; a str: an Alloc)
+  load(target, offset)            target as in Store (an int: a global buffer; a str: an Alloc);
+                                  a vector offset gathers
   vload(target, offset, lanes)    `lanes` consecutive elements as a vector
-  broadcast(x, lanes)             a scalar in every lane;   hsum / hmax (x)  across the lanes
+  broadcast(x, lanes)             a scalar in every lane;   iota(lanes)  0, 1, ..., lanes-1
+  hsum / hmax / hmin (x)          across the lanes (hmax/hmin: a NaN wins, as max/min)
 Elementwise ops take operands of one width, or a scalar with a vector (a broadcast).
 
 `run_tile` is the reference: each work-group runs its work-items in lockstep, statement by
@@ -43,7 +46,7 @@ from .ir import INDEX, Buffer, KExpr
 
 RANGE_KINDS = ("grid", "lane", "serial", "unroll")
 SCOPES = ("register", "scratch", "shared")
-TILE_OPS = ("var", "vload", "broadcast", "hsum", "hmax")
+TILE_OPS = ("var", "vload", "broadcast", "iota", "hsum", "hmax", "hmin")
 
 
 # ---- expressions -------------------------------------------------------------------------------
@@ -60,6 +63,11 @@ def vload(target, offset: KExpr, dtype, lanes: int) -> KExpr:
     return KExpr("vload", np.dtype(dtype), (offset,), (target, int(lanes)))
 
 
+def iota(lanes: int) -> KExpr:
+    """The vector 0, 1, ..., lanes-1 (int64): a vector axis's offsets."""
+    return KExpr("iota", INDEX, (), int(lanes))
+
+
 def broadcast(x: KExpr, lanes: int) -> KExpr:
     return x if lanes == 1 else KExpr("broadcast", x.dtype, (x,), int(lanes))
 
@@ -70,6 +78,10 @@ def hsum(x: KExpr) -> KExpr:
 
 def hmax(x: KExpr) -> KExpr:
     return KExpr("hmax", x.dtype, (x,))
+
+
+def hmin(x: KExpr) -> KExpr:
+    return KExpr("hmin", x.dtype, (x,))
 
 
 def lanes_of(n: KExpr, memo: dict | None = None) -> int:
@@ -83,9 +95,9 @@ def lanes_of(n: KExpr, memo: dict | None = None) -> int:
             continue
         if x.op == "vload":
             memo[x] = x.arg[1]
-        elif x.op == "broadcast":
+        elif x.op in ("broadcast", "iota"):
             memo[x] = x.arg
-        elif x.op in ("hsum", "hmax"):
+        elif x.op in ("hsum", "hmax", "hmin"):
             memo[x] = 1
         else:
             pending = [s for s in x.src if s not in memo]
@@ -120,6 +132,7 @@ class Store:
     target: Any  # a global buffer's number, or an Alloc's name
     offset: KExpr
     value: KExpr
+    mode: str = "set"  # "set" | "add" (atomic)
 
 
 @dataclass(frozen=True)
@@ -267,10 +280,10 @@ def check_tile(k: TileKernel) -> None:
             elif x.op in ("load", "vload"):
                 t = x.arg[0] if x.op == "vload" else x.arg
                 assert target_dtype(t) == np.dtype(x.dtype), f"{x.op} of {t} as {x.dtype}"
-                assert lanes_of(x.src[0], memo) == 1, "a load's offset is a scalar"
+                assert x.op == "load" or lanes_of(x.src[0], memo) == 1, "a vload's offset is a scalar"
             elif x.op in ("idx", "ridx", "reduce"):
                 raise AssertionError(f"{x.op} belongs to the index-space kernel, not a tile kernel")
-            elif x.op not in ("const", "broadcast", "hsum", "hmax"):
+            elif x.op not in ("const", "broadcast", "iota", "hsum", "hmax", "hmin"):
                 widths = {lanes_of(s, memo) for s in x.src} - {1}
                 assert len(widths) <= 1, f"{x.op} of operands of widths {widths}"
 
@@ -292,6 +305,9 @@ def check_tile(k: TileKernel) -> None:
             elif isinstance(s, Store):
                 d = target_dtype(s.target)
                 assert np.dtype(s.value.dtype) == d, f"store of {s.value.dtype} into {s.target} ({d})"
+                assert s.mode in ("set", "add"), s.mode
+                ow, vw = lanes_of(s.offset, {}), lanes_of(s.value, {})
+                assert ow == 1 or ow == vw, f"a store of {vw} lanes at {ow} offsets"
                 check_expr(s.offset, scope)
                 check_expr(s.value, scope)
             elif isinstance(s, Barrier):
@@ -329,9 +345,15 @@ class _Group:
                 v = np.full((1, 1), x.arg, x.dtype)
             elif op == "var":
                 v = np.broadcast_to(np.asarray(self.env[x.arg], INDEX).reshape(-1, 1), (self.L, 1))
+            elif op == "iota":
+                v = np.broadcast_to(np.arange(x.arg, dtype=INDEX), (self.L, x.arg))
             elif op in ("load", "vload"):
                 t, w = (x.arg, 1) if op == "load" else x.arg
-                off = np.broadcast_to(memo[x.src[0]], (self.L, 1)) + np.arange(w)
+                src = memo[x.src[0]]
+                if op == "load" and src.shape[-1] > 1:  # a gather: one offset per lane
+                    off = np.broadcast_to(src, (self.L, src.shape[-1]))
+                else:
+                    off = np.broadcast_to(src, (self.L, 1)) + np.arange(w)
                 scope, arr = self._mem(t)
                 per_item = scope in ("register", "scratch")
                 size = arr.shape[-1]
@@ -343,8 +365,9 @@ class _Group:
                 v = arr[self.rows, off] if per_item else arr[off]
             elif op == "broadcast":
                 v = np.broadcast_to(memo[x.src[0]], (self.L, x.arg))
-            elif op in ("hsum", "hmax"):
-                v = (np.sum if op == "hsum" else np.max)(memo[x.src[0]], axis=1, keepdims=True)
+            elif op in ("hsum", "hmax", "hmin"):
+                f = {"hsum": np.sum, "hmax": np.max, "hmin": np.min}[op]  # (max/min: NaN wins)
+                v = f(memo[x.src[0]], axis=1, keepdims=True)
             else:
                 xs = [memo[s] for s in x.src]
                 if op in UNARY:
@@ -382,10 +405,10 @@ class _Group:
                 self.mem[s.name] = (s.scope, np.full(shape, fill).astype(s.dtype))
             elif isinstance(s, Store):
                 memo: dict = {}
-                off = np.broadcast_to(self.value(s.offset, memo, mask), (self.L, 1))
+                off = self.value(s.offset, memo, mask)
                 val = self.value(s.value, memo, mask)
-                w = val.shape[1]
-                offs = np.broadcast_to(off + np.arange(w), (self.L, w))
+                w = max(val.shape[1], off.shape[1])
+                offs = np.broadcast_to(off if off.shape[1] > 1 else off + np.arange(w), (self.L, w))
                 vals = np.broadcast_to(val, (self.L, w))
                 scope, arr = self._mem(s.target)
                 size = arr.shape[-1]
@@ -395,6 +418,8 @@ class _Group:
                                      f"{sel.min()}..{sel.max()} outside its {size} elements")
                 if scope in ("register", "scratch"):
                     arr[np.broadcast_to(self.rows, offs.shape)[mask], sel] = vals[mask]
+                elif s.mode == "add":
+                    np.add.at(arr, sel.reshape(-1), vals[mask].reshape(-1).astype(arr.dtype))
                 else:
                     arr[sel] = vals[mask]
             elif isinstance(s, If):

@@ -233,20 +233,20 @@ def test_argmax_outer_axis_int(be, rng):
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "argmax", "argmin"])
-def test_tree_reduction(be, rng, op, monkeypatch):
-    """The GPU rendering (a work-group per point, a local-memory tree), forced here: it must
-    agree with numpy on any device, including ties (first index) and NaN."""
-    import tilefuse.backends.opencl as ocl
+def test_gpu_layout_of_reductions(be, rng, op, monkeypatch):
+    """The GPU layout (work-groups of many work-items, a point each), forced on any device: it
+    must agree with numpy, including ties (first index) and NaN."""
     shape = (3, 2100)
     x = rng.integers(-4, 5, shape).astype(F32)
     x[1, 1500] = np.nan
     x[1, 700] = np.nan
-    k = reduce_kernel(f"tree_{op}", shape, (1,), op)
+    k = reduce_kernel(f"gpu_{op}", shape, (1,), op)
     st = be._state(DEV)
-    monkeypatch.setitem(st.info.extra, "device_type", "gpu")  # CPU devices never choose it
-    ck = be.compile_kernel(k, DEV, mode="tree")
-    assert ck.mode == "tree" and ck.local_size[0] > 1
-    monkeypatch.setitem(st.kernels, (k.signature(), None), ck)
+    monkeypatch.setitem(st.info.extra, "device_type", "gpu")
+    ck = be.compile_kernel(k, DEV)
+    sched = ck.kernel.meta["schedule"]
+    assert sched.group > 1 and sched.lanes == 1, sched
+    monkeypatch.setattr(be, "compile_kernel", lambda kernel, device, sched=None: ck)
     (y,) = run(be, k, x)
     if op in ("argmax", "argmin"):
         np.testing.assert_array_equal(y, oracle(op, x, axis=1, index_dtype=I32))
@@ -408,11 +408,11 @@ def test_scatter_add(be, rng, dtype):
     (y,) = run(be, k, idx, upd, init=[base.reshape(-1)])
     expect = oracle("scatter_add", base, idx, upd, axis=0)
     np.testing.assert_array_equal(y.reshape(rows, m).astype(F64), expect.astype(F64))
-    ck = be.compile_kernel(k, DEV)
-    # the columns own their adds on CPU devices (atomics there are contended CAS loops) and
-    # where atomics lack (float16)
+    sched = be.compile_kernel(k, DEV).kernel.meta["schedule"]
+    # the columns own their adds on CPU devices (atomics there are contended CAS loops); where
+    # an atomic add lacks (float16) one work-item adds them all
     cpu = be._state(DEV).info.extra["device_type"] == "cpu"
-    assert ck.mode == ("owner" if cpu or dtype == F16 else "scalar"), ck.mode
+    assert (sched.owner, sched.serial) == ((True, False) if cpu else (False, dtype == F16)), sched
 
 
 def _embedding_grad(rows, n, m):
@@ -435,7 +435,7 @@ def test_scatter_add_owned_by_a_column_per_work_item(be, rng, monkeypatch):
     want = np.zeros((rows, m), F32)
     np.add.at(want, idx, upd)
     cpu = be._state(DEV).info.extra["device_type"] == "cpu"
-    assert be.compile_kernel(k, DEV).mode == ("owner" if cpu else "scalar")
+    assert be.compile_kernel(k, DEV).kernel.meta["schedule"].owner == cpu
     (y,) = run(be, k, idx, upd)
     if cpu:
         np.testing.assert_array_equal(y.reshape(rows, m), want)
@@ -443,7 +443,7 @@ def test_scatter_add_owned_by_a_column_per_work_item(be, rng, monkeypatch):
         np.testing.assert_allclose(y.reshape(rows, m), want, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(config, "deterministic", True)
     k = dataclasses.replace(k, name="embedding_grad_in_order")
-    assert be.compile_kernel(k, DEV).mode == "owner"
+    assert be.compile_kernel(k, DEV).kernel.meta["schedule"].owner
     (y,) = run(be, k, idx, upd)
     np.testing.assert_array_equal(y.reshape(rows, m), want)
 
@@ -452,12 +452,12 @@ def test_scatter_add_owned_by_a_column_per_work_item(be, rng, monkeypatch):
 
 def test_build_failure_raises_compile_error_with_log(be, monkeypatch):
     from tilefuse.backends import opencl
-    real = opencl.render
+    real = opencl.print_tile
 
-    def broken(k, **kw):
-        r = real(k, **kw)
+    def broken(k, *a):
+        r = real(k, *a)
         return dataclasses.replace(r, source=r.source.replace("{", "{ this_is_not_c;", 1))
-    monkeypatch.setattr(opencl, "render", broken)
+    monkeypatch.setattr(opencl, "print_tile", broken)
     k = elementwise("broken", [F32], (8,), lambda x: [x + 1.0], [F32])
     with pytest.raises(CompileError) as info:
         be.compile_kernel(k, DEV)
@@ -613,12 +613,12 @@ def test_compile_kernels_builds_a_batch_once(be, rng, monkeypatch):
         assert_close(run(be, k, x[:50])[0], x[:50] * c)
     assert_close(run(be, ks[2], x)[0], x.reshape(4, 50).sum(1), rtol=1e-5, atol=1e-5)
 
-    real = opencl.render
+    real = opencl.print_tile
 
-    def broken(k, **kw):
-        r = real(k, **kw)
+    def broken(k, *a):
+        r = real(k, *a)
         return dataclasses.replace(r, source=r.source.replace("{", "{ oops;", 1)) if k.name == "bad" else r
-    monkeypatch.setattr(opencl, "render", broken)
+    monkeypatch.setattr(opencl, "print_tile", broken)
     good = elementwise("good_one", [F32], (9,), lambda x: [x * 4.0], [F32])
     bad = elementwise("bad", [F32], (9,), lambda x: [x * 6.0], [F32])
     with pytest.raises(CompileError) as info:

@@ -1,0 +1,468 @@
+"""The scheduler: an index-space Kernel (ir.py: what is computed at every point) laid out as a
+TileKernel (tile.py: how), from the device's Target. One place decides, for every backend that
+prints tile kernels, how points map to work-groups, work-items and vector lanes, and how
+reductions become loops over accumulators; renderers print the result.
+
+The layout (v1):
+- Points: `units` per work-item; a work-group of `group` work-items (1 on a CPU target, where a
+  work-group is one task of the pool or one PoCL work-item loop). With vector lanes W (CPU
+  targets whose last parallel axis is long enough), a unit is W consecutive points of the last
+  axis: loads whose offset walks that axis with stride 1 become vector loads, others gathers,
+  invariant ones scalars; the ragged end of the axis runs lane by lane.
+- Reductions: per point, one pass over the reduction space per dependency level
+  (ir.reduce_levels), accumulators in registers (argmax/argmin: value and index); a reduce node
+  then reads its accumulator. Row stores (they read the reduction indices) run in a last pass.
+- "add" stores are atomic adds; a kernel that also sets what it adds to, or whose dtype has no
+  atomic add on the target, runs on one work-item (`serial`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ir import (INDEX, Kernel, KExpr, affine_forms, binary, cast, const, reduce_levels, row_stashes, select,
+                 unary)
+from .ir import Store as KStore
+from .target import Target
+from .tile import (Alloc, If, Range, Store, TileKernel, broadcast, hmax, hmin, hsum, iota, lanes_of, tload, var,
+                   vload)
+
+ATOMIC = ("int32", "uint32", "float32", "int64", "float64")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """group: work-items per work-group; lanes: vector width along the last parallel axis (1: none);
+    serial: the whole kernel on one work-item; reduce_lanes: the reduction loop walks its last axis
+    `reduce_lanes` steps at a time (vector accumulators, folded at the end; a scalar loop for the
+    rest), where more loads are contiguous along it than along the last parallel axis (a row's
+    softmax, a layer norm); owner: "add" stores run in order, a work-item per
+    index (or vector of indices) of the kernel's owner axis (Kernel.owner_axis), so no two add to
+    one element: no atomics, the same sums every run."""
+    group: int = 1
+    lanes: int = 1
+    serial: bool = False
+    owner: bool = False
+    reduce_lanes: int = 1  # vector width along the last reduction axis (sums, maxima, minima)
+
+
+def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> Schedule:
+    """The layout the target implies: vectors along a long last axis on CPUs, work-groups of up to
+    256 on GPUs (64 on CPUs: fewer, larger work-groups cost less to start), adds by an owner axis
+    where there is one and by atomics (or one work-item) where not."""
+    group = min(64 if target.kind == "cpu" else 256, target.max_group)
+    W = target.lanes if target.kind == "cpu" else 1
+    lanes = W if k.shape and k.shape[-1] >= W > 1 else 1
+    adds = [s for s in k.stores if s.mode == "add"]
+    if not adds:
+        if W > 1 and k.reduce_shape and k.reduce_shape[-1] >= W:
+            par, red = _contiguous(k, ("idx", len(k.shape) - 1)), _contiguous(k, ("ridx", len(k.reduce_shape) - 1))
+            if red > par or not lanes:
+                return Schedule(group, 1, reduce_lanes=W)
+        return Schedule(group, lanes)
+    racy = any(np.dtype(k.buffers[s.buffer].dtype).kind == "f" for s in adds)
+    if k.owner_axis is not None and (target.kind == "cpu" or (deterministic and racy)):
+        owner_last = k.owner_axis == len(k.shape) - 1
+        return Schedule(group, lanes if owner_last else 1, owner=True)
+    if {s.buffer for s in k.stores if s.mode == "set"} & {s.buffer for s in adds} or (deterministic and racy) or \
+            any(np.dtype(k.buffers[s.buffer].dtype).name not in ATOMIC for s in adds):
+        return Schedule(serial=True)
+    return Schedule(group, 1)
+
+
+def _contiguous(k: Kernel, key: tuple) -> int:
+    """Loads whose offset walks the axis `key` with stride 1 (under reduce nodes, for a
+    reduction axis: those run at every step)."""
+    roots = [e for st in k.stores for e in (st.offset, st.value)]
+    forms = affine_forms(roots)
+    nodes = {n for r in roots for n in r.toposort()}
+    return sum(1 for n in nodes if n.op == "load" and (forms.get(n.src[0]) or {}).get(key) == 1)
+
+
+def _ic(v: int) -> KExpr:
+    return const(int(v), INDEX)
+
+
+def _add(a: KExpr, b: KExpr) -> KExpr:
+    if a.op == "const" and a.arg == 0:
+        return b
+    if b.op == "const" and b.arg == 0:
+        return a
+    return binary("add", a, b)
+
+
+def _mul(a: KExpr, k: int) -> KExpr:
+    return a if k == 1 else _ic(0) if k == 0 else binary("mul", a, _ic(k))
+
+
+def _divmod(u: KExpr, shape) -> list:
+    """Row-major indices of the flat number u over `shape`."""
+    out, rest = [], u
+    for n in reversed(shape):
+        out.append(_ic(0) if n == 1 else binary("rem", rest, _ic(n)))
+        rest = binary("div", rest, _ic(n)) if n != 1 else rest
+    return out[::-1]
+
+
+def substitute(roots, env: dict, vector: tuple | None = None) -> dict:
+    """Rebuild the expressions `roots` with leaves replaced (env: old node -> new node); returns
+    old -> new for every node. vector = (axis, base, lanes): the index node `axis` becomes the
+    vector base + iota(lanes); a load whose offset walks it with stride 1 becomes a vector load at
+    the offset for `base`, one that walks it otherwise a gather, one that does not a scalar."""
+    memo = dict(env)
+    axis = base = None
+    if vector is not None:
+        axis, base, lanes = vector
+        memo.pop(axis, None)  # the vector axis is the vector, whatever env says of it
+        forms = affine_forms(roots)
+        key = (axis.op, axis.arg)
+    for root in roots:
+        for n in root.toposort():
+            if n in memo:
+                continue
+            if n == axis:
+                memo[n] = binary("add", broadcast(base, lanes), iota(lanes))
+            elif axis is not None and n.op == "load" and (forms.get(n.src[0]) or {}).get(key) == 1:
+                off = substitute([n.src[0]], {**env, axis: base})[n.src[0]]
+                memo[n] = vload(n.arg, off, n.dtype, lanes)
+            elif n.op == "reduce":  # a reduction's value is given (env), or kept whole
+                memo[n] = n
+            else:
+                memo[n] = KExpr(n.op, n.dtype, tuple(memo[s] for s in n.src), n.arg) if n.src else n
+    return memo
+
+
+VECTOR_REDUCE = ("sum", "max", "min", "argmax", "argmin")
+BLOCK = 1024  # elements a float sum adds up before it is flushed into its total (blocked summation)
+
+
+def _fold_arg(op: str, vname: str, tail: str | None, d: np.dtype, W: int) -> tuple[list, KExpr]:
+    """The lanes of a vector argmax/argmin (accumulators `vname`, `vname`i) folded into one, then
+    the scalar tail's (`tail`, `tail`i: later indices), keeping the first index among equals and
+    counting a NaN as the extreme. Returns (statements, the index)."""
+    iname = vname + "i"
+    bv, bi = vname + "f", vname + "fi"
+    stmts = [Alloc(bv, d, 1, "register"), Alloc(bi, np.dtype(INDEX), 1, "register"),
+             Store(bv, _ic(0), tload(vname, _ic(0), d)), Store(bi, _ic(0), tload(iname, _ic(0), INDEX))]
+    cur_v, cur_i = tload(bv, _ic(0), d), tload(bi, _ic(0), INDEX)
+
+    def better(v, i, earlier: bool):
+        gt = binary("gt" if op == "argmax" else "lt", v, cur_v)
+        if d.kind == "f":
+            gt = binary("or", gt, binary("and", binary("ne", v, v), binary("eq", cur_v, cur_v)))
+        if earlier:  # a lane's index may be smaller than the best's: ties go to it
+            tie = binary("eq", v, cur_v)
+            if d.kind == "f":
+                tie = binary("or", tie, binary("and", binary("ne", v, v), binary("ne", cur_v, cur_v)))
+            gt = binary("or", gt, binary("and", tie, binary("lt", i, cur_i)))
+        return binary("and", binary("ge", i, _ic(0)), gt)
+    for lane in range(1, W):
+        v, i = tload(vname, _ic(lane), d), tload(iname, _ic(lane), INDEX)
+        stmts.append(If(better(v, i, True), (Store(bv, _ic(0), v), Store(bi, _ic(0), i))))
+    if tail:
+        v, i = tload(tail, _ic(0), d), tload(tail + "i", _ic(0), INDEX)
+        stmts.append(If(better(v, i, False), (Store(bv, _ic(0), v), Store(bi, _ic(0), i))))
+    return stmts, cur_i
+
+
+def _identity(op: str, d: np.dtype):
+    if op in ("sum",):
+        return False if d == np.bool_ else 0
+    if op == "prod":
+        return True if d == np.bool_ else 1
+    big = np.inf if d.kind == "f" else (True if d == np.bool_ else np.iinfo(d).max)
+    small = -np.inf if d.kind == "f" else (False if d == np.bool_ else np.iinfo(d).min)
+    return small if op in ("max", "argmax") else big
+
+
+def _combine(op: str, acc: KExpr, v: KExpr) -> KExpr:
+    if op in ("sum", "prod"):
+        name = {"sum": "or", "prod": "and"}[op] if v.dtype == np.bool_ else ("add" if op == "sum" else "mul")
+        return binary(name, acc, v)
+    return binary(op, v, acc)  # max/min: NaN propagates from either side (numpy)
+
+
+class _Builder:
+    def __init__(self, k: Kernel, sched: Schedule):
+        self.k, self.s = k, sched
+        self.n_acc = 0
+
+    def reduction(self, reds: list, I_env: dict, vector, stash=()) -> tuple[list, dict]:
+        """Statements computing `reds` (one level) at the point I_env, and reduce -> value; also
+        the `stash` stores (row_stashes: a costly value the row pass reads back), made in its loop."""
+        R = self.k.reduce_shape
+        W = self.s.reduce_lanes if R[-1] >= self.s.reduce_lanes else 1
+        if vector is None and all(r.arg in VECTOR_REDUCE for r in reds) and \
+                (W > 1 or (R[-1] > 2 * BLOCK and any(r.arg == "sum" and r.dtype.kind == "f" for r in reds))):
+            return self._axis_reduction(reds, I_env, W, stash)
+        env = dict(I_env)
+        env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(len(R))})
+        decls, updates, results = [], [], {}
+        for r in reds:
+            body = substitute(list(r.src), env, vector)
+            acc = self._declare(r, lanes_of(body[r.src[0]]))
+            decls += acc["decl"]
+            updates += self._update(r, acc, body[r.src[0]], body[r.src[1]] if len(r.src) > 1 else None)
+            results[r] = acc["result"]
+        updates += [self.store(st, env, vector) for st in stash]
+        loops = tuple(updates)
+        for a in reversed(range(len(R))):
+            loops = (Range(f"r{a}", R[a], "serial", loops),)
+        return decls + list(loops), results
+
+    def _declare(self, r: KExpr, w: int) -> dict:
+        """The accumulators of one reduce node, `w` lanes wide: their allocations and initial
+        values (decl), the current value (cur) and what the reduce node reads at the end."""
+        d = np.dtype(r.src[0].dtype)
+        name = f"acc{self.n_acc}"
+        self.n_acc += 1
+        ld = (lambda n, t: tload(n, _ic(0), t)) if w == 1 else (lambda n, t: vload(n, _ic(0), t, w))
+        acc = {"name": name, "w": w, "cur": ld(name, d),
+               "decl": [Alloc(name, d, w, "register"), Store(name, _ic(0), broadcast(const(_identity(r.arg, d), d), w))]}
+        acc["result"] = acc["cur"]
+        if r.arg in ("argmax", "argmin"):
+            acc["decl"] += [Alloc(name + "i", np.dtype(INDEX), w, "register"), Store(name + "i", _ic(0), broadcast(_ic(-1), w)),
+                            Alloc(name + "b", np.dtype(np.bool_), w, "register")]
+            acc["idx"] = acc["result"] = ld(name + "i", INDEX)
+            acc["took"] = ld(name + "b", np.bool_)
+        return acc
+
+    def _update(self, r: KExpr, acc: dict, v: KExpr, ix: KExpr | None) -> list:
+        """One step of a reduce node: its accumulators take the value v (and index ix)."""
+        w, name, cur = acc["w"], acc["name"], acc["cur"]
+        v = broadcast(v, w) if lanes_of(v) < w else v  # (a value the vector's steps share)
+        if r.arg not in ("argmax", "argmin"):
+            return [Store(name, _ic(0), _combine(r.arg, cur, v))]
+        d = np.dtype(r.src[0].dtype)
+        ix = broadcast(ix, w) if lanes_of(ix) < w else ix
+        better = binary("gt" if r.arg == "argmax" else "lt", v, cur)
+        if d.kind == "f":  # a NaN is the extreme (numpy); the first one stays
+            better = binary("or", better, binary("and", binary("ne", v, v), binary("eq", cur, cur)))
+        better = binary("or", binary("lt", acc["idx"], broadcast(_ic(0), w)), better)
+        # decided once, before either accumulator changes
+        return [Store(name + "b", _ic(0), better), Store(name, _ic(0), select(acc["took"], v, cur)),
+                Store(name + "i", _ic(0), select(acc["took"], ix, acc["idx"]))]
+
+    def _axis_reduction(self, reds: list, I_env: dict, W: int, stash=()) -> tuple[list, dict]:
+        """The last reduction axis walked W steps at a time (vector accumulators, W > 1) in blocks of
+        about BLOCK elements, float sums flushed into a total after each block (blocked summation:
+        the error grows with the block and the block count, not the row), the last R % W steps
+        one at a time into scalar accumulators; then folded (hsum/hmax/hmin, argmax/argmin lane by
+        lane with ties to the first index)."""
+        R = self.k.reduce_shape
+        last = len(R) - 1
+        steps, tail = R[last] // W, R[last] % W
+        S = max(1, BLOCK // W)
+        nb, rem = (steps // S, steps % S) if steps > S else (0, steps)
+        env = dict(I_env)
+        env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(last)})
+        axis = KExpr("ridx", INDEX, (), last)
+
+        def at(base):
+            return (env, (axis, base, W)) if W > 1 else ({**env, axis: base}, None)
+        decls, folds, results = [], [], {}
+        vaccs, saccs, totals = {}, {}, {}
+        for r in reds:
+            vaccs[r] = self._declare(r, W)
+            decls += vaccs[r]["decl"]
+            if tail:
+                saccs[r] = self._declare(r, 1)
+                decls += saccs[r]["decl"]
+            if nb and r.arg == "sum" and r.dtype.kind == "f":
+                totals[r] = self._declare(r, 1), self._declare(r, 1), self._declare(r, 1)  # total, error, next
+                decls += [d for x in totals[r] for d in x["decl"]]
+
+        def steps_at(base) -> tuple:
+            e, vec = at(base)
+            out = []
+            for r in reds:
+                body = substitute(list(r.src), e, vec)
+                out += self._update(r, vaccs[r], body[r.src[0]], body[r.src[1]] if len(r.src) > 1 else None)
+            return tuple(out) + tuple(self.store(st, e, vec) for st in stash)
+
+        def fold(r, acc):
+            x = acc["cur"]
+            return x if acc["w"] == 1 else (hsum if r.arg == "sum" else hmax if r.arg == "max" else hmin)(x)
+        def kahan(r):  # total += the block's sum, its rounding error carried to the next block
+            t, c, nxt = totals[r]
+            y = binary("sub", fold(r, vaccs[r]), c["cur"])
+            return (Store(nxt["name"], _ic(0), binary("add", t["cur"], y)),
+                    Store(c["name"], _ic(0), binary("sub", binary("sub", nxt["cur"], t["cur"]), y)),
+                    Store(t["name"], _ic(0), nxt["cur"]), Store(vaccs[r]["name"], _ic(0), broadcast(const(0, r.dtype), W)))
+        flush = tuple(st for r in totals for st in kahan(r))
+        rb, rv, rr, rt = var("rb"), var("rv"), var("rr"), var("rt")
+        body = ()
+        if nb:
+            body += (Range("rb", nb, "serial", (Range("rv", S, "serial", steps_at(_mul(_add(_mul(rb, S), rv), W))),)
+                           + flush),)
+        if rem:
+            body += (Range("rr", rem, "serial", steps_at(_mul(_add(_ic(nb * S), rr), W))),)
+        if tail:
+            e = {**env, axis: _add(_ic(steps * W), rt)}
+            sl = []
+            for r in reds:
+                b = substitute(list(r.src), e)
+                sl += self._update(r, saccs[r], b[r.src[0]], b[r.src[1]] if len(r.src) > 1 else None)
+            body += (Range("rt", tail, "serial", tuple(sl) + tuple(self.store(st, e, None) for st in stash)),)
+        for a in reversed(range(last)):
+            body = (Range(f"r{a}", R[a], "serial", body),)
+        for r in reds:
+            if r.arg in ("argmax", "argmin"):
+                st, res = _fold_arg(r.arg, vaccs[r]["name"], saccs[r]["name"] if tail else None,
+                                    np.dtype(r.src[0].dtype), W)
+                folds += st
+                results[r] = res
+                continue
+            v = fold(r, vaccs[r])
+            if r in totals:
+                v = binary("add", totals[r][0]["cur"], binary("sub", v, totals[r][1]["cur"]))
+            results[r] = _combine(r.arg, v, saccs[r]["cur"]) if tail else v
+        return decls + list(body) + folds, results
+
+    def point(self, I: list, vector) -> tuple:
+        """The statements of one unit at parallel indices I."""
+        k = self.k
+        env = {KExpr("idx", INDEX, (), a): i for a, i in enumerate(I)}
+        out: list = []
+        rows = set(map(id, k.row_stores))
+        roots = [e for st in k.stores for e in (st.offset, st.value)]
+        stashes = row_stashes(k) if vector is None else {}
+        row = [st for st in k.stores if id(st) in rows]
+        for i, level in enumerate(reduce_levels(roots)):
+            stash = [KStore(st.buffer, st.offset, stashes[id(st)][1]) for st in row
+                     if stashes.get(id(st), (None,))[0] == i]
+            stmts, results = self.reduction(level, env, vector, stash)
+            out += stmts
+            env.update(results)
+        R = k.reduce_shape
+        plain = [st for st in k.stores if id(st) not in rows]
+        # a stashed value is read back from where the reduction pass stored it
+        row = [st if id(st) not in stashes else KStore(st.buffer, st.offset, substitute(
+            [st.value], {stashes[id(st)][1]: KExpr("load", stashes[id(st)][1].dtype, (st.offset,), st.buffer)}
+        )[st.value], st.mode) for st in row]
+        for st in plain:
+            out.append(self.store(st, env, vector))
+        if row:
+            renv = dict(env)
+            rvars = [var(f"q{a}") for a in range(len(R))]
+            renv.update({KExpr("ridx", INDEX, (), a): v for a, v in enumerate(rvars)})
+            last, W = len(R) - 1, self.s.reduce_lanes
+            if vector is None and W > 1 and R[last] >= W:  # the row walked W elements at a time
+                axis, qv, qt = KExpr("ridx", INDEX, (), last), var("qv"), var("qt")
+                nv, tail = R[last] // W, R[last] % W
+                body = (Range("qv", nv, "serial", tuple(self.store(st, renv, (axis, _mul(qv, W), W)) for st in row)),)
+                if tail:
+                    tenv = {**renv, axis: _add(_ic(nv * W), qt)}
+                    body += (Range("qt", tail, "serial", tuple(self.store(st, tenv, None) for st in row)),)
+                outer = last
+            else:
+                body = tuple(self.store(st, renv, vector) for st in row)
+                outer = len(R)
+            for a in reversed(range(outer)):
+                body = (Range(f"q{a}", R[a], "serial", body),)
+            out += list(body)
+        return tuple(out)
+
+    def store(self, st, env, vector) -> Store:
+        d = np.dtype(self.k.buffers[st.buffer].dtype)
+        if st.mode == "add" and (self.s.owner or self.s.serial):  # no other work-item adds here
+            cur = KExpr("load", d, (st.offset,), st.buffer)
+            return self.store(KStore(st.buffer, st.offset, binary(
+                "or" if d == np.bool_ else "add", cast(cur, st.value.dtype), st.value)), env, vector)
+        val = cast(substitute([st.value], env, vector)[st.value], d)
+        if vector is None:
+            return Store(st.buffer, substitute([st.offset], env)[st.offset], val, mode=st.mode)
+        axis, base, lanes = vector
+        form = affine_forms([st.offset]).get(st.offset) or {}
+        if form.get((axis.op, axis.arg)) == 1:  # consecutive lanes: one vector store
+            off = substitute([st.offset], {**env, axis: base})[st.offset]
+            return Store(st.buffer, off, broadcast(val, lanes) if lanes_of(val) == 1 else val, mode=st.mode)
+        off = substitute([st.offset], env, vector)[st.offset]  # a scatter, lane by lane
+        return Store(st.buffer, off, val, mode=st.mode)
+
+
+def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKernel:
+    """The tile kernel of an index-space kernel on `target` (default_schedule unless given)."""
+    s = sched or default_schedule(k, target)
+    if not k.size:  # nothing to compute: a kernel of no work-groups
+        return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", 0, "grid", ()),), meta={"kernel": k, "schedule": s})
+    b = _Builder(k, s)
+    shape = tuple(k.shape)
+    if s.serial:
+        u = var("u")
+        I = _divmod(u, shape)
+        body = (Range("g", 1, "grid", (Range("u", max(1, math.prod(shape)), "serial", b.point(I, None)),)),)
+        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+    if s.owner:
+        return _owner(k, s, b)
+    W = s.lanes
+    if W > 1:
+        last = shape[-1]
+        per_row = -(-last // W)
+        units = math.prod(shape[:-1]) * per_row
+    else:
+        units = max(1, math.prod(shape))
+    G = max(1, min(s.group, units))
+    g, lane = var("g"), var("l")
+    u = _add(_mul(g, G), lane) if G > 1 else g
+    if W > 1:
+        outer = _divmod(binary("div", u, _ic(per_row)), shape[:-1])
+        base = _mul(binary("rem", u, _ic(per_row)), W)
+        axis = KExpr("idx", INDEX, (), len(shape) - 1)
+        whole = binary("le", _add(base, _ic(W)), _ic(last))
+        vec_body = b.point(outer + [base], (axis, base, W))
+        l_ = var("t")
+        tail = (Range("t", W, "unroll", (If(binary("lt", _add(base, l_), _ic(last)),
+                                            b.point(outer + [_add(base, l_)], None)),)),)
+        inner = (If(whole, vec_body), If(unary("not", whole), tail))
+    else:
+        inner = b.point(_divmod(u, shape), None)
+    if G > 1:
+        inner = (If(binary("lt", u, _ic(units)), inner),)
+        body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
+    else:
+        body = (Range("g", units, "grid", inner),)
+    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+
+
+def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
+    """A work-item per index (or vector of `lanes` indices) of the owner axis; the rest of the
+    space in order inside it."""
+    shape, a = tuple(k.shape), k.owner_axis
+    n = shape[a]
+    others = [i for i in range(len(shape)) if i != a]
+    W = s.lanes
+    units = -(-n // W)
+    G = max(1, min(s.group, units))
+    g, lane, u = var("g"), var("l"), var("u")
+    unit = _add(_mul(g, G), lane) if G > 1 else g
+    rest = _divmod(u, [shape[i] for i in others])
+
+    def index(at_a):
+        I = [None] * len(shape)
+        for i, r in zip(others, rest):
+            I[i] = r
+        I[a] = at_a
+        return I
+    count = max(1, math.prod(shape[i] for i in others))
+    if W > 1:
+        base = _mul(unit, W)
+        axis = KExpr("idx", INDEX, (), a)
+        whole = binary("le", _add(base, _ic(W)), _ic(n))
+        t = var("t")
+        tail = (Range("t", W, "unroll", (If(binary("lt", _add(base, t), _ic(n)),
+                                            b.point(index(_add(base, t)), None)),)),)
+        inner = (Range("u", count, "serial", (If(whole, b.point(index(base), (axis, base, W))),
+                                               If(unary("not", whole), tail))),)
+    else:
+        inner = (Range("u", count, "serial", b.point(index(unit), None)),)
+    if G > 1:
+        inner = (If(binary("lt", unit, _ic(units)), inner),)
+        body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
+    else:
+        body = (Range("g", units, "grid", inner),)
+    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+
+
+__all__ = ["Schedule", "default_schedule", "schedule", "substitute"]
