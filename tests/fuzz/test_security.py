@@ -119,3 +119,52 @@ def test_opencl_leaves_no_pickle_cache(tmp_path):
     assert ours and all(w.startswith(os.path.join("tf", "frontend")) for w in ours), ours
     for w in ours:
         json.loads(cc._check(open(tmp_path / w, "rb").read(), os.path.basename(w)[:-4]))
+
+
+# ---- compile workers import the installed tilefuse, never the working directory's -------------
+
+COMPILES_IN_WORKERS = r"""
+import json, sys
+import numpy as np
+import tilefuse as tx, tilefuse.numpy as tnp
+from tilefuse.backends.llvm import parallel
+taken = []
+take = parallel.take
+def _take(key):
+    obj = take(key)
+    taken.append(obj is not None)
+    return obj
+parallel.take = _take
+c = 0.37
+f = lambda x: (tnp.exp(x * c).sum(0), tnp.tanh(x + c).max(1), tnp.sqrt(tnp.abs(x) + c).min(0),
+               (x - c) * 2.0, tnp.log1p(tnp.abs(x) * c).mean(1))
+x = np.linspace(-1, 1, 8 * 33, dtype=np.float32).reshape(8, 33)
+got = tx.jit(f, device="cpu")(x)
+want = (np.exp(x * c).sum(0), np.tanh(x + c).max(1), np.sqrt(np.abs(x) + c).min(0), (x - c) * 2.0,
+        np.log1p(np.abs(x) * c).mean(1))
+ok = all(np.allclose(np.asarray(g), w, rtol=2e-5, atol=1e-5) for g, w in zip(got, want))
+print(json.dumps({"ok": ok, "from_workers": sum(taken), "kernels": len(taken)}))
+"""
+
+
+def test_compile_workers_never_import_from_the_working_directory(tmp_path):
+    if "cpu" not in [d.name for d in tx.devices()]:
+        pytest.skip("the cpu device is unavailable")
+    marker = tmp_path / "pwned"
+    work = tmp_path / "work"  # where the user runs their script: a hostile tilefuse/ and pickle.py
+    (work / "tilefuse").mkdir(parents=True)
+    plant = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    for name in ("tilefuse/__init__.py", "pickle.py", "json.py", "numpy.py"):
+        (work / name).write_text(plant)
+    script = tmp_path / "scripts" / "run.py"  # run from elsewhere: its own folder is on sys.path
+    script.parent.mkdir()
+    script.write_text(COMPILES_IN_WORKERS)
+    env = {**os.environ, "TILEFUSE_CACHE_DIR": str(tmp_path / "cache"),  # every kernel is new
+           "TILEFUSE_COMPILE_WORKERS": "2"}
+    out = subprocess.run([sys.executable, str(script)], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not marker.exists(), marker.read_text()
+    assert report["ok"] and report["kernels"] >= 4, report
+    assert report["from_workers"] >= 1, report  # the workers ran (with the real tilefuse)
