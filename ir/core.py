@@ -9,7 +9,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import dtypes
-from .errors import ShapeError
+from .errors import ShapeError, with_user_line
+
+MAX_BYTES = (1 << 63) - 1  # an array's bytes must count in int64 (numpy's and every device's sizes)
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,20 @@ class ShapedArray:
     shape: tuple[int, ...]
     dtype: np.dtype
     weak_type: bool = False
+
+    def __post_init__(self):
+        """Shapes are checked where they are made, at trace time: a negative dimension or a size
+        past int64 would otherwise reach a device as a 0-byte or negative allocation."""
+        n = 1
+        for d in self.shape:
+            if not 0 <= d <= MAX_BYTES:
+                raise ShapeError(with_user_line(f"an array of shape {_dims(self.shape)}: dimension {d} is "
+                                                + ("negative" if d < 0 else "past int64")))
+            n *= int(d)  # a Python int: numpy's int64 would wrap
+        if n > 1 << 56 and n * np.dtype(self.dtype).itemsize > MAX_BYTES:  # the dtype only when near
+            raise ShapeError(with_user_line(
+                f"an array of shape {_dims(self.shape)} and dtype {np.dtype(self.dtype).name} would hold "
+                f"{n * np.dtype(self.dtype).itemsize:,} bytes, more than any device can address (2**63)"))
 
     def __hash__(self):  # cached: avals are hashed on every jit call (cache keys)
         h = self.__dict__.get("_hash")
@@ -49,6 +65,10 @@ class ShapedArray:
         return f"{dtype_short(self.dtype)}[{','.join(map(str, self.shape))}]"
 
     __str__ = str_short
+
+
+def _dims(shape) -> tuple:
+    return tuple(int(d) for d in shape)
 
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",

@@ -32,7 +32,8 @@ def user_frame() -> tuple[str, int, str] | None:
     frame = sys._getframe(1)
     while frame is not None:
         fn = frame.f_code.co_filename
-        if not is_internal(fn):
+        # code that we generate (a dataclass's __init__) is named "<string>" but runs in our module
+        if not is_internal(fn) and not frame.f_globals.get("__name__", "").startswith("tilefuse."):
             line = linecache.getline(fn, frame.f_lineno).strip()
             return fn, frame.f_lineno, line
         frame = frame.f_back

@@ -97,3 +97,22 @@ def test_every_bad_input_raises_a_tilefuse_error_that_names_it(monkeypatch):
 @pytest.mark.parametrize("value", [np.int64(2**40), np.array([2**40])])
 def test_explicit_int64_is_accepted(value):
     assert int(np.asarray(tx.jit(lambda x: x + 1, device="ref")(value)).max()) == 2**40 + 1
+
+
+# ---- absurd shapes: checked at trace time, never a crash or an empty array ----------------------
+
+@pytest.mark.parametrize("shape", [(-1,), (2, -3), (1 << 63,), (1 << 32, 1 << 32), (0, 1 << 63)])
+def test_absurd_shapes_are_shape_errors_at_trace_time(device, shape):
+    f = tx.jit(lambda: tnp.zeros(shape), device=device)
+    with pytest.raises(tx.ShapeError, match=r"an array of shape .* is (negative|past int64)|more than any "
+                                            r"device can address"):
+        f()
+    with pytest.raises(tx.ShapeError, match=r"\n  at .*test_bad_input.py:\d+"):
+        tx.jit(lambda x: tnp.broadcast_to(x, shape), device=device)(X[:1])
+
+
+def test_a_size_beyond_the_device_is_out_of_memory(device):
+    f = tx.jit(lambda: tnp.zeros((1 << 60,)) + 1.0, device=device)  # 4 EiB: fits int64, no device
+    with pytest.raises(tx.OutOfMemoryError, match=r"cannot allocate"):
+        f()
+    np.testing.assert_array_equal(np.asarray(tx.jit(lambda: tnp.zeros((3,)) + 1.0, device=device)()), 1.0)
