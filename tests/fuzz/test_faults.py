@@ -169,3 +169,127 @@ def test_a_run_killed_mid_save_resumes_from_its_last_checkpoint(tmp_path, monkey
     for a, b in zip(tx.tree_leaves(resumed["params"]), tx.tree_leaves(full["params"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert full["losses"][2:] == resumed["losses"]
+
+
+# ---- tuning database rows that do not fit, a tuned build that fails, a locked database ----------
+
+def _template_and_kernel(device, f, *args):
+    """The template of f's first templated kernel on the device, the kernel and its DB key."""
+    from tilefuse.runtime import tuner
+    with tx.profile() as prof:
+        tx.jit(f, device=device)(*args)
+    for r in prof.records:
+        info = r.info
+        t = tuner.template_for(info.impl, info.kernel, info.device) if info.kernel is not None else None
+        if t is not None:
+            return t, info.kernel, (t.name, *t.key(info.kernel), tuner.device_key(info.device))
+    pytest.skip(f"{device} has no tunable kernels")
+
+
+def _store_row(key, params):
+    from tilefuse.runtime import tuner
+    row = dict(zip(("template", "signature", "shape_class", "device"), key))
+    assert tuner.database().put({**row, "params": params, "seconds": 1.0, "default_seconds": 2.0,
+                                 "trials": 1})
+
+
+def _bad_rows(default: dict) -> list:
+    """Rows of the template's parameter names with values no configuration has."""
+    name = next(iter(default))
+    rows = [{**default, name: 0}, {**default, name: -4}, {**default, name: 10**9},
+            {**default, name: str(default[name])}, {**default, name: None}, {**default, name: 2.5},
+            {k: v for k, v in default.items() if k != name}, {**default, "unknown": 1}, [1, 2]]
+    if any(isinstance(v, bool) for v in default.values()):
+        rows.append({k: (1 if isinstance(v, bool) else v) for k, v in default.items()})
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["kernel", "gemm"])
+def test_tuning_rows_that_do_not_fit_the_space_are_ignored(device, tmp_path, monkeypatch, kind):
+    """Each stored value is checked against the template's space before use (a GEMM's kc=0 ran
+    forever; others raised ZeroDivisionError, AssertionError, TypeError): ignored with a warning,
+    the defaults run, the result is right."""
+    from tilefuse.runtime import tuner
+    monkeypatch.setattr(tx.config, "tuning_db", str(tmp_path / "tuning.sqlite"))
+    monkeypatch.setattr(tx.config, "gemm", "generated")
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((96, 64), (64, 160)))
+    f, args, want = ((lambda x: tnp.tanh(x) * 3.0 - 1.0, (a,), np.tanh(a) * 3 - 1) if kind == "kernel"
+                     else (lambda x, y: x @ y, (a, b), a @ b))
+    t, kernel, key = _template_and_kernel(device, f, *args)
+    if kind == "gemm" and "gemm" not in t.name:
+        pytest.skip(f"{device} has no GEMM template here")
+    default = t.default(kernel, device)
+    rows = _bad_rows(default)
+    if t.name == "cpu_gemm":
+        rows.append({**default, "kc": 0})  # the row that hung the GEMM
+    for params in rows:
+        _store_row(key, params)
+        tuner.applied.clear()
+        with pytest.warns(tuner.TuningDBWarning, match=r"do not fit"):
+            got = tx.jit(f, device=device)(*args)  # a fresh jit: the dispatcher builds again
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+        assert key not in tuner.applied, params
+
+
+def test_a_tuned_build_that_fails_falls_back_to_the_defaults(device, tmp_path, monkeypatch):
+    import dataclasses
+
+    from tilefuse.runtime import tuner
+    monkeypatch.setattr(tx.config, "tuning_db", str(tmp_path / "tuning.sqlite"))
+    x = np.linspace(-2, 2, 300, dtype=np.float32)
+    f = lambda v: tnp.exp(-v * v) + 0.5  # noqa: E731
+    t, kernel, key = _template_and_kernel(device, f, x)
+    _store_row(key, t.default(kernel, device))
+
+    def broken(kernel, device, backend, params):
+        return 1 // 0
+    monkeypatch.setattr(tuner, "_templates", [dataclasses.replace(x, build=broken) if x is t else x
+                                              for x in tuner._templates])
+    with pytest.warns(tuner.TuningDBWarning, match=r"did not build with the tuned parameters .*"
+                                                   r"ZeroDivisionError.* defaults are used"):
+        got = tx.jit(f, device=device)(x)
+    np.testing.assert_allclose(np.asarray(got), np.exp(-x * x) + 0.5, rtol=1e-5, atol=1e-6)
+
+
+HOLD_LOCK = r"""
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("BEGIN " + sys.argv[2])
+con.execute("INSERT OR REPLACE INTO tuned (template, signature, shape_class, device, params) "
+            "VALUES ('t', 'uncommitted', 'c', 'd', '{}')")
+print("LOCKED", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("lock", ["EXCLUSIVE", "IMMEDIATE"])
+def test_a_locked_tuning_database_does_not_stall(device, tmp_path, monkeypatch, lock):
+    """Another process holding the database (a write in progress) costs a read at most
+    READ_TIMEOUT_S, never SQLite's 30 s: the compile goes on with the defaults; a writer that
+    has not committed does not even slow a read (reads take no write lock)."""
+    import time
+
+    from tilefuse.runtime import tuner
+    path = str(tmp_path / "tuning.sqlite")
+    monkeypatch.setattr(tx.config, "tuning_db", path)
+    _store_row(("t", "committed", "c", "d"), {"x": 1})
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, path, lock], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        db = tuner.TuningDB(path)
+        t0 = time.perf_counter()
+        if lock == "EXCLUSIVE":
+            with pytest.warns(tuner.TuningDBWarning, match=r"locked by another process"):
+                assert db.rows() == {}
+        else:
+            assert db.rows() == {("t", "committed", "c", "d"): {"x": 1}}
+        x = np.arange(6, dtype=np.float32)
+        got = tx.jit(lambda v: v * 2.0 + 7.0, device=device)(x)
+        elapsed = time.perf_counter() - t0
+        np.testing.assert_array_equal(np.asarray(got), x * 2 + 7)
+        assert elapsed < 10, elapsed  # (a compile included; SQLite's default wait alone was 30 s)
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
