@@ -206,7 +206,7 @@ class CompileCache:
         if why:
             _count("untrusted")
             warn_untrusted(self.path(key), why, "compile cache entry", "it is removed and rebuilt")
-            self._remove(key)
+            self.remove(key)
             return None
         payload = _check(data, key)
         if payload is not None:
@@ -219,12 +219,12 @@ class CompileCache:
             warnings.warn(f"tilefuse: the compile cache entry {self.path(key)} is corrupt (its header, "
                           "length or checksum does not match); it is ignored and rebuilt",
                           CacheWarning, stacklevel=2)
-            self._remove(key)
+            self.remove(key)
             return None
         _count("disk_hits")
         return payload
 
-    def _remove(self, key: str) -> None:
+    def remove(self, key: str) -> None:
         try:
             os.unlink(self.path(key))
         except OSError:
@@ -249,14 +249,27 @@ class CompileCache:
             return
         _count("disk_writes")
 
-    def get_or_build(self, key: str, build: Callable[[], bytes]) -> bytes:
-        """The cached payload, or build() (counted as a compile) and store it."""
+    def get_or_build(self, key: str, build: Callable[[], bytes], use: Callable | None = None):
+        """use(payload) (the payload itself without `use`): from the entry on disk, else from
+        build() (counted as a compile), then stored. An entry that `use` fails on (object code
+        that does not link: damaged before its checksum was taken) is a miss like a corrupt one:
+        removed, rebuilt and replaced."""
         payload = self.load(key)
-        if payload is None:
-            _count("compiles")
-            payload = build()
-            self.store(key, payload)
-        return payload
+        if payload is not None:
+            if use is None:
+                return payload
+            try:
+                return use(payload)
+            except Exception as e:  # noqa: BLE001 - whatever it is, the entry is at fault: rebuild
+                _count("corrupt")
+                warnings.warn(f"tilefuse: the compile cache entry {self.path(key)} does not load "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); it is "
+                              "ignored and rebuilt", CacheWarning, stacklevel=2)
+                self.remove(key)
+        _count("compiles")
+        payload = build()
+        self.store(key, payload)
+        return payload if use is None else use(payload)
 
 
 def _check(data: bytes, key: str) -> bytes | None:

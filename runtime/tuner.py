@@ -322,7 +322,7 @@ def tuned_params(t: Template, kernel, device) -> tuple[tuple, dict | None]:
     try:
         why = invalid_params(params, t.space(kernel, device), t.default(kernel, device)) \
             or t.check(params, kernel, device)
-    except Exception as e:  # a check that cannot read the values (a string for a number, ...)
+    except Exception as e:  # noqa: BLE001 - a check that cannot read the values (a str for an int)
         why = f"{type(e).__name__}: {e}"
     if why:
         _warn_once(f"tilefuse: the tuning database {db.path} holds parameters {params} for {key[0]} "

@@ -3,6 +3,8 @@ training run killed while it writes a checkpoint, a damaged cache entry. Each gi
 error (or a warning) and leaves nothing broken behind: the next call succeeds."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -238,7 +240,9 @@ def test_a_tuned_build_that_fails_falls_back_to_the_defaults(device, tmp_path, m
     from tilefuse.runtime import tuner
     monkeypatch.setattr(tx.config, "tuning_db", str(tmp_path / "tuning.sqlite"))
     x = np.linspace(-2, 2, 300, dtype=np.float32)
-    f = lambda v: tnp.exp(-v * v) + 0.5  # noqa: E731
+
+    def f(v):
+        return tnp.exp(-v * v) + 0.5
     t, kernel, key = _template_and_kernel(device, f, x)
     _store_row(key, t.default(kernel, device))
 
@@ -293,3 +297,65 @@ def test_a_locked_tuning_database_does_not_stall(device, tmp_path, monkeypatch, 
     finally:
         holder.kill()
         holder.wait(timeout=60)
+
+
+# ---- cache entries with a valid header over a damaged payload -----------------------------------
+
+CACHED_RUN = r"""
+import json, sys, warnings
+import numpy as np
+import tilefuse as tx, tilefuse.numpy as tnp
+from tilefuse.runtime import compile_cache as cc
+x = np.linspace(-1, 1, 96, dtype=np.float32).reshape(8, 12)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    a, b, c = tx.jit(lambda x: (tnp.tanh(x) * 1.5, tnp.exp(x).sum(0), (x * x).max(1)), device=sys.argv[1])(x)
+    d = tx.jit(lambda x: x[:, :4] * 2.0 - 1.0, device=sys.argv[1])(x)  # a second graph
+ok = (np.allclose(np.asarray(a), np.tanh(x) * 1.5, atol=1e-6) and np.allclose(np.asarray(b), np.exp(x).sum(0), rtol=1e-5)
+      and np.allclose(np.asarray(c), (x * x).max(1)) and np.allclose(np.asarray(d), x[:, :4] * 2 - 1))
+print(json.dumps({"ok": bool(ok), **cc.stats(), "warned": [str(m.message)[:200] for m in w]}))
+"""
+
+
+def _run_cached(device, cache_dir):
+    env = {**os.environ, "TILEFUSE_CACHE_DIR": str(cache_dir), "TILEFUSE_COMPILE_WORKERS": "0"}
+    out = subprocess.run([sys.executable, "-c", CACHED_RUN, device.name], env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _rewrite_entries(folder, damage) -> int:
+    """Give every entry a damaged payload under a header recomputed to match it."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".bin"))
+    payloads = []
+    for n in names:
+        with open(os.path.join(folder, n), "rb") as f:
+            payloads.append(cc._check(f.read(), n[:-4]))
+    for i, n in enumerate(names):
+        p = damage(payloads, i)
+        header = cc._HEADER.pack(cc.MAGIC, bytes.fromhex(n[:-4]), len(p), hashlib.sha256(p).digest())
+        with open(os.path.join(folder, n), "wb") as f:
+            f.write(header + p)
+    return len(names)
+
+
+DAMAGE = {"garbage": lambda ps, i: b"\x7fELF" + bytes(range(256)) * 4,
+          "truncated": lambda ps, i: ps[i][: len(ps[i]) // 2],
+          "swapped": lambda ps, i: ps[(i + 1) % len(ps)]}  # another entry's payload
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_an_entry_that_does_not_load_is_rebuilt_and_replaced(device, tmp_path, damage):
+    if device.kind == "ref":
+        pytest.skip("ref caches nothing")
+    first = _run_cached(device, tmp_path)
+    assert first["ok"] and first["disk_writes"] > 0, first
+    damaged = sum(_rewrite_entries(tmp_path / ns, DAMAGE[damage]) for ns in ("llvm", "frontend")
+                  if os.path.isdir(tmp_path / ns))
+    assert damaged >= 2
+    second = _run_cached(device, tmp_path)  # every entry is a miss: rebuilt, replaced
+    assert second["ok"] and second["corrupt"] >= 2 and second["disk_writes"] >= 2, second
+    third = _run_cached(device, tmp_path)  # and the replacements load
+    assert third["ok"] and third["corrupt"] == 0 and third["disk_writes"] == 0, third
+    assert third["disk_hits"] == first["disk_writes"], (first, third)
