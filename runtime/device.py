@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -125,13 +126,23 @@ def check_nans(graph: Graph, args, outputs) -> None:
 _backends: dict[str, object] = {}
 _devices: dict[str, list[Device]] = {}
 _unavailable: dict[str, str] = {}
+# the first use of a kind, from several threads at once, makes one backend and one Device per
+# device (arrays of two Device objects for one device could not be combined); re-entrant: a
+# backend that starts may ask for devices
+_registry_lock = threading.RLock()
 
 
 def _load(kind: str) -> list[Device]:
-    if kind in _devices:
-        return _devices[kind]
-    if kind in _unavailable:
-        return []
+    devs = _devices.get(kind)
+    if devs is not None:
+        return devs
+    with _registry_lock:
+        if kind in _devices:
+            return _devices[kind]
+        return _create(kind)
+
+
+def _create(kind: str) -> list[Device]:
     try:
         module = importlib.import_module(BACKEND_MODULES[kind])
         backend = module.create()
