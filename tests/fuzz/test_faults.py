@@ -164,8 +164,11 @@ def test_a_run_killed_mid_save_resumes_from_its_last_checkpoint(tmp_path, monkey
     ckpt = os.path.join(out, "checkpoint.npz")
     with np.load(ckpt, allow_pickle=False) as z:  # the step-2 checkpoint, whole
         assert int(z["step"]) == 2
+    orphan = f"{ckpt}.tmp{p.pid}"
+    assert os.path.exists(orphan)  # the half-written temporary file of the killed process
     monkeypatch.chdir(ROOT)
     resumed = _train([*TRAIN, "--out", out, "--resume"])
+    assert not os.path.exists(orphan)  # removed at the next start
     full = _train([*TRAIN, "--out", str(tmp_path / "full")])
     assert resumed["step"] == full["step"] == 6
     for a, b in zip(tx.tree_leaves(resumed["params"]), tx.tree_leaves(full["params"]), strict=True):
