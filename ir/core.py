@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from . import dtypes
-from .errors import ShapeError, with_user_line
+from .errors import ArgumentError, ShapeError, with_user_line
 
 MAX_BYTES = (1 << 63) - 1  # an array's bytes must count in int64 (numpy's and every device's sizes)
 
@@ -26,6 +27,8 @@ class ShapedArray:
         past int64 would otherwise reach a device as a 0-byte or negative allocation."""
         n = 1
         for d in self.shape:
+            if type(d) is not int and not isinstance(d, (int, np.integer)):
+                raise _not_a_dimension(d)
             if not 0 <= d <= MAX_BYTES:
                 raise ShapeError(with_user_line(f"an array of shape {_dims(self.shape)}: dimension {d} is "
                                                 + ("negative" if d < 0 else "past int64")))
@@ -65,6 +68,22 @@ class ShapedArray:
         return f"{dtype_short(self.dtype)}[{','.join(map(str, self.shape))}]"
 
     __str__ = str_short
+
+
+def dimension(d) -> int:
+    """A dimension of a shape as an int: an integer, or what converts exactly (a concrete 0-d
+    array; a traced value raises ConcretizationError); 2.5 or "a" is an ArgumentError (a
+    TypeError, as numpy's and JAX's)."""
+    if isinstance(d, (int, np.integer)):
+        return int(d)
+    if hasattr(type(d), "__index__"):
+        return operator.index(d)
+    raise _not_a_dimension(d)
+
+
+def _not_a_dimension(d) -> ArgumentError:
+    return ArgumentError(with_user_line(f"a dimension of a shape is {d!r}, a {type(d).__name__}: "
+                                        "dimensions are integers"))
 
 
 def _dims(shape) -> tuple:

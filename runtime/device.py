@@ -9,7 +9,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var, aval_of_value, eval_graph
-from tilefuse.ir.errors import DeviceError, NaNError
+from tilefuse.ir.errors import DeviceError, NaNError, without_user_line
 
 from .array import Array
 from .config import config
@@ -148,7 +148,7 @@ def _create(kind: str) -> list[Device]:
         backend = module.create()
         infos = backend.discover()
     except (ImportError, AttributeError, DeviceError, OSError) as e:
-        _unavailable[kind] = f"{type(e).__name__}: {e}"
+        _unavailable[kind] = f"{type(e).__name__}: {without_user_line(e)}"
         _devices[kind] = []
         return []
     _backends[kind] = backend
@@ -238,9 +238,9 @@ def _apply_primitive(prim, values, params) -> list:
     avals = tuple(aval_of_value(v) for v in values)
     backend_apply = getattr(dev.backend, "apply_primitive", None)
     if backend_apply is not None:
+        out_avals = prim.abstract_eval(*avals, **params)  # first: the shape rule names mistakes
         bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]
         outs = backend_apply(prim, params, bufs, dev)
-        out_avals = prim.abstract_eval(*avals, **params)
         return [Array(np.asarray(o, a.dtype) if not isinstance(o, np.ndarray) or o.dtype != a.dtype
                       else o, a, dev) for o, a in zip(outs, out_avals)]
     try:
