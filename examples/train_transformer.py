@@ -9,7 +9,9 @@ untied or --tied embeddings), trained with AdamW, warmup + cosine learning rate 
 gradient clipping, all inside one jitted step. `init_params`, `loss_fn` and `make_train_step`
 are importable for tests, notebooks and benchmarks. A checkpoint (an .npz without pickles,
 written atomically) holds the step, parameters, optimizer state, random key and data
-position, so a resumed run continues bit for bit as if it had never stopped.
+position, so a resumed run continues bit for bit as if it had never stopped: after a kill (the
+killed writer's temporary file is removed at the next start), a full disk (reported with the
+space needed) or a torn last line of metrics.jsonl. examples/checkpoint.py holds those helpers.
 """
 from __future__ import annotations
 
