@@ -27,7 +27,7 @@ class ShapedArray:
         past int64 would otherwise reach a device as a 0-byte or negative allocation."""
         n = 1
         for d in self.shape:
-            if type(d) is not int and not isinstance(d, (int, np.integer)):
+            if not isinstance(d, (int, np.integer)):
                 raise _not_a_dimension(d)
             if not 0 <= d <= MAX_BYTES:
                 raise ShapeError(with_user_line(f"an array of shape {_dims(self.shape)}: dimension {d} is "
