@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from tilefuse.ir.core import eval_graph
+from tilefuse.ir.errors import OutOfMemoryError
 from tilefuse.runtime import profiler
 from tilefuse.runtime.hardware import DeviceInfo, host_info
 
@@ -26,14 +27,31 @@ class RefBackend(Backend):
     def compile(self, graph, device):
         def run(buffers):
             prof = profiler.active
-            return eval_graph(graph, buffers, _apply if prof is None else prof.apply(device))
+            with _numpy_memory(device):
+                return eval_graph(graph, buffers, _apply if prof is None else prof.apply(device))
         return Program(graph, run)
 
     def apply_primitive(self, prim, params, buffers, device=None):
         prof = profiler.active
-        if prof is not None:
-            return prof.call(device, prim, params, lambda: prim.impl(*buffers, **params), buffers)
-        return prim.impl(*buffers, **params)
+        with _numpy_memory(device):
+            if prof is not None:
+                return prof.call(device, prim, params, lambda: prim.impl(*buffers, **params), buffers)
+            return prim.impl(*buffers, **params)
+
+
+class _numpy_memory:
+    """numpy's MemoryError as the device's OutOfMemoryError, as the other backends raise it."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is not None and issubclass(kind, MemoryError) and not isinstance(e, OutOfMemoryError):
+            raise OutOfMemoryError(f"{self.device or 'ref'}: numpy cannot allocate ({e})") from None
+        return False
 
 
 def _apply(e, xs):

@@ -9,7 +9,9 @@ untied or --tied embeddings), trained with AdamW, warmup + cosine learning rate 
 gradient clipping, all inside one jitted step. `init_params`, `loss_fn` and `make_train_step`
 are importable for tests, notebooks and benchmarks. A checkpoint (an .npz without pickles,
 written atomically) holds the step, parameters, optimizer state, random key and data
-position, so a resumed run continues bit for bit as if it had never stopped.
+position, so a resumed run continues bit for bit as if it had never stopped: after a kill (the
+killed writer's temporary file is removed at the next start), a full disk (reported with the
+space needed) or a torn last line of metrics.jsonl. examples/checkpoint.py holds those helpers.
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ import math
 import os
 import sys
 import time
-import zipfile
 
 import numpy as np
 
@@ -34,6 +35,7 @@ import tilefuse.random as random  # noqa: E402
 from tilefuse import distributed  # noqa: E402
 from tilefuse.ir.errors import TilefuseError  # noqa: E402
 
+import checkpoint as ckpt_io  # noqa: E402
 import data  # noqa: E402
 
 CHECKPOINT = "checkpoint.npz"
@@ -220,36 +222,31 @@ def _unflatten(template, arrays: dict, prefix: str):
 
 
 def save_checkpoint(path: str, *, step: int, params, opt_state, key, data_pos: int, cfg: Config) -> None:
-    """Write the training state to path atomically: a temporary file, fsync, then rename."""
+    """Write the training state to path atomically (examples/checkpoint.py: a temporary file,
+    fsync, rename; removed on failure; a full disk says how much space it needs)."""
     arrays = {k: np.asarray(v) for k, v in {**_flatten(params, "params"),
                                             **_flatten(opt_state, "opt")}.items()}
     arrays["step"] = np.asarray(step, np.int64)
     arrays["data_pos"] = np.asarray(data_pos, np.int64)
     arrays["rng_key"] = np.asarray(key)
     arrays["config"] = np.asarray(json.dumps(dataclasses.asdict(cfg)))
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    ckpt_io.write_npz(path, arrays)
 
 
 def load_checkpoint(path: str, params_template, opt_template, cfg: Config) -> dict:
     """The state saved at path, checked against the model's structure; a file that cannot be
-    read, or does not match, raises TilefuseError naming it (nothing is half-loaded)."""
+    read, or an entry that is damaged, crafted or does not match, raises a TilefuseError naming
+    the file and the entry (nothing is half-loaded, nothing is unpickled)."""
     def bad(why):
-        return TilefuseError(f"checkpoint {path} cannot be used: {why}; delete it or train "
-                             "without --resume")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
-        raise bad(f"it is corrupt or truncated ({type(e).__name__}: {e})") from None
+        return ckpt_io.CheckpointError(f"checkpoint {path} cannot be used: {why}; delete it or train "
+                                       "without --resume")
+    arrays = ckpt_io.read_npz(path, bad)
     for k in ("step", "data_pos", "rng_key", "config"):
         if k not in arrays:
             raise bad(f"it has no {k!r} entry")
-    saved_cfg = json.loads(str(arrays["config"]))
+    step = ckpt_io.int_entry(arrays, "step", bad)
+    data_pos = ckpt_io.int_entry(arrays, "data_pos", bad)
+    saved_cfg = ckpt_io.json_entry(arrays, "config", bad)
     if saved_cfg != dataclasses.asdict(cfg):
         raise bad(f"it was written for the model {saved_cfg}, not {dataclasses.asdict(cfg)}")
     want = {**_flatten(params_template, "params"), **_flatten(opt_template, "opt")}
@@ -259,9 +256,11 @@ def load_checkpoint(path: str, params_template, opt_template, cfg: Config) -> di
         if arrays[k].shape != tnp.shape(v) or arrays[k].dtype != np.dtype(v.dtype):
             raise bad(f"the entry {k!r} is {arrays[k].dtype}{list(arrays[k].shape)}, expected "
                       f"{np.dtype(v.dtype)}{list(tnp.shape(v))}")
+        if arrays[k].dtype.kind == "f" and not np.isfinite(arrays[k]).all():
+            raise bad(f"the entry {k!r} holds NaN or infinity")
     if arrays["rng_key"].shape != (2,) or arrays["rng_key"].dtype != np.uint32:
         raise bad("its rng_key is not a uint32 pair")
-    return {"step": int(arrays["step"]), "data_pos": int(arrays["data_pos"]),
+    return {"step": step, "data_pos": data_pos,
             "key": tx.device_put(arrays["rng_key"]),
             "params": tx.device_put(_unflatten(params_template, arrays, "params")),
             "opt_state": tx.device_put(_unflatten(opt_template, arrays, "opt"))}
@@ -269,39 +268,75 @@ def load_checkpoint(path: str, params_template, opt_template, cfg: Config) -> di
 
 # ---- the training loop -------------------------------------------------------------------------
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= low (argparse reports anything else as a usage error)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} is not an integer >= {low}")
+        return v
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def _float_in(low: float, high: float = math.inf, high_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (low <= v and (v < high if high_open else v <= high)):
+            raise argparse.ArgumentTypeError(f"{v} is not in [{low}, {high}{')' if high_open else ']'}")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
 def parse_args(argv=None):
+    positive, counter = _int_at_least(1), _int_at_least(0)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="total optimizer steps")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=64, help="context length in characters")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--steps", type=counter, default=300, help="total optimizer steps")
+    p.add_argument("--batch", type=positive, default=32)
+    p.add_argument("--seq", type=positive, default=64, help="context length in characters")
+    p.add_argument("--d-model", type=positive, default=128)
+    p.add_argument("--layers", type=positive, default=2)
+    p.add_argument("--heads", type=positive, default=4)
     p.add_argument("--tied", action="store_true", help="share the input and output embeddings")
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--dropout", type=_float_in(0.0, 1.0, high_open=True), default=0.0)
+    p.add_argument("--lr", type=_float_in(0.0), default=3e-3, help="peak learning rate")
+    p.add_argument("--weight-decay", type=_float_in(0.0), default=0.1)
     p.add_argument("--device", default=None, help="cpu, ref, opencl:0, cuda:0 (default: tilefuse's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=counter, default=0)
     p.add_argument("--out", default=None, help="directory for checkpoints and metrics.jsonl")
     p.add_argument("--resume", action="store_true", help=f"continue from OUT/{CHECKPOINT}")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--ckpt-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--max-chars", type=int, default=data.MAX_CHARS, help="corpus size cap")
-    p.add_argument("--sample", type=int, default=300, help="characters to generate at the end")
-    p.add_argument("--stop-at", type=int, default=None,
+    p.add_argument("--eval-every", type=counter, default=100, help="0: only at the end")
+    p.add_argument("--log-every", type=positive, default=10)
+    p.add_argument("--ckpt-every", type=counter, default=100, help="0: only at the end")
+    p.add_argument("--eval-batches", type=positive, default=4)
+    p.add_argument("--max-chars", type=positive, default=data.MAX_CHARS, help="corpus size cap")
+    p.add_argument("--sample", type=counter, default=300, help="characters to generate at the end")
+    p.add_argument("--stop-at", type=counter, default=None,
                    help="stop after this step as if interrupted (checkpoint kept): tests resuming")
     p.add_argument("--quiet", action="store_true", help="no progress bar or prints")
     p.add_argument("--distributed", action="store_true",
                    help="data-parallel over MPI: mpirun -n N python train_transformer.py --distributed "
                         "(the global --batch is split across ranks; rank 0 prints and writes)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (--distributed)")
+    p.add_argument("--bucket-mb", type=_float_in(1e-6), default=25.0,
+                   help="gradient bucket size (--distributed)")
     p.add_argument("--compress", choices=["int8"], default=None,
                    help="int8 gradient compression with error feedback (--distributed)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} is a file; it names the directory for checkpoints and {METRICS}")
+    if args.resume and args.out is None:
+        p.error(f"--resume needs --out DIR (the checkpoint is DIR/{CHECKPOINT})")
+    return args
 
 
 def _progress(total, initial, quiet):
@@ -330,6 +365,10 @@ def train(args) -> dict:
                  heads=args.heads, seq=args.seq, tied=args.tied, dropout=args.dropout)
     if cfg.d_model % cfg.heads:
         raise TilefuseError(f"--d-model {cfg.d_model} must be a multiple of --heads {cfg.heads}")
+    if len(corpus.train) <= args.seq or len(corpus.eval) <= args.seq:
+        raise TilefuseError(f"--max-chars {args.max_chars} gives {len(corpus.train)} training and "
+                            f"{len(corpus.eval)} held-out characters: too few for windows of --seq "
+                            f"{args.seq} + 1; raise --max-chars or lower --seq")
     optimizer = make_optimizer(args.lr, args.steps, weight_decay=args.weight_decay)
     init_key, key = random.split(random.key(args.seed))
     params = tx.device_put(init_params(init_key, cfg))
@@ -338,6 +377,8 @@ def train(args) -> dict:
     ckpt = os.path.join(args.out, CHECKPOINT) if args.out else None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+        for name in (CHECKPOINT, METRICS):  # left by a run killed while it wrote them
+            ckpt_io.remove_stale_temporaries(os.path.join(args.out, name))
     if args.resume:
         if ckpt is None:
             raise TilefuseError("--resume needs --out DIR (the checkpoint is DIR/checkpoint.npz)")
@@ -349,13 +390,12 @@ def train(args) -> dict:
         else:
             _log(f"no checkpoint at {ckpt}: starting from step 0", args.quiet)
     metrics_path = os.path.join(args.out, METRICS) if args.out else None
-    if metrics_path:  # drop records past the checkpoint: they are about to be redone
+    if metrics_path:  # drop records past the checkpoint (about to be redone) and a torn last line
         old = []
         if step and os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                old = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
-        with open(metrics_path, "w") as f:
-            f.writelines(old)
+            old = [rec for rec in ckpt_io.read_jsonl(metrics_path)
+                   if isinstance(rec.get("step"), int) and rec["step"] <= step]
+        ckpt_io.write_text(metrics_path, "".join(json.dumps(rec) + "\n" for rec in old))
 
     n_params = sum(int(np.prod(tnp.shape(p))) for p in tx.tree_leaves(params))
     unigram = corpus.unigram_loss()
@@ -370,6 +410,9 @@ def train(args) -> dict:
         step, data_pos = int(pos[0]), int(pos[1])
     sampler = data.WindowSampler(corpus.train, args.batch, args.seq, args.seed, data_pos)
     held_out = data.eval_batches(corpus.eval, args.batch, args.seq, args.eval_batches)
+    if not held_out:
+        raise TilefuseError(f"the {len(corpus.eval)} held-out characters hold no batch of --batch "
+                            f"{args.batch} windows of --seq {args.seq}; raise --max-chars")
     eval_loss_fn = make_eval_loss(cfg)
 
     def evaluate():
@@ -403,8 +446,7 @@ def train(args) -> dict:
                     eval_loss = rec["eval_loss"] = evaluate()
                 history.append(rec)
                 if metrics_path:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    ckpt_io.append_line(metrics_path, json.dumps(rec))
                 if bar is not None:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                                     **({"eval": f"{eval_loss:.3f}"} if eval_loss is not None else {}))

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from . import dtypes
-from .errors import ShapeError
+from .errors import ArgumentError, ShapeError, with_user_line
+
+MAX_BYTES = (1 << 63) - 1  # an array's bytes must count in int64 (numpy's and every device's sizes)
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,22 @@ class ShapedArray:
     shape: tuple[int, ...]
     dtype: np.dtype
     weak_type: bool = False
+
+    def __post_init__(self):
+        """Shapes are checked where they are made, at trace time: a negative dimension or a size
+        past int64 would otherwise reach a device as a 0-byte or negative allocation."""
+        n = 1
+        for d in self.shape:
+            if not isinstance(d, (int, np.integer)):
+                raise _not_a_dimension(d)
+            if not 0 <= d <= MAX_BYTES:
+                raise ShapeError(with_user_line(f"an array of shape {_dims(self.shape)}: dimension {d} is "
+                                                + ("negative" if d < 0 else "past int64")))
+            n *= int(d)  # a Python int: numpy's int64 would wrap
+        if n > 1 << 56 and n * np.dtype(self.dtype).itemsize > MAX_BYTES:  # the dtype only when near
+            raise ShapeError(with_user_line(
+                f"an array of shape {_dims(self.shape)} and dtype {np.dtype(self.dtype).name} would hold "
+                f"{n * np.dtype(self.dtype).itemsize:,} bytes, more than any device can address (2**63)"))
 
     def __hash__(self):  # cached: avals are hashed on every jit call (cache keys)
         h = self.__dict__.get("_hash")
@@ -49,6 +68,26 @@ class ShapedArray:
         return f"{dtype_short(self.dtype)}[{','.join(map(str, self.shape))}]"
 
     __str__ = str_short
+
+
+def dimension(d) -> int:
+    """A dimension of a shape as an int: an integer, or what converts exactly (a concrete 0-d
+    array; a traced value raises ConcretizationError); 2.5 or "a" is an ArgumentError (a
+    TypeError, as numpy's and JAX's)."""
+    if isinstance(d, (int, np.integer)):
+        return int(d)
+    if hasattr(type(d), "__index__"):
+        return operator.index(d)
+    raise _not_a_dimension(d)
+
+
+def _not_a_dimension(d) -> ArgumentError:
+    return ArgumentError(with_user_line(f"a dimension of a shape is {d!r}, a {type(d).__name__}: "
+                                        "dimensions are integers"))
+
+
+def _dims(shape) -> tuple:
+    return tuple(int(d) for d in shape)
 
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",

@@ -32,7 +32,8 @@ def user_frame() -> tuple[str, int, str] | None:
     frame = sys._getframe(1)
     while frame is not None:
         fn = frame.f_code.co_filename
-        if not is_internal(fn):
+        # code that we generate (a dataclass's __init__) is named "<string>" but runs in our module
+        if not is_internal(fn) and not frame.f_globals.get("__name__", "").startswith("tilefuse."):
             line = linecache.getline(fn, frame.f_lineno).strip()
             return fn, frame.f_lineno, line
         frame = frame.f_back
@@ -49,7 +50,16 @@ def user_line() -> str:
 
 
 class TilefuseError(Exception):
-    """Base of every error tilefuse raises for a user."""
+    """Base of every error tilefuse raises for a user. A message that does not say where yet
+    gets the user's line appended ("\n  at file:line  `source`"): the innermost frame outside
+    tilefuse when the error is made."""
+
+    def __init__(self, *args):
+        if len(args) == 1 and isinstance(args[0], str) and _AT not in args[0]:
+            where = user_line()
+            if where:
+                args = (f"{args[0]}{_AT}{where}",)
+        super().__init__(*args)
 
 
 class ShapeError(TilefuseError, ValueError):
@@ -67,6 +77,11 @@ class ConcretizationError(TilefuseError):
 class ArgumentError(TilefuseError, TypeError):
     """An argument a function or transformation cannot take: not an array and not static,
     an unhashable static argument, a non-array output."""
+
+
+class StaticArgumentError(ArgumentError, ValueError):
+    """jit's static_argnums or static_argnames name no parameter of the function (a ValueError,
+    as in JAX)."""
 
 
 class TracerLeakError(TilefuseError):
@@ -98,9 +113,17 @@ class TransformError(TilefuseError):
     """A transformation (grad, vmap, jvp, ...) was asked for something it cannot do."""
 
 
+_AT = "\n  at "
+
+
 def with_user_line(msg: str) -> str:
     where = user_line()
-    return f"{msg}\n  at {where}" if where else msg
+    return f"{msg}{_AT}{where}" if where else msg
+
+
+def without_user_line(e: BaseException) -> str:
+    """An error's message without the line it was made at (for reasons kept past that call)."""
+    return str(e).split(_AT)[0]
 
 
 def filter_traceback(tb):
@@ -121,5 +144,5 @@ class NaNError(TilefuseError, FloatingPointError):
     """debug_nans found a NaN; names the equation and the user's line that produced it."""
 
 
-__all__ = [n for n in dir() if n.endswith("Error")] + ["user_line", "user_frame",
-                                                      "with_user_line", "filter_traceback"]
+__all__ = [n for n in dir() if n.endswith("Error")] + ["user_line", "user_frame", "with_user_line",
+                                                      "without_user_line", "filter_traceback"]

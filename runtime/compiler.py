@@ -135,19 +135,25 @@ def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) ->
     # text decides its compile, so the front-end cache applies
     graph = inline_calls(graph)
     key = frontend_cache.key(graph, fuse)
-    front = frontend_cache.load(key)  # (never while dumping: key is None)
+    front = frontend_cache.load(key, graph)  # (never while dumping: key is None)
     dump = Dump(config.dump_dir, graph.meta.get("name", "graph"))
-    if front is None:
-        g = run_passes(graph, dump=dump, check=config.check,
-                       trace=_trace_pass if config.debug >= 2 else None)
-        regions = partition(g, fuse=fuse)
-        if dump.dir:
-            dump.text("regions", "\n".join(map(str, regions)))
-        lowered = [[] if r.kind == "host" else lower_region(r) for r in regions]
-        frontend_cache.store(key, g, regions, lowered)
-    else:
-        g, regions, lowered = front
+    if front is not None:
+        try:
+            return _compile_front(*front, device, backend, dump)
+        except Exception as e:  # noqa: BLE001 - an entry damaged past its checksum: the long way
+            frontend_cache.discard(key, e)
+    g = run_passes(graph, dump=dump, check=config.check,
+                   trace=_trace_pass if config.debug >= 2 else None)
+    regions = partition(g, fuse=fuse)
+    if dump.dir:
+        dump.text("regions", "\n".join(map(str, regions)))
+    lowered = [[] if r.kind == "host" else lower_region(r) for r in regions]
+    frontend_cache.store(key, g, regions, lowered)
+    return _compile_front(g, regions, lowered, device, backend, dump)
 
+
+def _compile_front(g: Graph, regions, lowered, device, backend, dump) -> Program:
+    """The back half of compile_graph: kernels built, buffers planned, from the front end."""
     b = _Builder(g, device, backend)
     for v in g.invars:
         b.new_slot("input", v.aval, v)

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Sequence
 
 import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var, aval_of_value, eval_graph
-from tilefuse.ir.errors import DeviceError, NaNError
+from tilefuse.ir.errors import DeviceError, NaNError, without_user_line
 
 from .array import Array
 from .config import config
@@ -125,19 +126,29 @@ def check_nans(graph: Graph, args, outputs) -> None:
 _backends: dict[str, object] = {}
 _devices: dict[str, list[Device]] = {}
 _unavailable: dict[str, str] = {}
+# the first use of a kind, from several threads at once, makes one backend and one Device per
+# device (arrays of two Device objects for one device could not be combined); re-entrant: a
+# backend that starts may ask for devices
+_registry_lock = threading.RLock()
 
 
 def _load(kind: str) -> list[Device]:
-    if kind in _devices:
-        return _devices[kind]
-    if kind in _unavailable:
-        return []
+    devs = _devices.get(kind)
+    if devs is not None:
+        return devs
+    with _registry_lock:
+        if kind in _devices:
+            return _devices[kind]
+        return _create(kind)
+
+
+def _create(kind: str) -> list[Device]:
     try:
         module = importlib.import_module(BACKEND_MODULES[kind])
         backend = module.create()
         infos = backend.discover()
     except (ImportError, AttributeError, DeviceError, OSError) as e:
-        _unavailable[kind] = f"{type(e).__name__}: {e}"
+        _unavailable[kind] = f"{type(e).__name__}: {without_user_line(e)}"
         _devices[kind] = []
         return []
     _backends[kind] = backend
@@ -227,9 +238,9 @@ def _apply_primitive(prim, values, params) -> list:
     avals = tuple(aval_of_value(v) for v in values)
     backend_apply = getattr(dev.backend, "apply_primitive", None)
     if backend_apply is not None:
+        out_avals = prim.abstract_eval(*avals, **params)  # first: the shape rule names mistakes
         bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]
         outs = backend_apply(prim, params, bufs, dev)
-        out_avals = prim.abstract_eval(*avals, **params)
         return [Array(np.asarray(o, a.dtype) if not isinstance(o, np.ndarray) or o.dtype != a.dtype
                       else o, a, dev) for o, a in zip(outs, out_avals)]
     try:

@@ -7,8 +7,11 @@ Keyed by the graph's text, its constants' bytes, the configuration that decides 
 digest of the compiler's own source (ir/), so edited code never reads an old entry. Entries are
 JSON, never pickle (nothing read from disk is unpickled): variables, equations and expression
 nodes become indices into tables, parameters tagged values (tuples, dtypes, arrays as bytes).
-Anything that does not encode (a parameter of another kind) is simply not cached; an entry that
-does not decode is a miss, and the compile goes the long way."""
+Anything that does not encode (a parameter of another kind) is simply not cached. An entry holds
+its own key, and its graph's inputs and outputs must be those of the graph being compiled: an
+entry that does not decode, belongs to another key (a swapped payload under a recomputed header)
+or does not fit, or a front end that then fails to compile (`discard`), is a miss like a corrupt
+entry: removed with a CacheWarning, and the compile goes the long way and replaces it."""
 from __future__ import annotations
 
 import base64
@@ -17,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import warnings
 
 import numpy as np
 
@@ -31,7 +35,7 @@ from . import compile_cache
 from .config import config
 
 log = logging.getLogger("tilefuse")
-FORMAT = 1
+FORMAT = 2  # 2: the entry holds its key
 _KERNEL_META = ("kind", "eqns", "operands", "sources")  # the rest of meta is caches
 
 
@@ -81,25 +85,42 @@ def _text(graph: Graph) -> str | None:
     return "\n".join([str(graph), " ".join(weak), *(e.source for e in graph.eqns)])
 
 
-def load(k: str | None):
-    """(optimised graph, regions, lowered kernels per region), or None on a miss."""
+def load(k: str | None, graph: Graph):
+    """(optimised graph, regions, lowered kernels per region) for `graph`, or None on a miss."""
     if k is None:
         return None
     payload = _cache().load(k)
     if payload is None:
         return None
     try:
-        return _Decoder(json.loads(payload)).front()
-    except Exception as e:  # an entry of another format, or one damaged past its checksum
-        log.info("tilefuse: front-end cache entry unreadable (%r); compiling", e)
+        d = json.loads(payload)
+        if d.get("key") != k:
+            raise ValueError("it is the entry of another graph")
+        front = _Decoder(d).front()
+        g = front[0]
+        if [v.aval.strip_weak() for v in g.invars] != [v.aval.strip_weak() for v in graph.invars] or \
+                [v.aval.strip_weak() for v in g.outvars] != [v.aval.strip_weak() for v in graph.outvars]:
+            raise ValueError("its inputs or outputs are not the graph's")
+        return front
+    except Exception as e:  # noqa: BLE001 - damaged past its checksum, in any way: a miss
+        discard(k, e)
         return None
+
+
+def discard(k: str, e: Exception) -> None:
+    """Drop an entry that did not decode or whose front end failed: it is compiled anew."""
+    compile_cache._count("corrupt")
+    warnings.warn(f"tilefuse: the front-end cache entry {_cache().path(k)} cannot be used "
+                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); it is ignored and "
+                  "rebuilt", compile_cache.CacheWarning, stacklevel=3)
+    _cache().remove(k)
 
 
 def store(k: str | None, graph: Graph, regions, lowered) -> None:
     if k is None:
         return
     try:
-        payload = json.dumps(_Encoder().front(graph, regions, lowered), separators=(",", ":"))
+        payload = json.dumps({**_Encoder().front(graph, regions, lowered), "key": k}, separators=(",", ":"))
     except _Unencodable as e:
         log.info("tilefuse: front end not cached (%s)", e)
         return

@@ -22,12 +22,14 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import os
 import sqlite3
 import statistics
 import sys
 import threading
 import time
+import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -120,7 +122,7 @@ def db_path() -> str | None:
     if p is not None:
         return None if p.strip().lower() in ("", "0", "off", "none") else p
     d = compile_cache.default_dir()
-    return os.path.join(d, "tuning.sqlite") if d else None
+    return os.path.join(compile_cache.trusted_dir(d), "tuning.sqlite") if d else None
 
 
 def device_key(device) -> str:
@@ -129,9 +131,15 @@ def device_key(device) -> str:
     return hashlib.sha1(fp.encode()).hexdigest()[:16]
 
 
+READ_TIMEOUT_S = 0.2  # a database another process holds locked: go on with the defaults
+WRITE_TIMEOUT_S = 5.0  # a result being stored waits a little longer for a writer to finish
+
+
 class TuningDB:
     """Tuned parameters on disk. Reads load the whole table once and again only when the file
-    changes; every write is one transaction, so several processes can share the file."""
+    changes, through a read-only connection that waits READ_TIMEOUT_S at most for a writer;
+    every write is one transaction, so several processes can share the file. The file and its
+    folder must be the user's and writable by nobody else (runtime/compile_cache.untrusted)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -140,12 +148,27 @@ class TuningDB:
         self._lock = threading.Lock()
         self._warned: set = set()
 
-    def _warn(self, what: str, e: Exception) -> None:
+    def _warn(self, what: str, e: Exception,
+              advice: str = "delete it or point TILEFUSE_TUNING_DB elsewhere") -> None:
         msg = f"tilefuse: the tuning database {self.path} {what} ({type(e).__name__}: {e}); it is " \
-              "ignored and default parameters are used (delete it or point TILEFUSE_TUNING_DB elsewhere)"
+              f"ignored and default parameters are used ({advice})"
         if msg not in self._warned:
             self._warned.add(msg)
             warnings.warn(msg, TuningDBWarning, stacklevel=3)
+
+    def _untrusted(self, st: os.stat_result | None) -> bool:
+        """Whether the file (its stat, None if absent) or its folder is someone else's."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        try:
+            where, why = folder, compile_cache.untrusted(os.stat(folder))
+        except OSError:
+            return False  # no folder yet: a write makes it, ours
+        if why is None and st is not None:
+            where, why = self.path, compile_cache.untrusted(st)
+        if why is not None:
+            compile_cache.warn_untrusted(where, why, "tuning database" if where == self.path else
+                                         "tuning database's folder", "the default parameters are used")
+        return why is not None
 
     def rows(self) -> dict:
         """{(template, signature, shape class, device): params}, current with the file."""
@@ -153,20 +176,28 @@ class TuningDB:
             st = os.stat(self.path)
         except OSError:
             return {}
-        stamp = (st.st_mtime_ns, st.st_size)
+        stamp = (st.st_mtime_ns, st.st_size, st.st_uid, st.st_mode)
         with self._lock:
             if stamp != self._stamp:
-                self._rows, self._stamp = self._load(), stamp
+                self._rows = {} if self._untrusted(st) else self._load()
+                self._stamp = stamp
             return self._rows
 
     def _load(self) -> dict:
         try:
-            with _connect(self.path) as con:
+            with _connect(self.path, read_only=True) as con:
                 got = con.execute("SELECT template, signature, shape_class, device, params FROM tuned")
                 rows = {}
                 for t, s, c, d, p in got.fetchall():
                     rows[(t, s, c, d)] = json.loads(p)
                 return rows
+        except sqlite3.OperationalError as e:
+            if "locked" in str(e) or "busy" in str(e):  # tried again when the file changes
+                self._warn(f"is locked by another process (waited {READ_TIMEOUT_S} s)", e,
+                           "it is read again when it changes")
+                return self._rows
+            self._warn("cannot be read", e)
+            return {}
         except (sqlite3.Error, ValueError, TypeError) as e:
             self._warn("cannot be read", e)
             return {}
@@ -176,6 +207,12 @@ class TuningDB:
 
     def put(self, row: dict) -> bool:
         """Insert or replace one result; False (with a warning) when the file cannot be written."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            st = None
+        if self._untrusted(st):
+            return False
         try:
             with _connect(self.path) as con:
                 con.execute(SCHEMA)
@@ -192,7 +229,7 @@ class TuningDB:
     def entries(self) -> list[dict]:
         """Every stored result (for reports)."""
         try:
-            with _connect(self.path) as con:
+            with _connect(self.path, read_only=True) as con:
                 con.row_factory = sqlite3.Row
                 return [dict(r) for r in con.execute("SELECT * FROM tuned ORDER BY created")]
         except sqlite3.Error as e:
@@ -201,21 +238,26 @@ class TuningDB:
 
 
 class _connect:
-    """A short-lived connection that commits on success and always closes."""
+    """A short-lived connection that commits on success and always closes; a read-only one
+    (no folder made, no write lock, a short wait) for reads."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, read_only: bool = False):
+        self.path, self.read_only = path, read_only
 
     def __enter__(self):
-        d = os.path.dirname(self.path)
-        if d:
-            os.makedirs(d, exist_ok=True)
-        self.con = sqlite3.connect(self.path, timeout=30)
+        if self.read_only:
+            uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+            self.con = sqlite3.connect(uri, uri=True, timeout=READ_TIMEOUT_S)
+        else:
+            d = os.path.dirname(self.path)
+            if d:
+                os.makedirs(d, mode=0o700, exist_ok=True)
+            self.con = sqlite3.connect(self.path, timeout=WRITE_TIMEOUT_S)
         return self.con
 
     def __exit__(self, exc_type, *rest):
         try:
-            if exc_type is None:
+            if exc_type is None and not self.read_only:
                 self.con.commit()
         finally:
             self.con.close()
@@ -239,6 +281,35 @@ def database(path: str | None = None) -> TuningDB | None:
 applied: dict = {}  # (template, signature, shape class, device) -> params used by a compile here
 
 
+def invalid_params(params, space: dict, default: dict) -> str | None:
+    """Why stored parameters do not fit a template's space, or None: the same names, and each
+    value of the kind of its choices and within their range (a value between today's choices
+    may be stored; one outside them, such as a GEMM's kc=0, can loop forever)."""
+    if not isinstance(params, dict) or set(params) != set(space):
+        return f"the template's parameters are {sorted(space)}"
+    for name, choices in space.items():
+        v = params[name]
+        options = (*choices, default[name]) if name in default else tuple(choices)
+        if all(isinstance(c, bool) or not isinstance(c, numbers.Real) for c in options):
+            ok = any(type(v) is type(c) and v == c for c in options)  # True is no 1 here
+        else:
+            kind = numbers.Integral if all(isinstance(c, numbers.Integral) for c in options) else numbers.Real
+            ok = isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) \
+                and min(options) <= v <= max(options)
+        if not ok:
+            return f"{name}={v!r} is outside the choices {tuple(dict.fromkeys(options))}"
+    return None
+
+
+_warned: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, TuningDBWarning, stacklevel=4)
+
+
 def tuned_params(t: Template, kernel, device) -> tuple[tuple, dict | None]:
     """(the database key, the stored parameters if valid for the template now) of a kernel."""
     db = database()
@@ -248,24 +319,30 @@ def tuned_params(t: Template, kernel, device) -> tuple[tuple, dict | None]:
     params = db.get(*key)
     if params is None:
         return key, None
-    space = t.space(kernel, device)
-    if set(params) != set(space) or t.check(params, kernel, device):
-        log.info("tilefuse: stored parameters %s for %s do not fit the template now; ignored", params, key)
+    try:
+        why = invalid_params(params, t.space(kernel, device), t.default(kernel, device)) \
+            or t.check(params, kernel, device)
+    except Exception as e:  # noqa: BLE001 - a check that cannot read the values (a str for an int)
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        _warn_once(f"tilefuse: the tuning database {db.path} holds parameters {params} for {key[0]} "
+                   f"(signature {key[1]}, shape {key[2]}) that do not fit: {why}; they are ignored and "
+                   "the defaults used")
         return key, None
     return key, params
 
 
 def build(impl, kernel, device, backend):
     """Build a kernel with implementation `impl`: with tuned parameters when the database holds
-    them for its template, else the implementation's defaults."""
+    them for its template (and they build), else the implementation's defaults."""
     t = template_for(impl.name, kernel, device)
     key, params = tuned_params(t, kernel, device) if t is not None else ((), None)
     if params is not None:
         try:
             run = t.build(kernel, device, backend, params)
-        except TilefuseError as e:
-            log.warning("tilefuse: tuned parameters %s failed for %s (%s); defaults used", params,
-                        kernel.name, e)
+        except Exception as e:  # noqa: BLE001 - whatever stored values did, the defaults still build
+            _warn_once(f"tilefuse: {kernel.name} did not build with the tuned parameters {params} from "
+                       f"{database().path} ({type(e).__name__}: {e}); the defaults are used")
         else:
             applied[key] = params
             if config.debug:

@@ -298,13 +298,15 @@ def test_attention_tuning_is_stored_and_picked_by_a_fresh_process(db, tmp_path):
 def test_attention_blocks_compute_the_same_and_invalid_ones_are_ignored(db):
     """Non-default blocks (register blocks of 1 and 8 rows, blocks not dividing the sequence)
     agree with numpy, forward and backward; stored blocks the template cannot build are ignored
-    (the defaults run), and the build refuses them with an error instead of running them."""
+    (the defaults run), and the build refuses them with an error instead of running them; stored
+    blocks beyond the space (which stops at the first block past the sequence) are ignored with
+    a warning, though the template computes them right."""
     from tilefuse.backends.llvm import attention
     q, k, v, g = _attention_inputs()
     want = _attention64(q, k, v, g)
     found = _attention_kernels(_attention_step(g), q, k, v)
     choices = [({"bq": 32, "bk": 16, "r": 1, "chunk": 1}, {"bq": 32, "bk": 32, "r": 8, "chunk": 1}),
-               ({"bq": 64, "bk": 48, "r": 8, "chunk": 2}, {"bq": 256, "bk": 128, "r": 2, "chunk": 4})]
+               ({"bq": 64, "bk": 48, "r": 8, "chunk": 2}, {"bq": 128, "bk": 64, "r": 2, "chunk": 4})]
     for fwd, bwd in choices:
         for sig, params in (("attention-fwd-causal", fwd), ("attention-bwd-causal", bwd)):
             _store(db, found[sig][1], params)
@@ -313,6 +315,22 @@ def test_attention_blocks_compute_the_same_and_invalid_ones_are_ignored(db):
         assert _applied_attention() == {"attention-fwd-causal": fwd, "attention-bwd-causal": bwd}
         _assert_attention_close([out, *grads], want)
 
+    beyond = {"bq": 256, "bk": 128, "r": 2, "chunk": 4}  # sequence 40: the space ends at bq 64, bk 64
+    cpu = tx.get_device("cpu")
+    for kern, key in found.values():
+        _store(db, key, beyond)
+    tuner.applied.clear()
+    with pytest.warns(tuner.TuningDBWarning, match=r"bq=256 is outside the choices"):
+        (_, out), grads = _attention_step(g)(q, k, v)
+    assert _applied_attention() == {}
+    _assert_attention_close([out, *grads], want)
+    for kern, _ in found.values():  # built directly, those blocks agree with the defaults
+        bufs = tuner.random_buffers(kern, cpu)
+        got, ref = (tuner._outputs(attention.build(kern, cpu, cpu.backend, attention.AttentionParams(**p)),
+                                   kern, bufs, cpu) for p in (beyond, {}))
+        for a, b in zip(got, ref, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
     bad = {"bq": 48, "bk": 16, "r": 32, "chunk": 1}  # register blocks that do not tile the blocks
     for kern, key in found.values():
         _store(db, key, bad)
@@ -320,7 +338,8 @@ def test_attention_blocks_compute_the_same_and_invalid_ones_are_ignored(db):
             attention.build(kern, tx.get_device("cpu"), tx.get_device("cpu").backend,
                             attention.AttentionParams(**bad))
     tuner.applied.clear()
-    (_, out), grads = _attention_step(g)(q, k, v)
+    with pytest.warns(tuner.TuningDBWarning, match=r"r=32 is outside the choices"):
+        (_, out), grads = _attention_step(g)(q, k, v)
     assert _applied_attention() == {}
     _assert_attention_close([out, *grads], want)
 

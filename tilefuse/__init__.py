@@ -6,9 +6,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from tilefuse.ir import dtypes as _dtypes
-from tilefuse.ir.errors import (CompileError, ConcretizationError, DeviceError, DTypeError, NaNError,
-                                OutOfMemoryError, ShapeError, TilefuseError, TracerLeakError,
-                                TransformError)
+from tilefuse.ir.errors import (ArgumentError, CompileError, ConcretizationError, DeviceError,
+                                DTypeError, NaNError, OutOfMemoryError, ShapeError, StaticArgumentError,
+                                TilefuseError, TracerLeakError, TransformError)
 from tilefuse.runtime import device as _device
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.config import config

@@ -12,6 +12,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes as _dt
 from tilefuse.ir import primitives as P
+from tilefuse.ir.core import dimension
 from tilefuse.ir.errors import ConcretizationError, DTypeError, ShapeError, TilefuseError, with_user_line
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.device import default_device
@@ -1010,7 +1011,7 @@ def _einsum_single(x, t, out, others):
 # ---- creation -----------------------------------------------------------------------------
 
 def _shape_tuple(s):
-    return (int(s),) if isinstance(s, (int, np.integer)) else tuple(int(n) for n in s)
+    return (dimension(s),) if isinstance(s, (int, np.integer)) else tuple(dimension(n) for n in s)
 
 
 def full(shape, fill_value, dtype=None):

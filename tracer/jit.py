@@ -11,7 +11,8 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Graph, ShapedArray, eval_graph
-from tilefuse.ir.errors import ArgumentError, TilefuseError, filter_traceback, user_line
+from tilefuse.ir.errors import (ArgumentError, StaticArgumentError, TilefuseError, filter_traceback,
+                                 user_line)
 from tilefuse.ir.passes.manager import prepare_for_ad
 
 from . import pytree
@@ -99,20 +100,24 @@ class JitFunction:
     (treedef, avals, static arguments, device, configuration)."""
 
     def __init__(self, fun: Callable, static_argnums=(), static_argnames=(), device=None):
+        if not callable(fun):
+            raise ArgumentError(f"jit needs a function, got a {type(fun).__name__}: {fun!r:.60}")
         functools.update_wrapper(self, fun)
         self.fun = fun
         self._name = getattr(fun, "__name__", type(fun).__name__)  # partials and callables have none
         try:
-            params = list(inspect.signature(fun).parameters.values())
+            self._signature = inspect.signature(fun)
         except (TypeError, ValueError):
-            params = []
+            self._signature = None
+        params = list(self._signature.parameters.values()) if self._signature else []
         self._param_names = [p.name for p in params
                              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         n = len(self._param_names)
         nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums or ())
+        names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames or ())
+        _check_static(self._name, params if self._signature else None, nums, names)
         self.static_argnums = {i + n if i < 0 and n else i for i in nums}
-        self.static_argnames = set((static_argnames,) if isinstance(static_argnames, str)
-                                   else static_argnames or ())
+        self.static_argnames = set(names)
         for i in list(self.static_argnums):  # a static position is static by name too
             if i < n:
                 self.static_argnames.add(self._param_names[i])
@@ -283,6 +288,11 @@ class JitFunction:
 
         def flat_fun(*tracers):
             args, kwargs = self._rebuild_call(static, tracers, in_tree)
+            if self._signature is not None:  # a wrong call is the caller's mistake, named so
+                try:
+                    self._signature.bind(*args, **kwargs)
+                except TypeError as e:
+                    raise ArgumentError(f"{self._name}() cannot take these arguments: {e}") from None
             out = self.fun(*args, **kwargs)
             out_leaves, out_tree = pytree.tree_flatten(out)
             for i, o in enumerate(out_leaves):
@@ -372,6 +382,34 @@ class _BoundJit:
 
     def __getattr__(self, name):
         return getattr(self._jit, name)
+
+
+def _check_static(name: str, params, nums: tuple, names: tuple) -> None:
+    """static_argnums must be ints naming positional parameters, static_argnames parameters
+    that can be passed by keyword (unless the function takes *args / **kwargs), as in JAX."""
+    for i in nums:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ArgumentError(f"jit of {name}: static_argnums must be ints, got {i!r}")
+    for k in names:
+        if not isinstance(k, str):
+            raise ArgumentError(f"jit of {name}: static_argnames must be strings, got {k!r}")
+    if params is None:  # no signature to check against (some builtins)
+        return
+    kinds = [p.kind for p in params]
+    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                     for k in kinds)
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        bad = [i for i in nums if not -positional <= i < positional]
+        if bad:
+            raise StaticArgumentError(f"jit of {name}: static_argnums={nums} but {name} takes "
+                                      f"{positional} positional argument(s); {bad} name none")
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        by_keyword = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                           inspect.Parameter.KEYWORD_ONLY)}
+        bad = [k for k in names if k not in by_keyword]
+        if bad:
+            raise StaticArgumentError(f"jit of {name}: static_argnames {bad} name no parameter "
+                                      f"{name} takes by keyword (it takes {sorted(by_keyword)})")
 
 
 def _hashable(v, name):

@@ -131,19 +131,25 @@ class PyTreeDef:
 LEAF = PyTreeDef(None, None, ())
 
 
+MAX_DEPTH = 200  # nested containers: deeper is a container that holds itself, or a mistake
+
+
 def tree_flatten(x, is_leaf: Callable | None = None) -> tuple[list, PyTreeDef]:
     """Leaves in a fixed order (dicts by sorted key) and the tree's definition."""
     leaves: list = []
 
-    def rec(x):
+    def rec(x, depth):
         nt = None if is_leaf is not None and is_leaf(x) else _node_type(x)
         if nt is None:
             leaves.append(x)
             return LEAF
+        if depth == MAX_DEPTH:  # (before Python's recursion limit, wherever the caller is)
+            raise TilefuseError(f"a pytree nests containers more than {MAX_DEPTH} deep (here a "
+                                f"{type(x).__name__}): does a list or dict contain itself?")
         children, aux = nt.to_iterable(x)
-        return PyTreeDef(type(x), aux, tuple(rec(c) for c in children))
+        return PyTreeDef(type(x), aux, tuple(rec(c, depth + 1) for c in children))
 
-    return leaves, rec(x)
+    return leaves, rec(x, 0)
 
 
 def tree_unflatten(treedef: PyTreeDef, leaves) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import itertools
 import os
 import threading
 
@@ -136,7 +137,7 @@ class Target:
             text = make_ir()
             return self.compile_ir(text, fn_name, what)
         with self.lock:
-            return self.load(self.cache.get_or_build(key, build), fn_name, text, what)
+            return self.cache.get_or_build(key, build, lambda obj: self.load(obj, fn_name, text, what))
 
     def load(self, obj: bytes, fn_name: str, ir_text=None, kernel_text="", others=()) -> int:
         """Link object code into the JIT (once per symbol) and return the function's address;
@@ -148,7 +149,8 @@ class Target:
                     builder = llvm.JITLibraryBuilder().add_object_img(obj).add_current_process()
                     for name in (fn_name, *others):
                         builder.export_symbol(name)
-                    lib = builder.link(self.jit, fn_name)
+                    # a fresh library name per link: a failed link (a damaged cache entry) keeps its own
+                    lib = builder.link(self.jit, f"{fn_name}.{next(_link_ids)}")
                     addrs = {name: lib[name] for name in (fn_name, *others)}
                 except (RuntimeError, KeyError) as e:
                     raise CompileError(f"linking kernel {fn_name} failed: {e}", backend="llvm",
@@ -163,6 +165,7 @@ class Target:
 
 
 _targets: dict = {}
+_link_ids = itertools.count()
 
 
 def get_target(info: DeviceInfo) -> Target:
@@ -327,8 +330,8 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, params: KernelParams | None
                         ir_text = render_ir(kernel, fn_name, params)
                         obj = target.compile_ir(ir_text, fn_name, str(kernel))
                     return obj
-                obj = target.cache.get_or_build(key, build) if kernel.size else b""
-                address = target.load(obj, fn_name, ir_text, str(kernel)) if kernel.size else 0
+                address = target.cache.get_or_build(key, build, lambda obj: target.load(
+                    obj, fn_name, ir_text, str(kernel))) if kernel.size else 0
                 hit = _memory[key] = (fn_name, address)
     else:
         _counts["memory_hits"] += 1

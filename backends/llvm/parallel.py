@@ -2,10 +2,12 @@
 
 llvmlite serialises every call into LLVM behind one lock, so threads cannot compile kernels in
 parallel; processes can. When a graph needs several kernels that no cache holds, they are
-rendered and compiled by this process and `python -m tilefuse.backends.llvm.parallel` workers
-(started once, on first need, one per other core; plain subprocesses, so a user's script is never re-imported the
-way multiprocessing's spawn does), and the resulting object code waits in `_built` until
-compile_kernel takes it (then it goes to the disk cache like any other object).
+rendered and compiled by this process and by worker processes (started once, on first need, one
+per other core), and the resulting object code waits in `_built` until compile_kernel takes it
+(then it goes to the disk cache like any other object). Workers are plain subprocesses, so a
+user's script is never re-imported the way multiprocessing's spawn does, and they start in
+isolated mode with this process's import path (worker_command), so a `tilefuse/` folder where
+the user works is never imported.
 
 A worker that fails or dies only loses the parallelism: whatever it did not build is compiled
 in-process by compile_kernel, which reports errors as usual (with the kernel at fault).
@@ -38,9 +40,22 @@ def _worker_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# The worker's start: isolated mode (-I: no current directory or script folder on sys.path, no
+# PYTHON* variables, no user site-packages), then exactly the parent's import path, so it imports
+# the tilefuse this process runs and never a `tilefuse/` (or `json`, ...) in the user's folder.
+_BOOT = ("import sys; sys.path[:] = sys.argv[1:]; "
+         "from tilefuse.backends.llvm.parallel import _serve; _serve()")
+
+
+def worker_command() -> list[str]:
+    """The command line of a worker: the parent's import path with '' (the current directory,
+    wherever it is when the worker starts) left out and relative entries made absolute."""
+    return [sys.executable, "-I", "-c", _BOOT, *(os.path.abspath(p) for p in sys.path if p)]
+
+
 class _Worker:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     def alive(self) -> bool:
@@ -144,6 +159,3 @@ def _serve() -> None:
         out.write(bytes([status]) + len(payload).to_bytes(8, "little") + payload)
         out.flush()
 
-
-if __name__ == "__main__":
-    _serve()

@@ -173,8 +173,9 @@ def _functions():
         pause = "call void @llvm.x86.sse2.pause()" if target.triple.startswith(("x86_64", "i686")) else ""
         text = _IR.replace("PAUSE", pause)
         key = compile_cache.make_key("pool", code_digest("pool.py"), target.fingerprint)
-        obj = target.cache.get_or_build(key, lambda: target.compile_ir(text, "tf_pool_post", "thread pool"))
-        post = target.load(obj, "tf_pool_post", text, "thread pool", others=("tf_pool_join", "tf_pool_wait"))
+        post = target.cache.get_or_build(
+            key, lambda: target.compile_ir(text, "tf_pool_post", "thread pool"),
+            lambda obj: target.load(obj, "tf_pool_post", text, "thread pool", others=("tf_pool_join", "tf_pool_wait")))
         _native["post"], _native["join"], _native["wait"] = (
             _POST_T(post), _JOIN_T(target.loaded["tf_pool_join"][0]), _WAIT_T(target.loaded["tf_pool_wait"][0]))
         _native["spins_per_us"] = _calibrate(_native["wait"])

@@ -85,16 +85,18 @@ class KExpr:
         return binary("mul", self, as_expr(o, self.dtype))
 
     def toposort(self) -> list["KExpr"]:
-        seen, order = set(), []
-
-        def visit(n):
-            if n in seen:
-                return
-            seen.add(n)
-            for s in n.src:
-                visit(s)
-            order.append(n)
-        visit(self)
+        """Every node once, operands first (iteratively: expressions can be deep)."""
+        seen, order, stack = {self}, [], [(self, iter(self.src))]
+        while stack:
+            n, rest = stack[-1]
+            for s in rest:
+                if s not in seen:
+                    seen.add(s)
+                    stack.append((s, iter(s.src)))
+                    break
+            else:
+                stack.pop()
+                order.append(n)
         return order
 
 

@@ -14,7 +14,10 @@ of its producers when they read one full-size array (softmax: max, sum(exp(x - m
 exp(x - max) / sum; the residuals a backward pass reads, recomputed from the forward's input).
 Regions then grow greedily, producer into consumer, from the last equation back. A merge is
 refused when it would create a cycle between regions (some other region on a path between the
-two): the region graph stays a DAG, checked with networkx.
+two): the region graph stays a DAG, checked with networkx. It is refused too when the region's
+longest chain of equations would pass MAX_CHAIN: the lowering builds a kernel's expressions
+recursively, and a chain of thousands of operations (a Python loop of x = x * a + b) exceeded
+Python's recursion limit; such a chain becomes a kernel per MAX_CHAIN operations.
 
 Then row merges: regions that reduce the trailing axes of one array shape (a row space), with
 what reads their results along the rows, become one *row kernel* (softmax, layer norm, RMSNorm
@@ -98,6 +101,7 @@ def _copy_index_maps(eqns: list[Eqn]) -> list[Eqn]:
 
 
 # row merges need rows to share among threads, unless the whole space is small
+MAX_CHAIN = 128  # equations one after another in one region (see the module docstring)
 ROW_MIN_ROWS = 16
 ROW_MAX_ALONE = 1 << 16
 _CLONE_LIMIT = 16  # equations a reduction may copy from a shared producer
@@ -195,6 +199,8 @@ class _Partitioner:
                 if isinstance(a, Var):
                     self.consumers.setdefault(a.id, set()).add(i)
         self.group = list(range(len(eqns)))
+        # per group: at least its longest chain of operations (index maps count for none)
+        self.height = {i: self._weight(e) for i, e in enumerate(eqns)}
         self.rows: dict[int, list] = {}  # groups merged row-wise (run_rows): their kernels
         self.members: dict[int, list[int]] = {i: [i] for i in range(len(eqns))}
         self.dag = nx.DiGraph()
@@ -289,10 +295,34 @@ class _Partitioner:
                         frontier.extend(e.outputs)
         return True
 
-    def can_merge(self, p: int, c: int) -> bool:
-        return self.valid(set(self.members[p]) | set(self.members[c])) and not self.creates_cycle(p, c)
+    def chain(self, p: int, c: int) -> int | None:
+        """A bound of the union's longest chain, None past MAX_CHAIN: the sum of the two
+        groups' bounds when that is at most MAX_CHAIN, else the union's walked, exactly."""
+        h = self.height[p] + self.height[c]
+        if h <= MAX_CHAIN:
+            return h
+        depth: dict[int, int] = {}
+        for i in sorted(self.members[p] + self.members[c]):  # equations are in data-flow order
+            e = self.eqns[i]
+            depth[i] = self._weight(e) + max((depth.get(self.producer.get(a.id), 0) for a in e.inputs
+                                              if isinstance(a, Var)), default=0)
+        h = max(depth.values())
+        return h if h <= MAX_CHAIN else None
 
-    def merge(self, p: int, c: int) -> None:
+    @staticmethod
+    def _weight(e: Eqn) -> int:
+        return 0 if e.prim.name in INDEX_MAPS else 1
+
+    def can_merge(self, p: int, c: int) -> int | None:
+        """The union's chain bound when p and c can merge, else None."""
+        if not self.valid(set(self.members[p]) | set(self.members[c])):
+            return None
+        h = self.chain(p, c)
+        return None if h is None or self.creates_cycle(p, c) else h
+
+    def merge(self, p: int, c: int, height: int) -> None:
+        self.height[c] = height
+        del self.height[p]
         for i in self.members[p]:
             self.group[i] = c
         self.members[c] += self.members.pop(p)
@@ -327,8 +357,9 @@ class _Partitioner:
                 if j is None or not is_fusible(self.eqns[j]):
                     continue
                 p, c = self.group[j], self.group[i]
-                if p != c and self.can_merge(p, c):
-                    self.merge(p, c)
+                height = self.can_merge(p, c) if p != c else None
+                if height is not None:
+                    self.merge(p, c, height)
 
     def run_rows(self) -> None:
         """Row merges (after run): fused regions that reduce the trailing axes of one row space,
@@ -345,10 +376,11 @@ class _Partitioner:
                     continue
                 tried.add((p, c))
                 members = set(self.members[p]) | set(self.members[c])
-                lowered = self._row_shaped(members) and not self.creates_cycle(p, c) and \
-                    self._rows_lower(members)
+                height = self.chain(p, c)
+                lowered = height is not None and self._row_shaped(members) and \
+                    not self.creates_cycle(p, c) and self._rows_lower(members)
                 if lowered:
-                    self.merge(p, c)
+                    self.merge(p, c, height)
                     self.rows[c] = lowered
                     tried = {pc for pc in tried if c not in pc}  # c grew: ask again
                     merged = True

@@ -128,3 +128,39 @@ print(json.dumps({**cc.stats(), "ok": ok}))
     assert all(r["ok"] and r["corrupt"] == 0 for r in reports), reports
     assert all(not n.startswith(".tmp") for n in os.listdir(tmp_path / "llvm"))
 
+
+
+# ---- the device registry's first use, from eight threads at once --------------------------------
+
+FIRST_USE = r"""
+import json, sys, threading
+import numpy as np
+import tilefuse as tx
+name, n = sys.argv[1], 8
+barrier = threading.Barrier(n)
+got = [None] * n
+def work(i):
+    barrier.wait()
+    got[i] = tx.device_put(np.full(3, float(i), np.float32), name)  # the first use of the kind
+    got[i] = tx.jit(lambda a: a * 2.0 - float(i))(got[i])  # and its first compiles
+threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+total = got[0]
+for a in got[1:]:
+    total = total + a  # arrays made by different threads combine
+y = tx.jit(lambda a, b: a * b)(got[2], got[5])
+print(json.dumps({"devices": len({id(a.device) for a in got}), "same": got[0].device is tx.get_device(name),
+                  "total": np.asarray(total).tolist(), "y": np.asarray(y).tolist()}))
+"""
+
+
+def test_first_use_of_a_device_from_eight_threads_makes_one_device(device):
+    out = subprocess.run([sys.executable, "-c", FIRST_USE, device.name], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["devices"] == 1 and r["same"], r
+    assert r["total"] == [28.0] * 3 and r["y"] == [10.0] * 3, r

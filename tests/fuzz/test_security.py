@@ -43,13 +43,113 @@ def test_no_code_that_reads_files_unpickles():
 def test_cache_directory_is_private_whatever_the_umask(tmp_path):
     old = os.umask(0)
     try:
-        cc.CompileCache("ns", str(tmp_path / "fresh"))
-        (tmp_path / "open").mkdir(mode=0o777)
-        cc.CompileCache("ns", str(tmp_path / "open"))  # an existing directory of ours is closed
+        cache = cc.CompileCache("ns", str(tmp_path / "fresh"))
     finally:
         os.umask(old)
-    for d in ("fresh", "fresh/ns", "open", "open/ns"):
+    assert cache.dir == str(tmp_path / "fresh" / "ns")
+    for d in ("fresh", "fresh/ns"):
         assert os.stat(tmp_path / d).st_mode & 0o777 == 0o700, d
+
+
+# ---- the trust boundary: a cache folder and its entries must be the user's alone ---------------
+
+def _entry_in(cache, key=None, payload=b"object code"):
+    key = key or cc.make_key("kernel", payload)
+    cache.store(key, payload)
+    return key
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_a_cache_folder_others_can_write_is_refused(tmp_path, mode):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    with pytest.warns(cc.UntrustedCacheWarning, match=r"others can write to it .* private temporary"):
+        cache = cc.CompileCache("ns", str(shared))
+    assert not cache.dir.startswith(str(shared)) and cache.dir.startswith(cc.private_dir())
+    assert os.stat(cc.private_dir()).st_mode & 0o777 == 0o700
+    key = _entry_in(cache)
+    assert cache.load(key) == b"object code"  # it still caches, privately
+    assert os.listdir(shared) == [] and os.stat(shared).st_mode & 0o7777 == mode  # left as it was
+
+
+def test_a_cache_folder_of_another_user_is_refused(tmp_path, monkeypatch):
+    mine = cc.CompileCache("ns", str(tmp_path / "c"))
+    key = _entry_in(mine, payload=b"code of another user")
+    monkeypatch.setattr(cc, "current_uid", lambda: os.getuid() + 1)  # as if someone else ran this
+    with pytest.warns(cc.UntrustedCacheWarning, match=r"belongs to uid \d+, not to you"):
+        theirs = cc.CompileCache("ns", str(tmp_path / "c"))
+    assert theirs.dir.startswith(cc.private_dir()) and theirs.load(key) is None
+
+
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "another owner", "symlink"])
+def test_an_untrusted_entry_is_ignored_removed_and_rebuilt(tmp_path, monkeypatch, how):
+    cache = cc.CompileCache("ns", str(tmp_path / "c"))
+    key = _entry_in(cache, payload=b"planted code")
+    if how == "group-writable":
+        os.chmod(cache.path(key), 0o620)
+    elif how == "world-writable":
+        os.chmod(cache.path(key), 0o606)
+    elif how == "symlink":  # an entry pointing elsewhere is not followed
+        elsewhere = tmp_path / "elsewhere.bin"
+        os.replace(cache.path(key), elsewhere)
+        os.symlink(elsewhere, cache.path(key))
+    else:
+        monkeypatch.setattr(cc, "current_uid", lambda: os.getuid() + 1)
+    before = cc.stats()
+    if how == "symlink":
+        got = cache.get_or_build(key, lambda: b"rebuilt")
+    else:
+        with pytest.warns(cc.UntrustedCacheWarning, match=r"compile cache entry .* removed and rebuilt"):
+            got = cache.get_or_build(key, lambda: b"rebuilt")
+    assert got == b"rebuilt" and cc.stats()["compiles"] == before["compiles"] + 1
+    if how != "another owner":
+        assert cache.load(key) == b"rebuilt" and not os.path.islink(cache.path(key))
+        assert os.stat(cache.path(key)).st_mode & 0o777 == 0o600
+
+
+def test_a_tuning_database_others_can_write_is_not_read(tmp_path):
+    from tilefuse.runtime import tuner
+    path = str(tmp_path / "tuning.sqlite")
+    row = {"template": "t", "signature": "s", "shape_class": "c", "device": "d", "params": {"x": 1},
+           "seconds": 1.0, "default_seconds": 2.0, "trials": 1}
+    assert tuner.TuningDB(path).put(row)
+    assert tuner.TuningDB(path).get("t", "s", "c", "d") == {"x": 1}
+    os.chmod(path, 0o666)
+    db = tuner.TuningDB(path)
+    with pytest.warns(cc.UntrustedCacheWarning, match=r"tuning database .* others can write .* default "
+                                                      r"parameters are used"):
+        assert db.rows() == {}
+    assert not db.put(row)
+
+
+ENTRY_PLANTED = r"""
+import json, sys, warnings
+import numpy as np
+import tilefuse as tx
+from tilefuse.runtime import compile_cache as cc
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    y = tx.jit(lambda x: x * 3.0 + 1.0, device=sys.argv[1])(np.arange(4, dtype=np.float32))
+print(json.dumps({"y": np.asarray(y).tolist(), "warnings": [str(x.message) for x in w
+                  if issubclass(x.category, cc.UntrustedCacheWarning)]}))
+"""
+
+
+def test_jit_with_a_world_writable_cache_folder_caches_privately(device, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    env = {**os.environ, "TILEFUSE_CACHE_DIR": str(shared)}
+    env.pop("TILEFUSE_TUNING_DB", None)
+    out = subprocess.run([sys.executable, "-c", ENTRY_PLANTED, device.name], env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["y"] == [1.0, 4.0, 7.0, 10.0]
+    if device.kind != "ref":  # (ref interprets the graph: it caches nothing)
+        assert len(report["warnings"]) == 1 and str(shared) in report["warnings"][0], report
+    assert os.listdir(shared) == []  # nothing read from it, nothing written to it
 
 
 def test_cache_entries_are_keyed_and_verified_by_hash(tmp_path):
@@ -95,7 +195,7 @@ def test_a_checkpoint_holding_a_pickle_is_refused_and_never_run(tmp_path, monkey
     evil[0] = _Exploit()
     arrays["step"] = evil  # numpy pickles object arrays into the .npz
     np.savez(path, **arrays)
-    with pytest.raises(tx.TilefuseError, match="cannot be used: it is corrupt"):
+    with pytest.raises(tx.TilefuseError, match=r"cannot be used: its entry .step. holds Python objects"):
         T.load_checkpoint(path, params, opt_state, cfg)
     assert not os.path.exists(_Exploit.marker)
 
@@ -119,3 +219,52 @@ def test_opencl_leaves_no_pickle_cache(tmp_path):
     assert ours and all(w.startswith(os.path.join("tf", "frontend")) for w in ours), ours
     for w in ours:
         json.loads(cc._check(open(tmp_path / w, "rb").read(), os.path.basename(w)[:-4]))
+
+
+# ---- compile workers import the installed tilefuse, never the working directory's -------------
+
+COMPILES_IN_WORKERS = r"""
+import json, sys
+import numpy as np
+import tilefuse as tx, tilefuse.numpy as tnp
+from tilefuse.backends.llvm import parallel
+taken = []
+take = parallel.take
+def _take(key):
+    obj = take(key)
+    taken.append(obj is not None)
+    return obj
+parallel.take = _take
+c = 0.37
+f = lambda x: (tnp.exp(x * c).sum(0), tnp.tanh(x + c).max(1), tnp.sqrt(tnp.abs(x) + c).min(0),
+               (x - c) * 2.0, tnp.log1p(tnp.abs(x) * c).mean(1))
+x = np.linspace(-1, 1, 8 * 33, dtype=np.float32).reshape(8, 33)
+got = tx.jit(f, device="cpu")(x)
+want = (np.exp(x * c).sum(0), np.tanh(x + c).max(1), np.sqrt(np.abs(x) + c).min(0), (x - c) * 2.0,
+        np.log1p(np.abs(x) * c).mean(1))
+ok = all(np.allclose(np.asarray(g), w, rtol=2e-5, atol=1e-5) for g, w in zip(got, want))
+print(json.dumps({"ok": ok, "from_workers": sum(taken), "kernels": len(taken)}))
+"""
+
+
+def test_compile_workers_never_import_from_the_working_directory(tmp_path):
+    if "cpu" not in [d.name for d in tx.devices()]:
+        pytest.skip("the cpu device is unavailable")
+    marker = tmp_path / "pwned"
+    work = tmp_path / "work"  # where the user runs their script: a hostile tilefuse/ and pickle.py
+    (work / "tilefuse").mkdir(parents=True)
+    plant = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    for name in ("tilefuse/__init__.py", "pickle.py", "json.py", "numpy.py"):
+        (work / name).write_text(plant)
+    script = tmp_path / "scripts" / "run.py"  # run from elsewhere: its own folder is on sys.path
+    script.parent.mkdir()
+    script.write_text(COMPILES_IN_WORKERS)
+    env = {**os.environ, "TILEFUSE_CACHE_DIR": str(tmp_path / "cache"),  # every kernel is new
+           "TILEFUSE_COMPILE_WORKERS": "2"}
+    out = subprocess.run([sys.executable, str(script)], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not marker.exists(), marker.read_text()
+    assert report["ok"] and report["kernels"] >= 4, report
+    assert report["from_workers"] >= 1, report  # the workers ran (with the real tilefuse)

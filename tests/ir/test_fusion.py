@@ -340,3 +340,51 @@ def test_region_inputs_and_outputs():
     assert len(regions) == 2
     assert regions[0].outputs == (a,) and regions[0].inputs == (x,)
     assert regions[1].inputs == (a,) and regions[1].outputs == (s,)
+
+
+# ---- long chains --------------------------------------------------------------------------------
+
+def _chain(x, n):
+    for _ in range(n):
+        x = x * 1.001 + 0.001
+    return x
+
+
+def _tree_sum(x, n):
+    terms = [x * float(i + 1) for i in range(n)]
+    while len(terms) > 1:  # pairwise: n products, n - 1 adds, about log2(n) deep
+        terms = [a + b for a, b in zip(terms[::2], terms[1::2])] + terms[len(terms) // 2 * 2:]
+    return terms[0]
+
+
+def _longest_chain(region) -> int:
+    from tilefuse.ir.passes.fusion import INDEX_MAPS
+    depth = {}
+    for e in region.eqns:
+        d = (e.prim.name not in INDEX_MAPS) + max((depth.get(a.id, 0) for a in e.inputs if isinstance(a, Var)),
+                                                   default=0)
+        for o in e.outputs:
+            depth[o.id] = d
+    return max(depth.values())
+
+
+def test_a_long_chain_is_cut_into_kernels_of_max_chain_operations():
+    """A 3000-operation chain (a Python loop) exceeded the recursion limit when lowered as one
+    kernel; now it is a kernel per MAX_CHAIN operations. A wide region of shallow chains (a
+    pairwise sum of 256 products: 511 operations, 9 deep) stays one kernel."""
+    from tilefuse.ir.passes.fusion import MAX_CHAIN
+    x = np.linspace(-1, 1, 8, dtype=np.float32)
+    regions = partition(run_passes(tx.make_graph(lambda x: _chain(x, 1500))(x)))
+    assert len(regions) == -(-3000 // MAX_CHAIN)
+    assert all(_longest_chain(r) <= MAX_CHAIN for r in regions)
+    wide = partition(run_passes(tx.make_graph(lambda x: _tree_sum(x, 256))(x)))
+    assert len(wide) == 1 and _longest_chain(wide[0]) == 9
+
+
+def test_a_long_chain_computes_right(device):
+    x = np.linspace(-1, 1, 8, dtype=np.float32)
+    want = x.astype(np.float64)
+    for _ in range(250):
+        want = want * 1.001 + 0.001
+    got = tx.jit(lambda x: _chain(x, 250), device=device)(x)  # 500 operations: 4 kernels
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4)
