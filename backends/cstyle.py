@@ -137,6 +137,9 @@ class _Printer:
         return whole
 
     # -- helpers ------------------------------------------------------------------------------
+    def lit(self, value, dtype) -> str:
+        return literal(value, dtype)
+
     def line(self, s: str, depth: int) -> None:
         self.lines.append("    " * depth + s)
 
@@ -165,7 +168,7 @@ class _Printer:
     # -- expressions --------------------------------------------------------------------------
     def val(self, n: KExpr, depth: int) -> str:
         if n.op == "var" and n.arg in self.consts:
-            return literal(self.consts[n.arg], INDEX)
+            return self.lit(self.consts[n.arg], INDEX)
         got = self.lookup(n)
         if got is not None:
             return got
@@ -175,9 +178,28 @@ class _Printer:
             return expr
         self.n += 1
         name = f"v{self.n}"
-        self.line(f"const {self.ty(n.dtype, self.lanes(n))} {name} = {expr};", depth)
+        self.line(self.declare(name, self.ty(n.dtype, self.lanes(n)), expr), depth)
         self.memo[-1][n] = name
         return name
+
+    # the statements' spellings (another C-like language overrides these)
+    def declare(self, name: str, ty: str, expr: str) -> str:
+        return f"const {ty} {name} = {expr};"
+
+    def loop_head(self, v: str, extent: str) -> str:
+        return f"for (long {v} = 0; {v} < {extent}; {v}++) {{"
+
+    def alloc_decl(self, a: Alloc) -> str | None:
+        if a.name in self.whole:
+            return f"{self.ty(a.dtype, a.size)} {a.name};"
+        if a.scope == "register":
+            return f"{self.ty(a.dtype)} {a.name}[{a.size}];"
+        if a.scope == "shared":
+            return f"{self.d.shared_decl} {STORE_T[np.dtype(a.dtype)]} {a.name}[{a.size}];"
+        return None  # scratch: carved from the workspace
+
+    def extent(self, n: int) -> str:
+        return f"{n}L"
 
     def ptr(self, target) -> tuple[str, np.dtype]:
         """The C pointer expression of a target and its element dtype."""
@@ -192,7 +214,7 @@ class _Printer:
         op, d = n.op, np.dtype(n.dtype)
         w = self.lanes(n)
         if op == "const":
-            return literal(n.arg, d)
+            return self.lit(n.arg, d)
         if op == "var":
             return n.arg
         if op == "iota":
@@ -425,17 +447,14 @@ class _Printer:
                         self.block(s.body, depth)
                     self.consts.pop(s.var, None)
                     continue
-                ext = self.val(s.extent, depth) if isinstance(s.extent, KExpr) else f"{int(s.extent)}L"
-                self.line(f"for (long {s.var} = 0; {s.var} < {ext}; {s.var}++) {{", depth)
+                ext = self.val(s.extent, depth) if isinstance(s.extent, KExpr) else self.extent(int(s.extent))
+                self.line(self.loop_head(s.var, ext), depth)
                 self.block(s.body, depth + 1)
                 self.line("}", depth)
             elif isinstance(s, Alloc):
-                if s.name in self.whole:
-                    self.line(f"{self.ty(s.dtype, s.size)} {s.name};", depth)
-                elif s.scope == "register":
-                    self.line(f"{self.ty(s.dtype)} {s.name}[{s.size}];", depth)
-                elif s.scope == "shared":
-                    self.line(f"{self.d.shared_decl} {STORE_T[np.dtype(s.dtype)]} {s.name}[{s.size}];", depth)
+                decl = self.alloc_decl(s)
+                if decl:
+                    self.line(decl, depth)
             elif isinstance(s, Store):
                 self.store(s, depth)
             elif isinstance(s, Barrier):

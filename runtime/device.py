@@ -9,15 +9,29 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var, aval_of_value, eval_graph
-from tilefuse.ir.errors import DeviceError, NaNError, without_user_line
+from tilefuse.ir.errors import DeviceError, DTypeError, NaNError, without_user_line
 
 from .array import Array
 from .config import config
 from .hardware import DeviceInfo
 
-# kind -> module that provides `create() -> Backend`; imported lazily, on first use
-BACKEND_MODULES = {"cpu": "tilefuse.backends.llvm", "opencl": "tilefuse.backends.opencl",
-                   "cuda": "tilefuse.backends.cuda", "ref": "tilefuse.backends.ref"}
+# kind -> module that provides `create() -> Backend`, imported lazily, on first use: every
+# package in tilefuse/backends is a device kind named after it (the llvm package is the cpu),
+# found without importing it, so a new backend is a new package and nothing else.
+def _backend_modules() -> dict:
+    import pkgutil
+
+    import tilefuse.backends as pkg
+    found = {"cpu": "tilefuse.backends.llvm"}
+    for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if m.ispkg and m.name != "llvm":
+            found[m.name] = f"tilefuse.backends.{m.name}"
+    found["ref"] = "tilefuse.backends.ref"
+    return found
+
+
+BACKEND_MODULES = _backend_modules()
+SINGLE = ("cpu", "ref")  # kinds of one device, named without an index
 DEFAULT_ORDER = ("cpu", "ref")
 
 
@@ -39,10 +53,25 @@ class Device:
     def __reduce__(self):
         return (get_device, (self.name,))
 
+    def supports(self, dtype) -> bool:
+        """Whether arrays of `dtype` live and compute here (WGSL has no 64-bit types, some OpenCL
+        devices no float64): the hardware description's "unsupported" dtype names."""
+        return np.dtype(dtype).name not in self.info.extra.get("unsupported", ())
+
+    def check_dtypes(self, avals, where: str = "", source: str = "") -> None:
+        """A DTypeError naming the dtype, the device and the user's line for the first aval of a
+        dtype this device lacks."""
+        for a in avals:
+            if not self.supports(a.dtype):
+                at = f"\n  at {source}" if source else ""
+                raise DTypeError(f"{np.dtype(a.dtype).name} is not supported on {self.name} "
+                                 f"({self.info.name}){where}: use float32/int32 there, or another device{at}")
+
     # memory
     def put(self, host, committed: bool = True) -> Array:
         host = np.asarray(host)
         aval = ShapedArray(host.shape, dtypes.canonicalize(host.dtype))
+        self.check_dtypes([aval], " (an array put there)")
         if host.dtype != aval.dtype:
             host = host.astype(aval.dtype)
         return Array(self.backend.put(host, self), aval, self, committed)
@@ -67,6 +96,10 @@ class Device:
 
     # compilation
     def compile(self, graph: Graph) -> "Executable":
+        if self.info.extra.get("unsupported"):
+            self.check_dtypes([v.aval for v in (*graph.constvars, *graph.invars)], " (an argument)")
+            for e in graph.eqns:
+                self.check_dtypes([v.aval for v in e.outputs], f" (the result of {e.prim.name})", e.source)
         return Executable(graph, self, self.backend.compile(graph, self))
 
 
@@ -152,7 +185,7 @@ def _create(kind: str) -> list[Device]:
         _devices[kind] = []
         return []
     _backends[kind] = backend
-    _devices[kind] = [Device(backend, i, info, kind in ("opencl", "cuda"))
+    _devices[kind] = [Device(backend, i, info, kind not in SINGLE)
                       for i, info in enumerate(infos)]
     return _devices[kind]
 

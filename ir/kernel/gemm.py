@@ -317,17 +317,17 @@ class _Gemm:
                 If(_lt(e, tk * rows), (
                     Store(name, _add(_mul(kq, rows), q), select(inside, val, const(0, self.acc))),)),))
         acc_at = _add(_mul(i, wn), j)
-        a = tload("as", _add(_mul(kk, tm), ty, _mul(i, ly)), self.acc)
-        b = tload("bs", _add(_mul(kk, tn), tx, _mul(j, lx)), self.acc)
+        a = tload("at", _add(_mul(kk, tm), ty, _mul(i, ly)), self.acc)
+        b = tload("bt", _add(_mul(kk, tn), tx, _mul(j, lx)), self.acc)
         row = _add(_mul(bm, tm), ty, _mul(i, ly))
         col = _add(_mul(bn, tn), tx, _mul(j, lx))
         inner = (
-            Alloc("as", self.acc, tk * tm, "shared"),
-            Alloc("bs", self.acc, tk * tn, "shared"),
+            Alloc("at", self.acc, tk * tm, "shared"),
+            Alloc("bt", self.acc, tk * tn, "shared"),
             Alloc("acc", self.acc, wm * wn, "register"),
             Range("t", wm * wn, "unroll", (Store("acc", t, const(0, self.acc)),)),
             Range("k0", _ceil(lay.k, tk), "serial", (
-                stage("as", tm, True), stage("bs", tn, False), Barrier(),
+                stage("at", tm, True), stage("bt", tn, False), Barrier(),
                 Range("kk", tk, "serial", (
                     Range("i", wm, "unroll", (Range("j", wn, "unroll", (
                         Store("acc", acc_at, binary("add", tload("acc", acc_at, self.acc),

@@ -64,7 +64,7 @@ def test_the_printer_shows_the_loop_nest():
     f, args = CASES["plain"]
     k, _ = gemm_kernel(f, args)
     text = pp_tile(build(gemm_spec(k), default_schedule(gemm_spec(k), GPU), k.name, k.buffers, k.n_inputs))
-    assert "grid z < 1:" in text and "lane ty <" in text and "shared as:float32" in text and "barrier" in text
+    assert "grid z < 1:" in text and "lane ty <" in text and "shared at:float32" in text and "barrier" in text
 
 
 def _kernel(body):

@@ -1,0 +1,204 @@
+"""The WebGPU backend (wgpu: Metal, Vulkan, DX12): kernels laid out by the shared scheduler and the
+tile builders for a GPU target, printed as WGSL (wgsl.py); this file is the device: adapter
+discovery and its limits as the hardware description, buffers from a caching pool, pipelines
+(cached by source), dispatch. `pip install wgpu`; on Linux without a GPU, Mesa's lavapipe
+(`apt-get install mesa-vulkan-drivers libvulkan1`) is a Vulkan device on the CPU.
+
+WebGPU binds a buffer once per dispatch: a view of an arena would share its buffer with the
+arena's other views, so every view is a block of its own from the pool."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
+from tilefuse.ir.kernel.schedule import Schedule, default_schedule, schedule
+from tilefuse.runtime.config import config
+from tilefuse.runtime.hardware import DeviceInfo, target_of
+from tilefuse.runtime.memory import PoolAllocator
+from tilefuse.runtime.tiled import register_gemm, register_kernels
+
+from ..base import Backend
+from .wgsl import print_wgsl
+
+INSTALL_HINT = ("install wgpu (`pip install wgpu`, or tilefuse[webgpu]) and a WebGPU-capable driver: Metal "
+                "(macOS), DX12 or Vulkan (Windows), Vulkan (Linux; no GPU: `apt-get install mesa-vulkan-drivers "
+                "libvulkan1`)")
+UNSUPPORTED = ("float64", "int64", "uint64")
+
+
+def _ceil4(n: int) -> int:
+    return max(4, -(-int(n) // 4) * 4)
+
+
+class DeviceBuffer:
+    """A pool block of device memory, returned to the pool when the last reference goes."""
+    __slots__ = ("buf", "nbytes", "_pool")
+
+    def __init__(self, buf, nbytes: int, pool):
+        self.buf, self.nbytes, self._pool = buf, nbytes, pool
+
+    def release(self):
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.free(self.buf)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class Launch:
+    """A built pipeline: run(buffers) binds them and dispatches its work-groups."""
+
+    def __init__(self, be, tk, printed, pipeline, layout):
+        self.kernel, self.name, self.source = tk, printed.name, printed.source
+        self.groups, self._be, self._pipeline, self._layout = printed.groups, be, pipeline, layout
+
+    def __call__(self, buffers):
+        if not all(self.groups):
+            return None
+        be = self._be
+        entries = [{"binding": i, "resource": {"buffer": b.buf, "offset": 0, "size": _ceil4(b.nbytes)}}
+                   for i, b in enumerate(buffers)]
+        group = be.device.create_bind_group(layout=self._layout, entries=entries)
+        enc = be.device.create_command_encoder()
+        cp = enc.begin_compute_pass()
+        cp.set_pipeline(self._pipeline)
+        cp.set_bind_group(0, group)
+        cp.dispatch_workgroups(*self.groups)
+        cp.end()
+        be.device.queue.submit([enc.finish()])
+        return None
+
+
+class WebGPUBackend(Backend):
+    kind = "webgpu"
+    tile_kernels = True
+
+    def __init__(self):
+        self.device, self.info, self.pool = None, None, None
+        self._pipelines: dict = {}
+        self._lock = threading.Lock()
+
+    def discover(self) -> list[DeviceInfo]:
+        try:
+            import wgpu
+        except ImportError as e:
+            raise DeviceError(f"WebGPU is unavailable: wgpu is not installed ({e}); {INSTALL_HINT}") from None
+        try:
+            adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+            lim = adapter.limits
+            want = ("max-storage-buffers-per-shader-stage", "max-storage-buffer-binding-size", "max-buffer-size",
+                    "max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
+                    "max-compute-workgroup-size-x", "max-bindings-per-bind-group")
+            self.device = adapter.request_device_sync(required_limits={k: lim[k] for k in want if k in lim})
+        except Exception as e:  # no adapter, no driver
+            raise DeviceError(f"no WebGPU adapter ({type(e).__name__}: {e}); {INSTALL_HINT}") from None
+        self._wgpu, info = wgpu, adapter.info
+        cpu = info.get("adapter_type") == "CPU"
+        self.info = DeviceInfo(
+            kind="webgpu", name=f"{info.get('device', 'webgpu')} ({info.get('backend_type', '')})",
+            compute_units=os.cpu_count() or 1 if cpu else 1, simd_lanes_f32=1,
+            local_mem_bytes=lim["max-compute-workgroup-storage-size"],
+            max_work_group=min(lim["max-compute-invocations-per-workgroup"], lim["max-compute-workgroup-size-x"]),
+            features=tuple(sorted(adapter.features)),
+            extra={"device_type": "gpu", "fp64": False, "unsupported": UNSUPPORTED, "fp16": "shader-f16" in adapter.features,
+                   "max_buffer": lim["max-storage-buffer-binding-size"], "adapter_type": info.get("adapter_type")})
+        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.pool = PoolAllocator(lambda n: self._raw_alloc(n, usage), lambda b: b.destroy(), name="webgpu")
+        return [self.info]
+
+    def _raw_alloc(self, nbytes: int, usage):
+        if nbytes > self.info.extra["max_buffer"]:
+            raise MemoryError(f"webgpu: {nbytes} bytes exceed one buffer's limit ({self.info.extra['max_buffer']})")
+        return self.device.create_buffer(size=_ceil4(nbytes), usage=usage)
+
+    # ---- kernels ----
+    def compile_kernel(self, kernel, device=None, sched: Schedule | None = None) -> Launch:
+        target = target_of(self.info)
+        return self.compile_tile(schedule(kernel, target, sched or default_schedule(kernel, target,
+                                                                                     config.deterministic)), device)
+
+    def compile_tile(self, tk, device=None) -> Launch:
+        bad = [str(b.dtype) for b in tk.buffers if np.dtype(b.dtype).name in UNSUPPORTED]
+        if bad:
+            raise CompileError(f"webgpu: kernel {tk.name} holds {', '.join(bad)}: WGSL has no 64-bit types; "
+                               "use float32/int32 on this device", backend="webgpu", kernel=str(tk))
+        p = print_wgsl(tk)
+        with self._lock:
+            hit = self._pipelines.get(p.source)
+            if hit is None:
+                hit = self._pipelines[p.source] = self._pipeline(tk, p)
+        pipeline, layout = hit
+        return Launch(self, tk, p, pipeline, layout)
+
+    def _pipeline(self, tk, p):
+        wgpu = self._wgpu
+        try:
+            module = self.device.create_shader_module(code=p.source)
+            ro = wgpu.BufferBindingType.read_only_storage
+            entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
+                        "buffer": {"type": ro if f"var<storage, read> b{i}:" in p.source else wgpu.BufferBindingType.storage}}
+                       for i in range(len(tk.buffers))]
+            layout = self.device.create_bind_group_layout(entries=entries)
+            pipe = self.device.create_compute_pipeline(
+                layout=self.device.create_pipeline_layout(bind_group_layouts=[layout]),
+                compute={"module": module, "entry_point": "main"})
+        except Exception as e:
+            raise CompileError(f"webgpu: building kernel {p.name} failed: {e}", backend="webgpu",
+                               kernel=str(tk), source=p.source) from None
+        return pipe, layout
+
+    def compile(self, graph, device):
+        from tilefuse.runtime.compiler import compile_graph
+        return compile_graph(graph, device, self)
+
+    # ---- memory ----
+    def alloc(self, nbytes: int, device=None) -> DeviceBuffer:
+        try:
+            return DeviceBuffer(self.pool.alloc(nbytes), int(nbytes), self.pool)
+        except MemoryError as e:
+            raise OutOfMemoryError(str(e)) from None
+
+    def free(self, buffer: DeviceBuffer, device=None) -> None:
+        buffer.release()
+
+    def view(self, buffer, offset: int, nbytes: int) -> DeviceBuffer:
+        return self.alloc(nbytes)  # (see the module docstring)
+
+    def put(self, host: np.ndarray, device=None) -> DeviceBuffer:
+        host = np.ascontiguousarray(host)
+        buf = self.alloc(host.nbytes)
+        if host.nbytes:
+            data = host.view(np.uint8).reshape(-1)
+            if data.size % 4:
+                data = np.concatenate([data, np.zeros(4 - data.size % 4, np.uint8)])
+            self.device.queue.write_buffer(buf.buf, 0, data)
+        return buf
+
+    def to_host(self, buf: DeviceBuffer, aval, device=None) -> np.ndarray:
+        dtype = np.dtype(aval.dtype)
+        n = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
+        if n == 0:
+            return np.zeros(aval.shape, dtype)
+        raw = np.frombuffer(self.device.queue.read_buffer(buf.buf, 0, _ceil4(n)), np.uint8)
+        return raw[:n].view(dtype).reshape(aval.shape)
+
+    def synchronize(self, device=None) -> None:
+        self.device.queue.on_submitted_work_done_sync()
+
+    def memory_stats(self, device=None) -> dict:
+        return self.pool.stats()
+
+
+def create() -> WebGPUBackend:
+    return WebGPUBackend()
+
+
+register_gemm("webgpu", priority=20)
+register_kernels("webgpu")

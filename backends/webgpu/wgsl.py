@@ -1,0 +1,271 @@
+"""Tile kernels as WGSL: the shared C-like printer (backends/cstyle.py) with WGSL's spellings.
+
+WGSL has no 64-bit types: indices are i32 (buffers hold fewer than 2**31 elements) and the
+device refuses float64/int64 arrays. Its storage holds 32-bit words only: elements of 1 or 2
+bytes (bool, int8, float16, bfloat16) are read out of their word and written with an atomicAnd
+and an atomicOr on it, which leaves the word's other elements alone. Float atomic adds are
+compare-and-swap loops. No NaN test is trusted to survive the compiler: NaN and Inf are read from
+the bits. GPU targets only (a work-item per point: no vectors)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tilefuse.ir import dtypes
+from tilefuse.ir.errors import CompileError
+from tilefuse.ir.kernel.tile import Store, TileKernel, pp_tile
+
+from ..cstyle import ARITH, BF16, BOOL, COMPARE, F16, F32, I32, I64, U32, Dialect, Printed, _Printer, _stores, cname
+
+VALUE = {F32: "f32", F16: "f32", BF16: "f32", I32: "i32", I64: "i32", U32: "u32", BOOL: "bool"}
+FN = {"exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "rsqrt": "inverseSqrt", "sin": "sin",
+      "cos": "cos", "floor": "floor", "ceil": "ceil", "round": "round", "abs": "abs"}
+MAX_GROUPS = 65535
+HELPERS = """fn tf_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
+fn tf_isfinite(x: f32) -> bool { return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u; }
+fn tf_erf(x: f32) -> f32 {  // Abramowitz-Stegun 7.1.26, then a Newton step: a few ulp
+    let t = 1.0 / (1.0 + 0.3275911 * abs(x));
+    let y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
+    return select(y, -y, x < 0.0);
+}
+fn tf_log1p(x: f32) -> f32 { let u = 1.0 + x; return select(log(u) * x / (u - 1.0), x, u == 1.0); }
+fn tf_expm1(x: f32) -> f32 {
+    let u = exp(x);
+    return select(select((u - 1.0) * x / log(u), u - 1.0, u - 1.0 == -1.0 || !tf_isfinite(u)), x, u == 1.0);
+}
+"""
+
+
+class WGSLPrinter(_Printer):
+    def __init__(self, k: TileKernel, atomic: set):
+        super().__init__(k, Dialect(barrier="workgroupBarrier();"))
+        self.atomic = atomic  # buffers declared array<atomic<...>>: sub-word stores, atomic adds
+        if self.scratch:
+            raise CompileError(f"webgpu: kernel {k.name} needs scratch memory (a CPU schedule)", backend="webgpu")
+
+    def lit(self, value, dtype) -> str:
+        d = np.dtype(dtype)
+        if d == BOOL:
+            return "true" if value else "false"
+        if dtypes.is_float(d):
+            v = float(value)
+            if math.isnan(v):
+                return "bitcast<f32>(0x7fc00000u)"
+            if math.isinf(v):
+                return f"bitcast<f32>({'0x7f800000u' if v > 0 else '0xff800000u'})"
+            return f"bitcast<f32>({int(np.float32(v).view(np.uint32))}u)" if v == 0 or abs(v) < 1e-37 or abs(v) > 1e37 \
+                else f"{float(np.float32(v))!r}f"  # (a literal at the ends of the range might not parse)
+        if d == U32:
+            return f"{int(value) & 0xFFFFFFFF}u"
+        v = int(value)
+        return "i32(-2147483648)" if v == -(1 << 31) else f"{v}i"
+
+    def ty(self, d, w: int = 1) -> str:
+        assert w == 1, "webgpu kernels are scalar"
+        return VALUE[np.dtype(d)]
+
+    def declare(self, name: str, ty: str, expr: str) -> str:
+        return f"let {name}: {ty} = {expr};"
+
+    def loop_head(self, v: str, extent: str) -> str:
+        return f"for (var {v}: i32 = 0i; {v} < {extent}; {v}++) {{"
+
+    def extent(self, n: int) -> str:
+        return f"{n}i"
+
+    def alloc_decl(self, a) -> str | None:
+        if a.scope == "shared":
+            return None  # a module-scope var<workgroup> (print)
+        if a.name in self.whole:
+            return f"var {a.name}: {self.ty(a.dtype)};"
+        return f"var {a.name}: array<{self.ty(a.dtype)}, {a.size}>;"
+
+    # -- memory ---------------------------------------------------------------------------------
+    def word(self, target, off: str) -> tuple[str, str, int]:
+        """(the 32-bit word holding element `off` of a buffer, the element's bit shift, its size)."""
+        size = np.dtype(self.k.buffers[target].dtype).itemsize
+        per = 4 // size
+        w = f"b{target}[u32({off}) / {per}u]"
+        return (f"atomicLoad(&{w})" if target in self.atomic else w), f"((u32({off}) % {per}u) * {8 * size}u)", size
+
+    def scalar_load(self, ptr: str, sd, off: str) -> str:
+        return self.load_at(int(ptr[1:]), sd, off) if ptr.startswith("b") and ptr[1:].isdigit() else f"{ptr}[{off}]"
+
+    def load_at(self, target: int, sd, off: str) -> str:
+        if sd.itemsize == 4:
+            x = f"b{target}[{off}]"
+            if target not in self.atomic:
+                return x
+            return f"bitcast<f32>(atomicLoad(&{x}))" if sd == F32 else f"atomicLoad(&{x})"
+        word, shift, size = self.word(target, off)
+        raw = f"(({word} >> {shift}) & {hex((1 << 8 * size) - 1)}u)"
+        if sd == BOOL:
+            return f"({raw} != 0u)"
+        if sd == F16:
+            return f"unpack2x16float({raw}).x"
+        if sd == BF16:
+            return f"bitcast<f32>({raw} << 16u)"
+        if sd.kind == "i":  # sign-extend
+            bits = 8 * size
+            return f"((i32({raw}) << {32 - bits}u) >> {32 - bits}u)"
+        return f"u32({raw})"
+
+    def expr(self, n, depth: int) -> str:
+        op = n.op
+        if op == "select":
+            c, a, b = (self.val(x, depth) for x in n.src)
+            return f"select({b}, {a}, {c})"
+        if op in ("vload", "iota", "broadcast", "hsum", "hmax", "hmin"):
+            raise CompileError(f"webgpu: a vector op ({op}) in kernel {self.k.name}", backend="webgpu")
+        if op == "load" and n.arg in self.whole:
+            return n.arg
+        if op == "load":
+            off = self.val(n.src[0], depth)
+            if isinstance(n.arg, int):
+                return self.load_at(n.arg, np.dtype(self.k.buffers[n.arg].dtype), off)
+            return f"{n.arg}[{off}]"
+        return super().expr(n, depth)
+
+    def store(self, s: Store, depth: int) -> None:
+        off, v = self.val(s.offset, depth), self.val(s.value, depth)
+        if s.target in self.whole:
+            self.line(f"{s.target} = {v};", depth)
+        elif not isinstance(s.target, int):
+            self.line(f"{s.target}[{off}] = {v};", depth)
+        else:
+            sd = np.dtype(self.k.buffers[s.target].dtype)
+            p = f"b{s.target}[{off}]"
+            if s.mode == "add":
+                if sd in (I32, U32):
+                    self.line(f"atomicAdd(&{p}, {v});", depth)
+                else:  # a float: compare-and-swap on the bits
+                    self.line(f"loop {{ let o = atomicLoad(&{p}); if (atomicCompareExchangeWeak(&{p}, o, "
+                              f"bitcast<u32>(bitcast<f32>(o) + {v})).exchanged) {{ break; }} }}", depth)
+            elif sd.itemsize < 4:
+                self.subword_store(s.target, sd, off, v, depth)
+            elif s.target in self.atomic:
+                self.line(f"atomicStore(&{p}, {self.bits(v, sd)});", depth)
+            else:
+                self.line(f"{p} = {v};", depth)
+        self.forget(s.target)
+
+    def bits(self, v: str, sd) -> str:
+        return f"bitcast<u32>({v})" if sd == F32 else v  # (an atomic<i32> or atomic<u32> takes its own)
+
+    def subword_store(self, target: int, sd, off: str, v: str, depth: int) -> None:
+        size = sd.itemsize
+        per, mask = 4 // size, (1 << 8 * size) - 1
+        if sd == BOOL:
+            bits = f"select(0u, 1u, {v})"
+        elif sd == F16:
+            bits = f"(pack2x16float(vec2<f32>({v}, 0.0)) & 0xffffu)"
+        elif sd == BF16:
+            b = f"bitcast<u32>({v})"
+            bits = f"select((({b} + 0x7fffu + (({b} >> 16u) & 1u)) >> 16u), (({b} >> 16u) | 0x40u), tf_isnan({v}))"
+        else:
+            bits = f"(u32({v}) & {hex(mask)}u)"
+        w, sh = f"b{target}[u32({off}) / {per}u]", f"((u32({off}) % {per}u) * {8 * size}u)"
+        self.line(f"atomicAnd(&{w}, ~({hex(mask)}u << {sh})); atomicOr(&{w}, {bits} << {sh});", depth)
+
+    # -- ops ---------------------------------------------------------------------------------------
+    def unary(self, op, x, d, w) -> str:
+        f = dtypes.is_float(d)
+        if op in FN and (f or op == "abs"):
+            return f"{FN[op]}({x})"
+        if op in ("log1p", "expm1", "erf"):
+            return f"tf_{op}({x})"
+        if op == "logistic":
+            return f"(1.0 / (1.0 + exp(-{x})))"
+        if op == "neg":
+            return f"(-{x})"
+        if op == "sign":
+            return f"sign({x})" if f else f"select(select(0i, -1i, {x} < 0i), 1i, {x} > 0i)"
+        if op == "not":
+            return f"(!{x})" if d == BOOL else f"(~{x})"
+        if op == "is_finite":
+            return f"tf_isfinite({x})"
+        raise CompileError(f"webgpu: no spelling of the unary op {op!r}", backend="webgpu")
+
+    def binary(self, op, a, b, d, w) -> str:
+        if d == BOOL and op in ("add", "mul", "max", "min"):
+            op = {"add": "or", "mul": "and", "max": "or", "min": "and"}[op]
+        if op in ARITH:
+            return f"({a} {ARITH[op]} {b})"
+        if op in COMPARE:
+            return f"({a} {COMPARE[op]} {b})"
+        if op in ("max", "min"):
+            if not dtypes.is_float(d):
+                return f"{op}({a}, {b})"
+            cmp = ">" if op == "max" else "<"
+            return f"select({b}, {a}, ({a} {cmp} {b}) || tf_isnan({a}))"
+        if op == "pow":
+            return f"pow({a}, {b})"
+        if op in ("div", "rem"):
+            if dtypes.is_float(d):
+                return f"({a} / {b})" if op == "div" else f"({a} - {b} * trunc({a} / {b}))"
+            zero, sym = self.lit(0, d), "/" if op == "div" else "%"
+            return f"select(({a} {sym} select({b}, {self.lit(1, d)}, {b} == {zero})), {a if op == 'rem' else zero}, " \
+                   f"{b} == {zero})"
+        if op in ("shift_left", "shift_right_logical"):
+            bits = d.itemsize * 8
+            sh = f"({a} << u32({b}))" if op == "shift_left" else f"{self.ty(d)}(u32({a}) >> u32({b}))"
+            return f"select({sh}, {self.lit(0, d)}, u32({b}) >= {bits}u)"
+        raise CompileError(f"webgpu: no spelling of the binary op {op!r}", backend="webgpu")
+
+    def cast(self, x, src, dst, w, depth) -> str:
+        if dst == BOOL:
+            return f"({x} != {self.lit(0, src)})"
+        if src == BOOL:
+            return f"select({self.lit(0, dst)}, {self.lit(1, dst)}, {x})"
+        if dst == F16:
+            return f"unpack2x16float(pack2x16float(vec2<f32>(f32({x}), 0.0))).x"
+        if dst == BF16:
+            b = f"bitcast<u32>(f32({x}))"
+            return f"bitcast<f32>(({b} + 0x7fffu + (({b} >> 16u) & 1u)) & 0xffff0000u)"
+        return x if VALUE[src] == VALUE[dst] else f"{VALUE[dst]}({x})"
+
+    def print(self) -> Printed:
+        k = self.k
+        grid, lanes = k.grid(), k.lanes()
+        if len(lanes) > 3:
+            raise CompileError(f"{k.name}: {len(lanes)} work-item dimensions", backend="webgpu")
+        n = math.prod(int(r.extent) for r in grid)
+        groups = (min(n, MAX_GROUPS), -(-n // MAX_GROUPS)) if n else (0, 1)
+        local = tuple(int(r.extent) for r in reversed(lanes)) or (1,)
+        head = ["// generated by tilefuse from:", *("// " + ln for ln in pp_tile(k).splitlines()), HELPERS]
+        for i, b in enumerate(k.buffers):
+            d = np.dtype(b.dtype)
+            if d in (I64, np.dtype(np.float64), np.dtype(np.uint64)):
+                raise CompileError(f"webgpu: kernel {k.name} holds {d} (WGSL has no 64-bit types)", backend="webgpu")
+            elem = "u32" if d.itemsize < 4 or d == U32 or (i in self.atomic and d == F32) else VALUE[d]
+            if i in self.atomic:
+                elem = f"atomic<{'i32' if d == I32 else 'u32'}>"
+            mode = "read" if i < k.n_inputs and i not in self.atomic else "read_write"
+            head.append(f"@group(0) @binding({i}) var<storage, {mode}> b{i}: array<{elem}>;")
+        for a in k.allocs():
+            if a.scope == "shared":
+                head.append(f"var<workgroup> {a.name}: array<{self.ty(a.dtype)}, {a.size}>;")
+        self.lines = head + [f"@compute @workgroup_size({', '.join(map(str, local))})",
+                             "fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {",
+                             f"    let gid = i32(wid.x + wid.y * {MAX_GROUPS}u);",
+                             f"    if (gid >= {n}i) {{ return; }}"]
+        rest = "gid"
+        for r in reversed(grid):  # the last grid Range varies fastest
+            self.line(f"let {r.var}: i32 = {rest} % {int(r.extent)}i;", 1)
+            rest = f"({rest} / {int(r.extent)}i)"
+        for dim, r in enumerate(reversed(lanes)):
+            self.line(f"let {r.var}: i32 = i32(lid.{'xyz'[dim]});", 1)
+        self.block(k.inner(), 1)
+        self.lines.append("}")
+        return Printed(cname(k), "\n".join(self.lines) + "\n", groups, local, 0, F32)
+
+
+def atomic_buffers(k: TileKernel) -> set:
+    """Buffers the kernel writes with atomics: adds, and elements narrower than a word."""
+    return {s.target for s in _stores(k.body) if isinstance(s.target, int) and
+            (s.mode == "add" or np.dtype(k.buffers[s.target].dtype).itemsize < 4)}
+
+
+def print_wgsl(k: TileKernel) -> Printed:
+    return WGSLPrinter(k, atomic_buffers(k)).print()
