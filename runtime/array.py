@@ -54,6 +54,8 @@ class Array:
                               f"without a copy (copy=False)")
         self.device.synchronize()
         host = self.numpy()
+        if any(st < 0 for st in host.strides):  # consumers (PyTorch) reject negative strides
+            host = np.ascontiguousarray(host)
         if copy or (max_version is None or tuple(max_version) < (1, 0)) and not host.flags.writeable:
             if copy is False:
                 raise BufferError("a legacy (pre-1.0) DLPack consumer cannot take read-only memory "

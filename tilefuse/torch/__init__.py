@@ -14,7 +14,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tilefuse.torch needs PyTorch: pip install 'tilefuse[torch]'") from e
 
 from .aten import UnsupportedOpError
-from .compiler import backend, decompositions
+from .compiler import backend, compile_fx_graph, decompositions
 from .convert import DeviceTensor, to_array, to_tensor
 
 
@@ -24,5 +24,5 @@ def supported_ops() -> list[str]:
     return sorted(str(op) for op in OPS if isinstance(op, torch._ops.OpOverload))
 
 
-__all__ = ["backend", "decompositions", "supported_ops", "UnsupportedOpError", "DeviceTensor",
+__all__ = ["backend", "compile_fx_graph", "decompositions", "supported_ops", "UnsupportedOpError", "DeviceTensor",
            "to_array", "to_tensor"]

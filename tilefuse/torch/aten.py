@@ -138,6 +138,11 @@ def _hardtanh(x, min_val=-1.0, max_val=1.0):
     return tnp.clip(x, min_val, max_val)
 
 
+@rule(aten.elu.default)
+def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    return tnp.where(x > 0, x * scale, tnp.expm1(x * input_scale) * (alpha * scale))
+
+
 @rule(aten.leaky_relu.default)
 def _leaky_relu(x, negative_slope=0.01):
     return tnp.where(x > 0, x, x * negative_slope)
@@ -352,6 +357,11 @@ def _var(x, dim=None, *, correction=None, keepdim=False):
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     return _var(x, dim, correction=correction, keepdim=keepdim), \
         tnp.mean(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.cumprod.default)
+def _cumprod(x, dim, dtype=None):
+    return tnp.cumprod(_acc(x, dtype), axis=dim)
 
 
 @rule(aten.cumsum.default)
@@ -770,6 +780,22 @@ def _native_layer_norm(x, normalized_shape, weight, bias, eps):
     if bias is not None:
         y = y + bias
     return y, mean, rstd
+
+
+@rule(aten.native_group_norm.default)
+def _native_group_norm(x, weight, bias, n, c, hxw, group, eps):
+    shape = tnp.shape(x)
+    g = tnp.reshape(x, (n, group, -1))
+    mean = tnp.mean(g, axis=-1, keepdims=True)
+    d = g - mean
+    rstd = tnp.rsqrt(tnp.mean(d * d, axis=-1, keepdims=True) + eps)
+    y = tnp.reshape(d * rstd, shape)
+    bshape = (1, c) + (1,) * (len(shape) - 2)
+    if weight is not None:
+        y = y * tnp.reshape(weight, bshape)
+    if bias is not None:
+        y = y + tnp.reshape(bias, bshape)
+    return y, tnp.reshape(mean, (n, group)), tnp.reshape(rstd, (n, group))
 
 
 def _batch_stats(x):

@@ -200,10 +200,12 @@ def interpret(gm: torch.fx.GraphModule, inputs: list, key=None) -> list:
 class CompiledGraph:
     """One ATen graph compiled for a device; called (boxed) with the graph's inputs, it returns
     its outputs as tensors."""
-    _boxed_call = True
 
     def __init__(self, gm: torch.fx.GraphModule, device):
         check_supported(gm)
+        # boxed: called with one list of inputs; an instance attribute, so the wrapper
+        # torch._dynamo.disable puts around backward graphs copies it (functools.wraps)
+        self._boxed_call = True
         self.gm, self.device = gm, device
         self.host_memory = device.backend.host_memory(device)
         places = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -212,13 +214,14 @@ class CompiledGraph:
         out = next(n for n in gm.graph.nodes if n.op == "output")
         # each output: ("input", i) passes input i through, ("value", k) is the jitted function's
         # k-th result, ("static", j) the j-th Python value (a size) the trace found
-        self.outputs, self._values, self._statics = [], [], []
+        self.outputs, self._values, self._statics, self._out_dtypes = [], [], [], []
         for j, o in enumerate(out.args[0]):
             if isinstance(o, torch.fx.Node) and o.op == "placeholder":
                 self.outputs.append(("input", places.index(o)))
             elif isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
                 self.outputs.append(("value", len(self._values)))
                 self._values.append(j)
+                self._out_dtypes.append(o.meta["val"].dtype)
             else:
                 self.outputs.append(("static", len(self._statics)))
                 self._statics.append(j)
@@ -245,8 +248,7 @@ class CompiledGraph:
         return entry
 
     def __call__(self, *args):
-        # AOTAutograd calls boxed (one list, which we empty so inputs can be freed early),
-        # except through the torch._dynamo.disable wrapper it puts on backward graphs
+        # AOTAutograd calls boxed: one list, which we empty so inputs can be freed early
         boxed = len(args) == 1 and type(args[0]) is list
         args = args[0] if boxed else list(args)
         dev = self.device
@@ -265,7 +267,8 @@ class CompiledGraph:
             elif kind == "value":
                 a = results[x]
                 if id(a) not in made:
-                    made[id(a)] = to_tensor(a, self.host_memory)
+                    t = to_tensor(a, self.host_memory)
+                    made[id(a)] = t if t.dtype == self._out_dtypes[x] else t.to(self._out_dtypes[x])
                 outs.append(made[id(a)])
             else:
                 outs.append(found[x])

@@ -19,20 +19,23 @@ from torch.utils.weak import WeakIdKeyDictionary
 import tilefuse as tx
 from tilefuse.ir.errors import DTypeError
 
-# torch dtype -> numpy dtype tilefuse stores; narrow integers are not supported by tilefuse
+# torch dtype -> numpy dtype tilefuse stores
 TO_NUMPY = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
             torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
             torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
             torch.bool: np.dtype(np.bool_)}
 TO_TORCH = {v: k for k, v in TO_NUMPY.items()}
+# narrow integers are computed as int32 (as tilefuse stores them); graph outputs are cast back
+WIDENED = {torch.int8: np.dtype(np.int32), torch.uint8: np.dtype(np.int32),
+           torch.int16: np.dtype(np.int32)}
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     try:
-        return TO_NUMPY[dtype]
+        return TO_NUMPY[dtype] if dtype in TO_NUMPY else WIDENED[dtype]
     except KeyError:
         raise DTypeError(f"tilefuse.torch: the dtype {dtype} has no tilefuse equivalent; supported: "
-                         + ", ".join(str(d) for d in TO_NUMPY)) from None
+                         + ", ".join(str(d) for d in (*TO_NUMPY, *WIDENED))) from None
 
 
 def torch_dtype(dtype) -> torch.dtype:
@@ -68,26 +71,22 @@ def to_array(t: torch.Tensor, device):
     """The Array for a tensor on `device`: the one it came from or was copied to last, when the
     tensor has not been written since; else from DLPack (shared memory where the device can
     compute on it in place, a copy elsewhere)."""
-    if isinstance(t, DeviceTensor) and t._tx.device is device:
-        return t._tx
+    if isinstance(t, DeviceTensor):
+        return t._store.array(device)
     a = _known(t, device)
     if a is not None:
         return a
-    if isinstance(t, DeviceTensor):
-        a = tx.device_put(t._tx.numpy(), device)
+    if t.device.type != "cpu":
+        raise tx.DeviceError(f"tilefuse.torch: a {t.device} tensor cannot go to {device}; the "
+                             "backend takes CPU tensors (move the model with .cpu())")
+    numpy_dtype(t.dtype)  # a clear error for unsupported dtypes
+    d = t.detach()
+    if not d.is_contiguous():
+        d = d.contiguous()
+    if d.dtype == torch.bfloat16:  # numpy's DLPack knows no bfloat16: cross as int16 bits
+        a = tx.from_dlpack(np.from_dlpack(d.view(torch.int16)).view(ml_dtypes.bfloat16), device=device)
     else:
-        if t.device.type != "cpu":
-            raise tx.DeviceError(f"tilefuse.torch: a {t.device} tensor cannot go to {device}; the "
-                                 "backend takes CPU tensors (move the model with .cpu())")
-        numpy_dtype(t.dtype)  # a clear error for unsupported dtypes
-        d = t.detach()
-        if not d.is_contiguous():
-            d = d.contiguous()
-        if d.dtype == torch.bfloat16:  # numpy's DLPack knows no bfloat16: cross as int16 bits
-            host = np.from_dlpack(d.view(torch.int16)).view(ml_dtypes.bfloat16)
-            a = tx.from_dlpack(host, device=device)
-        else:
-            a = tx.from_dlpack(d, device=device)
+        a = tx.from_dlpack(d, device=device)
     _remember(t, a)
     return a
 
@@ -101,7 +100,7 @@ def to_tensor(a, host_memory: bool) -> torch.Tensor:
         else:
             t = torch.from_dlpack(a)
     else:
-        t = DeviceTensor(a)
+        return DeviceTensor(_Store(a))
     _remember(t, a)
     return t
 
@@ -114,28 +113,65 @@ def host_tensor(a) -> torch.Tensor:
     return torch.from_numpy(host)
 
 
+class _Store:
+    """The values of a DeviceTensor (and of its detached aliases): an Array on the device and,
+    once PyTorch has read them, a host copy. Whoever writes the host copy (an in-place op, a
+    write through a view of it) bumps its version counter, which makes it the newer of the two."""
+    __slots__ = ("_array", "_host", "_host_version")
+
+    def __init__(self, array):
+        self._array, self._host, self._host_version = array, None, 0
+
+    def host(self) -> torch.Tensor:
+        if self._host is None:
+            self._host = host_tensor(self._array)
+            self._host_version = self._host._version
+        return self._host
+
+    def array(self, device):
+        """The Array on `device`, uploaded again when the host copy has been written."""
+        if self._host is not None and self._host._version != self._host_version:
+            self._array = tx.device_put(self._host.numpy(), self._array.device)
+            self._host_version = self._host._version
+        a = self._array
+        return a if a.device is device else tx.device_put(self.host().numpy(), device)
+
+
 class DeviceTensor(torch.Tensor):
     """A tensor whose values live in a tilefuse Array on a device that is not host memory.
 
     The compiled graphs take its Array as it is; anything else PyTorch does with it (printing,
-    .item(), an eager op, an optimizer's update) copies it to the host first, so it behaves as a
-    CPU tensor with the same values."""
+    .item(), an eager op, an optimizer's update) works on a host copy made once, so it behaves
+    as a CPU tensor with the same values (writes included: a written host copy goes back to
+    the device when a compiled graph next takes the tensor)."""
 
     @staticmethod
-    def __new__(cls, array):
-        dtype = torch_dtype(array.dtype)
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(array.shape), dtype=dtype, device="cpu")
-        t._tx = array
+    def __new__(cls, store: _Store):
+        a = store._array
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(a.shape), dtype=torch_dtype(a.dtype),
+                                                device="cpu")
+        t._store = store
         return t
 
+    @property
+    def tilefuse_device(self):
+        return self._store._array.device
+
     def __repr__(self, *, tensor_contents=None):
-        return f"DeviceTensor({host_tensor(self._tx)!r}, device={self._tx.device})"
+        return f"DeviceTensor({self._store.host()!r}, device={self.tilefuse_device})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return DeviceTensor(args[0]._tx)  # the same values: no copy
+            return DeviceTensor(args[0]._store)  # the same values: no copy
+        hosts = {}
 
         def host(x):
-            return host_tensor(x._tx) if isinstance(x, DeviceTensor) else x
-        return func(*tree_map(host, args), **tree_map(host, kwargs or {}))
+            if isinstance(x, DeviceTensor):
+                h = x._store.host()
+                hosts[id(h)] = x
+                return h
+            return x
+        out = func(*tree_map(host, args), **tree_map(host, kwargs or {}))
+        # an in-place op returns the tensor it wrote: give back the DeviceTensor, not its copy
+        return tree_map(lambda o: hosts.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
