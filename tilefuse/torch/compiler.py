@@ -215,6 +215,9 @@ class CompiledGraph:
         # each output: ("input", i) passes input i through, ("value", k) is the jitted function's
         # k-th result, ("static", j) the j-th Python value (a size) the trace found
         self.outputs, self._values, self._statics, self._out_dtypes = [], [], [], []
+        # outputs from this index on are activations saved for the backward graph (partition())
+        self._saved_from = gm.meta.get("tilefuse_saved_from", len(out.args[0]))
+        self._stay = []
         for j, o in enumerate(out.args[0]):
             if isinstance(o, torch.fx.Node) and o.op == "placeholder":
                 self.outputs.append(("input", places.index(o)))
@@ -222,6 +225,7 @@ class CompiledGraph:
                 self.outputs.append(("value", len(self._values)))
                 self._values.append(j)
                 self._out_dtypes.append(o.meta["val"].dtype)
+                self._stay.append(j >= self._saved_from)
             else:
                 self.outputs.append(("static", len(self._statics)))
                 self._statics.append(j)
@@ -267,13 +271,23 @@ class CompiledGraph:
             elif kind == "value":
                 a = results[x]
                 if id(a) not in made:
-                    t = to_tensor(a, self.host_memory)
+                    t = to_tensor(a, self.host_memory, self._stay[x])
                     made[id(a)] = t if t.dtype == self._out_dtypes[x] else t.to(self._out_dtypes[x])
                 outs.append(made[id(a)])
             else:
                 outs.append(found[x])
         args.clear()
         return outs
+
+
+def partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
+    """AOTAutograd's min-cut partition (as Inductor's), noting on the forward graph where its
+    outputs for the backward graph start, so they can stay on the device."""
+    from functorch.compile import min_cut_rematerialization_partition
+    fw, bw = min_cut_rematerialization_partition(joint_module, joint_inputs,
+                                                 num_fwd_outputs=num_fwd_outputs, **kwargs)
+    fw.meta["tilefuse_saved_from"] = num_fwd_outputs
+    return fw, bw
 
 
 def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, device) -> CompiledGraph:
@@ -286,7 +300,6 @@ def backend(device=None):
 
     Forward and backward become core-ATen graphs (AOTAutograd), each compiled by tx.jit for
     `device` (default: tilefuse's default device when the graph compiles)."""
-    from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
     dev = tx.get_device(device) if device is not None else None
@@ -296,7 +309,7 @@ def backend(device=None):
 
     aot = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=compiler,
                        decompositions=decompositions(),
-                       partition_fn=min_cut_rematerialization_partition)
+                       partition_fn=partition)
 
     def tilefuse_backend(gm: torch.fx.GraphModule, example_inputs):
         use_tilefuse_attention(gm)

@@ -2,12 +2,13 @@
 
 A torch tensor becomes an Array through DLPack (zero-copy where the device computes on host
 memory in place: cpu, ref), and an Array becomes a tensor the same way where the device's memory
-is host memory (cpu, ref, PoCL). On other devices (a discrete GPU) an output is a DeviceTensor: a
-tensor that holds the Array and copies it to the host only when PyTorch itself computes with it,
-so activations saved for the backward pass and values passed from one compiled graph to the next
-never leave the device. Every tensor made from an Array, and every tensor copied to a device, is
-remembered (weakly) with its version counter, so a tensor that comes back unchanged (a parameter
-the optimizer has not touched since, a saved activation) is not copied again."""
+is host memory (cpu, ref, PoCL). On other devices (a discrete GPU) the activations a forward
+graph saves for its backward graph are DeviceTensors: tensors that hold the Array and copy it to
+the host only if PyTorch itself computes with one, so they never leave the device; the outputs
+the user sees are host tensors (dynamo would not compile a function that takes a DeviceTensor).
+Every tensor made from an Array, and every tensor copied to a device, is remembered (weakly) with
+its version counter, so a tensor that comes back unchanged (a parameter the optimizer has not
+touched since, a frozen weight, a buffer) is not copied again."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -91,16 +92,19 @@ def to_array(t: torch.Tensor, device):
     return a
 
 
-def to_tensor(a, host_memory: bool) -> torch.Tensor:
-    """A tensor for an Array: its memory itself where the device's memory is host memory, else a
-    DeviceTensor that stays on the device until PyTorch computes with it."""
+def to_tensor(a, host_memory: bool, stay: bool = False) -> torch.Tensor:
+    """A tensor for an Array: its memory itself where the device's memory is host memory; else a
+    DeviceTensor that stays on the device until PyTorch computes with it when `stay` (an
+    activation saved for the backward pass), or a host copy."""
     if host_memory:
         if a.dtype == ml_dtypes.bfloat16:
             t = torch.from_dlpack(a.numpy().view(np.int16)).view(torch.bfloat16)
         else:
             t = torch.from_dlpack(a)
-    else:
+    elif stay:
         return DeviceTensor(_Store(a))
+    else:
+        t = host_tensor(a)
     _remember(t, a)
     return t
 
@@ -117,10 +121,11 @@ class _Store:
     """The values of a DeviceTensor (and of its detached aliases): an Array on the device and,
     once PyTorch has read them, a host copy. Whoever writes the host copy (an in-place op, a
     write through a view of it) bumps its version counter, which makes it the newer of the two."""
-    __slots__ = ("_array", "_host", "_host_version")
+    __slots__ = ("_array", "_host", "_host_version", "_escaped")
 
     def __init__(self, array):
         self._array, self._host, self._host_version = array, None, 0
+        self._escaped = False  # a view of the host copy went out: writes through it go unseen
 
     def host(self) -> torch.Tensor:
         if self._host is None:
@@ -128,9 +133,12 @@ class _Store:
             self._host_version = self._host._version
         return self._host
 
+    def written(self) -> None:
+        self._host_version = -1  # an op wrote the host copy where no version counter saw it
+
     def array(self, device):
         """The Array on `device`, uploaded again when the host copy has been written."""
-        if self._host is not None and self._host._version != self._host_version:
+        if self._host is not None and (self._escaped or self._host._version != self._host_version):
             self._array = tx.device_put(self._host.numpy(), self._array.device)
             self._host_version = self._host._version
         a = self._array
@@ -160,6 +168,12 @@ class DeviceTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         return f"DeviceTensor({self._store.host()!r}, device={self.tilefuse_device})"
 
+    def tolist(self):
+        return self._store.host().tolist()
+
+    def numpy(self, *, force=False):
+        return self._store.host().numpy()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
@@ -172,6 +186,26 @@ class DeviceTensor(torch.Tensor):
                 hosts[id(h)] = x
                 return h
             return x
-        out = func(*tree_map(host, args), **tree_map(host, kwargs or {}))
-        # an in-place op returns the tensor it wrote: give back the DeviceTensor, not its copy
-        return tree_map(lambda o: hosts.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
+        kwargs = kwargs or {}
+        out = func(*tree_map(host, args), **tree_map(host, kwargs))
+        # an op that writes one of its arguments writes its host copy (ops under
+        # __torch_dispatch__ do not bump version counters): that copy is now the truth
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                x = args[i] if i < len(args) else kwargs.get(a.name)
+                for t in (x if isinstance(x, (list, tuple)) else (x,)):
+                    if isinstance(t, DeviceTensor):
+                        t._store.written()
+        stores = {h.untyped_storage().data_ptr(): t._store for t in hosts.values()
+                  for h in (t._store._host,)}
+
+        def back(o):
+            if not isinstance(o, torch.Tensor):
+                return o
+            if id(o) in hosts:  # an in-place op returns the tensor it wrote: the DeviceTensor
+                return hosts[id(o)]
+            store = stores.get(o.untyped_storage().data_ptr()) if o.device.type == "cpu" else None
+            if store is not None:  # a view of a host copy: the copy stays the truth from now on
+                store._escaped = True
+            return o
+        return tree_map(back, out)
