@@ -17,6 +17,26 @@ import tilefuse.torch as tt  # noqa: E402
 from tilefuse.torch import convert  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles afresh: dynamo's per-function cache (8 entries) would otherwise fill
+    up across devices and fall back to eager PyTorch, and a test would compare eager with eager."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(model, device):
+    backend = tt.backend(device=device)
+    return torch.compile(model, backend=backend), backend
+
+
+def _assert_ran(backend, device, graphs=2):
+    """The backend compiled (forward and backward) graphs for `device` and ran each of them."""
+    assert len(backend.graphs) >= graphs
+    assert all(g.device is device and g.calls > 0 for g in backend.graphs)
+
+
 class Block(nn.Module):
     """nanoGPT's block: pre-norm causal self-attention and a GELU MLP, with dropout."""
 
@@ -82,7 +102,7 @@ def test_gpt_block_trains_like_eager(device):
     torch.manual_seed(0)
     eager = TinyGPT()
     ours = copy.deepcopy(eager)
-    compiled = torch.compile(ours, backend=tt.backend(device=device))
+    compiled, backend = _compiled(ours, device)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 20, (2, 8), generator=g), torch.randint(0, 20, (2, 8), generator=g))
                for _ in range(3)]
@@ -93,13 +113,14 @@ def test_gpt_block_trains_like_eager(device):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     _assert_params_close(eager, ours, 1e-5)
     assert want[-1] < want[0]  # it learns: the test compares training, not a constant
+    _assert_ran(backend, device)
 
 
 def test_cnn_trains_like_eager_with_batch_norm_statistics(device):
     torch.manual_seed(0)
     eager = SmallCNN()
     ours = copy.deepcopy(eager)
-    compiled = torch.compile(ours, backend=tt.backend(device=device))
+    compiled, backend = _compiled(ours, device)
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 5, (4,), generator=g))
                for _ in range(3)]
@@ -116,11 +137,12 @@ def test_cnn_trains_like_eager_with_batch_norm_statistics(device):
     x = batches[0][0]
     with torch.no_grad():  # evaluation: running statistics, the inference graph
         torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+    _assert_ran(backend, device, graphs=3)
 
 
 def test_dropout_draws_from_torchs_generator(device):
     x = torch.randn(64, 32, requires_grad=True)
-    f = torch.compile(lambda v: F.dropout(v, 0.25, training=True), backend=tt.backend(device=device))
+    f, backend = _compiled(lambda v: F.dropout(v, 0.25, training=True), device)
     torch.manual_seed(3)
     y = f(x)
     y.backward(torch.ones_like(y))
@@ -131,6 +153,7 @@ def test_dropout_draws_from_torchs_generator(device):
     torch.manual_seed(3)
     assert torch.equal(f(x), y)       # torch.manual_seed reproduces the draw
     assert not torch.equal(f(x), y)   # and each call draws afresh
+    _assert_ran(backend, device)
 
 
 def test_activations_stay_on_a_device_whose_memory_is_not_the_hosts(device, monkeypatch):
@@ -146,7 +169,7 @@ def test_activations_stay_on_a_device_whose_memory_is_not_the_hosts(device, monk
     torch.manual_seed(0)
     eager = TinyGPT()
     ours = copy.deepcopy(eager)
-    compiled = torch.compile(ours, backend=tt.backend(device=device))
+    compiled, backend = _compiled(ours, device)
     idx = torch.randint(0, 20, (2, 8))
     params = {tuple(p.shape) for p in ours.parameters()}
     for _ in range(2):  # two backward passes accumulate into .grad
@@ -161,6 +184,7 @@ def test_activations_stay_on_a_device_whose_memory_is_not_the_hosts(device, monk
         assert set(copies) <= params  # the gradients, nothing else
     for (name, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    _assert_ran(backend, device)
 
 
 def test_device_tensor_behaves_as_a_host_tensor(device):
@@ -190,10 +214,12 @@ def test_unchanged_inputs_are_not_copied_again(device):
 
 def test_new_shapes_recompile_and_agree(device):
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    compiled = torch.compile(model, backend=tt.backend(device=device))
+    compiled, backend = _compiled(model, device)
     for batch in (3, 5, 3):  # dynamo marks the batch dynamic after the second shape
         x = torch.randn(batch, 4)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    # a graph with a symbolic batch size ran (its sizes are static arguments of tx.jit)
+    assert any(g.static_in and g.calls == 2 and g.device is device for g in backend.graphs)
 
 
 def test_backend_rejects_an_unknown_device():

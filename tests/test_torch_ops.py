@@ -234,6 +234,7 @@ def test_unsupported_op_is_a_clear_error(device):
     def f(x):
         return torch.sort(x, dim=1).values * 2
 
+    torch._dynamo.reset()
     x = torch.randn(3, 4)
     with pytest.raises(Exception) as info:
         torch.compile(f, backend=tt.backend(device=device))(x)

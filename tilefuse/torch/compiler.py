@@ -231,6 +231,7 @@ class CompiledGraph:
                 self._statics.append(j)
         self.random = any(n.op == "call_function" and n.target in A.RANDOM for n in gm.graph.nodes)
         self._jitted: dict = {}  # static inputs (sizes) -> (jitted function, static outputs)
+        self.calls = 0
 
     def _specialise(self, statics: tuple):
         """The jitted function for one set of static inputs (sizes of a dynamic-shape graph):
@@ -260,6 +261,7 @@ class CompiledGraph:
         statics = tuple(int(args[i]) if isinstance(args[i], (int, torch.SymInt)) else args[i]
                         for i in self.static_in)
         jitted, found = self._jitted.get(statics) or self._specialise(statics)
+        self.calls += 1
         if self.random:  # a fresh key per call from torch's generator (torch.manual_seed holds)
             arrays.append(np.asarray(torch.randint(0, 2**31 - 1, ()).item(), np.int32))
         results = jitted(*arrays)
@@ -299,13 +301,18 @@ def backend(device=None):
     `torch.compile(model, backend=tilefuse.torch.backend(device="opencl:0"))`.
 
     Forward and backward become core-ATen graphs (AOTAutograd), each compiled by tx.jit for
-    `device` (default: tilefuse's default device when the graph compiles)."""
+    `device` (default: tilefuse's default device when the graph compiles). The backend's
+    `.graphs` lists the CompiledGraphs it made (each with .gm, .device and .calls)."""
     from torch._dynamo.backends.common import aot_autograd
 
     dev = tx.get_device(device) if device is not None else None
 
+    graphs: list = []
+
     def compiler(gm, example_inputs):
-        return compile_fx_graph(gm, example_inputs, dev or tx.default_device())
+        graph = compile_fx_graph(gm, example_inputs, dev or tx.default_device())
+        graphs.append(graph)
+        return graph
 
     aot = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=compiler,
                        decompositions=decompositions(),
@@ -314,4 +321,5 @@ def backend(device=None):
     def tilefuse_backend(gm: torch.fx.GraphModule, example_inputs):
         use_tilefuse_attention(gm)
         return aot(gm, example_inputs)
+    tilefuse_backend.graphs = graphs  # every CompiledGraph made so far (forward, backward...)
     return tilefuse_backend
