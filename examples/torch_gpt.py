@@ -6,9 +6,9 @@ devices: the only tilefuse line is the backend.
 The model is nanoGPT's (github.com/karpathy/nanoGPT, model.py): token and position embeddings,
 pre-LayerNorm blocks of causal self-attention (F.scaled_dot_product_attention) and a GELU MLP,
 a final LayerNorm and a head tied to the token embedding, nanoGPT's initialisation and its AdamW
-groups (weight decay on matrices only) and learning-rate schedule. The size is the project's char-GPT (d 128, 2 layers,
-4 heads, context 64, batch 32, vocabulary 96: about 0.43M parameters), on the docstring corpus
-of examples/data.py, dropout off so that runs are comparable step by step.
+groups (weight decay on matrices only) and learning-rate schedule. The size is the project's
+char-GPT (d 128, 2 layers, 4 heads, context 64, batch 32, vocabulary 96: about 0.42M parameters),
+on the docstring corpus of examples/data.py, dropout off so that runs are comparable step by step.
 
     python examples/torch_gpt.py                        # eager, then cpu and opencl:0, 50 steps
     python examples/torch_gpt.py --devices cpu --steps 20
@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,12 +93,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias)))
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "wpe": nn.Embedding(config.block_size, config.n_embd),
+            "drop": nn.Dropout(config.dropout),
+            "h": nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias)})
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -216,7 +216,8 @@ def main(argv=None) -> int:
     runs += [run(f"tilefuse:{d}", template, batches, d) for d in devices]
     eager = runs[0]["losses"]
     failed = False
-    print(f"\n{'run':18} {'loss@1':>8} {'loss@end':>9} {'max|dloss|':>11} {'first step':>11} {'step (median)':>14}")
+    print(f"\n{'run':18} {'loss@1':>8} {'loss@end':>9} {'max|dloss|':>11} {'first step':>11} "
+          f"{'step (median)':>14}")
     for r in runs:
         diff = max(abs(a - b) for a, b in zip(r["losses"], eager))
         bad = r["name"] != "eager" and diff > args.tolerance

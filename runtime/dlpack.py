@@ -22,7 +22,7 @@ def _host_view(x, copy):
                               f"forbids copying it ({first})") from None
         try:  # ask the producer for a host copy (DLPack >= 1.0 producers support dl_device)
             return np.from_dlpack(x, device="cpu", copy=True)
-        except Exception:
+        except (BufferError, RuntimeError, ValueError, TypeError, NotImplementedError):
             raise BufferError(f"from_dlpack: cannot read {type(x).__name__} as host memory: {first}") \
                 from None
 

@@ -95,7 +95,8 @@ def _train(model, step_fn, optimizer, batches):
 
 def _assert_params_close(a, b, tol):
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        torch.testing.assert_close(q.detach(), p.detach(), rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=tol, atol=tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_gpt_block_trains_like_eager(device):
@@ -183,7 +184,8 @@ def test_activations_stay_on_a_device_whose_memory_is_not_the_hosts(device, monk
         loss.backward()
         assert set(copies) <= params  # the gradients, nothing else
     for (name, p), (_, q) in zip(eager.named_parameters(), ours.named_parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     _assert_ran(backend, device)
 
 

@@ -45,7 +45,8 @@ def boolean(*shape):
 
 
 def away0(*shape):  # values that keep clear of non-differentiable points (0 for abs, ties for max)
-    return lambda g: (torch.rand(*shape, generator=g) + 0.2) * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
+    return lambda g: ((torch.rand(*shape, generator=g) + 0.2)
+                      * (torch.randint(0, 2, shape, generator=g) * 2 - 1))
 
 
 def distinct(*shape):  # no ties, so max/argmax/pooling have one gradient
@@ -83,10 +84,11 @@ ROWS = [
     ("sub", lambda a, b: a - b, [r(3, 1), r(1, 4)]),
     ("mul_div", lambda a, b: a * b / (b * b + 1), [r(3, 4), r(3, 4)]),
     ("pow", lambda a, b: a ** 3 + a ** b + 2.0 ** b, [pos(3, 4), r(3, 4)]),
-    ("maximum_minimum", lambda a, b: torch.maximum(a, b) + torch.minimum(a, b) * 2, [distinct(3, 4), r(3, 4)]),
+    ("maximum_minimum", lambda a, b: torch.maximum(a, b) + torch.minimum(a, b) * 2,
+     [distinct(3, 4), r(3, 4)]),
     ("where", lambda c, a, b: torch.where(c, a, b), [boolean(3, 4), r(3, 4), r(4)]),
     ("clamp", lambda x: torch.clamp(x, -0.5, 0.7), [r(3, 4)]),
-    ("compare", lambda a, b: (a < b, a <= 0.1, a == a, a != b, a > b, a >= b), [r(3, 4), r(3, 4)],
+    ("compare", lambda a, b: (a < b, a <= 0.1, torch.eq(a, b), a != b, a > b, a >= b), [r(3, 4), r(3, 4)],
      {"grad": False}),
     ("logical", lambda a, b: (a & b, a | b, a ^ b, ~a), [boolean(3, 4), boolean(3, 4)], {"grad": False}),
     ("int_float_promotion", lambda i, x: i * x + i // 2 + i % 3, [ints(9, 3, 4), r(3, 4)]),
@@ -112,7 +114,8 @@ ROWS = [
     # shapes and indexing
     ("view_permute", lambda x: x.view(4, 6).t().reshape(2, 12).permute(1, 0) * 1, [r(2, 3, 4)]),
     ("expand_unsqueeze_squeeze", lambda x: x.unsqueeze(0).expand(3, -1, -1).squeeze(2) * 1, [r(4, 1)]),
-    ("cat_stack", lambda a, b: (torch.cat([a, b], dim=1), torch.stack([a, a * 2], dim=0)), [r(2, 3), r(2, 4)]),
+    ("cat_stack", lambda a, b: (torch.cat([a, b], dim=1), torch.stack([a, a * 2], dim=0)),
+     [r(2, 3), r(2, 4)]),
     ("split_chunk", lambda x: (*x.split(2, dim=1), *x.chunk(2, dim=0)), [r(4, 5)]),
     ("slice_select", lambda x: (x[1:, ::2], x[:, -1], x[0, 1:3], x.narrow(1, 1, 2)), [r(3, 5)]),
     ("flip_roll_repeat", lambda x: (x.flip(0), x.roll(1, dims=1), x.repeat(2, 1)), [r(3, 4)]),
@@ -135,7 +138,8 @@ ROWS = [
     ("matmul_broadcast", torch.matmul, [r(2, 1, 3, 4), r(3, 4, 2)]),
     ("linear", F.linear, [r(2, 3, 4), r(5, 4), r(5)]),
     ("einsum", lambda a, b: torch.einsum("bij,bjk->bik", a, b), [r(2, 3, 4), r(2, 4, 5)]),
-    ("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b, beta=0.5, alpha=2.0), [r(2, 3, 5), r(2, 3, 4), r(2, 4, 5)]),
+    ("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b, beta=0.5, alpha=2.0),
+     [r(2, 3, 5), r(2, 3, 4), r(2, 4, 5)]),
     # neural-network ops
     ("layer_norm", lambda x, w, b: F.layer_norm(x, (4,), w, b), [r(2, 3, 4), r(4), r(4)]),
     ("batch_norm_train", lambda x, w, b: F.batch_norm(x, torch.zeros(3), torch.ones(3), w, b, training=True),
@@ -144,7 +148,8 @@ ROWS = [
      [r(4, 3, 2, 2), r(3), r(3), r(3), r(3)]),
     ("group_norm", lambda x, w, b: F.group_norm(x, 2, w, b), [r(2, 4, 3, 3), r(4), r(4)]),
     ("conv2d", lambda x, w, b: F.conv2d(x, w, b, padding=1), [r(2, 3, 5, 5), r(4, 3, 3, 3), r(4)]),
-    ("conv2d_stride_dilation", lambda x, w: F.conv2d(x, w, stride=2, dilation=2), [r(1, 2, 7, 7), r(3, 2, 2, 2)]),
+    ("conv2d_stride_dilation", lambda x, w: F.conv2d(x, w, stride=2, dilation=2),
+     [r(1, 2, 7, 7), r(3, 2, 2, 2)]),
     ("conv2d_groups", lambda x, w: F.conv2d(x, w, groups=2, padding=(0, 1)), [r(1, 4, 4, 4), r(4, 2, 3, 3)]),
     ("conv1d", lambda x, w, b: F.conv1d(x, w, b, padding=1), [r(2, 3, 6), r(4, 3, 3), r(4)]),
     ("max_pool2d", lambda x: F.max_pool2d(x, 2), [distinct(2, 3, 4, 4)]),
@@ -157,14 +162,17 @@ ROWS = [
     ("adaptive_avg_pool2d", lambda x: F.adaptive_avg_pool2d(x, 1), [r(2, 3, 4, 4)]),
     ("softmax", lambda x: (F.softmax(x, dim=-1), F.log_softmax(x, dim=0)), [r(3, 5)]),
     ("cross_entropy", lambda x, t: F.cross_entropy(x, t), [r(6, 5), ints(5, 6)]),
-    ("cross_entropy_smoothing_ignore", lambda x, t: F.cross_entropy(x, t, ignore_index=0, label_smoothing=0.1),
+    ("cross_entropy_smoothing_ignore",
+     lambda x, t: F.cross_entropy(x, t, ignore_index=0, label_smoothing=0.1),
      [r(6, 5), ints(5, 6)]),
     ("nll_mse_l1", lambda x, t, y: (F.nll_loss(F.log_softmax(x, 1), t), F.mse_loss(x, y), F.l1_loss(x, y)),
      [r(6, 5), ints(5, 6), r(6, 5)]),
-    ("sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [r(1, 2, 5, 4), r(1, 2, 5, 4), r(1, 2, 5, 4)]),
+    ("sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+     [r(1, 2, 5, 4), r(1, 2, 5, 4), r(1, 2, 5, 4)]),
     ("sdpa_causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
      [r(2, 2, 6, 4), r(2, 2, 6, 4), r(2, 2, 6, 4)]),
-    ("sdpa_mask", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m | torch.eye(5, dtype=torch.bool)),
+    ("sdpa_mask",
+     lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m | torch.eye(5, dtype=torch.bool)),
      [r(1, 2, 5, 4), r(1, 2, 5, 4), r(1, 2, 5, 3), boolean(5, 5)]),
     ("dropout_eval", lambda x: F.dropout(x, 0.5, training=False) * 2, [r(3, 4)]),
 ]

@@ -9,7 +9,7 @@ UnsupportedOpError naming it: the backend never falls back to PyTorch silently."
 from __future__ import annotations
 
 try:
-    import torch  # noqa: F401
+    import torch
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tilefuse.torch needs PyTorch: pip install 'tilefuse[torch]'") from e
 
@@ -24,5 +24,13 @@ def supported_ops() -> list[str]:
     return sorted(str(op) for op in OPS if isinstance(op, torch._ops.OpOverload))
 
 
-__all__ = ["backend", "compile_fx_graph", "decompositions", "supported_ops", "UnsupportedOpError", "DeviceTensor",
-           "to_array", "to_tensor"]
+__all__ = [
+    "DeviceTensor",
+    "UnsupportedOpError",
+    "backend",
+    "compile_fx_graph",
+    "decompositions",
+    "supported_ops",
+    "to_array",
+    "to_tensor",
+]

@@ -10,7 +10,6 @@ is the whole ATen graph, and later calls run the compiled executable directly.""
 from __future__ import annotations
 
 import linecache
-from typing import Optional
 
 import numpy as np
 import torch
@@ -25,12 +24,11 @@ from tilefuse import random as txr
 from . import aten as A
 from .convert import numpy_dtype, to_array, to_tensor
 
-
 # ---- tilefuse::attention: SDPA as one op, forward and backward ----------------------------
 
 @torch.library.custom_op("tilefuse::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-              scale: Optional[float]) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+              scale: float | None) -> Tensor:
     """softmax(q kᵀ·scale + mask) v with torch's SDPA rules; compiled graphs run it as one
     tilefuse fused_attention (eagerly it is PyTorch's own SDPA)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
@@ -42,8 +40,8 @@ def _attention_fake(q, k, v, mask, causal, scale):
 
 
 @torch.library.custom_op("tilefuse::attention_backward", mutates_args=())
-def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-                       causal: bool, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                       causal: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of tilefuse::attention (the compiled form recomputes the forward)."""
     with torch.enable_grad():
         qkv = [t.detach().requires_grad_() for t in (q, k, v)]

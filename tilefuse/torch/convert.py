@@ -121,7 +121,7 @@ class _Store:
     """The values of a DeviceTensor (and of its detached aliases): an Array on the device and,
     once PyTorch has read them, a host copy. Whoever writes the host copy (an in-place op, a
     write through a view of it) bumps its version counter, which makes it the newer of the two."""
-    __slots__ = ("_array", "_host", "_host_version", "_escaped")
+    __slots__ = ("_array", "_escaped", "_host", "_host_version")
 
     def __init__(self, array):
         self._array, self._host, self._host_version = array, None, 0
