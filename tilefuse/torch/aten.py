@@ -19,6 +19,7 @@ import tilefuse as tx
 import tilefuse.numpy as tnp
 from tilefuse import nn
 from tilefuse import random as txr
+from tilefuse.autodiff.rules import split_attention_grads
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import TilefuseError
 from tilefuse.tracer.core import bind1
@@ -994,32 +995,36 @@ def _attention_bias(mask, q, k, causal):
     return (tnp.astype(bias, tnp.result_type(q)),)
 
 
-def _attention(q, k, v, mask, causal, scale):
-    scale = 1.0 / math.sqrt(tnp.shape(q)[-1]) if scale is None else float(scale)
-    bias = _attention_bias(mask, q, k, causal)
+def _attention_params(q, k, mask, causal, scale):
+    """fused_attention's bias operand and parameters for torch's SDPA arguments."""
     layout = tuple(range(tnp.ndim(q)))
-    return bind1(P.fused_attention, q, k, v, *bias, scale=scale,
-                 causal=bool(causal) and tnp.shape(q)[-2] == tnp.shape(k)[-2],
-                 dims=(layout, layout, layout))
+    return _attention_bias(mask, q, k, causal), {
+        "scale": 1.0 / math.sqrt(tnp.shape(q)[-1]) if scale is None else float(scale),
+        "causal": bool(causal) and tnp.shape(q)[-2] == tnp.shape(k)[-2],
+        "dims": (layout, layout, layout)}
 
 
 def attention_rule(q, k, v, mask, causal, scale):
-    return _attention(q, k, v, mask, causal, scale)
+    bias, params = _attention_params(q, k, mask, causal, scale)
+    return bind1(P.fused_attention, q, k, v, *bias, **params)
 
 
-def attention_backward_rule(grad, q, k, v, mask, causal, scale):
-    _, pullback = tx.vjp(lambda q_, k_, v_: _attention(q_, k_, v_, mask, causal, scale), q, k, v)
-    return tuple(pullback(tnp.astype(grad, tnp.result_type(q))))
+def attention_backward_rule(grad, q, k, v, out, mask, causal, scale):
+    """dq, dk, dv from the forward's output (no second forward pass), as tilefuse's own VJP."""
+    bias, params = _attention_params(q, k, mask, causal, scale)
+    dt = tnp.result_type(q)
+    packed = bind1(P.fused_attention_bwd, q, k, v, *bias, _cast(out, dt), _cast(grad, dt), **params)
+    return tuple(split_attention_grads(packed, q, k, v))
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def _flash_cpu_backward(grad, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
                         scale=None):
-    """The flash kernel's backward, recomputed from q, k, v (the core decomposition of its
-    forward does not produce the logsumexp this op's arguments name)."""
+    """The flash kernel's backward from q, k, v and the output (the core decomposition of its
+    forward does not produce the logsumexp this op's arguments name: it is not read)."""
     if dropout_p:
         unsupported("aten._scaled_dot_product_flash_attention_for_cpu_backward", "with dropout")
-    return attention_backward_rule(grad, q, k, v, attn_mask, is_causal, scale)
+    return attention_backward_rule(grad, q, k, v, out, attn_mask, is_causal, scale)
 
 
 # ---- symbolic sizes and bookkeeping ops -------------------------------------------------------

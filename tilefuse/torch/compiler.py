@@ -40,9 +40,10 @@ def _attention_fake(q, k, v, mask, causal, scale):
 
 
 @torch.library.custom_op("tilefuse::attention_backward", mutates_args=())
-def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, mask: Tensor | None,
                        causal: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of tilefuse::attention (the compiled form recomputes the forward)."""
+    """dq, dk, dv of tilefuse::attention (compiled: one fused_attention_bwd, which reads the
+    forward's output `out`)."""
     with torch.enable_grad():
         qkv = [t.detach().requires_grad_() for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*qkv, attn_mask=mask, is_causal=causal, scale=scale)
@@ -50,19 +51,19 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tens
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad, q, k, v, mask, causal, scale):
+def _attention_backward_fake(grad, q, k, v, out, mask, causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attention_setup(ctx, inputs, output):
     q, k, v, mask, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, mask)
+    ctx.save_for_backward(q, k, v, output, mask)
     ctx.causal, ctx.scale = causal, scale
 
 
 def _attention_vjp(ctx, grad):
-    q, k, v, mask = ctx.saved_tensors
-    dq, dk, dv = attention_backward(grad, q, k, v, mask, ctx.causal, ctx.scale)
+    q, k, v, out, mask = ctx.saved_tensors
+    dq, dk, dv = attention_backward(grad, q, k, v, out, mask, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
