@@ -6,11 +6,12 @@ own subprocess, from the same weights on the same batches.
     python benchmarks/bench_torch.py                      # eager, inductor, tilefuse:cpu, :opencl:0
     python benchmarks/bench_torch.py --steps 20 --only eager,tilefuse:cpu
 
-One table (ratios against eager): the median step (forward, backward, clipping, AdamW; after
---warmup steps), the first step (dynamo + AOTAutograd + compiling; for tilefuse with a cold
-persistent compile cache), peak RSS and the loss at the end, then each compiled run's largest
-|loss - eager loss| over the steps. PyTorch uses --threads threads (default: the machine's cores)
-everywhere, as tilefuse's CPU pool does; benchmark on a quiet machine (PyTorch's OpenMP threads
+One table (ratios against eager): the median step (forward, backward, clipping, AdamW; after 3
+steps), the first step (dynamo + AOTAutograd + compiling; for tilefuse with a cold persistent
+compile cache), peak RSS and the loss at the end, then each compiled run's largest |loss - eager
+loss| over the steps. --threads runs everything once per PyTorch thread count (torch.set_num_threads;
+0: PyTorch's default, one per core): the optimizer and the glue between graphs run on PyTorch's
+threads, which compete with a CPU device's. Benchmark on a quiet machine (PyTorch's OpenMP threads
 spin, and slow down several-fold when another process is busy on the cores)."""
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--only", default="", help="comma list of: eager, inductor, tilefuse:<device>")
-    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: PyTorch's default)")
+    ap.add_argument("--threads", default="0,1",
+                    help="comma list of torch.set_num_threads values (0: PyTorch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
+        args.threads = int(args.threads)
         worker(args)
         return 0
     import tilefuse as tx
@@ -59,31 +62,36 @@ def main(argv=None) -> int:
         runners = [r for r in runners if r in args.only.split(",")]
     results, losses = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_torch_") as tmp:
-        for r in runners:
-            print(f"running {r} ...", flush=True)
-            env = {"TILEFUSE_CACHE_DIR": os.path.join(tmp, "cache_" + r.replace(":", "_"))}
-            t0 = time.perf_counter()
-            res = run_worker([__file__, "--worker", r, "--steps", str(args.steps), "--threads",
-                              str(args.threads), "--seed", str(args.seed)], env=env)
-            if "error" in res:
-                print(f"  {r} failed: {res['error']}")
-                continue
-            losses[r] = res["losses"]
-            results[r] = {"step": res["step_s"], "first step": res["first_s"],
-                          "peak RSS MiB": round(res["peak_rss_mib"]), "loss": round(res["losses"][-1], 4)}
-            print(f"  step {fmt_seconds(res['step_s'])}, first {fmt_seconds(res['first_s'])} "
-                  f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
+        for threads in [int(t) for t in args.threads.split(",")]:
+            for r in runners:
+                name = f"{r} ({threads or 'default'} torch threads)"
+                print(f"running {name} ...", flush=True)
+                env = {"TILEFUSE_CACHE_DIR": os.path.join(tmp, f"cache_{threads}_{r.replace(':', '_')}")}
+                t0 = time.perf_counter()
+                res = run_worker([__file__, "--worker", r, "--steps", str(args.steps), "--threads",
+                                  str(threads), "--seed", str(args.seed)], env=env)
+                if "error" in res:
+                    print(f"  {name} failed: {res['error']}")
+                    continue
+                losses[name] = res["losses"]
+                results[name] = {"step": res["step_s"], "first step": res["first_s"],
+                                 "peak RSS MiB": round(res["peak_rss_mib"]),
+                                 "loss": f"{res['losses'][-1]:.4f}"}
+                print(f"  step {fmt_seconds(res['step_s'])}, first {fmt_seconds(res['first_s'])} "
+                      f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
     secs = {"step": fmt_seconds, "first step": fmt_seconds}
     print()
-    print(side_by_side(results, ["step", "first step", "peak RSS MiB", "loss"], baseline="eager",
+    base = next((r for r in results if r.startswith("eager")), None)
+    print(side_by_side(results, ["step", "first step", "peak RSS MiB", "loss"], baseline=base,
                        formats=secs, title=f"nanoGPT-style train step (examples/torch_gpt.py), "
                                            f"{args.steps} steps, median after 3"))
-    if "eager" in losses:
-        print("\nloss against eager (same weights and batches; target 1e-3):")
-        for r, ls in losses.items():
-            if r != "eager":
-                d = max(abs(a - b) for a, b in zip(ls, losses["eager"]))
-                print(f"  {r}: max |diff| {d:.2e} over {len(ls)} steps")
+    eager = {r.split(" ", 1)[1]: ls for r, ls in losses.items() if r.startswith("eager")}
+    print("\nloss against eager with the same threads (same weights and batches; target 1e-3):")
+    for r, ls in losses.items():
+        ref = eager.get(r.split(" ", 1)[1])
+        if not r.startswith("eager") and ref is not None:
+            d = max(abs(a - b) for a, b in zip(ls, ref))
+            print(f"  {r}: max |diff| {d:.2e} over {len(ls)} steps")
     return 0
 
 

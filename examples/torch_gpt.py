@@ -196,7 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--inductor", action="store_true", help="also torch.compile's default backend")
     ap.add_argument("--tolerance", type=float, default=1e-3)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads for every run (PyTorch's threads run the optimizer "
+                         "and compete with a CPU device's: 1 suits tilefuse's cpu and PoCL devices)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
