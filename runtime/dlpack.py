@@ -41,9 +41,12 @@ def from_dlpack(x, device=None, copy: bool | None = None) -> Array:
     dev = get_device(device) if device is not None else default_device()
     if isinstance(x, Array) and x.device is dev and not copy:
         return x
-    if not hasattr(x, "__dlpack__"):
+    if isinstance(x, np.ndarray):  # host memory already (bfloat16 too, which DLPack-by-numpy lacks)
+        host = x
+    elif hasattr(x, "__dlpack__"):
+        host = _host_view(x, copy)
+    else:
         raise TypeError(f"from_dlpack: {type(x).__name__} has no __dlpack__ method")
-    host = _host_view(x, copy)
     want = dtypes.canonicalize(host.dtype)
     buf = None
     if not copy and want == host.dtype and host.flags.c_contiguous:

@@ -114,6 +114,15 @@ def test_import_copies_strided_unaligned_and_narrow_data(device):
     assert a.dtype == np.int32 and np.array_equal(a.numpy(), small)
 
 
+def test_import_of_numpy_bfloat16(device):
+    """numpy arrays are host memory already: taken as they are, bfloat16 included."""
+    x = _aligned((2, 8), np.float32)
+    x[...] = 1.5
+    b = x.astype(tx.bfloat16)
+    a = tx.from_dlpack(b, device=device)
+    assert a.dtype == tx.bfloat16 and np.array_equal(a.numpy().astype(np.float32), x)
+
+
 def test_import_of_an_array_and_copy_true(device):
     a = tx.device_put(np.arange(4, dtype=np.float32), device)
     assert tx.from_dlpack(a, device=device) is a

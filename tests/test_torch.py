@@ -227,3 +227,26 @@ def test_new_shapes_recompile_and_agree(device):
 def test_backend_rejects_an_unknown_device():
     with pytest.raises(tx.DeviceError, match="unknown device"):
         tt.backend(device="tpu:0")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_linear_gelu(device, dtype):
+    """16-bit tensors cross as their bits (numpy's DLPack has no bfloat16) and compute as
+    PyTorch does: the same values and gradients, in the same dtype."""
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(8, 4, generator=g).to(dt).requires_grad_()
+    x = torch.randn(3, 4, generator=g).to(dt)
+
+    def f(w, x):
+        return F.gelu(F.linear(x, w)).sum()
+    want = f(w, x)
+    want.backward()
+    want_grad, w.grad = w.grad.clone(), None
+    compiled, backend = _compiled(f, device)
+    got = compiled(w, x)
+    got.backward()
+    assert got.dtype == dt and w.grad.dtype == dt
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad, want_grad, rtol=2e-2, atol=2e-2)
+    _assert_ran(backend, device)
