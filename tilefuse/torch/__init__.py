@@ -20,8 +20,8 @@ from .convert import DeviceTensor, to_array, to_tensor
 
 def supported_ops() -> list[str]:
     """The ATen overloads the backend has rules for."""
-    from .aten import OPS
-    return sorted(str(op) for op in OPS if isinstance(op, torch._ops.OpOverload))
+    from .aten import BY_NAME, OPS
+    return sorted({str(op) for op in OPS if isinstance(op, torch._ops.OpOverload)} | set(BY_NAME))
 
 
 __all__ = [

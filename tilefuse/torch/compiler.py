@@ -22,6 +22,7 @@ import tilefuse.numpy as tnp
 from tilefuse import random as txr
 
 from . import aten as A
+from . import aten_nn
 from .convert import numpy_dtype, to_array, to_tensor
 
 # ---- tilefuse::attention: SDPA as one op, forward and backward ----------------------------
@@ -81,8 +82,8 @@ def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, e
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
-A.OPS[torch.ops.tilefuse.attention.default] = A.attention_rule
-A.OPS[torch.ops.tilefuse.attention_backward.default] = A.attention_backward_rule
+A.OPS[torch.ops.tilefuse.attention.default] = aten_nn.attention_rule
+A.OPS[torch.ops.tilefuse.attention_backward.default] = aten_nn.attention_backward_rule
 # SDPA reaches AOTAutograd's decompositions below autograd: its derivative stays the flash
 # kernel's. Dynamo's graph is rewritten first (use_tilefuse_attention) so that autograd sees
 # tilefuse::attention and its backward instead.
@@ -133,7 +134,7 @@ def check_supported(gm: torch.fx.GraphModule) -> None:
     """Raise UnsupportedOpError naming every op of the graph that has no tilefuse rule."""
     missing: dict = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target not in A.OPS:
+        if n.op == "call_function" and A.rule_for(n.target) is None:
             missing.setdefault(_name(n.target), n)
         elif n.op in ("call_module", "call_method"):
             missing.setdefault(f"{n.op} {n.target}", n)
@@ -183,7 +184,7 @@ def interpret(gm: torch.fx.GraphModule, inputs: list, key=None) -> list:
                 kwargs["key"] = txr.fold_in(key, count)
                 count += 1
             try:
-                out = A.OPS[n.target](*args, **kwargs)
+                out = A.rule_for(n.target)(*args, **kwargs)
             except Exception as e:
                 if hasattr(e, "add_note"):
                     where = _where(n)
