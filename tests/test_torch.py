@@ -270,3 +270,29 @@ def test_compiled_optimizer_step_matches_eager(device):
             fn()
     _assert_params_close(eager, ours, 1e-6)
     assert any(g.device is device and g.calls == 3 for g in backend.graphs)
+
+
+def test_parameters_a_compiled_optimizer_writes_are_not_uploaded_again(device, monkeypatch):
+    """On a device whose memory is not the host's: the compiled optimizer's new parameters come
+    back as DeviceTensors that AOTAutograd copies into the parameters; each parameter then
+    stands for that Array, so the next forward pass takes it without copying it up again."""
+    monkeypatch.setattr(type(device.backend), "host_memory", lambda self, d: False)
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+    ours = copy.deepcopy(eager)
+    forward, _ = _compiled(ours, device)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    step, _ = _compiled(opt_o.step, device)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        x = torch.randn(8, 5, generator=g)
+        for model, opt, fn, run in ((eager, opt_e, opt_e.step, eager), (ours, opt_o, step, forward)):
+            opt.zero_grad()
+            run(x).square().mean().backward()
+            fn()
+        arrays = [convert._known(p, device) for p in ours.parameters()]  # None: would upload
+        assert all(a is not None and a.device is device for a in arrays)
+        for a, p in zip(arrays, ours.parameters()):
+            np.testing.assert_array_equal(a.numpy(), p.detach().numpy())
+    _assert_params_close(eager, ours, 1e-6)

@@ -215,8 +215,12 @@ class CompiledGraph:
         # each output: ("input", i) passes input i through, ("value", k) is the jitted function's
         # k-th result, ("static", j) the j-th Python value (a size) the trace found
         self.outputs, self._values, self._statics, self._out_dtypes = [], [], [], []
-        # outputs from this index on are activations saved for the backward graph (partition())
+        # outputs that stay on the device where it is not host memory: the new values of inputs
+        # the graph mutates (AOTAutograd puts them first and copies them into the inputs: an
+        # optimizer's parameters), and the activations a forward graph saves for its backward
+        # graph (from the index partition() notes)
         self._saved_from = gm.meta.get("tilefuse_saved_from", len(out.args[0]))
+        self._mutated = 0 if gm.meta.get("tilefuse_backward") else _mutated_inputs()
         self._stay = []
         for j, o in enumerate(out.args[0]):
             if isinstance(o, torch.fx.Node) and o.op == "placeholder":
@@ -225,7 +229,7 @@ class CompiledGraph:
                 self.outputs.append(("value", len(self._values)))
                 self._values.append(j)
                 self._out_dtypes.append(o.meta["val"].dtype)
-                self._stay.append(j >= self._saved_from)
+                self._stay.append(j >= self._saved_from or j < self._mutated)
             else:
                 self.outputs.append(("static", len(self._statics)))
                 self._statics.append(j)
@@ -289,7 +293,16 @@ def partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
     fw, bw = min_cut_rematerialization_partition(joint_module, joint_inputs,
                                                  num_fwd_outputs=num_fwd_outputs, **kwargs)
     fw.meta["tilefuse_saved_from"] = num_fwd_outputs
+    bw.meta["tilefuse_backward"] = True
     return fw, bw
+
+
+def _mutated_inputs() -> int:
+    """How many inputs the graph AOTAutograd is compiling mutates (their new values are its
+    first outputs), from the metadata of the trace in progress; 0 when there is none."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    return getattr(meta, "num_mutated_inp_runtime_indices", 0) or 0
 
 
 def compile_fx_graph(gm: torch.fx.GraphModule, example_inputs, device) -> CompiledGraph:

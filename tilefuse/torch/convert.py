@@ -47,17 +47,43 @@ def torch_dtype(dtype) -> torch.dtype:
 _resident = WeakIdKeyDictionary()
 
 
-def _remember(t: torch.Tensor, a) -> None:
+def _remember(t: torch.Tensor, a, bumps: int = 0) -> None:
+    """Note that t holds a's values, as of t's version counter plus `bumps` (writes whose
+    increment is still to come)."""
     try:
-        _resident[t] = (t._version, t.data_ptr() if not isinstance(t, DeviceTensor) else 0, a)
+        _resident[t] = (t._version + bumps, t.data_ptr() if not isinstance(t, DeviceTensor) else 0, a)
     except RuntimeError:  # inference tensors have no version counter: nothing to remember
         pass
+
+
+# data pointer -> (the tensor written, its version once written, Array): tensors that took a
+# DeviceTensor's values by copy_. AOTAutograd writes an optimizer's new parameters into a
+# detached alias of each parameter (p.detach().copy_(new)); the alias shares the parameter's
+# memory and version counter, so the parameter is recognised by its data pointer, and holding
+# the alias keeps that memory from being reused while the entry waits.
+_written: dict = {}
+
+
+def _claim_written(t: torch.Tensor, device):
+    try:
+        entry = _written.get(t.data_ptr())
+        if entry is None:
+            return None
+        alias, version, a = entry
+        if (t._version == version == alias._version and a.device is device and alias.dtype == t.dtype
+                and alias.shape == t.shape and alias.stride() == t.stride()):
+            del _written[t.data_ptr()]
+            _remember(t, a)
+            return a
+    except RuntimeError:
+        pass
+    return None
 
 
 def _known(t: torch.Tensor, device):
     hit = _resident.get(t)
     if hit is None:
-        return None
+        return _claim_written(t, device)
     version, ptr, a = hit
     try:
         same = t._version == version and (isinstance(t, DeviceTensor) or t.data_ptr() == ptr)
@@ -65,7 +91,7 @@ def _known(t: torch.Tensor, device):
         return None
     if same and a.device is device and a.shape == tuple(t.shape) and torch_dtype(a.dtype) == t.dtype:
         return a
-    return None
+    return _claim_written(t, device)
 
 
 def to_array(t: torch.Tensor, device):
@@ -115,6 +141,12 @@ def host_tensor(a) -> torch.Tensor:
     if host.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(host)
+
+
+def _copies_whole(dst, src) -> bool:
+    return (isinstance(src, DeviceTensor) and not isinstance(dst, DeviceTensor)
+            and dst.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
+            and dst.is_contiguous())
 
 
 class _Store:
@@ -178,6 +210,19 @@ class DeviceTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return DeviceTensor(args[0]._store)  # the same values: no copy
+        if func is torch.ops.aten.copy_.default and _copies_whole(*args[:2]):
+            # a plain tensor takes a DeviceTensor's values (AOTAutograd writing an optimizer's
+            # new parameters back): it now equals that Array, so it need not go up again
+            dst, src = args[0], args[1]
+            dst.copy_(src._store.host())
+            if not torch.is_inference_mode_enabled() and not dst.is_inference():
+                # autograd counts this write when the op returns: the version to expect is one up
+                a = src._store.array(src.tilefuse_device)
+                _remember(dst, a, bumps=1)
+                if len(_written) > 100_000:
+                    _written.clear()
+                _written[dst.data_ptr()] = (dst, dst._version + 1, a)
+            return dst
         hosts = {}
 
         def host(x):
