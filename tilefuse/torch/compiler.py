@@ -23,7 +23,7 @@ from tilefuse import random as txr
 
 from . import aten as A
 from . import aten_nn
-from .convert import numpy_dtype, to_array, to_tensor
+from .convert import host_array, numpy_dtype, to_array, to_tensor
 
 # ---- tilefuse::attention: SDPA as one op, forward and backward ----------------------------
 
@@ -175,8 +175,8 @@ def interpret(gm: torch.fx.GraphModule, inputs: list, key=None) -> list:
         if n.op == "placeholder":
             env[n] = next(it)
         elif n.op == "get_attr":
-            v = getattr(gm, n.target)
-            env[n] = tnp.asarray(v.detach().numpy()) if isinstance(v, torch.Tensor) else v
+            v = getattr(gm, n.target)  # a constant tensor of the graph: a constant here too
+            env[n] = tnp.asarray(host_array(v)) if isinstance(v, torch.Tensor) else v
         elif n.op == "call_function":
             args = map_arg(n.args, env.__getitem__)
             kwargs = dict(map_arg(n.kwargs, env.__getitem__))

@@ -107,13 +107,7 @@ def to_array(t: torch.Tensor, device):
         raise tx.DeviceError(f"tilefuse.torch: a {t.device} tensor cannot go to {device}; the "
                              "backend takes CPU tensors (move the model with .cpu())")
     numpy_dtype(t.dtype)  # a clear error for unsupported dtypes
-    d = t.detach()
-    if not d.is_contiguous():
-        d = d.contiguous()
-    if d.dtype == torch.bfloat16:  # numpy's DLPack knows no bfloat16: cross as int16 bits
-        a = tx.from_dlpack(np.from_dlpack(d.view(torch.int16)).view(ml_dtypes.bfloat16), device=device)
-    else:
-        a = tx.from_dlpack(d, device=device)
+    a = tx.from_dlpack(host_array(t), device=device)  # shares t's memory where the device can
     _remember(t, a)
     return a
 
@@ -133,6 +127,14 @@ def to_tensor(a, host_memory: bool, stay: bool = False) -> torch.Tensor:
         t = host_tensor(a)
     _remember(t, a)
     return t
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array (bfloat16 as ml_dtypes' bfloat16)."""
+    d = t.detach().contiguous()
+    if d.dtype == torch.bfloat16:
+        return d.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return d.numpy()
 
 
 def host_tensor(a) -> torch.Tensor:
