@@ -26,6 +26,17 @@ class Backend:
     def to_host(self, buf, aval: ShapedArray, device) -> np.ndarray:
         raise NotImplementedError
 
+    def host_memory(self, device) -> bool:
+        """Whether the device's buffers are host memory, so that to_host returns a view of the
+        buffer itself (no copy): DLPack exports such arrays without copying."""
+        return False
+
+    def adopt(self, host: np.ndarray, device):
+        """A buffer that is `host`'s own memory (C-contiguous), used in place with no copy, or
+        None where the device cannot compute on that memory (the caller then copies with put).
+        The caller keeps `host` unchanged while the buffer is in use: Arrays are immutable."""
+        return None
+
     def view(self, buf, offset: int, nbytes: int):
         """A sub-buffer of `buf` (an arena): `nbytes` from byte `offset`, aligned to 64. On host
         backends a buffer is a 1-D uint8 numpy array and a view is a slice of it."""

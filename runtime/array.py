@@ -35,6 +35,37 @@ class Array:
             a = a.astype(dtype)
         return a
 
+    # DLPack (the array-API exchange protocol): np.from_dlpack(x), torch.from_dlpack(x)
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU: the exported memory is host memory (see __dlpack__)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """Export as a DLPack capsule of host memory. Zero-copy where the device's buffers are
+        host memory (cpu, ref, OpenCL devices with host-unified memory such as PoCL) and the
+        consumer accepts read-only memory (DLPack >= 1.0, as numpy 2 and PyTorch ask for): the
+        consumer then shares the Array's buffer and must not write to it, as Arrays are
+        immutable. Elsewhere (discrete GPUs), or for a legacy (pre-1.0) consumer, the data is
+        copied to the host first; copy=False then raises BufferError, copy=True always copies."""
+        if dl_device is not None and tuple(dl_device) != (1, 0):
+            raise BufferError(f"tilefuse exports DLPack as host (kDLCPU) memory, not device {dl_device}")
+        shared = self.device.backend.host_memory(self.device)
+        if copy is False and not shared:
+            raise BufferError(f"an Array on {self.device} is not in host memory: it cannot be exported "
+                              f"without a copy (copy=False)")
+        self.device.synchronize()
+        host = self.numpy()
+        if any(st < 0 for st in host.strides):  # consumers (PyTorch) reject negative strides
+            host = np.ascontiguousarray(host)
+        if copy or (max_version is None or tuple(max_version) < (1, 0)) and not host.flags.writeable:
+            if copy is False:
+                raise BufferError("a legacy (pre-1.0) DLPack consumer cannot take read-only memory "
+                                  "without a copy (copy=False)")
+            host = np.array(host, copy=True)  # a pre-1.0 consumer cannot be told it is read-only
+        if host.dtype.kind == "V" or host.dtype.name == "bfloat16":
+            raise BufferError(f"{host.dtype} cannot cross DLPack through numpy; convert with "
+                              "astype(float32) first")
+        return host.__dlpack__(max_version=max_version)
+
     def block_until_ready(self) -> "Array":
         self.device.synchronize()
         return self

@@ -13,6 +13,7 @@ from tilefuse.runtime import device as _device
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.config import config
 from tilefuse.runtime.device import default_device, device_put, devices, get_device
+from tilefuse.runtime.dlpack import from_dlpack
 from tilefuse.runtime.profiler import profile
 # the CLI package (python -m tilefuse.tune runs its __main__) is imported before the function takes
 # its name, so a later `import tilefuse.tune` cannot replace tx.tune with the package

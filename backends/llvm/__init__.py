@@ -116,6 +116,16 @@ class LLVMBackend(Backend):
         out.flags.writeable = False
         return out
 
+    def host_memory(self, device=None) -> bool:
+        return True
+
+    def adopt(self, host, device=None):
+        """host's memory as a buffer when it is C-contiguous and 64-byte aligned, as the pool's
+        blocks are (the kernels' vector loads may assume it); else None."""
+        if not host.flags.c_contiguous or host.ctypes.data % ALIGN:
+            return None
+        return host.reshape(-1).view(np.uint8)
+
     def memory_stats(self, device=None) -> dict:
         return self.pool.stats()
 

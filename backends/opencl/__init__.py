@@ -318,6 +318,9 @@ class OpenCLBackend(Backend):
             raise translate(e, "read a buffer back", st.info.name, nbytes) from None
         return out.view(dtype).reshape(shape)
 
+    def host_memory(self, device) -> bool:
+        return self._state(device).host_memory  # to_host maps the buffer: a view, no copy
+
     def synchronize(self, device) -> None:
         st = self._state(device)
         try:
