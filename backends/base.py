@@ -46,8 +46,10 @@ class Backend:
         raise NotImplementedError
 
     # Tile kernels (ir/kernel/tile.py): a backend that prints them sets `tile_kernels` and
-    # returns from compile_tile a callable run(buffers), buffers in the kernel's order.
+    # returns from compile_tile a callable run(buffers), buffers in the kernel's order;
+    # `tile_prints` says which of the IR's optional constructs its printer takes.
     tile_kernels = False
+    tile_prints = frozenset({"vectors", "scratch", "shared"})
 
     def compile_tile(self, kernel, device):
         raise NotImplementedError(f"{self.kind}: no tile kernels")

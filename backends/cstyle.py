@@ -124,12 +124,18 @@ class _Printer:
         def access(target, off, w):
             if target in whole and not (off.op == "const" and off.arg == 0 and w == regs[target].size):
                 whole.discard(target)
+        seen: set = set()
         for st in _all_statements(self.k.body):
             if isinstance(st, Store):
                 access(st.target, st.offset, lanes_of(st.value, self.width))
             for root in ([st.offset, st.value] if isinstance(st, Store) else [st.cond] if isinstance(st, If)
                          else [st.extent] if isinstance(st, Range) and isinstance(st.extent, KExpr) else []):
+                if root in seen:
+                    continue
                 for n in root.toposort():
+                    if n in seen:
+                        continue
+                    seen.add(n)
                     if n.op == "load":
                         access(n.arg, n.src[0], lanes_of(n.src[0], self.width))
                     elif n.op == "vload":
@@ -158,12 +164,18 @@ class _Printer:
 
     def forget(self, target) -> None:
         """After a store to `target`: loads of it, and what was computed from them, are stale."""
-        def reads(n):
-            return any(x.op in ("load", "vload") and (x.arg if x.op == "load" else x.arg[0]) == target
-                       for x in n.toposort())
         for layer in self.memo:
-            for n in [n for n in layer if reads(n)]:
+            for n in [n for n in layer if target in self.reads(n)]:
                 del layer[n]
+
+    def reads(self, n) -> frozenset:
+        """The targets whose loads n's value depends on (kept per node: a printer asks often)."""
+        cache = self.__dict__.setdefault("_reads", {})
+        for x in n.toposort() if n not in cache else ():
+            if x not in cache:
+                own = {x.arg if x.op == "load" else x.arg[0]} if x.op in ("load", "vload") else set()
+                cache[x] = frozenset(own.union(*(cache[s] for s in x.src)))
+        return cache[n]
 
     # -- expressions --------------------------------------------------------------------------
     def val(self, n: KExpr, depth: int) -> str:

@@ -89,12 +89,19 @@ class _Printer:
         return None
 
     def forget(self, target) -> None:
-        def reads(n):
-            return any(x.op in ("load", "vload") and (x.arg if x.op == "load" else x.arg[0]) == target
-                       for x in n.toposort())
+        """After a store to `target`: loads of it, and what was computed from them, are stale."""
         for layer in self.memo:
-            for n in [n for n in layer if reads(n)]:
+            for n in [n for n in layer if target in self.reads(n)]:
                 del layer[n]
+
+    def reads(self, n) -> frozenset:
+        """The targets whose loads n's value depends on (kept per node: a printer asks often)."""
+        cache = self.__dict__.setdefault("_reads", {})
+        for x in n.toposort() if n not in cache else ():
+            if x not in cache:
+                own = {x.arg if x.op == "load" else x.arg[0]} if x.op in ("load", "vload") else set()
+                cache[x] = frozenset(own.union(*(cache[s] for s in x.src)))
+        return cache[n]
 
     def val(self, n: KExpr, w: int | None = None):
         """n's value; a scalar is splatted when a vector of width w is wanted."""

@@ -79,6 +79,7 @@ class Launch:
 class WebGPUBackend(Backend):
     kind = "webgpu"
     tile_kernels = True
+    tile_prints = frozenset({"shared"})  # (scalar WGSL: a GPU schedule needs neither vectors nor scratch)
 
     def __init__(self):
         self.device, self.info, self.pool = None, None, None

@@ -37,6 +37,7 @@ Op semantics every renderer implements (ir/kernel/interp.py is the reference):
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ OTHER = ("load", "select", "cast", "reduce")
 ALL_OPS = UNARY + BINARY + LEAVES + OTHER
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class KExpr:
     """One node of a scalar expression DAG. Immutable and compared structurally, so equal
     subexpressions are one node (CSE for free).
@@ -68,8 +69,19 @@ class KExpr:
     arg: Any = None
     _hash: int = field(default=0, compare=False, repr=False)
 
-    def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.op, self.dtype, self.src, self.arg)))
+    # Interned: an equal node is the same object, so comparing two DAGs (a dict lookup, a memo)
+    # stops at their operands' identity instead of walking them whole.
+    def __new__(cls, op, dtype, src=(), arg=None):
+        hit = _INTERNED.get((op, np.dtype(dtype), src, arg))
+        return hit if hit is not None else super().__new__(cls)
+
+    def __init__(self, op, dtype, src=(), arg=None):
+        if self._hash:  # the interned node, constructed again
+            return
+        key = (op, np.dtype(dtype), tuple(src), arg)
+        for name, v in zip(("op", "dtype", "src", "arg", "_hash"), (*key, hash(key))):
+            object.__setattr__(self, name, v)
+        _INTERNED[key] = self
 
     def __hash__(self):
         return self._hash
@@ -101,6 +113,7 @@ class KExpr:
 
 
 INDEX = np.dtype(np.int64)
+_INTERNED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def const(value, dtype) -> KExpr:
