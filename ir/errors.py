@@ -70,6 +70,10 @@ class DTypeError(TilefuseError, TypeError):
     """Operands whose dtypes do not fit the operation."""
 
 
+class UnsupportedDTypeError(DTypeError):
+    """A dtype the device cannot hold (float64 on WebGPU, on an OpenCL device without fp64)."""
+
+
 class ConcretizationError(TilefuseError):
     """A Python value was needed from a traced (abstract) value."""
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var, aval_of_value, eval_graph
-from tilefuse.ir.errors import DeviceError, DTypeError, NaNError, without_user_line
+from tilefuse.ir.errors import DeviceError, NaNError, UnsupportedDTypeError, without_user_line
 
 from .array import Array
 from .config import config
@@ -64,7 +64,7 @@ class Device:
         for a in avals:
             if not self.supports(a.dtype):
                 at = f"\n  at {source}" if source else ""
-                raise DTypeError(f"{np.dtype(a.dtype).name} is not supported on {self.name} "
+                raise UnsupportedDTypeError(f"{np.dtype(a.dtype).name} is not supported on {self.name} "
                                  f"({self.info.name}){where}: use float32/int32 there, or another device{at}")
 
     # memory

@@ -13,7 +13,7 @@ import tilefuse as tx
 # one tolerance table and comparison for the tests and `python -m tilefuse.validate`
 from tilefuse.validate.compare import assert_close, tolerance  # noqa: F401
 
-ALL_KINDS = ("ref", "cpu", "opencl", "cuda")
+ALL_KINDS = ("ref", "cpu", "opencl", "cuda", "webgpu")
 
 
 def _device_params():
@@ -77,3 +77,14 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that needs a dtype its device cannot hold (float64 on WebGPU: the device refuses it
+    with UnsupportedDTypeError) is skipped there, with the device's reason."""
+    from tilefuse.ir.errors import UnsupportedDTypeError
+    try:
+        return (yield)
+    except UnsupportedDTypeError as e:
+        pytest.skip(str(e).splitlines()[0])

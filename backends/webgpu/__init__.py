@@ -82,7 +82,7 @@ class WebGPUBackend(Backend):
     tile_prints = frozenset({"shared"})  # (scalar WGSL: a GPU schedule needs neither vectors nor scratch)
 
     def __init__(self):
-        self.device, self.info, self.pool = None, None, None
+        self.device, self.info, self.pool, self._sync = None, None, None, None
         self._pipelines: dict = {}
         self._lock = threading.Lock()
 
@@ -191,7 +191,9 @@ class WebGPUBackend(Backend):
         return raw[:n].view(dtype).reshape(aval.shape)
 
     def synchronize(self, device=None) -> None:
-        self.device.queue.on_submitted_work_done_sync()
+        if self._sync is None:
+            self._sync = self.alloc(4)
+        self.device.queue.read_buffer(self._sync.buf, 0, 4)  # (it waits for the work submitted before)
 
     def memory_stats(self, device=None) -> dict:
         return self.pool.stats()

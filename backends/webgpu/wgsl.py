@@ -29,6 +29,14 @@ fn tf_erf(x: f32) -> f32 {  // Abramowitz-Stegun 7.1.26, then a Newton step: a f
     let y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
     return select(y, -y, x < 0.0);
 }
+fn tf_pow(x: f32, y: f32) -> f32 {  // numpy's answers where WGSL's pow (exp2(y * log2(x))) has none
+    if (y == 0.0 || x == 1.0) { return 1.0; }
+    if (tf_isnan(x) || tf_isnan(y)) { return x + y; }
+    let odd = trunc(y * 0.5) != y * 0.5;
+    if (x < 0.0 && trunc(y) != y) { return bitcast<f32>(0x7fc00000u); }
+    let r = select(select(exp2(y * log2(abs(x))), 0.0, x == 0.0), bitcast<f32>(0x7f800000u), x == 0.0 && y < 0.0);
+    return select(r, -r, (x < 0.0 || bitcast<u32>(x) == 0x80000000u) && odd);
+}
 fn tf_log1p(x: f32) -> f32 { let u = 1.0 + x; return select(log(u) * x / (u - 1.0), x, u == 1.0); }
 fn tf_expm1(x: f32) -> f32 {
     let u = exp(x);
@@ -188,10 +196,15 @@ class WGSLPrinter(_Printer):
         raise CompileError(f"webgpu: no spelling of the unary op {op!r}", backend="webgpu")
 
     def binary(self, op, a, b, d, w) -> str:
-        if d == BOOL and op in ("add", "mul", "max", "min"):
-            op = {"add": "or", "mul": "and", "max": "or", "min": "and"}[op]
+        if d == BOOL and op in ("add", "mul", "max", "min", "xor"):
+            op = {"add": "or", "mul": "and", "max": "or", "min": "and", "xor": "ne"}[op]
+        if d == BOOL and op in ("lt", "le", "gt", "ge"):  # (WGSL orders no bools)
+            a, b = f"u32({a})", f"u32({b})"
         if op in ARITH:
             return f"({a} {ARITH[op]} {b})"
+        if op in COMPARE and dtypes.is_float(d):  # NaN tests from the bits (see the docstring)
+            nan = f"tf_isnan({a}) || tf_isnan({b})"
+            return f"(({a} != {b}) || {nan})" if op == "ne" else f"(({a} {COMPARE[op]} {b}) && !({nan}))"
         if op in COMPARE:
             return f"({a} {COMPARE[op]} {b})"
         if op in ("max", "min"):
@@ -200,7 +213,7 @@ class WGSLPrinter(_Printer):
             cmp = ">" if op == "max" else "<"
             return f"select({b}, {a}, ({a} {cmp} {b}) || tf_isnan({a}))"
         if op == "pow":
-            return f"pow({a}, {b})"
+            return f"tf_pow({a}, {b})"
         if op in ("div", "rem"):
             if dtypes.is_float(d):
                 return f"({a} / {b})" if op == "div" else f"({a} - {b} * trunc({a} / {b}))"

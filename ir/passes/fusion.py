@@ -102,6 +102,9 @@ def _copy_index_maps(eqns: list[Eqn]) -> list[Eqn]:
 
 # row merges need rows to share among threads, unless the whole space is small
 MAX_CHAIN = 128  # equations one after another in one region (see the module docstring)
+# arrays one kernel reads and writes: devices bind a bounded number of buffers per kernel
+# (WebGPU: 8 by default, 30 and more where the adapter allows; we ask for its most)
+MAX_BUFFERS = 24
 ROW_MIN_ROWS = 16
 ROW_MAX_ALONE = 1 << 16
 _CLONE_LIMIT = 16  # equations a reduction may copy from a shared producer
@@ -187,8 +190,9 @@ def _non_unit(shape) -> tuple:
 
 
 class _Partitioner:
-    def __init__(self, graph: Graph, eqns: list[Eqn]):
+    def __init__(self, graph: Graph, eqns: list[Eqn], capped: frozenset[int] = frozenset()):
         self.eqns = eqns
+        self.capped = capped  # equations whose regions must keep within MAX_BUFFERS (see partition)
         self.graph_out = {v.id for v in graph.outvars if isinstance(v, Var)}
         self.producer: dict[int, int] = {}
         self.consumers: dict[int, set[int]] = {}
@@ -263,10 +267,19 @@ class _Partitioner:
         lies on a path from p to c. Positions are topological, so such a group sits between."""
         return self._between(p, c, forward=True)[0]
 
+    def buffers(self, members: set[int]) -> int:
+        """The arrays a region of these equations reads and writes."""
+        made = {o.id for i in members for o in self.eqns[i].outputs}
+        reads = {a.id for i in members for a in self.eqns[i].inputs if isinstance(a, Var) and a.id not in made}
+        return len(reads) + len(self.outputs(members))
+
     def valid(self, members: set[int]) -> bool:
         """A region lowers to one kernel: one index space (all outputs share a shape) and at
-        most one reduction, followed only by elementwise operations of its output shape. Or it is
-        a concatenate or pad with index maps that only it reads."""
+        most one reduction, followed only by elementwise operations of its output shape, reading
+        and writing at most MAX_BUFFERS arrays. Or it is a concatenate or pad with index maps that
+        only it reads."""
+        if not self.capped.isdisjoint(members) and self.buffers(members) > MAX_BUFFERS:
+            return False
         own = [i for i in members if not is_fusible(self.eqns[i])]
         if own:
             (k,) = own
@@ -377,8 +390,8 @@ class _Partitioner:
                 tried.add((p, c))
                 members = set(self.members[p]) | set(self.members[c])
                 height = self.chain(p, c)
-                lowered = height is not None and self._row_shaped(members) and \
-                    not self.creates_cycle(p, c) and self._rows_lower(members)
+                lowered = height is not None and self.buffers(members) <= MAX_BUFFERS and \
+                    self._row_shaped(members) and not self.creates_cycle(p, c) and self._rows_lower(members)
                 if lowered:
                     self.merge(p, c, height)
                     self.rows[c] = lowered
@@ -450,4 +463,12 @@ def partition(graph: Graph, fuse: bool = True) -> list[Region]:
     if fuse:
         p.run()
         p.run_rows()
+        # A region past MAX_BUFFERS is partitioned again with the bound on its equations. The
+        # bound is not asked of every merge: consumers-first merging passes through unions that
+        # read many values a later merge takes in (a sum of 256 products reads each product until
+        # the products join), and those must not stop the union that reads one array.
+        while (over := {i for m in p.members.values() if p.buffers(set(m)) > MAX_BUFFERS for i in m}) - p.capped:
+            p = _Partitioner(graph, eqns, p.capped | over)
+            p.run()
+            p.run_rows()
     return p.regions()

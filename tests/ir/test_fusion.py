@@ -388,3 +388,19 @@ def test_a_long_chain_computes_right(device):
         want = want * 1.001 + 0.001
     got = tx.jit(lambda x: _chain(x, 250), device=device)(x)  # 500 operations: 4 kernels
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4)
+
+
+def test_a_region_reads_and_writes_at_most_max_buffers_arrays(device):
+    """Devices bind a bounded number of buffers per kernel (WebGPU: 8 to a few dozen), so a sum
+    of 40 arguments is cut into kernels of at most MAX_BUFFERS arrays, and still sums right."""
+    from tilefuse.ir.passes.fusion import MAX_BUFFERS
+
+    def many(*xs):
+        return sum(x * float(i + 1) for i, x in enumerate(xs))
+
+    xs = [np.full(8, float(i), np.float32) for i in range(40)]
+    regions = partition(run_passes(tx.make_graph(many)(*xs)))
+    assert len(regions) > 1
+    assert all(len(r.inputs) + len(r.outputs) <= MAX_BUFFERS for r in regions)
+    want = sum(x.astype(np.float64) * (i + 1) for i, x in enumerate(xs))
+    np.testing.assert_allclose(np.asarray(tx.jit(many, device=device)(*xs)), want, rtol=1e-6)
