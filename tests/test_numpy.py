@@ -9,7 +9,7 @@ import math
 import re
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import ml_dtypes

@@ -17,7 +17,7 @@ import numpy as np
 
 from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel.ir import INDEX, KExpr
-from tilefuse.ir.kernel.tile import Alloc, Barrier, If, Range, Store, TileKernel, lanes_of, pp_tile
+from tilefuse.ir.kernel.tile import Barrier, If, Range, Store, TileKernel, lanes_of, pp_tile
 
 from .irutil import _like, counted_loop, splat
 from .render import (BF16, BINARY_OPS, BOOL, CMP, F16, I8, TYPES, UNARY_OPS, _constant, _Ops, convert,

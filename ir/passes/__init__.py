@@ -7,5 +7,5 @@ from .fusion import Region, partition
 from .manager import BEFORE_AD, PIPELINE, Dump, prepare_for_ad, run_passes
 from .simplify import RULES, fold_transpose_into_dot, simplify
 
-__all__ = ["PIPELINE", "RULES", "Dump", "Region", "cse", "dce", "fold_constants",
+__all__ = ["BEFORE_AD", "PIPELINE", "RULES", "Dump", "Region", "cse", "dce", "fold_constants", "prepare_for_ad",
            "fold_transpose_into_dot", "partition", "run_passes", "simplify"]

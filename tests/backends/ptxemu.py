@@ -187,7 +187,7 @@ class Emu:
                 R[ops[0]] = self.params[a[1]]
                 return
             if parts[2].startswith("v"):
-                n, w = int(parts[2][1:]), width(parts[3]) // 8
+                w = width(parts[3]) // 8
                 regs = [r.strip() for r in ops[0].strip("{}").split(",")]
                 for i, r in enumerate(regs):
                     R[r] = self.load(space, a + i * w, w)
@@ -403,7 +403,7 @@ class Emu:
 def run(ptx, buffers, grid, block):
     """buffers: numpy arrays (inputs then output); returns the output array."""
     k = Kernel(ptx)
-    base, addrs, total = 4096, [], 4096
+    addrs, total = [], 4096
     for b in buffers:
         addrs.append(total)
         total += (b.nbytes + 255) // 256 * 256 + 256

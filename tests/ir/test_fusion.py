@@ -13,7 +13,7 @@ import tilefuse as tx
 import tilefuse.numpy as tnp
 from conftest import assert_close
 from tilefuse.ir import primitives as P
-from tilefuse.ir.core import Graph, Literal, ShapedArray, Var, eval_graph
+from tilefuse.ir.core import Graph, ShapedArray, Var, eval_graph
 from tilefuse.ir.kernel import InterpBackend
 from tilefuse.ir.passes import dce, partition, run_passes
 from tilefuse.ir.kernel.ir import reduce_levels
