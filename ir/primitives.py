@@ -10,7 +10,7 @@ import numpy as np
 
 from . import dtypes
 from .core import ShapedArray, eval_graph
-from .errors import DTypeError, ShapeError, with_user_line
+from .errors import DTypeError, OperandShapeError, ShapeError, with_user_line
 
 PRIMITIVES: dict[str, "Primitive"] = {}
 
@@ -50,7 +50,7 @@ def primitive(name: str) -> Primitive:
 
 def shape_error(prim: str, msg: str, *avals) -> ShapeError:
     shapes = ", ".join(str(a.shape) for a in avals)
-    return ShapeError(with_user_line(f"{prim}: {msg} (operand shapes {shapes})"))
+    return OperandShapeError(with_user_line(f"{prim}: {msg} (operand shapes {shapes})"))
 
 
 def dtype_error(prim: str, msg: str, *avals) -> DTypeError:

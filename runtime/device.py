@@ -227,9 +227,9 @@ def _apply_primitive(prim, values, params) -> list:
     avals = tuple(aval_of_value(v) for v in values)
     backend_apply = getattr(dev.backend, "apply_primitive", None)
     if backend_apply is not None:
+        out_avals = prim.abstract_eval(*avals, **params)  # the shape rule first: a clear error
         bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]
         outs = backend_apply(prim, params, bufs, dev)
-        out_avals = prim.abstract_eval(*avals, **params)
         return [Array(np.asarray(o, a.dtype) if not isinstance(o, np.ndarray) or o.dtype != a.dtype
                       else o, a, dev) for o, a in zip(outs, out_avals)]
     try:

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 from tilefuse.ir import dtypes as _dtypes
 from tilefuse.ir.errors import (CompileError, ConcretizationError, DeviceError, DTypeError, NaNError,
-                                OutOfMemoryError, ShapeError, TilefuseError, TracerLeakError,
+                                OperandShapeError, OutOfMemoryError, ShapeError, TilefuseError, TracerLeakError,
                                 TransformError)
 from tilefuse.runtime import device as _device
 from tilefuse.runtime.array import Array

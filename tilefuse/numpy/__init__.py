@@ -7,18 +7,55 @@ from __future__ import annotations
 
 import builtins
 import math
+import sys
 
 import numpy as np
 
 from tilefuse.ir import dtypes as _dt
 from tilefuse.ir import primitives as P
-from tilefuse.ir.errors import ConcretizationError, DTypeError, ShapeError, TilefuseError, with_user_line
+from tilefuse.ir.errors import (ConcretizationError, DTypeError, OperandShapeError, ShapeError, TilefuseError,
+                                is_internal, with_user_line)
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.device import default_device
 from tilefuse.tracer.core import Tracer, bind1, concrete_or_none, get_aval
 
-float16, bfloat16, float32, float64 = _dt.float16, _dt.bfloat16, _dt.float32, _dt.float64
-int32, int64, uint32, bool_ = _dt.int32, _dt.int64, _dt.uint32, _dt.bool_
+
+
+class _ScalarType:
+    """tnp.float32 and the other dtype names: usable wherever a dtype is (np.dtype(tnp.float32),
+    x.astype(tnp.int8), x.dtype == tnp.float32) and callable as a constructor, as jnp.float32(3)
+    is: an array of that dtype (0-d for a scalar), converted from numbers, arrays or tracers."""
+
+    def __init__(self, name: str, dtype):
+        self.__name__ = self.__qualname__ = name
+        self.dtype = np.dtype(dtype)
+
+    def __call__(self, x=0):
+        return astype(x, self.dtype) if isinstance(x, (Tracer, Array)) else asarray(x, self.dtype)
+
+    def __eq__(self, other):
+        try:
+            return self.dtype == np.dtype(other)
+        except TypeError:
+            return NotImplemented
+
+    def __hash__(self):
+        return hash(self.dtype)
+
+    def __repr__(self):
+        return f"tilefuse.numpy.{self.__name__}"
+
+
+float16, bfloat16, float32, float64 = (_ScalarType(n, getattr(_dt, n))
+                                       for n in ("float16", "bfloat16", "float32", "float64"))
+int8, int16, int32, int64 = (_ScalarType(n, getattr(np, n)) for n in ("int8", "int16", "int32", "int64"))
+uint8, uint16, uint32, uint64 = (_ScalarType(n, getattr(np, n)) for n in ("uint8", "uint16", "uint32", "uint64"))
+bool_ = _ScalarType("bool_", np.bool_)
+# numpy's aliases (numpy's meaning: float_ and double are float64, int_ is int64)
+bool = _ScalarType("bool", np.bool_)  # jnp.bool (shadows the builtin here: use builtins.bool)
+half, single, double, float_ = (_ScalarType(n, d) for n, d in (("half", np.float16), ("single", np.float32),
+                                                               ("double", np.float64), ("float_", np.float64)))
+int_, uint = _ScalarType("int_", np.int64), _ScalarType("uint", np.uint64)
 pi, e, inf, nan, newaxis = np.pi, np.e, np.inf, np.nan, None
 ndarray = Array
 
@@ -26,7 +63,7 @@ ndarray = Array
 # ---- conversion and promotion ---------------------------------------------------------------
 
 def _is_python_scalar(x) -> bool:
-    return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
+    return isinstance(x, (builtins.bool, int, float)) and not isinstance(x, np.generic)
 
 
 def _operand(x):
@@ -46,9 +83,15 @@ def _aval(x):
     return get_aval(x)
 
 
+def _is_dtype_like(x) -> builtins.bool:
+    return isinstance(x, (np.dtype, type, str, _ScalarType))
+
+
 def result_type(*xs):
-    """The dtype numpy-style promotion gives these operands (weak Python scalars respected)."""
-    return _dt.result_type(*((_aval(x).dtype, _aval(x).weak_type) for x in xs))[0]
+    """The dtype numpy-style promotion gives these operands (weak Python scalars respected);
+    dtypes count as strong operands of their type."""
+    return _dt.result_type(*((_dt.canonicalize(x), False) if _is_dtype_like(x) else
+                             (_aval(x).dtype, _aval(x).weak_type) for x in xs))[0]
 
 
 def _convert(x, dtype):
@@ -119,15 +162,20 @@ def _unary(prim, to_float=True, kinds=None):
     def f(x):
         (x,) = _promote(x, to_float=to_float)
         return bind1(prim, x)
-    f.__name__ = prim.name
-    return f
+    return _named(f, prim.name)
 
 
 def _binary(prim, to_float=False, name=None):
     def f(x, y):
         x, y = _broadcast_all(*_promote(x, y, to_float=to_float), op=f.__name__)
         return bind1(prim, x, y)
-    f.__name__ = name or prim.name
+    return _named(f, name or prim.name)
+
+
+def _named(f, name: str):
+    """A generated function named `name`, in its code too (errors name the function from it)."""
+    f.__name__ = f.__qualname__ = name
+    f.__code__ = f.__code__.replace(co_name=name)
     return f
 
 
@@ -204,14 +252,14 @@ def sigmoid(x):
 
 
 def power(x, y):
-    if _is_python_scalar(y) and not isinstance(y, bool) and math.isfinite(y) and float(y) == int(y) \
+    if _is_python_scalar(y) and not isinstance(y, builtins.bool) and math.isfinite(y) and float(y) == int(y) \
             and builtins.abs(y) <= 64:
         if not (_dt.is_int(_aval(x).dtype) and y < 0):
             return integer_pow(x, int(y))
     x, y = _promote(x, y)
     if not _dt.is_float(_aval(x).dtype):  # integer ** integer array: compute in float, cast back
         d = _aval(x).dtype
-        return astype(power(astype(x, float64 if d == int64 else float32), astype(y, float32)), d)
+        return astype(power(astype(x, _dt.float64 if d == _dt.int64 else _dt.float32), astype(y, _dt.float32)), d)
     x, y = _broadcast_all(x, y, op="power")
     return bind1(P.pow_, x, y)
 
@@ -244,19 +292,19 @@ def fmod(x, y):
 
 
 def logical_not(x):
-    return bind1(P.not_, astype(x, bool_))
+    return bind1(P.not_, astype(x, _dt.bool_))
 
 
 def logical_and(x, y):
-    return bitwise_and(astype(x, bool_), astype(y, bool_))
+    return bitwise_and(astype(x, _dt.bool_), astype(y, _dt.bool_))
 
 
 def logical_or(x, y):
-    return bitwise_or(astype(x, bool_), astype(y, bool_))
+    return bitwise_or(astype(x, _dt.bool_), astype(y, _dt.bool_))
 
 
 def logical_xor(x, y):
-    return bitwise_xor(astype(x, bool_), astype(y, bool_))
+    return bitwise_xor(astype(x, _dt.bool_), astype(y, _dt.bool_))
 
 
 def invert(x):
@@ -269,14 +317,14 @@ bitwise_not = invert
 def isnan(x):
     x = _operand(x)
     if not _dt.is_float(_aval(x).dtype):
-        return zeros_like(x, dtype=bool_)
+        return zeros_like(x, dtype=_dt.bool_)
     return not_equal(x, x)
 
 
 def isinf(x):
     x = _operand(x)
     if not _dt.is_float(_aval(x).dtype):
-        return zeros_like(x, dtype=bool_)
+        return zeros_like(x, dtype=_dt.bool_)
     return equal(abs(x), inf)
 
 
@@ -350,7 +398,7 @@ def isclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
 def where(cond, x=None, y=None):
     if x is None and y is None:
         return nonzero(cond)
-    cond = astype(cond, bool_)
+    cond = astype(cond, _dt.bool_)
     x, y = _promote(x, y)
     cond, x, y = _broadcast_all(cond, x, y, op="where")
     return bind1(P.select, cond, x, y)
@@ -414,14 +462,14 @@ def reshape(x, *newshape, order="C"):
     if -1 in newshape:
         known = int(np.prod([s for s in newshape if s != -1], dtype=np.int64))
         if known == 0 or a.size % known:
-            raise ShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} into "
+            raise OperandShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} into "
                                             f"{tuple(newshape)}"))
         newshape[newshape.index(-1)] = a.size // known
     newshape = tuple(newshape)
     if newshape == a.shape:
         return x
     if int(np.prod(newshape, dtype=np.int64)) != a.size:
-        raise ShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} (size {a.size}) "
+        raise OperandShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} (size {a.size}) "
                                         f"into {newshape}"))
     return bind1(P.reshape, x, new_sizes=newshape)
 
@@ -593,8 +641,8 @@ def diag(v, k=0):
     if ndim(v) != 1:
         raise ShapeError(with_user_line(f"diag: needs a 1-d or 2-d array, got shape {shape(v)}"))
     n = shape(v)[0] + builtins.abs(k)
-    r = bind1(P.iota, dtype=int32, shape=(n, n), dimension=0)
-    c = bind1(P.iota, dtype=int32, shape=(n, n), dimension=1)
+    r = bind1(P.iota, dtype=_dt.int32, shape=(n, n), dimension=0)
+    c = bind1(P.iota, dtype=_dt.int32, shape=(n, n), dimension=1)
     vals = bind1(P.gather, v, r if k >= 0 else c, axis=0)  # out-of-range rows clamp; masked below
     return where(equal(c - r, k), vals, zeros((), _aval(v).dtype))
 
@@ -695,15 +743,15 @@ def _reduce(prim, x, axis, keepdims, dtype=None, identity_ok=True):
 def sum(x, axis=None, dtype=None, keepdims=False):
     x = _operand(x)
     d = _aval(x).dtype
-    if dtype is None and (_dt.is_bool(d) or d == uint32):
-        dtype = int32
+    if dtype is None and (_dt.is_bool(d) or d == _dt.uint32):
+        dtype = _dt.int32
     return _reduce(P.reduce_sum, x, axis, keepdims, dtype)
 
 
 def prod(x, axis=None, dtype=None, keepdims=False):
     x = _operand(x)
     if dtype is None and _dt.is_bool(_aval(x).dtype):
-        dtype = int32
+        dtype = _dt.int32
     return _reduce(P.reduce_prod, x, axis, keepdims, dtype)
 
 
@@ -719,7 +767,7 @@ amax, amin = max, min
 
 
 def _bool_reduce(prim, empty_value, x, axis, keepdims):
-    x = astype(x, bool_)
+    x = astype(x, _dt.bool_)
     a = _aval(x)
     axes = _norm_axes(axis, a.ndim)
     if builtins.any(a.shape[i] == 0 for i in axes):  # min/max have no identity: the answer is known
@@ -745,7 +793,7 @@ def _count(x, axis):
 def mean(x, axis=None, dtype=None, keepdims=False):
     x = _operand(x)
     d = _aval(x).dtype
-    x = astype(x, dtype or (d if _dt.is_float(d) else float32))
+    x = astype(x, dtype or (d if _dt.is_float(d) else _dt.float32))
     n = _count(x, axis)
     s = sum(x, axis, keepdims=keepdims)
     return divide(s, float(n)) if n else divide(s, nan)
@@ -754,7 +802,7 @@ def mean(x, axis=None, dtype=None, keepdims=False):
 def var(x, axis=None, dtype=None, ddof=0, keepdims=False):
     x = _operand(x)
     d = _aval(x).dtype
-    x = astype(x, dtype or (d if _dt.is_float(d) else float32))
+    x = astype(x, dtype or (d if _dt.is_float(d) else _dt.float32))
     m = mean(x, axis, keepdims=True)
     c = x - m
     n = _count(x, axis) - ddof
@@ -817,7 +865,7 @@ def _arg_reduce(prim, x, axis, keepdims):
         x, axis = ravel(x), 0
     a = _aval(x)
     axis = _norm_axis(axis, a.ndim)
-    out = bind1(prim, x, axis=axis, index_dtype=int32)
+    out = bind1(prim, x, axis=axis, index_dtype=_dt.int32)
     if keepdims:
         out = expand_dims(out, axis)
     return out
@@ -841,7 +889,7 @@ def cumsum(x, axis=None, dtype=None):
         x = astype(x, dtype)
     axis = _norm_axis(axis, ndim(x))
     n = shape(x)[axis]
-    tri = astype(tril(ones((n, n), dtype=bool_)), _aval(x).dtype)  # tri[i, j] = j <= i
+    tri = astype(tril(ones((n, n), dtype=_dt.bool_)), _aval(x).dtype)  # tri[i, j] = j <= i
     y = tensordot(moveaxis(x, axis, -1), tri, axes=([-1], [1]))
     return moveaxis(y, -1, axis)
 
@@ -863,7 +911,7 @@ def cumprod(x, axis=None, dtype=None):
     if dtype is not None:
         x = astype(x, dtype)
     elif _dt.is_bool(_aval(x).dtype):
-        x = astype(x, int32)
+        x = astype(x, _dt.int32)
     axis = _norm_axis(axis, ndim(x))
     n, k = shape(x)[axis], 1
     while k < n:
@@ -887,7 +935,7 @@ def matmul(a, b):
         raise ShapeError(with_user_line("matmul: operands must not be scalars (use *)"))
     k_b = sb[-2 if len(sb) > 1 else 0]
     if sa[-1] != k_b:
-        raise ShapeError(with_user_line(f"matmul: contracting dimensions differ: {sa} @ {sb} ({sa[-1]} vs {k_b})"))
+        raise OperandShapeError(with_user_line(f"matmul: contracting dimensions differ: {sa} @ {sb} ({sa[-1]} vs {k_b})"))
     if len(sb) <= 2:  # a weight matrix (or vector): contract without broadcasting it
         return _dot_general(a, b, ((len(sa) - 1,), (0,)))
     if len(sa) == 1:
@@ -1010,7 +1058,19 @@ def _einsum_single(x, t, out, others):
 # ---- creation -----------------------------------------------------------------------------
 
 def _shape_tuple(s):
-    return (int(s),) if isinstance(s, (int, np.integer)) else tuple(int(n) for n in s)
+    """A static shape from an int, a sequence of ints, or 0-d integer arrays (tnp.zeros(n) with
+    n = tnp.asarray(3)); a traced size cannot make a static shape."""
+    def dim(n):
+        if isinstance(n, Tracer):
+            raise ConcretizationError(with_user_line(
+                f"a shape needs static sizes, got a traced value {_aval(n)}: pass the size as a Python "
+                "int (a static argument under jit)"))
+        if isinstance(n, (Array, np.ndarray, np.generic)) and (np.ndim(n) != 0 or np.dtype(n.dtype).kind not in "iu"):
+            raise TilefuseError(with_user_line(f"a shape size must be an integer, got an array {n.dtype}{n.shape}"))
+        return int(n)
+    if isinstance(s, (int, np.integer, Tracer)) or isinstance(s, (Array, np.ndarray)) and s.ndim == 0:
+        return (dim(s),)
+    return tuple(dim(n) for n in s)
 
 
 def full(shape, fill_value, dtype=None):
@@ -1023,15 +1083,15 @@ def full(shape, fill_value, dtype=None):
     return _wrap_result(broadcast_to(fv, shape))
 
 
-def zeros(shape, dtype=float32):
+def zeros(shape, dtype=_dt.float32):
     return full(shape, 0, dtype)
 
 
-def ones(shape, dtype=float32):
+def ones(shape, dtype=_dt.float32):
     return full(shape, 1, dtype)
 
 
-def empty(shape, dtype=float32):
+def empty(shape, dtype=_dt.float32):
     return zeros(shape, dtype)
 
 
@@ -1072,9 +1132,9 @@ def arange(start, stop=None, step=None, dtype=None):
     step = 1 if step is None else step
     n = builtins.max(0, math.ceil((stop - start) / step))
     if dtype is None:
-        dtype = float32 if builtins.any(isinstance(v, float) for v in (start, stop, step)) else int32
+        dtype = _dt.float32 if builtins.any(isinstance(v, float) for v in (start, stop, step)) else _dt.int32
     dtype = _dt.canonicalize(dtype)
-    x = _iota(dtype if _dt.is_int(dtype) else float32, n)
+    x = _iota(dtype if _dt.is_int(dtype) else _dt.float32, n)
     if step != 1:
         x = x * step
     if start != 0:
@@ -1086,16 +1146,16 @@ def linspace(start, stop, num=50, endpoint=True, dtype=None):
     num = int(num)
     div = (num - 1) if endpoint else num
     step = (stop - start) / div if div > 0 else 0.0
-    x = _iota(float32, num) * float(step) + float(start)
+    x = _iota(_dt.float32, num) * float(step) + float(start)
     if endpoint and num > 1:
-        x = where(equal(_iota(int32, num), num - 1), float(stop), x)
-    return _wrap_result(astype(x, dtype or float32))
+        x = where(equal(_iota(_dt.int32, num), num - 1), float(stop), x)
+    return _wrap_result(astype(x, dtype or _dt.float32))
 
 
-def eye(N, M=None, k=0, dtype=float32):
+def eye(N, M=None, k=0, dtype=_dt.float32):
     M = N if M is None else M
-    r = bind1(P.iota, dtype=int32, shape=(N, M), dimension=0)
-    c = bind1(P.iota, dtype=int32, shape=(N, M), dimension=1)
+    r = bind1(P.iota, dtype=_dt.int32, shape=(N, M), dimension=0)
+    c = bind1(P.iota, dtype=_dt.int32, shape=(N, M), dimension=1)
     return _wrap_result(astype(equal(r + k, c), dtype))
 
 
@@ -1103,12 +1163,12 @@ identity = eye
 
 
 def _tri_mask(n, m, k):
-    r = bind1(P.iota, dtype=int32, shape=(n, m), dimension=0)
-    c = bind1(P.iota, dtype=int32, shape=(n, m), dimension=1)
+    r = bind1(P.iota, dtype=_dt.int32, shape=(n, m), dimension=0)
+    c = bind1(P.iota, dtype=_dt.int32, shape=(n, m), dimension=1)
     return greater_equal(r + k, c)  # j <= i + k
 
 
-def tri(N, M=None, k=0, dtype=float32):
+def tri(N, M=None, k=0, dtype=_dt.float32):
     return _wrap_result(astype(_tri_mask(N, N if M is None else M, k), dtype))
 
 
@@ -1134,13 +1194,14 @@ def asarray(x, dtype=None):
             return stack([asarray(v, dtype) for v in x])
         try:
             arr = np.asarray(x)
-        except ValueError as err:
+        except ValueError:
             raise TilefuseError(with_user_line(
-                f"cannot make an array from a ragged nested list: {err}")) from None
+                f"{_api_argument(x)}a ragged nested list (rows of different lengths, "
+                f"{_row_lengths(x)}) cannot be an array: pad the rows to one length")) from None
         if arr.dtype == object:
             raise TilefuseError(with_user_line("cannot make an array of Python objects"))
         if dtype is None:
-            dtype = {"f": float32, "i": int32, "u": int32, "b": bool_}.get(arr.dtype.kind, arr.dtype)
+            dtype = {"f": _dt.float32, "i": _dt.int32, "u": _dt.int32, "b": _dt.bool_}.get(arr.dtype.kind, arr.dtype)
             if arr.dtype.kind in "iu" and arr.size and not (-2**31 <= arr.min() and arr.max() < 2**31):
                 raise DTypeError(with_user_line(
                     f"a Python int in the list does not fit int32 (max {arr.max()}, min {arr.min()}): "
@@ -1153,6 +1214,27 @@ def asarray(x, dtype=None):
             raise TilefuseError(with_user_line("cannot make an array of Python objects"))
     dtype = _dt.canonicalize(arr.dtype if dtype is None else dtype)
     return default_device().put(arr.astype(dtype, copy=False), committed=False)
+
+
+def _api_argument(obj) -> str:
+    """'sum: argument 'x' is ' for the tilefuse function the user called and its parameter that
+    holds obj (found on the stack), or '' when there is none."""
+    frame, api = sys._getframe(1), None
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        api, frame = frame, frame.f_back
+    if api is None:
+        return ""
+    code = api.f_code
+    for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+        v = api.f_locals.get(name)
+        if v is obj or isinstance(v, (list, tuple)) and builtins.any(u is obj for u in v):
+            return f"{code.co_name}: argument {name!r} is "
+    return f"{code.co_name}: "
+
+
+def _row_lengths(x) -> str:
+    lens = [len(v) if isinstance(v, (list, tuple)) else "scalar" for v in x]
+    return f"lengths {lens[:8]}{' ...' if len(lens) > 8 else ''}"
 
 
 def argwhere(x):
@@ -1183,12 +1265,12 @@ def _concrete(x, what):
 def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
     """A Python bool, so only on concrete arrays (use tnp.isclose(...).all() inside jit)."""
     a, b = _concrete(a, "allclose"), _concrete(b, "allclose")
-    return bool(np.allclose(a.astype(np.float64), b.astype(np.float64), rtol, atol, equal_nan))
+    return builtins.bool(np.allclose(a.astype(np.float64), b.astype(np.float64), rtol, atol, equal_nan))
 
 
 def array_equal(a, b) -> bool:
     a, b = _concrete(a, "array_equal"), _concrete(b, "array_equal")
-    return a.shape == b.shape and bool((a == b).all())
+    return a.shape == b.shape and builtins.bool((a == b).all())
 
 
 def triu_indices(n, k=0, m=None):
@@ -1206,9 +1288,9 @@ floating, integer, inexact, number, signedinteger, bool8 = (np.floating, np.inte
 
 
 def issubdtype(arg1, arg2) -> bool:
-    if _dt.canonicalize(arg1) == bfloat16 and arg2 in (np.floating, np.inexact, np.number, np.generic):
+    if _dt.canonicalize(arg1) == _dt.bfloat16 and arg2 in (np.floating, np.inexact, np.number, np.generic):
         return True
-    return bool(np.issubdtype(arg1, arg2))
+    return builtins.bool(np.issubdtype(arg1, arg2))
 
 
 def isscalar(x) -> bool:
@@ -1221,7 +1303,7 @@ def promote_types(a, b) -> np.dtype:
 
 def can_cast(from_, to) -> bool:
     """Whether the cast loses nothing: promotion of the two gives `to`."""
-    f = from_ if isinstance(from_, np.dtype) or isinstance(from_, type) or isinstance(from_, str) \
+    f = from_ if _is_dtype_like(from_) \
         else _aval(_operand(from_)).dtype
     return promote_types(f, to) == _dt.canonicalize(to)
 
@@ -1238,7 +1320,7 @@ def array(x, dtype=None, copy=True):
 # ---- indexing ------------------------------------------------------------------------------
 
 def _is_int_index(i):
-    return isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+    return isinstance(i, (int, np.integer)) and not isinstance(i, (builtins.bool, np.bool_))
 
 
 def _as_index_array(i):
@@ -1257,7 +1339,7 @@ def _index_rank(i) -> int:
     if i is None or i is Ellipsis:
         return 0
     arr = _as_index_array(i) if not isinstance(i, (Tracer, Array)) else i
-    return _aval(arr).ndim if arr is not None and _aval(arr).dtype == bool_ else 1
+    return _aval(arr).ndim if arr is not None and _aval(arr).dtype == _dt.bool_ else 1
 
 
 def _check_mask(mask_shape, x_shape, idx, pos):
@@ -1280,7 +1362,7 @@ def _getitem(x, idx):
     expanded = []
     for pos, i in enumerate(idx):
         arr = _as_index_array(i) if not isinstance(i, (Tracer, Array)) else i
-        if arr is not None and _aval(arr).dtype == bool_:
+        if arr is not None and _aval(arr).dtype == _dt.bool_:
             val = concrete_or_none(arr)
             if val is None:
                 raise ConcretizationError(with_user_line(
@@ -1292,7 +1374,7 @@ def _getitem(x, idx):
                 raise TilefuseError(with_user_line("indexing with a 0-d boolean mask is not supported"))
             _check_mask(val.shape, _aval(x).shape, idx, pos)
             expanded.extend(val.nonzero())
-        elif isinstance(i, (bool, np.bool_)):
+        elif isinstance(i, (builtins.bool, np.bool_)):
             raise TilefuseError(with_user_line("indexing with a Python bool is not supported"))
         else:
             expanded.append(i)
@@ -1376,7 +1458,7 @@ def _advanced_index(x, axes, indexes):
                                                 f" is out of bounds for axis {ax} with size {n}"))
             i = np.where(val < 0, val + n, val).astype(np.int32)
         else:
-            i = astype(i, int32)
+            i = astype(i, _dt.int32)
             i = where(less(i, 0), i + n, i)
         arrays.append(i)
     bshape = broadcast_shapes(*(_aval(i).shape for i in arrays))
@@ -1412,11 +1494,14 @@ def take(x, indices, axis=None, mode=None):
     n = shape(x)[axis]
     i = _as_index_array(indices)
     if i is None:
-        i = np.asarray(indices, np.int32)
+        i = np.asarray(indices)
+    if not (_dt.is_int(_aval(i).dtype) or np.dtype(_aval(i).dtype).kind in "iu"):
+        raise DTypeError(with_user_line(f"take: indices must be integers, got {_aval(i).dtype} "
+                                        "(convert them with .astype(int32))"))
     if isinstance(i, np.ndarray) and mode != "clip" and i.size and (i.max() >= n or i.min() < -n):
         bad = int(i.max() if i.max() >= n else i.min())
         raise IndexError(with_user_line(f"take: index {bad} is out of bounds for axis {axis} with size {n}"))
-    i = astype(i, int32) if not isinstance(i, np.ndarray) else i.astype(np.int32)
+    i = astype(i, _dt.int32) if not isinstance(i, np.ndarray) else i.astype(np.int32)
     if mode != "clip":
         i = where(less(i, 0), i + n, i) if not isinstance(i, np.ndarray) else np.where(i < 0, i + n, i)
     return bind1(P.gather, x, i, axis=axis)
@@ -1437,13 +1522,13 @@ def take_along_axis(arr, indices, axis):
     oshape = tuple(ia.shape[k] if k == axis else n for k, n in enumerate(oshape))
     arr = broadcast_to(arr, tuple(a.shape[k] if k == axis else n for k, n in enumerate(oshape)))
     a = _aval(arr)
-    idx = broadcast_to(astype(indices, int32), oshape)
+    idx = broadcast_to(astype(indices, _dt.int32), oshape)
     idx = where(less(idx, 0), idx + a.shape[axis], idx)
     strides = np.cumprod((1,) + a.shape[::-1])[::-1][1:]
     flat = idx * int(strides[axis]) if strides[axis] != 1 else idx
     for k in range(a.ndim):
         if k != axis and oshape[k] > 1:
-            io = bind1(P.iota, dtype=int32, shape=oshape, dimension=k)
+            io = bind1(P.iota, dtype=_dt.int32, shape=oshape, dimension=k)
             flat = flat + (io * int(strides[k]) if strides[k] != 1 else io)
     return bind1(P.gather, ravel(arr), flat, axis=0)
 
@@ -1501,7 +1586,7 @@ class _IndexUpdateRef:
         x = _operand(self.x)
         pos = self._static_positions()
         if pos is None:
-            pos = ravel(_getitem(reshape(arange(size(x), dtype=int32), shape(x)), self.idx))
+            pos = ravel(_getitem(reshape(arange(size(x), dtype=_dt.int32), shape(x)), self.idx))
         upd = self._updates(x, value, shape(pos))
         flat = bind1(P.scatter_add, ravel(x), ravel(pos), upd, axis=0)
         return reshape(flat, shape(x))
@@ -1528,9 +1613,9 @@ class _IndexUpdateRef:
 
     def _set_traced(self, x, value):
         dt = _aval(x).dtype
-        pos = ravel(_getitem(reshape(arange(size(x), dtype=int32), shape(x)), self.idx))
+        pos = ravel(_getitem(reshape(arange(size(x), dtype=_dt.int32), shape(x)), self.idx))
         upd = self._updates(x, value, shape(pos))
-        hit = bind1(P.scatter_add, zeros(size(x), int32), pos, ones(size(pos), int32), axis=0)
+        hit = bind1(P.scatter_add, zeros(size(x), _dt.int32), pos, ones(size(pos), _dt.int32), axis=0)
         new = bind1(P.scatter_add, zeros(size(x), dt), pos, upd, axis=0)
         if not _dt.is_bool(dt):  # repeated positions summed their values: take the mean
             many = greater(hit, 1)
