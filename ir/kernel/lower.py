@@ -670,3 +670,15 @@ def lower_region(region) -> list[LoweredKernel]:
     if rule is None:
         raise CompileError(f"no kernel lowering for the primitive {region.kind}")
     return rule(region)
+
+
+# ---- vendor kernels on the host: sorting and LAPACK (ir/primitives.py HOST_PRIMITIVES) --------
+# Taken whole like a template; the dispatcher's numpy_host implementation (runtime/host.py) runs it.
+
+def _register_host_primitives():
+    from ..primitives import HOST_PRIMITIVES
+    for p in HOST_PRIMITIVES:
+        REGION_RULES[p.name] = _lower_template
+
+
+_register_host_primitives()

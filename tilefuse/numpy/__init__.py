@@ -677,7 +677,7 @@ def split(x, indices_or_sections, axis=0):
 
 def array_split(x, sections, axis=0):
     n = shape(x)[_norm_axis(axis, ndim(x))]
-    q, r = divmod(n, sections)
+    q, r = builtins.divmod(n, sections)
     idx = np.cumsum([q + 1] * r + [q] * (sections - r))[:-1]
     return split(x, list(idx), axis)
 
@@ -830,33 +830,6 @@ def average(x, axis=None, weights=None, keepdims=False):
         w = reshape(w, [-1 if i == ax else 1 for i in range(ndim(x))])
     x, w = _broadcast_all(x, w)
     return divide(sum(x * w, axis, keepdims=keepdims), sum(w, axis, keepdims=keepdims))
-
-
-def _norm(x, ord=None, axis=None, keepdims=False):
-    """numpy.linalg.norm for vectors (ord None/2/1/inf/-inf/0) and 'fro' for matrices."""
-    x = _operand(x)
-    (x,) = _promote(x, to_float=True)
-    if ord in (None, 2, "fro") or (ord == 2 and axis is not None):
-        if ord == 2 and (axis is None and ndim(x) == 2 or isinstance(axis, tuple) and len(axis) == 2):
-            raise TilefuseError(with_user_line("norm: the matrix 2-norm (spectral) is not supported"))
-        return sqrt(sum(x * x, axis, keepdims=keepdims))
-    if ord == 1:
-        return sum(abs(x), axis, keepdims=keepdims)
-    if ord == inf:
-        return max(abs(x), axis, keepdims=keepdims)
-    if ord == -inf:
-        return min(abs(x), axis, keepdims=keepdims)
-    if ord == 0:
-        return astype(count_nonzero(x, axis, keepdims), _aval(x).dtype)
-    return power(sum(power(abs(x), ord), axis, keepdims=keepdims), 1.0 / ord)
-
-
-class _Linalg:
-    """tnp.linalg: the part of numpy.linalg that models use."""
-    norm = staticmethod(_norm)
-
-
-linalg = _Linalg()
 
 
 def _arg_reduce(prim, x, axis, keepdims):
@@ -1688,3 +1661,8 @@ def _install(cls):
 
 _install(Tracer)
 _install(Array)
+
+
+# ---- the rest of numpy's namespace, by concern, and the submodules --------------------------
+from tilefuse.numpy import linalg  # noqa: E402
+from tilefuse.numpy._math import *  # noqa: E402,F401,F403
