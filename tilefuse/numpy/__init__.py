@@ -853,18 +853,15 @@ def argmin(x, axis=None, keepdims=False):
     return _arg_reduce(P.argmin, x, axis, keepdims)
 
 
-def cumsum(x, axis=None, dtype=None):
-    """Cumulative sum, as a product with a triangular matrix (fine for model-sized axes)."""
+def _scan_operand(x, axis, dtype):
     x = _operand(x)
     if axis is None:
         x, axis = ravel(x), 0
     if dtype is not None:
         x = astype(x, dtype)
-    axis = _norm_axis(axis, ndim(x))
-    n = shape(x)[axis]
-    tri = astype(tril(ones((n, n), dtype=_dt.bool_)), _aval(x).dtype)  # tri[i, j] = j <= i
-    y = tensordot(moveaxis(x, axis, -1), tri, axes=([-1], [1]))
-    return moveaxis(y, -1, axis)
+    elif _dt.is_bool(_aval(x).dtype):
+        x = astype(x, _dt.int32)
+    return x, _norm_axis(axis, ndim(x))
 
 
 def _shift(x, axis, k, fill):
@@ -876,21 +873,47 @@ def _shift(x, axis, k, fill):
     return _slice_axis(padded, axis, 0, n)
 
 
-def cumprod(x, axis=None, dtype=None):
-    """Cumulative product by a log-step scan (log2(n) shifted multiplies)."""
-    x = _operand(x)
-    if axis is None:
-        x, axis = ravel(x), 0
-    if dtype is not None:
-        x = astype(x, dtype)
-    elif _dt.is_bool(_aval(x).dtype):
-        x = astype(x, _dt.int32)
-    axis = _norm_axis(axis, ndim(x))
+def _scan(x, axis, op, identity):
+    """The inclusive scan of `op` along axis by a log-step (Hillis-Steele) scan: log2(n) shifted
+    combines, each a pad and one fused elementwise kernel; sums add in a tree, as pairwise."""
     n, k = shape(x)[axis], 1
     while k < n:
-        x = x * _shift(x, axis, k, 1)
+        x = op(x, _shift(x, axis, k, identity))
         k *= 2
     return x
+
+
+def cumsum(x, axis=None, dtype=None):
+    """Cumulative sum: a product with a triangular matrix for short axes (one GEMM), a log-step
+    scan for longer ones (O(n log n), no n x n matrix)."""
+    x, axis = _scan_operand(x, axis, dtype)
+    n = shape(x)[axis]
+    if n > 32:
+        return _scan(x, axis, add, 0)
+    tri = astype(tril(ones((n, n), dtype=_dt.bool_)), _aval(x).dtype)  # tri[i, j] = j <= i
+    y = tensordot(moveaxis(x, axis, -1), tri, axes=([-1], [1]))
+    return moveaxis(y, -1, axis)
+
+
+def cumprod(x, axis=None, dtype=None):
+    """Cumulative product by a log-step scan (log2(n) shifted multiplies)."""
+    x, axis = _scan_operand(x, axis, dtype)
+    return _scan(x, axis, multiply, 1)
+
+
+def cummax(x, axis=None):
+    """The running maximum along axis (jax.lax.cummax; NaN propagates, as maximum's)."""
+    x, axis = _scan_operand(x, axis, None)
+    d = _aval(x).dtype
+    low = -np.inf if _dt.is_float(d) else np.iinfo(d).min
+    return _scan(x, axis, maximum, np.asarray(low, d))
+
+
+def cummin(x, axis=None):
+    x, axis = _scan_operand(x, axis, None)
+    d = _aval(x).dtype
+    high = np.inf if _dt.is_float(d) else np.iinfo(d).max
+    return _scan(x, axis, minimum, np.asarray(high, d))
 
 
 # ---- contraction -------------------------------------------------------------------------
@@ -1666,3 +1689,5 @@ _install(Array)
 # ---- the rest of numpy's namespace, by concern, and the submodules --------------------------
 from tilefuse.numpy import linalg  # noqa: E402
 from tilefuse.numpy._math import *  # noqa: E402,F401,F403
+from tilefuse.numpy._sorting import *  # noqa: E402,F401,F403
+from tilefuse.numpy._reductions import *  # noqa: E402,F401,F403
