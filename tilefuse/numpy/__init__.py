@@ -1687,7 +1687,8 @@ _install(Array)
 
 
 # ---- the rest of numpy's namespace, by concern, and the submodules --------------------------
-from tilefuse.numpy import linalg  # noqa: E402
+from tilefuse.numpy import linalg  # noqa: E402,F401
 from tilefuse.numpy._math import *  # noqa: E402,F401,F403
 from tilefuse.numpy._sorting import *  # noqa: E402,F401,F403
 from tilefuse.numpy._reductions import *  # noqa: E402,F401,F403
+from tilefuse.numpy._shapes import *  # noqa: E402,F401,F403

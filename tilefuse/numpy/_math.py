@@ -361,8 +361,11 @@ def divmod(x1, x2):  # noqa: A001 (numpy's name)
 
 
 def float_power(x1, x2):
-    """x1 ** x2 in float64 (numpy's float_power)."""
-    return tnp.power(tnp.astype(x1, tnp.float64), tnp.astype(x2, tnp.float64))
+    """x1 ** x2 computed in float64, given in the operands' float type (float32 for float32 and
+    ints, as jax.numpy.float_power without x64)."""
+    x1, x2 = tnp._promote(x1, x2, to_float=True)
+    out = tnp.power(tnp.astype(x1, tnp.float64), tnp.astype(x2, tnp.float64))
+    return tnp.astype(out, tnp._aval(x1).dtype)
 
 
 pow = tnp.power  # noqa: A001

@@ -363,7 +363,8 @@ def _edges(a, bins, range_):
         same = lo == hi
         lo, hi = tnp.where(same, lo - 0.5, lo), tnp.where(same, hi + 0.5, hi)
         steps = tnp.arange(int(bins) + 1, dtype=tnp._aval(a).dtype) / float(bins)
-        return lo + (hi - lo) * steps
+        edges = lo + (hi - lo) * steps
+        return tnp.where(steps == 1, hi, edges)  # lo + (hi - lo) can round away from hi
     (edges,) = tnp._promote(bins, to_float=True)
     return edges
 
