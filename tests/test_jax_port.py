@@ -144,3 +144,177 @@ def test_adam_keeps_float64_precision(device, rng):
 def _apply(opt, params, state, grads):
     updates, state = opt.update(grads, state, params)
     return optim.apply_updates(params, updates), state
+
+
+# ---- transform helpers: tree_util, flatten_util, elementwise_grad ---------------------------------
+
+def test_ravel_pytree_round_trip(device):
+    from tilefuse.flatten_util import ravel_pytree
+    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": (np.float32(2.5), np.ones(2, np.int32))}
+    flat, unravel = ravel_pytree(tree)
+    assert flat.shape == (9,) and flat.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(flat), [2.5, 1, 1, 0, 1, 2, 3, 4, 5])  # dict keys sorted
+    back = unravel(flat * 2)
+    assert back["b"][1].dtype == np.int32 and back["w"].shape == (2, 3)
+    np.testing.assert_array_equal(np.asarray(back["w"]), tree["w"] * 2)
+    f64 = tx.jit(lambda t: ravel_pytree(t)[0])({"a": np.ones(2), "b": np.zeros(1, np.float32)})
+    assert f64.dtype == np.float64
+    # a flat-vector optimizer step under grad, as samplers and L-BFGS ports do
+    loss = lambda v: tnp.sum(unravel(v)["w"] ** 2)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(tx.grad(loss)(flat))[3:], 2 * tree["w"].ravel())
+
+
+def test_tree_util_under_jax_names(device):
+    from tilefuse import tree_util as tu
+    tree = {"a": [1.0, 2.0], "b": (3.0,)}
+    assert tu.tree_leaves(tree) == [1.0, 2.0, 3.0]
+    assert tu.tree_reduce(lambda x, y: x + y, tree) == 6.0 and tu.tree_reduce(max, tree, 10.0) == 10.0
+    assert tu.tree_all(tree) and not tu.tree_all({"x": 0.0}) and tu.tree_any([0.0, 1.0])
+    leaves, td = tu.tree_flatten(tree)
+    assert tu.tree_unflatten(td, [4.0, 5.0, 6.0]) == {"a": [4.0, 5.0], "b": (6.0,)}
+    assert not tu.treedef_is_leaf(td) and tu.treedef_is_leaf(tu.tree_structure(1.0))
+    assert len(tu.treedef_children(td)) == 2 and tu.all_leaves([1.0, 2.0])
+    outer, inner = tu.tree_structure([0, 0]), tu.tree_structure((0, 0, 0))
+    assert tu.tree_transpose(outer, inner, [(1, 2, 3), (4, 5, 6)]) == ([1, 4], [2, 5], [3, 6])
+
+    @tu.register_pytree_node_class
+    class Pair:
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+        def tree_flatten(self):
+            return (self.x, self.y), None
+
+        @classmethod
+        def tree_unflatten(cls, aux, children):
+            return cls(*children)
+    out = tx.jit(lambda p: Pair(p.y, p.x * 2))(Pair(np.float32(1), np.float32(3)))
+    assert float(out.x) == 3.0 and float(out.y) == 2.0
+    scale = tu.Partial(lambda k, x: k * x, np.float32(3.0))
+    applied = tx.jit(lambda f, x: f(x))(scale, np.float32(2.0))
+    assert float(applied) == 6.0 and tu.tree_leaves(scale) == [np.float32(3.0)]
+    assert tx.tree_util is tu and tx.flatten_util.ravel_pytree is not None
+
+
+def test_elementwise_grad_as_autograd(device):
+    x = np.linspace(-3, 3, 7)
+    d1 = tx.elementwise_grad(tnp.tanh)
+    np.testing.assert_allclose(np.asarray(d1(x)), 1 - np.tanh(x) ** 2, rtol=1e-12)
+    d2 = tx.elementwise_grad(d1)  # autograd's tanh example: derivatives of any order
+    np.testing.assert_allclose(np.asarray(tx.jit(d2)(x)), -2 * np.tanh(x) * (1 - np.tanh(x) ** 2), rtol=1e-10)
+    g = tx.elementwise_grad(lambda a, b: (a * b, a), argnums=(0, 1))(x, 2 * x)
+    np.testing.assert_allclose(np.asarray(g[0]), 2 * x + 1) and np.testing.assert_allclose(np.asarray(g[1]), x)
+
+
+# ---- example_libraries: optimizers and stax -----------------------------------------------------
+
+def _quadratic_grads(params):
+    return {"w": 2 * (params["w"] - 1.0), "b": 4 * params["b"]}
+
+
+@pytest.mark.parametrize("name,make,reference", [
+    ("sgd", lambda o: o.sgd(0.1), lambda p, g, s, i: (p - 0.1 * g, s)),
+    ("momentum", lambda o: o.momentum(0.1, 0.9), lambda p, g, s, i: (p - 0.1 * (0.9 * s + g), 0.9 * s + g)),
+    ("rmsprop", lambda o: o.rmsprop(0.05, gamma=0.8),
+     lambda p, g, s, i: (p - 0.05 * g / np.sqrt(0.8 * s + 0.2 * g * g + 1e-8), 0.8 * s + 0.2 * g * g)),
+])
+def test_optimizer_triples_match_their_formulas(device, name, make, reference):
+    from tilefuse.example_libraries import optimizers
+    opt_init, opt_update, get_params = make(optimizers)
+    p0 = {"w": np.array([0.5, -2.0]), "b": np.array(3.0)}
+    state = opt_init(p0)
+    ref = {k: (v.copy(), np.zeros_like(v)) for k, v in p0.items()}
+    step = tx.jit(opt_update)
+    for i in range(4):
+        g = _quadratic_grads(get_params(state))
+        state = step(i, g, state)
+        ref = {k: reference(ref[k][0], 2 * (ref[k][0] - 1.0) if k == "w" else 4 * ref[k][0], ref[k][1], i)
+               for k in ref}
+    got = get_params(state)
+    for k in p0:
+        np.testing.assert_allclose(np.asarray(got[k]), ref[k][0], rtol=1e-12)
+        assert np.asarray(got[k]).dtype == np.float64
+
+
+def test_adam_triple_and_schedules(device):
+    from tilefuse.example_libraries import optimizers
+    sched = optimizers.exponential_decay(0.1, 2, 0.5)
+    opt_init, opt_update, get_params = optimizers.adam(sched)
+    p = np.array([1.0, -1.0])
+    state = opt_init(p)
+    m = v = np.zeros(2)
+    for i in range(3):
+        g = 2 * p
+        state = opt_update(i, g, state)
+        m, v = 0.1 * g + 0.9 * m, 0.001 * g * g + 0.999 * v
+        p = p - 0.1 * 0.5 ** (i / 2) * (m / (1 - 0.9 ** (i + 1))) / (np.sqrt(v / (1 - 0.999 ** (i + 1))) + 1e-8)
+        np.testing.assert_allclose(np.asarray(get_params(state)), p, rtol=1e-12)
+    for o in (optimizers.adagrad(0.1), optimizers.adamax(0.1), optimizers.nesterov(0.1, 0.9),
+              optimizers.rmsprop_momentum(0.1), optimizers.sm3(0.1)):
+        s = o.init_fn(np.ones((2, 2)))
+        s = o.update_fn(0, np.full((2, 2), 0.5), s)
+        assert (np.asarray(o.params_fn(s)) < 1).all()  # a descent step on a positive gradient
+    assert float(optimizers.piecewise_constant([2, 4], [1.0, 0.5, 0.1])(3)) == 0.5
+    assert float(optimizers.polynomial_decay(1.0, 4, 0.0)(2)) == 0.5
+    np.testing.assert_allclose(float(optimizers.l2_norm({"a": np.ones(4)})), 2.0)
+    clipped = optimizers.clip_grads({"a": np.ones(4)}, 1.0)
+    np.testing.assert_allclose(np.asarray(clipped["a"]), np.full(4, 0.5))
+    packed = optimizers.pack_optimizer_state(optimizers.unpack_optimizer_state(s))
+    np.testing.assert_array_equal(np.asarray(o.params_fn(packed)), np.asarray(o.params_fn(s)))
+
+
+def test_stax_mlp_trains(device):
+    from tilefuse import random
+    from tilefuse.example_libraries import optimizers, stax
+    init_fun, apply_fun = stax.serial(stax.Dense(16), stax.Relu, stax.Dense(8), stax.Tanh,
+                                      stax.FanOut(2), stax.parallel(stax.Dense(3), stax.Dense(3)), stax.FanInSum,
+                                      stax.LogSoftmax)
+    out_shape, params = init_fun(random.key(0), (-1, 4))
+    assert out_shape == (-1, 3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    y = np.eye(3, dtype=np.float32)[(x[:, 0] > 0).astype(int) + (x[:, 1] > 1)]
+    loss = lambda p: -tnp.mean(tnp.sum(apply_fun(p, x) * y, axis=1))  # noqa: E731
+    opt_init, opt_update, get_params = optimizers.adam(0.01)
+    state = opt_init(params)
+    step = tx.jit(lambda i, s: opt_update(i, tx.grad(loss)(get_params(s)), s))
+    first = float(loss(params))
+    for i in range(30):
+        state = step(i, state)
+    assert float(loss(get_params(state))) < 0.7 * first
+    probs = np.exp(np.asarray(apply_fun(get_params(state), x)))
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_stax_layers_shapes_and_values(device):
+    from tilefuse import random
+    from tilefuse.example_libraries import stax
+    x = np.random.default_rng(1).normal(size=(2, 6, 6, 3)).astype(np.float32)
+    init, apply = stax.serial(stax.Conv(4, (3, 3), padding="SAME"), stax.BatchNorm(), stax.Elu, stax.MaxPool((2, 2)),
+                              stax.Conv(2, (2, 2), strides=(1, 1)), stax.Flatten, stax.Dropout(0.5, mode="test"))
+    shape, params = init(random.key(1), x.shape)
+    out = apply(params, x)
+    assert shape == (2, 8) and out.shape == (2, 8)
+    w, b = params[0]
+    conv = stax.Conv(4, (3, 3), padding="SAME")[1]((w, b), x)
+    ref = np.zeros((2, 6, 6, 4), np.float32)
+    xp = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    for i in range(6):
+        for j in range(6):
+            ref[:, i, j] = np.einsum("nhwc,hwco->no", xp[:, i:i + 3, j:j + 3], np.asarray(w))
+    np.testing.assert_allclose(np.asarray(conv), ref + np.asarray(b).reshape(1, 1, 1, 4), rtol=1e-4, atol=1e-5)
+    for layer, fn in ((stax.Selu, lambda v: 1.0507009873554805 * np.where(v > 0, v, 1.6732632423543772 * np.expm1(v))),
+                      (stax.LeakyRelu(0.1), lambda v: np.where(v >= 0, v, 0.1 * v)), (stax.Sigmoid, lambda v: 1 / (1 + np.exp(-v))),
+                      (stax.Softplus, lambda v: np.logaddexp(v, 0)), (stax.Softmax, lambda v: np.exp(v) / np.exp(v).sum(-1, keepdims=True)),
+                      (stax.Identity, lambda v: v), (stax.Exp, np.exp), (stax.Gelu, None)):
+        got = np.asarray(layer[1]((), x[0, 0]))
+        if fn is not None:
+            np.testing.assert_allclose(got, fn(x[0, 0].astype(np.float64)), rtol=1e-5, atol=1e-6)
+    pooled = np.asarray(stax.AvgPool((2, 2))[1]((), x))
+    np.testing.assert_allclose(pooled, x.reshape(2, 3, 2, 3, 2, 3).mean(axis=(2, 4)), rtol=1e-5)
+    cat = stax.FanInConcat(-1)
+    assert cat[0](None, [(2, 3), (2, 4)])[0] == (2, 7)
+    drop = stax.Dropout(0.5)[1]((), np.ones((100,), np.float32), rng=random.key(2))
+    assert set(np.unique(np.asarray(drop)).tolist()) <= {0.0, 2.0}
+    dense_ish = stax.shape_dependent(lambda shape: stax.Dense(shape[-1]))
+    assert dense_ish[0](random.key(0), (5, 3))[0] == (5, 3)

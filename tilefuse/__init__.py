@@ -30,12 +30,13 @@ _jit.hooks.config = config
 
 from tilefuse import numpy  # noqa: E402  (installs the array operators)
 from tilefuse import nn, optim, random  # noqa: E402
-from tilefuse.api import debug_print, make_graph  # noqa: E402
+from tilefuse.api import debug_print, elementwise_grad, make_graph  # noqa: E402
 from tilefuse.autodiff import (check_grads, custom_vjp, grad, hessian, jacfwd, jacrev,  # noqa: E402
                                jvp, stop_gradient, value_and_grad, vjp)
 from tilefuse.tracer.jit import jit  # noqa: E402
 from tilefuse.tracer.vmap import vmap  # noqa: E402
 from tilefuse.tile_op import Tensor, TileOp, tile_op  # noqa: E402
+from tilefuse import flatten_util, tree_util  # noqa: E402,F401  (JAX's module names)
 
 float16, bfloat16, float32, float64 = _dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64
 int32, int64, uint32, bool_ = _dtypes.int32, _dtypes.int64, _dtypes.uint32, _dtypes.bool_
