@@ -156,8 +156,7 @@ xor = binop("xor", np.bitwise_xor, ("bool", "int"))
 shift_left = binop("shift_left", np.left_shift, ("int",))
 shift_right_logical = binop(
     "shift_right_logical",
-    lambda x, y: (x.view(np.uint32 if x.dtype.itemsize == 4 else np.uint64) >> y.astype(
-        np.uint32 if x.dtype.itemsize == 4 else np.uint64)).view(x.dtype), ("int",))
+    lambda x, y: (x.view(f"u{x.dtype.itemsize}") >> y.astype(f"u{x.dtype.itemsize}")).view(x.dtype), ("int",))
 ALL = ("float", "int", "bool")
 eq = binop("eq", np.equal, ALL, dtypes.bool_)
 ne = binop("ne", np.not_equal, ALL, dtypes.bool_)

@@ -60,8 +60,7 @@ def test_concretization_error_is_a_type_error(device):
 # ---- dtype names -----------------------------------------------------------------------------
 
 SCALAR_TYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
-                "uint16", "uint32", "uint64", "bool_", "bool", "half", "single", "double", "float_", "int_",
-                "uint"]
+                "uint16", "uint32", "bool_", "bool", "half", "single", "double", "float_", "int_"]
 
 
 @pytest.mark.parametrize("name", SCALAR_TYPES)
@@ -318,3 +317,65 @@ def test_stax_layers_shapes_and_values(device):
     assert set(np.unique(np.asarray(drop)).tolist()) <= {0.0, 2.0}
     dense_ish = stax.shape_dependent(lambda shape: stax.Dense(shape[-1]))
     assert dense_ish[0](random.key(0), (5, 3))[0] == (5, 3)
+
+
+# ---- integer dtypes keep their width through jit (issue 23.4) -----------------------------------
+
+NARROW = [np.int8, np.uint8, np.int16, np.uint16, np.uint32, np.int64]
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: np.dtype(d).name)
+def test_integer_dtypes_keep_their_width(dtype, device):
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(int(np.dtype(dtype).itemsize) * 7 + (np.dtype(dtype).kind == "u"))
+    x = rng.integers(max(info.min, -10**6), min(info.max, 10**6), size=12, endpoint=True).astype(dtype)
+    y = rng.integers(1, min(info.max, 100), size=12).astype(dtype)
+    x[:2] = [info.max, info.min]  # wrapping at both ends
+
+    def f(a, b):
+        return (a + b, a - b, a * b, a * 3, -a, a // b, a % b, a > b, tnp.maximum(a, b), tnp.where(a > b, a, b),
+                a & b, a | b, a ^ b, ~a, a << 1, a >> 1, tnp.abs(a), tnp.max(a), tnp.min(a), tnp.sort(a),
+                a.astype(np.float32) * 0.5, (a.astype(np.float64) * 0.75).astype(dtype), tnp.cumsum(a), tnp.sum(a),
+                a[::2], tnp.concatenate([a, b]), tnp.take(a, np.array([3, 0])))
+
+    with np.errstate(all="ignore"):
+        want = f(x, y)
+        acc = tnp.sum(x).dtype  # sums and cumsums widen (JAX's rule), numpy's go to 64 bits
+        want = [*want[:-5], np.cumsum(x, dtype=acc), np.sum(x, dtype=acc), *want[-3:]]
+    got = tx.jit(f)(x, y)
+    for k, (g, w) in enumerate(zip(got, want)):
+        g = np.asarray(g)
+        assert g.dtype == np.asarray(w).dtype, (k, g.dtype, np.asarray(w).dtype)
+        np.testing.assert_array_equal(g, w, err_msg=f"result {k}")
+
+
+def test_uint8_wraps_as_numpy_and_jax(device):
+    x = np.array([200, 100], np.uint8)
+    y = tx.jit(lambda a: a * 2)(x)
+    assert y.dtype == np.uint8 and np.asarray(y).tolist() == [144, 200]
+    assert tx.jit(lambda a: (a * 2) > 150)(x).tolist() == [False, True]  # decided on the wrapped value
+    assert (tnp.asarray(x) + 100).dtype == np.uint8  # a Python int is weak
+    assert tnp.sum(x).dtype == np.uint32 and int(tnp.sum(x)) == 300  # sums widen, as JAX's
+    assert tnp.zeros(3, tnp.int8).dtype == np.int8 and tnp.int16(7).dtype == np.int16
+
+
+def test_integer_promotion_follows_jax(device):
+    cases = [(np.uint8, np.int8, np.int16), (np.uint8, np.int16, np.int16), (np.uint16, np.int8, np.int32),
+             (np.uint32, np.int32, np.int64), (np.int8, np.int32, np.int32), (np.uint8, np.uint16, np.uint16),
+             (np.uint16, np.float16, np.float16), (np.int64, np.uint8, np.int64)]
+    for a, b, want in cases:
+        got = tnp.add(np.ones(2, a), np.ones(2, b)).dtype
+        assert got == want, (a, b, got, want)
+        assert tnp.promote_types(a, b) == want
+
+
+def test_unsupported_dtypes_are_clear_errors(device):
+    for d in (np.uint64, np.complex64, np.complex128):
+        with pytest.raises(tx.DTypeError, match="uint64|complex"):
+            tnp.asarray(np.ones(2, d))
+    with pytest.raises(tx.DTypeError, match="uint64"):
+        tx.jit(lambda a: a + 1)(np.array([2**63], np.uint64))
+    with pytest.raises(tx.DTypeError, match="complex"):
+        tnp.complex64(1.0)
+    with pytest.raises(tx.DTypeError, match="uint64"):
+        tnp.uint64(3)

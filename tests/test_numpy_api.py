@@ -305,6 +305,14 @@ ROWS = [
     r("windows", lambda m: (m.bartlett(5), m.blackman(6), m.hamming(5), m.hanning(7), m.kaiser(6, 3.0), m.hamming(1)),
       tol=(1e-5, 1e-6), ref=lambda: tuple(np.asarray(w, np.float32) for w in (
           np.bartlett(5), np.blackman(6), np.hamming(5), np.hanning(7), np.kaiser(6, 3.0), np.hamming(1)))),
+    r("logspace_geomspace", lambda m: (m.logspace(0, 2, 5), m.logspace(1, 3, 4, endpoint=False, base=2.0),
+                                       m.geomspace(1, 1000, 4), m.geomspace(-2, -32, 5, endpoint=False)),
+      tol=(1e-6, 1e-6), ref=lambda: tuple(np.asarray(v, np.float32) for v in (
+          np.logspace(0, 2, 5), np.logspace(1, 3, 4, endpoint=False, base=2.0), np.geomspace(1, 1000, 4),
+          np.geomspace(-2, -32, 5, endpoint=False)))),
+    r("packbits", lambda m, b: (m.packbits(b), m.packbits(b, axis=1, bitorder="little"),
+                                m.unpackbits(m.packbits(b, axis=0), axis=0), m.unpackbits(m.packbits(b), count=7)),
+      (rand(0, 1), (3, 5)), dtypes=(BOOL,)),
     r("bool_helpers", lambda m, a: (m.array_equiv(a, a[0]), m.array_equiv(a, a + 1), m.iscomplexobj(a),
                                     m.isrealobj(a), m.iterable(a)), (ints(0, 2), (1, 3)), dtypes=(I32,), eager=True),
 ]
@@ -427,7 +435,7 @@ def _names(file):
 
 
 # Names tilefuse defines only to raise a clear error (complex numbers), not counted as covered.
-UNSUPPORTED = {"sort_complex", "complex64", "complex128", "complex_", "csingle", "cdouble"}
+UNSUPPORTED = {"sort_complex", "complex64", "complex128", "complex_", "csingle", "cdouble", "uint64", "uint"}
 
 
 def coverage(names, module):

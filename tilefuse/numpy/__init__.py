@@ -56,6 +56,10 @@ bool = _ScalarType("bool", np.bool_)  # jnp.bool (shadows the builtin here: use 
 half, single, double, float_ = (_ScalarType(n, d) for n, d in (("half", np.float16), ("single", np.float32),
                                                                ("double", np.float64), ("float_", np.float64)))
 int_, uint = _ScalarType("int_", np.int64), _ScalarType("uint", np.uint64)
+# complex and uint64 names exist so ported code reads; using them is a DTypeError (not computed)
+complex64, complex128 = _ScalarType("complex64", np.complex64), _ScalarType("complex128", np.complex128)
+complex_, csingle, cdouble = (_ScalarType(n, d) for n, d in (("complex_", np.complex128), ("csingle", np.complex64),
+                                                              ("cdouble", np.complex128)))
 pi, e, inf, nan, newaxis = np.pi, np.e, np.inf, np.nan, None
 ndarray = Array
 
@@ -743,15 +747,15 @@ def _reduce(prim, x, axis, keepdims, dtype=None, identity_ok=True):
 def sum(x, axis=None, dtype=None, keepdims=False):
     x = _operand(x)
     d = _aval(x).dtype
-    if dtype is None and (_dt.is_bool(d) or d == _dt.uint32):
-        dtype = _dt.int32
+    if dtype is None and _dt.sum_dtype(d) != d:  # bool and 8/16-bit ints accumulate wider (JAX's)
+        dtype = _dt.sum_dtype(d)
     return _reduce(P.reduce_sum, x, axis, keepdims, dtype)
 
 
 def prod(x, axis=None, dtype=None, keepdims=False):
     x = _operand(x)
-    if dtype is None and _dt.is_bool(_aval(x).dtype):
-        dtype = _dt.int32
+    if dtype is None and _dt.sum_dtype(_aval(x).dtype) != _aval(x).dtype:
+        dtype = _dt.sum_dtype(_aval(x).dtype)
     return _reduce(P.reduce_prod, x, axis, keepdims, dtype)
 
 
@@ -859,8 +863,8 @@ def _scan_operand(x, axis, dtype):
         x, axis = ravel(x), 0
     if dtype is not None:
         x = astype(x, dtype)
-    elif _dt.is_bool(_aval(x).dtype):
-        x = astype(x, _dt.int32)
+    elif _dt.sum_dtype(_aval(x).dtype) != _aval(x).dtype:
+        x = astype(x, _dt.sum_dtype(_aval(x).dtype))
     return x, _norm_axis(axis, ndim(x))
 
 
@@ -903,14 +907,14 @@ def cumprod(x, axis=None, dtype=None):
 
 def cummax(x, axis=None):
     """The running maximum along axis (jax.lax.cummax; NaN propagates, as maximum's)."""
-    x, axis = _scan_operand(x, axis, None)
+    x, axis = _scan_operand(x, axis, _aval(_operand(x)).dtype)
     d = _aval(x).dtype
     low = -np.inf if _dt.is_float(d) else np.iinfo(d).min
     return _scan(x, axis, maximum, np.asarray(low, d))
 
 
 def cummin(x, axis=None):
-    x, axis = _scan_operand(x, axis, None)
+    x, axis = _scan_operand(x, axis, _aval(_operand(x)).dtype)
     d = _aval(x).dtype
     high = np.inf if _dt.is_float(d) else np.iinfo(d).max
     return _scan(x, axis, minimum, np.asarray(high, d))
@@ -1692,3 +1696,13 @@ from tilefuse.numpy._math import *  # noqa: E402,F401,F403
 from tilefuse.numpy._sorting import *  # noqa: E402,F401,F403
 from tilefuse.numpy._reductions import *  # noqa: E402,F401,F403
 from tilefuse.numpy._shapes import *  # noqa: E402,F401,F403
+
+# array operators and methods of the functions defined above in the submodules
+for _name, _fn in {"__lshift__": left_shift, "__rlshift__": _swap(left_shift), "__rshift__": right_shift,  # noqa: F405
+                   "__rrshift__": _swap(right_shift), "argsort": _method(argsort), "sort": _method(sort),  # noqa: F405
+                   "searchsorted": searchsorted, "conj": conj, "conjugate": conj}.items():  # noqa: F405
+    setattr(Tracer, _name, _fn)
+    setattr(Array, _name, _fn)
+for _name, _fn in {"real": real, "imag": imag}.items():  # noqa: F405
+    setattr(Tracer, _name, property(_fn))
+    setattr(Array, _name, property(_fn))

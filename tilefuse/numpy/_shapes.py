@@ -28,6 +28,7 @@ __all__ = ["fliplr", "flipud", "rot90", "column_stack", "dstack", "block", "appe
            "bartlett", "blackman", "hamming", "hanning", "kaiser", "array_equiv", "array_repr", "array_str",
            "get_printoptions", "set_printoptions", "printoptions", "iterable", "frombuffer", "fromfile", "fromiter",
            "fromstring", "load", "save", "savez", "from_dlpack", "flatnonzero", "isdtype", "generic", "character",
+           "logspace", "geomspace", "packbits", "unpackbits",
            "flexible", "unsignedinteger", "complexfloating", "object_", "ComplexWarning"]
 
 # numpy's abstract scalar types, for issubdtype and isinstance checks
@@ -898,3 +899,66 @@ def isdtype(dtype, kind) -> bool:
             return True
     return False
 
+
+# ---- more creation and bit packing -----------------------------------------------------------------
+
+def logspace(start, stop, num: int = 50, endpoint: bool = True, base=10.0, dtype=None, axis: int = 0):
+    y = tnp.linspace(start, stop, num, endpoint=endpoint, dtype=tnp.float32 if dtype is None else None)
+    out = tnp.power(tnp.asarray(base, tnp._aval(y).dtype), y)
+    return tnp.astype(out, dtype) if dtype is not None else out
+
+
+def geomspace(start, stop, num: int = 50, endpoint: bool = True, dtype=None, axis: int = 0):
+    """Numbers spaced evenly on a log scale from start to stop (the endpoints exact; negative
+    ranges by symmetry, as numpy)."""
+    if start == 0 or stop == 0:
+        raise ValueError("geomspace: start and stop must be non-zero")
+    sign = -1.0 if (start < 0 and stop < 0) else 1.0
+    if start * stop < 0:
+        raise ValueError("geomspace: start and stop must have the same sign (no complex results)")
+    lo, hi = math.log10(abs(start)), math.log10(abs(stop))
+    out = sign * logspace(lo, hi, num, endpoint=endpoint)
+    n = int(num)
+    if n:
+        idx = tnp.arange(n)
+        out = tnp.where(idx == 0, float(start), out)
+        if endpoint and n > 1:
+            out = tnp.where(idx == n - 1, float(stop), out)
+    return tnp.astype(out, dtype) if dtype is not None else out
+
+
+def packbits(a, axis=None, bitorder: str = "big"):
+    """Booleans (non-zero values) packed 8 to a uint8 along axis (flattened for None), the last
+    byte padded with zero bits."""
+    a = _arr(a)
+    if axis is None:
+        a, axis = tnp.ravel(a), 0
+    axis = tnp._norm_axis(axis, tnp.ndim(a))
+    bits = tnp.astype(a != 0, tnp.int32)
+    n = tnp.shape(bits)[axis]
+    pad = (-n) % 8
+    if pad:
+        cfg = [(0, 0)] * tnp.ndim(bits)
+        cfg[axis] = (0, pad)
+        bits = tnp.pad(bits, cfg)
+    bits = tnp.moveaxis(bits, axis, -1)
+    bits = tnp.reshape(bits, tnp.shape(bits)[:-1] + (-1, 8))
+    weights = np.array([128, 64, 32, 16, 8, 4, 2, 1] if bitorder == "big" else [1, 2, 4, 8, 16, 32, 64, 128], np.int32)
+    packed = tnp.sum(bits * weights, axis=-1)
+    return tnp.astype(tnp.moveaxis(packed, -1, axis), tnp.uint8)
+
+
+def unpackbits(a, axis=None, count=None, bitorder: str = "big"):
+    a = _arr(a)
+    if np.dtype(tnp._aval(a).dtype) != np.uint8:
+        raise TilefuseError(with_user_line(f"unpackbits: needs a uint8 array, got {tnp._aval(a).dtype}"))
+    if axis is None:
+        a, axis = tnp.ravel(a), 0
+    axis = tnp._norm_axis(axis, tnp.ndim(a))
+    shifts = np.array([7, 6, 5, 4, 3, 2, 1, 0] if bitorder == "big" else list(range(8)), np.int32)
+    x = tnp.astype(tnp.moveaxis(a, axis, -1), tnp.int32)
+    bits = tnp.bitwise_and(tnp.right_shift(x[..., None], shifts), 1)
+    bits = tnp.reshape(bits, tnp.shape(x)[:-1] + (-1,))
+    if count is not None:
+        bits = bits[..., :int(count)] if count >= 0 else bits[..., :tnp.shape(bits)[-1] + int(count)]
+    return tnp.astype(tnp.moveaxis(bits, -1, axis), tnp.uint8)
