@@ -15,7 +15,7 @@ from tilefuse.ir.kernel import lower_region, run_kernel
 from tilefuse.ir.kernel.lower import reshape_index
 from tilefuse.ir.passes import partition
 from tilefuse.ir.passes.util import new_eqn
-from tilefuse.ir.primitives import PRIMITIVES
+from tilefuse.ir.primitives import HOST_PRIMITIVES, PRIMITIVES
 
 F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 I32, I64, BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
@@ -167,6 +167,8 @@ HOST_ONLY = {"debug_print"}
 # tile_op calls are inlined before fusion, never lowered (tests/test_tile_op.py)
 INLINED = {"tile_op"}
 TEMPLATES = {"fused_attention", "fused_attention_bwd"}  # taken whole by implementations: tests/test_attention.py
+# numpy on the host behind the dispatcher (runtime/host.py): tests/test_linalg.py, tests/ir/test_primitives.py
+TEMPLATES |= {p.name for p in HOST_PRIMITIVES}
 
 
 def test_the_table_covers_every_primitive():
