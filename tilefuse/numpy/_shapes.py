@@ -227,13 +227,15 @@ def resize(a, new_shape):
 
 
 def trim_zeros(filt, trim: str = "fb"):
+    """filt without its leading ('f') and/or trailing ('b') zeros (needs concrete values)."""
     v = _static(filt, "trim_zeros")
+    t = trim.lower()
     nz = np.flatnonzero(v)
-    lo = nz[0] if nz.size and "f" in trim.lower() else (v.size if not nz.size else 0)
-    hi = nz[-1] + 1 if nz.size and "b" in trim.lower() else (v.size if nz.size else v.size)
     if not nz.size:
-        lo = hi = 0 if ("f" in trim.lower() or "b" in trim.lower()) else v.size
-    return _arr(filt)[int(lo):int(hi)]
+        return _arr(filt)[:0] if ("f" in t or "b" in t) else _arr(filt)
+    lo = int(nz[0]) if "f" in t else 0
+    hi = int(nz[-1]) + 1 if "b" in t else v.size
+    return _arr(filt)[lo:hi]
 
 
 def diagflat(v, k: int = 0):

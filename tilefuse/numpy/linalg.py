@@ -413,9 +413,7 @@ def tensorsolve(a, b, axes=None):
     if axes is not None:
         order = [i for i in range(nd) if i not in [k % nd for k in axes]] + [k % nd for k in axes]
         a = tnp.transpose(a, order)
-    bshape = tnp.shape(b)
     xshape = tnp.shape(a)[tnp.ndim(b):]
     n = int(np.prod(xshape, dtype=np.int64))
     x = solve(tnp.reshape(a, (-1, n)), tnp.ravel(b))
-    del bshape
     return tnp.reshape(x, xshape)

@@ -103,14 +103,12 @@ def block_diag(*arrs):
     if not blocks:
         return tnp.zeros((1, 0), tnp.float32)
     dt = tnp.result_type(*blocks)
-    rows = sum(tnp.shape(b)[0] for b in blocks)
-    out_rows, c0 = [], 0
     cols = sum(tnp.shape(b)[1] for b in blocks)
-    for blk in blocks:
-        r, c = tnp.shape(blk)
+    out_rows, c0 = [], 0
+    for blk in blocks:  # each block padded to the full width at its column offset
+        c = tnp.shape(blk)[1]
         out_rows.append(tnp.pad(tnp.astype(blk, dt), ((0, 0), (c0, cols - c0 - c))))
         c0 += c
-    del rows
     return tnp.concatenate(out_rows, axis=0)
 
 
