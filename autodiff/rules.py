@@ -465,7 +465,8 @@ def _triangular_solve_jvp(ts, a, b, *, out, lower, transpose_a, unit_diagonal):
 
 
 def _triangular_solve_vjp(ct, a, b, *, out, needs, lower, transpose_a, unit_diagonal):
-    gb = bind1(P.triangular_solve, a, ct, lower=lower, transpose_a=not transpose_a, unit_diagonal=unit_diagonal)
+    gb = bind1(P.triangular_solve, a, ct, lower=lower, transpose_a=not transpose_a,
+               unit_diagonal=unit_diagonal)
     ga = None
     if needs[0]:
         outer = _mm(out, _mT(gb)) if transpose_a else _mm(gb, _mT(out))
@@ -517,7 +518,8 @@ def _qr_jvp(ts, a, *, out, full_matrices):
                              f"m > n, full_matrices=False; got a ({m}, {n}) matrix")
     q, r = _unpack(out, P.packed_sizes("qr", aval(a).shape, full_matrices=full_matrices))
     # dA R⁻¹ (a right-side solve), as JAX's qr_jvp_rule
-    dx_rinv = _mT(bind1(P.triangular_solve, r, _mT(ts[0]), lower=False, transpose_a=True, unit_diagonal=False))
+    dx_rinv = _mT(bind1(P.triangular_solve, r, _mT(ts[0]), lower=False, transpose_a=True,
+                        unit_diagonal=False))
     qt_dx_rinv = _mm(_mT(q), dx_rinv)
     low = _tri_mask(qt_dx_rinv, True, strict=True)
     do = sub(low, _mT(low))
@@ -547,7 +549,8 @@ def _svd_jvp(ts, a, *, out, full_matrices, compute_uv):
         from tilefuse.ir.errors import TransformError
         raise TransformError("the derivative of svd with full_matrices=True needs a square matrix; "
                              f"got ({m}, {n}): use full_matrices=False")
-    packed = out if compute_uv and not full_matrices else bind1(P.svd, a, full_matrices=False, compute_uv=True)
+    packed = out if compute_uv and not full_matrices else \
+        bind1(P.svd, a, full_matrices=False, compute_uv=True)
     u, s, vt = _unpack(packed, P.packed_sizes("svd", shape, full_matrices=False, compute_uv=True))
     da = ts[0]
     v = _mT(vt)

@@ -843,5 +843,6 @@ qr = _host_primitive("qr", _packed_rule("qr", False), _lapack(
 eigh = _host_primitive("eigh", _packed_rule("eigh", True), _lapack(
     lambda a: _pack(*np.linalg.eigh(_sym(a)), batch=a.shape[:-2])))
 svd = _host_primitive("svd", _packed_rule("svd", False), _lapack(
-    lambda a, full_matrices, compute_uv: _pack(*np.linalg.svd(a, full_matrices=full_matrices), batch=a.shape[:-2])
+    lambda a, full_matrices, compute_uv: _pack(*np.linalg.svd(a, full_matrices=full_matrices),
+                                               batch=a.shape[:-2])
     if compute_uv else np.linalg.svd(a, compute_uv=False)))

@@ -5,6 +5,7 @@ A launch synchronises the device, reads the operands to the host, runs the primi
 implementation and writes each result into its output buffer through a device copy kernel (the
 backend contract has put and to_host, not a write into a given buffer). The profiler times the
 launch, copies included; dispatch.stats counts the host round trips."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,6 +25,7 @@ def applies(kernel, device) -> bool:
 def build(kernel, device, backend):
     """run(buffers) for the kernel's buffers: its equation's operands, then its results."""
     from . import dispatch
+
     (eqn,) = kernel.meta["eqns"]
     in_avals = [v.aval for v in eqn.inputs]
     writes = []
@@ -42,6 +44,8 @@ def build(kernel, device, backend):
         results = prim.impl(*args, **params)
         for (aval, write), res, out in zip(writes, results, buffers[n_in:]):
             if write is not None:
-                tmp = backend.put(np.ascontiguousarray(np.asarray(res, aval.dtype).reshape(aval.shape)), device)
+                host = np.ascontiguousarray(np.asarray(res, aval.dtype).reshape(aval.shape))
+                tmp = backend.put(host, device)
                 write((tmp, out))
+
     return run

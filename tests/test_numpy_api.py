@@ -515,6 +515,24 @@ def test_dtype_queries():
         tnp.sort_complex(np.ones(3))
 
 
+def test_at_updates_as_jax(device):
+    x = np.arange(6, dtype=np.float32)
+    i = np.array([1, 4])
+    for f in (lambda a: (a.at[i].set(9.0), a.at[i].add(1.0), a.at[i].mul(3.0), a.at[i].min(2.0),
+                         a.at[i].max(2.0), a.at[i].divide(2.0), a.at[i].power(2.0), a.at[i].apply(tnp.sin),
+                         a.at[2:4].get()),):
+        got = tx.jit(f)(x)
+        want = []
+        for op in (lambda v: 9.0, lambda v: v + 1, lambda v: v * 3, lambda v: np.minimum(v, 2.0),
+                   lambda v: np.maximum(v, 2.0), lambda v: v / 2, lambda v: v ** 2, np.sin):
+            y = x.copy()
+            y[i] = op(y[i])
+            want.append(y)
+        want.append(x[2:4])
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6)
+
+
 def test_sort_under_vmap_and_grad(device):
     x = np.array([[3.0, 1.0, 2.0], [0.5, -1.0, 4.0]], np.float32)
     np.testing.assert_array_equal(tx.vmap(tnp.sort)(x), np.sort(x, axis=1))

@@ -1,24 +1,52 @@
 """tilefuse.tree_util: the pytree functions under JAX's module name (jax.tree_util), so code
 written against it ports by its import. The implementation is tilefuse.tracer.pytree."""
+
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
 
-from tilefuse.tracer.pytree import (PyTreeDef, register_dataclass, register_pytree_node, tree_flatten,
-                                    tree_leaves, tree_map, tree_structure, tree_unflatten)
+from tilefuse.tracer.pytree import (
+    PyTreeDef,
+    register_dataclass,
+    register_pytree_node,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_structure,
+    tree_unflatten,
+)
 
-__all__ = ["PyTreeDef", "Partial", "register_dataclass", "register_pytree_node", "register_pytree_node_class",
-           "tree_all", "tree_any", "tree_flatten", "tree_leaves", "tree_map", "tree_reduce", "tree_structure",
-           "tree_transpose", "tree_unflatten", "treedef_children", "treedef_is_leaf", "all_leaves"]
+__all__ = [
+    "PyTreeDef",
+    "Partial",
+    "register_dataclass",
+    "register_pytree_node",
+    "register_pytree_node_class",
+    "tree_all",
+    "tree_any",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_reduce",
+    "tree_structure",
+    "tree_transpose",
+    "tree_unflatten",
+    "treedef_children",
+    "treedef_is_leaf",
+    "all_leaves",
+]
 
 _NO_INITIAL = object()
 
 
 def tree_reduce(function: Callable, tree, initializer: Any = _NO_INITIAL, is_leaf=None):
     leaves = tree_leaves(tree, is_leaf)
-    return functools.reduce(function, leaves) if initializer is _NO_INITIAL else \
-        functools.reduce(function, leaves, initializer)
+    return (
+        functools.reduce(function, leaves)
+        if initializer is _NO_INITIAL
+        else functools.reduce(function, leaves, initializer)
+    )
 
 
 def tree_all(tree, *, is_leaf=None) -> bool:
@@ -45,7 +73,7 @@ def tree_transpose(outer_treedef: PyTreeDef, inner_treedef: PyTreeDef, pytree_to
     """An outer tree of inner trees -> an inner tree of outer trees."""
     flat = tree_leaves(pytree_to_transpose)
     n_inner = inner_treedef.n_leaves
-    groups = [flat[i:i + n_inner] for i in range(0, len(flat), n_inner)]
+    groups = [flat[i : i + n_inner] for i in range(0, len(flat), n_inner)]
     columns = [tree_unflatten(outer_treedef, [g[k] for g in groups]) for k in range(n_inner)]
     return tree_unflatten(inner_treedef, columns)
 

@@ -688,8 +688,8 @@ _register_host_primitives()
 # (dtypes.NARROW_INTS). Operations that can leave the width wrap at once, so a fused chain gives
 # what numpy gives op by op: uint8 200 * 2 is 144, and 144 > 100 as numpy decides it.
 
-_NARROW_WRAPS = frozenset({"add", "sub", "mul", "neg", "abs", "integer_pow", "shift_left", "div", "rem", "not",
-                           "reduce_sum", "reduce_prod"})
+_NARROW_WRAPS = frozenset({"add", "sub", "mul", "neg", "abs", "integer_pow", "shift_left", "div", "rem",
+                           "not", "reduce_sum", "reduce_prod"})
 
 
 def _wrap_narrow_int(b, e, v: KExpr, index) -> KExpr:

@@ -7,6 +7,7 @@
 
 Step sizes are numbers or schedules step -> size. Each state keeps its parameters' dtypes
 (float64 parameters compute in float64)."""
+
 from __future__ import annotations
 
 import functools
@@ -15,10 +16,30 @@ from typing import Any, Callable, NamedTuple
 import tilefuse.numpy as tnp
 from tilefuse.tracer.pytree import register_pytree_node, tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["Optimizer", "OptimizerState", "optimizer", "sgd", "momentum", "nesterov", "adagrad", "rmsprop",
-           "rmsprop_momentum", "adam", "adamax", "sm3", "constant", "exponential_decay", "inverse_time_decay",
-           "polynomial_decay", "piecewise_constant", "make_schedule", "clip_grads", "l2_norm", "unpack_optimizer_state",
-           "pack_optimizer_state"]
+__all__ = [
+    "Optimizer",
+    "OptimizerState",
+    "optimizer",
+    "sgd",
+    "momentum",
+    "nesterov",
+    "adagrad",
+    "rmsprop",
+    "rmsprop_momentum",
+    "adam",
+    "adamax",
+    "sm3",
+    "constant",
+    "exponential_decay",
+    "inverse_time_decay",
+    "polynomial_decay",
+    "piecewise_constant",
+    "make_schedule",
+    "clip_grads",
+    "l2_norm",
+    "unpack_optimizer_state",
+    "pack_optimizer_state",
+]
 
 
 class Optimizer(NamedTuple):
@@ -29,17 +50,22 @@ class Optimizer(NamedTuple):
 
 class OptimizerState(NamedTuple):
     """Per-leaf states (flattened) and the parameters' tree structure; a pytree."""
+
     packed_state: Any
     tree_def: Any
     subtree_defs: Any
 
 
-register_pytree_node(OptimizerState, lambda s: ((s.packed_state,), (s.tree_def, s.subtree_defs)),
-                     lambda aux, children: OptimizerState(children[0], *aux))
+register_pytree_node(
+    OptimizerState,
+    lambda s: ((s.packed_state,), (s.tree_def, s.subtree_defs)),
+    lambda aux, children: OptimizerState(children[0], *aux),
+)
 
 
 def optimizer(opt_maker: Callable):
     """Lift a maker of (init, update, get_params) for one array into one over pytrees."""
+
     @functools.wraps(opt_maker)
     def tree_opt_maker(*args, **kwargs):
         init, update, get_params = opt_maker(*args, **kwargs)
@@ -56,7 +82,9 @@ def optimizer(opt_maker: Callable):
             states_flat, tree, subtrees = opt_state
             grad_flat, tree2 = tree_flatten(grad_tree)
             if tree2 != tree:
-                raise TypeError(f"optimizer update: the gradients' structure {tree2} differs from the parameters' {tree}")
+                raise TypeError(
+                    f"optimizer update: the gradients' structure {tree2} differs from the parameters' {tree}"
+                )
             states = [tree_unflatten(s, f) for s, f in zip(subtrees, states_flat)]
             new = [update(i, g, s) for g, s in zip(grad_flat, states)]
             flat_new, subtrees_new = zip(*[tree_flatten(s) for s in new]) if new else ((), ())
@@ -67,7 +95,9 @@ def optimizer(opt_maker: Callable):
             states_flat, tree, subtrees = opt_state
             states = [tree_unflatten(s, f) for s, f in zip(subtrees, states_flat)]
             return tree_unflatten(tree, [get_params(s) for s in states])
+
         return Optimizer(tree_init, tree_update, tree_get_params)
+
     return tree_opt_maker
 
 
@@ -97,6 +127,7 @@ def momentum(step_size, mass: float):
         x, velocity = state
         velocity = mass * velocity + g
         return x - step_size(i) * velocity, velocity
+
     return init, update, lambda state: state[0]
 
 
@@ -112,6 +143,7 @@ def nesterov(step_size, mass: float):
         x, velocity = state
         velocity = mass * velocity + g
         return x - step_size(i) * (mass * velocity + g), velocity
+
     return init, update, lambda state: state[0]
 
 
@@ -129,6 +161,7 @@ def adagrad(step_size, momentum: float = 0.9):
         g_sq_inv_sqrt = tnp.where(g_sq > 0, 1.0 / tnp.sqrt(g_sq), 0.0)
         m = (1.0 - momentum) * (g * g_sq_inv_sqrt) + momentum * m
         return x - step_size(i) * m, g_sq, m
+
     return init, update, lambda state: state[0]
 
 
@@ -144,6 +177,7 @@ def rmsprop(step_size, gamma: float = 0.9, eps: float = 1e-8):
         x, avg_sq_grad = state
         avg_sq_grad = avg_sq_grad * gamma + tnp.square(g) * (1.0 - gamma)
         return x - step_size(i) * g / tnp.sqrt(avg_sq_grad + eps), avg_sq_grad
+
     return init, update, lambda state: state[0]
 
 
@@ -160,6 +194,7 @@ def rmsprop_momentum(step_size, gamma: float = 0.9, eps: float = 1e-8, momentum:
         avg_sq_grad = avg_sq_grad * gamma + tnp.square(g) * (1.0 - gamma)
         mom = momentum * mom + step_size(i) * g / tnp.sqrt(avg_sq_grad + eps)
         return x - mom, avg_sq_grad, mom
+
     return init, update, lambda state: state[0]
 
 
@@ -184,6 +219,7 @@ def adam(step_size, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
         mhat = m / (1 - tnp.power(b1, t))
         vhat = v / (1 - tnp.power(b2, t))
         return tnp.astype(x - step_size(i) * mhat / (tnp.sqrt(vhat) + eps), tnp.result_type(x)), m, v
+
     return init, update, lambda state: state[0]
 
 
@@ -200,7 +236,12 @@ def adamax(step_size, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
         m = (1 - b1) * g + b1 * m
         u = tnp.maximum(b2 * u, tnp.abs(g))
         t = _t(i, x) + 1
-        return tnp.astype(x - (step_size(i) / (1 - tnp.power(b1, t))) * m / (u + eps), tnp.result_type(x)), m, u
+        return (
+            tnp.astype(x - (step_size(i) / (1 - tnp.power(b1, t))) * m / (u + eps), tnp.result_type(x)),
+            m,
+            u,
+        )
+
     return init, update, lambda state: state[0]
 
 
@@ -226,10 +267,12 @@ def sm3(step_size, momentum: float = 0.9):
         update_ = g / tnp.sqrt(tnp.where(acc > 0, acc, 1.0)) * (acc > 0)
         m = (1 - momentum) * update_ + momentum * m
         return x - step_size(i) * m, m, vs
+
     return init, update, lambda state: state[0]
 
 
 # ---- schedules -------------------------------------------------------------------------------
+
 
 def constant(step_size) -> Callable:
     return lambda i: step_size
@@ -249,6 +292,7 @@ def polynomial_decay(step_size, decay_steps, final_step_size, power: float = 1.0
     def schedule(i):
         i = tnp.minimum(i, decay_steps)
         return (step_size - final_step_size) * (1 - i / decay_steps) ** power + final_step_size
+
     return schedule
 
 
@@ -262,6 +306,7 @@ def piecewise_constant(boundaries, values) -> Callable:
         for b, v in zip(boundaries[::-1], values[-2::-1]):
             out = tnp.where(i < b, v, out)
         return out
+
     return schedule
 
 
@@ -271,8 +316,10 @@ def make_schedule(scalar_or_schedule) -> Callable:
 
 # ---- utilities -------------------------------------------------------------------------------
 
+
 def l2_norm(tree):
     from tilefuse.tracer.pytree import tree_leaves
+
     leaves = tree_leaves(tree)
     return tnp.sqrt(sum(tnp.vdot(x, x) for x in leaves)) if leaves else tnp.zeros(())
 
@@ -291,6 +338,9 @@ def unpack_optimizer_state(opt_state: OptimizerState):
 
 def pack_optimizer_state(marked_pytree) -> OptimizerState:
     from tilefuse.tracer.pytree import tree_flatten as flatten
-    leaves, tree = flatten(marked_pytree, is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, "_fields"))
+
+    leaves, tree = flatten(
+        marked_pytree, is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, "_fields")
+    )
     flat_states, subtrees = zip(*[flatten(s) for s in leaves]) if leaves else ((), ())
     return OptimizerState(list(flat_states), tree, tuple(subtrees))

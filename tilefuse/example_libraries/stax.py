@@ -7,6 +7,7 @@
 init_fun(rng, input_shape) -> (output_shape, params); apply_fun(params, inputs, **kwargs).
 Keys are tilefuse.random keys. Convolutions take NHWC inputs and HWIO kernels (stax's
 defaults) and run as tilefuse.nn.conv2d."""
+
 from __future__ import annotations
 
 import math
@@ -14,18 +15,49 @@ import math
 import tilefuse.numpy as tnp
 from tilefuse import nn, random
 
-__all__ = ["Dense", "Conv", "Relu", "Tanh", "Sigmoid", "Elu", "LeakyRelu", "Selu", "Gelu", "Softplus", "LogSoftmax",
-           "Softmax", "Exp", "Log", "Identity", "Flatten", "Dropout", "BatchNorm", "AvgPool", "MaxPool", "SumPool",
-           "serial", "parallel", "FanOut", "FanInSum", "FanInConcat", "elementwise", "shape_dependent",
-           "glorot_normal", "normal"]
+__all__ = [
+    "Dense",
+    "Conv",
+    "Relu",
+    "Tanh",
+    "Sigmoid",
+    "Elu",
+    "LeakyRelu",
+    "Selu",
+    "Gelu",
+    "Softplus",
+    "LogSoftmax",
+    "Softmax",
+    "Exp",
+    "Log",
+    "Identity",
+    "Flatten",
+    "Dropout",
+    "BatchNorm",
+    "AvgPool",
+    "MaxPool",
+    "SumPool",
+    "serial",
+    "parallel",
+    "FanOut",
+    "FanInSum",
+    "FanInConcat",
+    "elementwise",
+    "shape_dependent",
+    "glorot_normal",
+    "normal",
+]
 
 
 def glorot_normal(in_axis=-2, out_axis=-1, scale=1.0):
     def init(key, shape, dtype=tnp.float32):
         fan_in, fan_out = shape[in_axis], shape[out_axis]
-        rest = math.prod(s for i, s in enumerate(shape) if i not in (in_axis % len(shape), out_axis % len(shape)))
+        rest = math.prod(
+            s for i, s in enumerate(shape) if i not in (in_axis % len(shape), out_axis % len(shape))
+        )
         std = scale * math.sqrt(2.0 / ((fan_in + fan_out) * rest))
         return random.normal(key, shape, dtype) * std
+
     return init
 
 
@@ -39,11 +71,15 @@ def Dense(out_dim, W_init=None, b_init=None):
 
     def init_fun(rng, input_shape):
         k1, k2 = random.split(rng)
-        return tuple(input_shape[:-1]) + (out_dim,), (W_init(k1, (input_shape[-1], out_dim)), b_init(k2, (out_dim,)))
+        return tuple(input_shape[:-1]) + (out_dim,), (
+            W_init(k1, (input_shape[-1], out_dim)),
+            b_init(k2, (out_dim,)),
+        )
 
     def apply_fun(params, inputs, **kwargs):
         W, b = params
         return tnp.matmul(inputs, W) + b
+
     return init_fun, apply_fun
 
 
@@ -70,6 +106,7 @@ def Conv(out_chan, filter_shape, strides=None, padding="VALID", W_init=None, b_i
         x = tnp.transpose(inputs, (0, 3, 1, 2))
         y = nn.conv2d(x, tnp.transpose(W, (3, 2, 0, 1)), stride=strides, padding=padding)
         return tnp.transpose(y, (0, 2, 3, 1)) + b
+
     return init_fun, apply_fun
 
 
@@ -121,6 +158,7 @@ def _flatten_layer():
 
     def apply_fun(params, inputs, **kwargs):
         return tnp.reshape(inputs, (tnp.shape(inputs)[0], -1))
+
     return init_fun, apply_fun
 
 
@@ -130,6 +168,7 @@ Flatten = _flatten_layer()
 def Dropout(rate, mode="train"):
     """Keeps each input with probability `rate` (stax's convention), scaled by 1/rate; pass
     rng= to apply_fun in training mode."""
+
     def init_fun(rng, input_shape):
         return input_shape, ()
 
@@ -141,11 +180,13 @@ def Dropout(rate, mode="train"):
             raise ValueError("Dropout in train mode needs apply_fun(..., rng=key)")
         keep = random.bernoulli(rng, rate, tnp.shape(inputs))
         return tnp.where(keep, inputs / rate, 0.0)
+
     return init_fun, apply_fun
 
 
 def BatchNorm(axis=(0, 1, 2), epsilon=1e-5, center=True, scale=True):
     """Normalises over `axis` with the batch's statistics, then a learned scale and shift."""
+
     def init_fun(rng, input_shape):
         axes = (axis,) if isinstance(axis, int) else tuple(axis)
         shape = tuple(d for i, d in enumerate(input_shape) if i not in axes)
@@ -163,6 +204,7 @@ def BatchNorm(axis=(0, 1, 2), epsilon=1e-5, center=True, scale=True):
         if center:
             z = z + beta[keep]
         return z
+
     return init_fun, apply_fun
 
 
@@ -179,11 +221,13 @@ def _pool(reducer, name, average=False):
 
         def apply_fun(params, inputs, **kwargs):
             n, h, w, c = tnp.shape(inputs)
-            x = inputs[:, :h // wh * wh, :w // ww * ww]
+            x = inputs[:, : h // wh * wh, : w // ww * ww]
             x = tnp.reshape(x, (n, h // wh, wh, w // ww, ww, c))
             out = reducer(x, axis=(2, 4))
             return out / (wh * ww) if average else out
+
         return init_fun, apply_fun
+
     layer.__name__ = name
     return layer
 
@@ -211,6 +255,7 @@ def serial(*layers):
         for fun, param, r in zip(apply_funs, params, rngs):
             inputs = fun(param, inputs, rng=r, **kwargs)
         return inputs
+
     return init_fun, apply_fun
 
 
@@ -220,7 +265,11 @@ def parallel(*layers):
 
     def init_fun(rng, input_shape):
         rngs = random.split(rng, len(init_funs))
-        return zip(*[init(r, shape) for init, r, shape in zip(init_funs, rngs, input_shape)]) if init_funs else ((), ())
+        return (
+            zip(*[init(r, shape) for init, r, shape in zip(init_funs, rngs, input_shape)])
+            if init_funs
+            else ((), ())
+        )
 
     def init_fun_lists(rng, input_shape):
         shapes, params = init_fun(rng, input_shape)
@@ -230,6 +279,7 @@ def parallel(*layers):
         rng = kwargs.pop("rng", None)
         rngs = random.split(rng, len(apply_funs)) if rng is not None else (None,) * len(apply_funs)
         return [f(p, x, rng=r, **kwargs) for f, p, x, r in zip(apply_funs, params, inputs, rngs)]
+
     return init_fun_lists, apply_fun
 
 
@@ -252,18 +302,21 @@ def FanInConcat(axis=-1):
     def init_fun(rng, input_shape):
         ax = axis % len(input_shape[0])
         concat = sum(shape[ax] for shape in input_shape)
-        return tuple(input_shape[0][:ax]) + (concat,) + tuple(input_shape[0][ax + 1:]), ()
+        return tuple(input_shape[0][:ax]) + (concat,) + tuple(input_shape[0][ax + 1 :]), ()
 
     def apply_fun(params, inputs, **kwargs):
         return tnp.concatenate(inputs, axis)
+
     return init_fun, apply_fun
 
 
 def shape_dependent(make_layer):
     """A layer built from the input shape at init time."""
+
     def init_fun(rng, input_shape):
         return make_layer(input_shape)[0](rng, input_shape)
 
     def apply_fun(params, inputs, **kwargs):
         return make_layer(tnp.shape(inputs))[1](params, inputs, **kwargs)
+
     return init_fun, apply_fun

@@ -1634,6 +1634,16 @@ class _IndexUpdateRef:
     def max(self, value):
         return self.set(maximum(self.get(), value))
 
+    def divide(self, value):
+        return self.set(self.get() / value)
+
+    def power(self, value):
+        return self.set(self.get() ** value)
+
+    def apply(self, func):
+        """func applied to the selected entries (JAX's .at[].apply)."""
+        return self.set(func(self.get()))
+
 
 # ---- operators on tracers and Arrays (the one place they are defined) ---------------------
 

@@ -1,5 +1,6 @@
 """Reductions that skip NaN, cumulative and difference operations, statistics (cov, corrcoef),
 convolution and interpolation: compositions of tilefuse.numpy's core."""
+
 from __future__ import annotations
 
 import builtins
@@ -10,9 +11,30 @@ import tilefuse.numpy as tnp
 from tilefuse.ir import dtypes as _dt
 from tilefuse.ir.errors import ShapeError, TilefuseError, with_user_line
 
-__all__ = ["nansum", "nanprod", "nanmax", "nanmin", "nanmean", "nanvar", "nanstd", "nanargmax", "nanargmin",
-           "nancumsum", "nancumprod", "cumulative_sum", "cumulative_prod", "diff", "ediff1d", "gradient",
-           "trapezoid", "cov", "corrcoef", "convolve", "correlate", "interp"]
+__all__ = [
+    "nansum",
+    "nanprod",
+    "nanmax",
+    "nanmin",
+    "nanmean",
+    "nanvar",
+    "nanstd",
+    "nanargmax",
+    "nanargmin",
+    "nancumsum",
+    "nancumprod",
+    "cumulative_sum",
+    "cumulative_prod",
+    "diff",
+    "ediff1d",
+    "gradient",
+    "trapezoid",
+    "cov",
+    "corrcoef",
+    "convolve",
+    "correlate",
+    "interp",
+]
 
 
 def _is_float(x) -> bool:
@@ -142,7 +164,10 @@ def diff(a, n: int = 1, axis: int = -1, prepend=None, append=None):
     bool_ = _dt.is_bool(tnp._aval(a).dtype)
     for _ in range(int(n)):
         m = tnp.shape(a)[axis]
-        hi, lo = tnp._slice_axis(a, axis, 1, builtins.max(m, 1)), tnp._slice_axis(a, axis, 0, builtins.max(m - 1, 0))
+        hi, lo = (
+            tnp._slice_axis(a, axis, 1, builtins.max(m, 1)),
+            tnp._slice_axis(a, axis, 0, builtins.max(m - 1, 0)),
+        )
         a = tnp.not_equal(hi, lo) if bool_ else hi - lo
     return a
 
@@ -187,9 +212,14 @@ def gradient(f, *varargs, axis=None, edge_order: int = 1):
             d1, d2 = tnp._slice_axis(dx, ax, 0, n - 2), tnp._slice_axis(dx, ax, 1, n - 1)
             first = (s(1, 2) - s(0, 1)) / tnp._slice_axis(dx, ax, 0, 1)
             last = (s(n - 1, n) - s(n - 2, n - 1)) / tnp._slice_axis(dx, ax, n - 2, n - 1)
-            mid = (-(d2 / (d1 * (d1 + d2))) * s(0, n - 2) + ((d2 - d1) / (d1 * d2)) * s(1, n - 1)
-                   + (d1 / (d2 * (d1 + d2))) * s(2, n))
-        outs.append(tnp.concatenate([first, mid, last], axis=ax) if n > 2 else tnp.concatenate([first, last], axis=ax))
+            mid = (
+                -(d2 / (d1 * (d1 + d2))) * s(0, n - 2)
+                + ((d2 - d1) / (d1 * d2)) * s(1, n - 1)
+                + (d1 / (d2 * (d1 + d2))) * s(2, n)
+            )
+        outs.append(
+            tnp.concatenate([first, mid, last], axis=ax) if n > 2 else tnp.concatenate([first, last], axis=ax)
+        )
     return outs[0] if len(outs) == 1 else outs
 
 
@@ -197,7 +227,9 @@ def trapezoid(y, x=None, dx: float = 1.0, axis: int = -1):
     (y,) = tnp._promote(y, to_float=True)
     axis = tnp._norm_axis(axis, tnp.ndim(y))
     n = tnp.shape(y)[axis]
-    avg = (tnp._slice_axis(y, axis, 1, builtins.max(n, 1)) + tnp._slice_axis(y, axis, 0, builtins.max(n - 1, 0))) * 0.5
+    avg = (
+        tnp._slice_axis(y, axis, 1, builtins.max(n, 1)) + tnp._slice_axis(y, axis, 0, builtins.max(n - 1, 0))
+    ) * 0.5
     if x is None:
         return tnp.sum(avg, axis) * dx
     x = tnp._operand(x)
@@ -291,9 +323,9 @@ def convolve(a, v, mode: str = "full", *, precision=None, preferred_element_type
     big, small = builtins.max(n, m), builtins.min(n, m)
     if mode == "same":
         start = (small - 1) // 2
-        return full[start:start + big]
+        return full[start : start + big]
     if mode == "valid":
-        return full[small - 1:big]
+        return full[small - 1 : big]
     raise TilefuseError(with_user_line(f"convolve: mode must be 'full', 'same' or 'valid', got {mode!r}"))
 
 
@@ -301,7 +333,9 @@ def correlate(a, v, mode: str = "valid", *, precision=None, preferred_element_ty
     """numpy.correlate of two real 1-d arrays: convolve with v reversed."""
     a, v = tnp._promote(a, v)
     if tnp.ndim(a) != 1 or tnp.ndim(v) != 1:
-        raise ShapeError(with_user_line(f"correlate: needs 1-d arrays, got {tnp.shape(a)} and {tnp.shape(v)}"))
+        raise ShapeError(
+            with_user_line(f"correlate: needs 1-d arrays, got {tnp.shape(a)} and {tnp.shape(v)}")
+        )
     if tnp.shape(a)[0] < tnp.shape(v)[0]:  # numpy swaps the operands and reverses the result
         return tnp.flip(convolve(v, tnp.flip(a), mode))
     return convolve(a, tnp.flip(v), mode)
@@ -314,8 +348,11 @@ def interp(x, xp, fp, left=None, right=None, period=None):
     x, xp = tnp._promote(x, xp)
     fp = tnp.astype(fp, tnp._aval(x).dtype)
     if tnp.ndim(xp) != 1 or tnp.shape(xp) != tnp.shape(fp):
-        raise ShapeError(with_user_line(f"interp: xp and fp must be 1-d of one length, got {tnp.shape(xp)} "
-                                        f"and {tnp.shape(fp)}"))
+        raise ShapeError(
+            with_user_line(
+                f"interp: xp and fp must be 1-d of one length, got {tnp.shape(xp)} and {tnp.shape(fp)}"
+            )
+        )
     if period is not None:
         period = abs(float(period))
         x = tnp.remainder(x, period)

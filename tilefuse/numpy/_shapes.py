@@ -3,6 +3,7 @@ flips and rotations, stacking and splitting, insert/delete/append, index grids a
 conversion, selections (select, choose, piecewise, put), products (kron, cross, vander),
 polynomials, windows, function application (vectorize, apply_along_axis through vmap) and the
 host-side helpers (printing, files, buffers)."""
+
 from __future__ import annotations
 
 import builtins
@@ -17,19 +18,105 @@ from tilefuse.ir import dtypes as _dt
 from tilefuse.ir.errors import ConcretizationError, ShapeError, TilefuseError, with_user_line
 from tilefuse.tracer.core import Tracer, concrete_or_none
 
-__all__ = ["fliplr", "flipud", "rot90", "column_stack", "dstack", "block", "append", "insert", "delete",
-           "hsplit", "vsplit", "dsplit", "unstack", "rollaxis", "resize", "trim_zeros", "diagflat", "diag_indices",
-           "diag_indices_from", "tril_indices_from", "triu_indices_from", "fill_diagonal", "indices", "ix_",
-           "mgrid", "ogrid", "r_", "c_", "s_", "index_exp", "ravel_multi_index", "unravel_index", "mask_indices",
-           "select", "choose", "compress", "extract", "place", "put", "put_along_axis", "piecewise",
-           "apply_along_axis", "apply_over_axes", "vectorize", "fromfunction", "copy", "concat",
-           "matrix_transpose", "matvec", "vecmat", "vecdot", "kron", "cross", "einsum_path", "vander",
-           "polyval", "polyadd", "polysub", "polymul", "polyder", "polyint", "polyfit", "polydiv", "poly",
-           "bartlett", "blackman", "hamming", "hanning", "kaiser", "array_equiv", "array_repr", "array_str",
-           "get_printoptions", "set_printoptions", "printoptions", "iterable", "frombuffer", "fromfile", "fromiter",
-           "fromstring", "load", "save", "savez", "from_dlpack", "flatnonzero", "isdtype", "generic", "character",
-           "logspace", "geomspace", "packbits", "unpackbits",
-           "flexible", "unsignedinteger", "complexfloating", "object_", "ComplexWarning"]
+__all__ = [
+    "fliplr",
+    "flipud",
+    "rot90",
+    "column_stack",
+    "dstack",
+    "block",
+    "append",
+    "insert",
+    "delete",
+    "hsplit",
+    "vsplit",
+    "dsplit",
+    "unstack",
+    "rollaxis",
+    "resize",
+    "trim_zeros",
+    "diagflat",
+    "diag_indices",
+    "diag_indices_from",
+    "tril_indices_from",
+    "triu_indices_from",
+    "fill_diagonal",
+    "indices",
+    "ix_",
+    "mgrid",
+    "ogrid",
+    "r_",
+    "c_",
+    "s_",
+    "index_exp",
+    "ravel_multi_index",
+    "unravel_index",
+    "mask_indices",
+    "select",
+    "choose",
+    "compress",
+    "extract",
+    "place",
+    "put",
+    "put_along_axis",
+    "piecewise",
+    "apply_along_axis",
+    "apply_over_axes",
+    "vectorize",
+    "fromfunction",
+    "copy",
+    "concat",
+    "matrix_transpose",
+    "matvec",
+    "vecmat",
+    "vecdot",
+    "kron",
+    "cross",
+    "einsum_path",
+    "vander",
+    "polyval",
+    "polyadd",
+    "polysub",
+    "polymul",
+    "polyder",
+    "polyint",
+    "polyfit",
+    "polydiv",
+    "poly",
+    "bartlett",
+    "blackman",
+    "hamming",
+    "hanning",
+    "kaiser",
+    "array_equiv",
+    "array_repr",
+    "array_str",
+    "get_printoptions",
+    "set_printoptions",
+    "printoptions",
+    "iterable",
+    "frombuffer",
+    "fromfile",
+    "fromiter",
+    "fromstring",
+    "load",
+    "save",
+    "savez",
+    "from_dlpack",
+    "flatnonzero",
+    "isdtype",
+    "generic",
+    "character",
+    "logspace",
+    "geomspace",
+    "packbits",
+    "unpackbits",
+    "flexible",
+    "unsignedinteger",
+    "complexfloating",
+    "object_",
+    "ComplexWarning",
+]
 
 # numpy's abstract scalar types, for issubdtype and isinstance checks
 generic, character, flexible = np.generic, np.character, np.flexible
@@ -45,12 +132,16 @@ def _static(x, what: str):
     """The concrete numpy value of x, or a ConcretizationError naming `what`."""
     v = concrete_or_none(tnp._operand(x)) if isinstance(x, (Tracer, tnp.Array)) else np.asarray(x)
     if v is None or isinstance(v, Tracer):
-        raise ConcretizationError(with_user_line(f"{what} needs concrete values (its result's shape "
-                                                 "depends on them), not a traced array"))
+        raise ConcretizationError(
+            with_user_line(
+                f"{what} needs concrete values (its result's shape depends on them), not a traced array"
+            )
+        )
     return np.asarray(v)
 
 
 # ---- flips, rotations, stacking, splitting --------------------------------------------------------
+
 
 def fliplr(m):
     if tnp.ndim(m) < 2:
@@ -93,8 +184,10 @@ def dstack(tup):
 
 def block(arrays):
     """Assemble nested lists of blocks (the innermost lists join along the last axis)."""
+
     def depth(x):
         return 1 + depth(x[0]) if isinstance(x, list) and x else (1 if isinstance(x, list) else 0)
+
     d = depth(arrays)
     leaves = []
 
@@ -104,6 +197,7 @@ def block(arrays):
                 collect(y)
         else:
             leaves.append(_arr(x))
+
     collect(arrays)
     nd = builtins.max([d] + [tnp.ndim(a) for a in leaves])
 
@@ -112,6 +206,7 @@ def block(arrays):
             a = _arr(x)
             return tnp.reshape(a, (1,) * (nd - tnp.ndim(a)) + tnp.shape(a))
         return tnp.concatenate([build(y, level + 1) for y in x], axis=nd - d + level)
+
     return build(arrays, 0) if isinstance(arrays, list) else _arr(arrays)
 
 
@@ -156,13 +251,22 @@ def insert(arr, obj, values, axis=None):
     shape = list(tnp.shape(arr))
     nd = len(shape)
     if scalar:  # numpy: values (at least arr's rank, first axis moved to `axis`) go in before obj
-        v = tnp.reshape(values, (1,) * (nd - tnp.ndim(values)) + tnp.shape(values)) if tnp.ndim(values) < nd \
+        v = (
+            tnp.reshape(values, (1,) * (nd - tnp.ndim(values)) + tnp.shape(values))
+            if tnp.ndim(values) < nd
             else values
+        )
         v = tnp.moveaxis(v, 0, axis)
         shape[axis] = tnp.shape(v)[axis]
         p = int(pos[0])
-        return tnp.concatenate([tnp._slice_axis(arr, axis, 0, p), tnp.broadcast_to(v, tuple(shape)),
-                                tnp._slice_axis(arr, axis, p, n)], axis)
+        return tnp.concatenate(
+            [
+                tnp._slice_axis(arr, axis, 0, p),
+                tnp.broadcast_to(v, tuple(shape)),
+                tnp._slice_axis(arr, axis, p, n),
+            ],
+            axis,
+        )
     shape[axis] = len(pos)
     vals = tnp.broadcast_to(values, tuple(shape))
     # numpy's order: stable by position, each value placed before the original entry at pos
@@ -200,8 +304,11 @@ def dsplit(ary, indices_or_sections):
 def unstack(x, /, *, axis: int = 0):
     x = _arr(x)
     axis = tnp._norm_axis(axis, tnp.ndim(x))
-    return tuple(tnp.squeeze(p, axis) for p in tnp.split(x, tnp.shape(x)[axis], axis)) \
-        if tnp.shape(x)[axis] else ()
+    return (
+        tuple(tnp.squeeze(p, axis) for p in tnp.split(x, tnp.shape(x)[axis], axis))
+        if tnp.shape(x)[axis]
+        else ()
+    )
 
 
 def rollaxis(a, axis: int, start: int = 0):
@@ -250,7 +357,9 @@ def diag_indices(n: int, ndim: int = 2):
 def diag_indices_from(arr):
     shape = tnp.shape(arr)
     if len(shape) < 2 or len(set(shape)) != 1:
-        raise ShapeError(with_user_line(f"diag_indices_from: needs an array with all axes equal, got {shape}"))
+        raise ShapeError(
+            with_user_line(f"diag_indices_from: needs an array with all axes equal, got {shape}")
+        )
     return diag_indices(shape[0], len(shape))
 
 
@@ -267,8 +376,11 @@ def triu_indices_from(arr, k: int = 0):
 def fill_diagonal(a, val, wrap: bool = False, *, inplace: bool = False):
     """A copy of a with its main diagonal set to val (JAX's: inplace must be False)."""
     if inplace:
-        raise TilefuseError(with_user_line("fill_diagonal: tilefuse arrays are immutable; pass inplace=False "
-                                           "and use the returned array"))
+        raise TilefuseError(
+            with_user_line(
+                "fill_diagonal: tilefuse arrays are immutable; pass inplace=False and use the returned array"
+            )
+        )
     a = _arr(a)
     shape = tnp.shape(a)
     if len(shape) < 2:
@@ -282,13 +394,19 @@ def fill_diagonal(a, val, wrap: bool = False, *, inplace: bool = False):
     if len(shape) == 2 and not wrap:
         pos = pos[pos < shape[1] * builtins.min(shape)]
     vals = tnp.ravel(tnp._operand(val))
-    vals = tnp.take(tnp.astype(vals, tnp._aval(a).dtype), np.arange(len(pos)) % builtins.max(tnp.shape(vals)[0], 1)) \
-        if tnp.ndim(val) else tnp.astype(val, tnp._aval(a).dtype)
+    vals = (
+        tnp.take(
+            tnp.astype(vals, tnp._aval(a).dtype), np.arange(len(pos)) % builtins.max(tnp.shape(vals)[0], 1)
+        )
+        if tnp.ndim(val)
+        else tnp.astype(val, tnp._aval(a).dtype)
+    )
     flat = tnp.ravel(a).at[pos.astype(np.int32)].set(vals)
     return tnp.reshape(flat, shape)
 
 
 # ---- index grids and conversions -------------------------------------------------------------------
+
 
 def indices(dimensions, dtype=None, sparse: bool = False):
     dims = tuple(int(d) for d in dimensions)
@@ -338,7 +456,9 @@ class _Grid:
             return axes[0]
         grids = tnp.meshgrid(*axes, indexing="ij")
         if self.sparse:
-            return [tnp.reshape(a, [-1 if i == k else 1 for i in range(len(axes))]) for k, a in enumerate(axes)]
+            return [
+                tnp.reshape(a, [-1 if i == k else 1 for i in range(len(axes))]) for k, a in enumerate(axes)
+            ]
         dt = tnp.result_type(*grids)
         return tnp.stack([tnp.astype(g, dt) for g in grids])
 
@@ -359,16 +479,22 @@ class _Concatenator:
             if isinstance(k, slice):
                 step = 1 if k.step is None else k.step
                 start = 0 if k.start is None else k.start
-                part = tnp.linspace(start, k.stop, int(abs(step))) if isinstance(step, complex) \
+                part = (
+                    tnp.linspace(start, k.stop, int(abs(step)))
+                    if isinstance(step, complex)
                     else tnp.arange(start, k.stop, step)
+                )
             elif isinstance(k, str):
                 raise TilefuseError(with_user_line("r_/c_: string directives are not supported"))
             else:
                 part = tnp.atleast_1d(_arr(k))
             parts.append(part)
         if self.columns:
-            return column_stack(parts) if builtins.all(tnp.ndim(p) == 1 for p in parts) else \
-                tnp.concatenate(parts, axis=-1)
+            return (
+                column_stack(parts)
+                if builtins.all(tnp.ndim(p) == 1 for p in parts)
+                else tnp.concatenate(parts, axis=-1)
+            )
         return tnp.concatenate(parts, axis=0)
 
 
@@ -386,8 +512,14 @@ def ravel_multi_index(multi_index, dims, mode: str = "raise", order: str = "C"):
     if mode == "raise":
         for i, n in zip(multi_index, dims):
             v = concrete_or_none(_arr(i))
-            if v is not None and not isinstance(v, Tracer) and (np.any(np.asarray(v) < 0) or np.any(np.asarray(v) >= n)):
-                raise ValueError(with_user_line(f"ravel_multi_index: invalid entry for a dimension of size {n}"))
+            if (
+                v is not None
+                and not isinstance(v, Tracer)
+                and (np.any(np.asarray(v) < 0) or np.any(np.asarray(v) >= n))
+            ):
+                raise ValueError(
+                    with_user_line(f"ravel_multi_index: invalid entry for a dimension of size {n}")
+                )
     elif mode == "clip":
         idx = [tnp.clip(i, 0, n - 1) for i, n in zip(idx, dims)]
     elif mode == "wrap":
@@ -432,6 +564,7 @@ def flatnonzero(a, *, size=None, fill_value=None):
 
 # ---- selection ---------------------------------------------------------------------------------
 
+
 def select(condlist, choicelist, default=0):
     if len(condlist) != len(choicelist):
         raise ShapeError(with_user_line("select: condlist and choicelist need equal lengths"))
@@ -445,12 +578,19 @@ def select(condlist, choicelist, default=0):
 
 def choose(a, choices, out=None, mode: str = "raise"):
     a = tnp.astype(_arr(a), tnp.int32)
-    choices = list(choices) if not isinstance(choices, (Tracer, tnp.Array)) else \
-        [choices[i] for i in range(tnp.shape(choices)[0])]
+    choices = (
+        list(choices)
+        if not isinstance(choices, (Tracer, tnp.Array))
+        else [choices[i] for i in range(tnp.shape(choices)[0])]
+    )
     n = len(choices)
     if mode == "raise":
         v = concrete_or_none(a)
-        if v is not None and not isinstance(v, Tracer) and (np.any(np.asarray(v) < 0) or np.any(np.asarray(v) >= n)):
+        if (
+            v is not None
+            and not isinstance(v, Tracer)
+            and (np.any(np.asarray(v) < 0) or np.any(np.asarray(v) >= n))
+        ):
             raise ValueError(with_user_line("choose: invalid entry in the choice array"))
     elif mode == "wrap":
         a = tnp.remainder(a, n)
@@ -467,7 +607,7 @@ def compress(condition, a, axis=None, *, size=None, fill_value=0):
     a = _arr(a)
     if axis is None:
         a, axis = tnp.ravel(a), 0
-    keep = np.flatnonzero(cond[:tnp.shape(a)[axis]])
+    keep = np.flatnonzero(cond[: tnp.shape(a)[axis]])
     return tnp.take(a, keep.astype(np.int32), axis=axis)
 
 
@@ -484,7 +624,9 @@ def place(arr, mask, vals, *, inplace: bool = False):
     pos = np.flatnonzero(m)
     vals = tnp.ravel(tnp.astype(vals, tnp._aval(arr).dtype))
     k = tnp.shape(vals)[0]
-    picked = tnp.take(vals, (np.arange(len(pos)) % builtins.max(k, 1)).astype(np.int32)) if len(pos) else vals[:0]
+    picked = (
+        tnp.take(vals, (np.arange(len(pos)) % builtins.max(k, 1)).astype(np.int32)) if len(pos) else vals[:0]
+    )
     return tnp.reshape(tnp.ravel(arr).at[pos.astype(np.int32)].set(picked), tnp.shape(arr))
 
 
@@ -507,7 +649,9 @@ def put(a, ind, v, mode=None, *, inplace: bool = False):
 
 def put_along_axis(arr, indices, values, axis, inplace: bool = False, *, mode=None):
     if inplace:
-        raise TilefuseError(with_user_line("put_along_axis: tilefuse arrays are immutable; pass inplace=False"))
+        raise TilefuseError(
+            with_user_line("put_along_axis: tilefuse arrays are immutable; pass inplace=False")
+        )
     arr, indices = _arr(arr), tnp.astype(_arr(indices), tnp.int32)
     if axis is None:
         arr, axis = tnp.ravel(arr), 0
@@ -517,8 +661,15 @@ def put_along_axis(arr, indices, values, axis, inplace: bool = False, *, mode=No
     idx = tnp.where(indices < 0, indices + n, indices)
     ishape = tnp.broadcast_shapes(tnp.shape(idx), tuple(1 if k == axis else s for k, s in enumerate(shape)))
     idx = tnp.broadcast_to(idx, tuple(ishape))
-    grids = [tnp.broadcast_to(tnp.reshape(tnp.arange(s, dtype=tnp.int32), [-1 if j == k else 1 for j in range(len(shape))]),
-                              ishape) if k != axis else idx for k, s in enumerate(shape)]
+    grids = [
+        tnp.broadcast_to(
+            tnp.reshape(tnp.arange(s, dtype=tnp.int32), [-1 if j == k else 1 for j in range(len(shape))]),
+            ishape,
+        )
+        if k != axis
+        else idx
+        for k, s in enumerate(shape)
+    ]
     flat = ravel_multi_index(grids, shape, mode="clip")
     vals = tnp.broadcast_to(tnp.astype(values, tnp._aval(arr).dtype), ishape)
     return tnp.reshape(tnp.ravel(arr).at[tnp.ravel(flat)].set(tnp.ravel(vals)), shape)
@@ -531,8 +682,11 @@ def piecewise(x, condlist, funclist, *args, **kw):
     condlist = list(condlist)
     n = len(condlist)
     if len(funclist) == n + 1:  # the last function is the otherwise case
-        other = ~tnp.any(tnp.stack([tnp.astype(c, tnp.bool_) for c in condlist]), axis=0) if n else \
-            tnp.ones(tnp.shape(x), tnp.bool_)
+        other = (
+            ~tnp.any(tnp.stack([tnp.astype(c, tnp.bool_) for c in condlist]), axis=0)
+            if n
+            else tnp.ones(tnp.shape(x), tnp.bool_)
+        )
         condlist = condlist + [other]
     elif len(funclist) != n:
         raise ShapeError(with_user_line("piecewise: funclist needs one function per condition (or one more)"))
@@ -545,6 +699,7 @@ def piecewise(x, condlist, funclist, *args, **kw):
 
 def _vmap():
     from tilefuse.tracer.vmap import vmap
+
     return vmap
 
 
@@ -560,12 +715,16 @@ def apply_along_axis(func1d, axis: int, arr, *args, **kwargs):
     out = f(moved)
     extra = tnp.ndim(out) - (nd - 1)
     # the function's own axes take the place of the consumed axis (numpy's layout)
-    return tnp.moveaxis(out, list(range(nd - 1, nd - 1 + extra)), list(range(axis, axis + extra))) if extra else out
+    return (
+        tnp.moveaxis(out, list(range(nd - 1, nd - 1 + extra)), list(range(axis, axis + extra)))
+        if extra
+        else out
+    )
 
 
 def apply_over_axes(func, a, axes):
     a = _arr(a)
-    for ax in ([axes] if isinstance(axes, (int, np.integer)) else axes):
+    for ax in [axes] if isinstance(axes, (int, np.integer)) else axes:
         res = func(a, ax)
         if tnp.ndim(res) == tnp.ndim(a) - 1:
             res = tnp.expand_dims(res, ax)
@@ -592,15 +751,16 @@ class vectorize:
         idx = [i for i in range(len(args)) if i not in self.excluded]
         arrays = [_arr(args[i]) for i in idx]
         ranks = self._core_ranks(len(arrays))
-        loops = [tnp.shape(a)[:tnp.ndim(a) - r] for a, r in zip(arrays, ranks)]
+        loops = [tnp.shape(a)[: tnp.ndim(a) - r] for a, r in zip(arrays, ranks)]
         batch = tnp.broadcast_shapes(*loops) if loops else ()
-        arrays = [tnp.broadcast_to(a, batch + tnp.shape(a)[tnp.ndim(a) - r:]) for a, r in zip(arrays, ranks)]
+        arrays = [tnp.broadcast_to(a, batch + tnp.shape(a)[tnp.ndim(a) - r :]) for a, r in zip(arrays, ranks)]
 
         def call(*xs):
             full = list(args)
             for i, x in zip(idx, xs):
                 full[i] = x
             return self.pyfunc(*full, **kwargs)
+
         f = call
         for _ in batch:
             f = _vmap()(f)
@@ -688,6 +848,7 @@ def vander(x, N=None, increasing: bool = False):
 
 # ---- polynomials (coefficients highest power first, as numpy's poly1d functions) ----------------
 
+
 def polyval(p, x, *, unroll: int = 16):
     p, x = tnp._promote(p, x)
     out = tnp.zeros_like(x)
@@ -697,7 +858,11 @@ def polyval(p, x, *, unroll: int = 16):
 
 
 def _poly_pad(a, n):
-    return tnp.concatenate([tnp.zeros((n - tnp.shape(a)[0],), tnp._aval(a).dtype), a]) if n > tnp.shape(a)[0] else a
+    return (
+        tnp.concatenate([tnp.zeros((n - tnp.shape(a)[0],), tnp._aval(a).dtype), a])
+        if n > tnp.shape(a)[0]
+        else a
+    )
 
 
 def polyadd(a1, a2):
@@ -734,8 +899,12 @@ def polyint(p, m: int = 1, k=None):
         ks = ks * int(m)
     for i in range(int(m)):
         n = tnp.shape(p)[0]
-        p = tnp.concatenate([p / np.arange(n, 0, -1).astype(np.dtype(tnp._aval(p).dtype)),
-                             tnp.full((1,), ks[i], tnp._aval(p).dtype)])
+        p = tnp.concatenate(
+            [
+                p / np.arange(n, 0, -1).astype(np.dtype(tnp._aval(p).dtype)),
+                tnp.full((1,), ks[i], tnp._aval(p).dtype),
+            ]
+        )
     return p
 
 
@@ -768,11 +937,11 @@ def polydiv(u, v, *, trim_leading_zeros: bool = False):
     for k in range(0, m - n + 1):
         d = scale * r[k]
         q = q.at[k].set(d)
-        r = r.at[k:k + n + 1].add(-d * v)
+        r = r.at[k : k + n + 1].add(-d * v)
     if trim_leading_zeros:
         lead = _static(r, "polydiv(trim_leading_zeros=True)")
         nz = np.flatnonzero(lead)
-        r = r[int(nz[0]) if nz.size else len(lead) - 1:]
+        r = r[int(nz[0]) if nz.size else len(lead) - 1 :]
     return q, r
 
 
@@ -791,6 +960,7 @@ def poly(seq_of_zeros):
 
 # ---- windows -----------------------------------------------------------------------------------
 
+
 def _window(M, f):
     M = int(M)
     if M < 1:
@@ -806,8 +976,12 @@ def bartlett(M):
 
 
 def blackman(M):
-    return _window(M, lambda n, M: 0.42 - 0.5 * tnp.cos(2 * math.pi * n / (M - 1))
-                   + 0.08 * tnp.cos(4 * math.pi * n / (M - 1)))
+    return _window(
+        M,
+        lambda n, M: (
+            0.42 - 0.5 * tnp.cos(2 * math.pi * n / (M - 1)) + 0.08 * tnp.cos(4 * math.pi * n / (M - 1))
+        ),
+    )
 
 
 def hamming(M):
@@ -822,11 +996,15 @@ def kaiser(M, beta):
     def f(n, M):
         alpha = (M - 1) / 2.0
         r = (n - alpha) / alpha
-        return tnp.i0(beta * tnp.sqrt(tnp.maximum(1 - r * r, 0.0))) / tnp.i0(tnp.asarray(float(beta), tnp.float32))
+        return tnp.i0(beta * tnp.sqrt(tnp.maximum(1 - r * r, 0.0))) / tnp.i0(
+            tnp.asarray(float(beta), tnp.float32)
+        )
+
     return _window(M, f)
 
 
 # ---- comparisons, printing, files and buffers (host helpers) ----------------------------------------
+
 
 def array_equiv(a1, a2) -> bool:
     a1, a2 = _static(a1, "array_equiv"), _static(a2, "array_equiv")
@@ -841,8 +1019,12 @@ def array_str(a, max_line_width=None, precision=None, suppress_small=None):
     return np.array_str(np.asarray(_static(a, "array_str")), max_line_width, precision, suppress_small)
 
 
-get_printoptions, set_printoptions, printoptions, iterable = (np.get_printoptions, np.set_printoptions,
-                                                              np.printoptions, np.iterable)
+get_printoptions, set_printoptions, printoptions, iterable = (
+    np.get_printoptions,
+    np.set_printoptions,
+    np.printoptions,
+    np.iterable,
+)
 
 
 def frombuffer(buffer, dtype=float, count: int = -1, offset: int = 0):
@@ -873,18 +1055,26 @@ def save(file, arr, allow_pickle: bool = False):
 
 
 def savez(file, *args, **kwds):
-    np.savez(file, *[np.asarray(_static(a, "savez")) for a in args],
-             **{k: np.asarray(_static(v, "savez")) for k, v in kwds.items()})
+    np.savez(
+        file,
+        *[np.asarray(_static(a, "savez")) for a in args],
+        **{k: np.asarray(_static(v, "savez")) for k, v in kwds.items()},
+    )
 
 
 def from_dlpack(x, /, *, device=None, copy=None):
     return tnp.asarray(np.from_dlpack(x))
 
 
-_KINDS = {"bool": lambda d: d == np.bool_, "signed integer": lambda d: d.kind == "i",
-          "unsigned integer": lambda d: d.kind == "u", "integral": lambda d: d.kind in "iu",
-          "real floating": lambda d: _dt.is_float(d), "complex floating": lambda d: d.kind == "c",
-          "numeric": lambda d: d.kind in "iuc" or _dt.is_float(d)}
+_KINDS = {
+    "bool": lambda d: d == np.bool_,
+    "signed integer": lambda d: d.kind == "i",
+    "unsigned integer": lambda d: d.kind == "u",
+    "integral": lambda d: d.kind in "iu",
+    "real floating": lambda d: _dt.is_float(d),
+    "complex floating": lambda d: d.kind == "c",
+    "numeric": lambda d: d.kind in "iuc" or _dt.is_float(d),
+}
 
 
 def isdtype(dtype, kind) -> bool:
@@ -903,6 +1093,7 @@ def isdtype(dtype, kind) -> bool:
 
 
 # ---- more creation and bit packing -----------------------------------------------------------------
+
 
 def logspace(start, stop, num: int = 50, endpoint: bool = True, base=10.0, dtype=None, axis: int = 0):
     y = tnp.linspace(start, stop, num, endpoint=endpoint, dtype=tnp.float32 if dtype is None else None)
@@ -945,7 +1136,9 @@ def packbits(a, axis=None, bitorder: str = "big"):
         bits = tnp.pad(bits, cfg)
     bits = tnp.moveaxis(bits, axis, -1)
     bits = tnp.reshape(bits, tnp.shape(bits)[:-1] + (-1, 8))
-    weights = np.array([128, 64, 32, 16, 8, 4, 2, 1] if bitorder == "big" else [1, 2, 4, 8, 16, 32, 64, 128], np.int32)
+    weights = np.array(
+        [128, 64, 32, 16, 8, 4, 2, 1] if bitorder == "big" else [1, 2, 4, 8, 16, 32, 64, 128], np.int32
+    )
     packed = tnp.sum(bits * weights, axis=-1)
     return tnp.astype(tnp.moveaxis(packed, -1, axis), tnp.uint8)
 
@@ -962,5 +1155,5 @@ def unpackbits(a, axis=None, count=None, bitorder: str = "big"):
     bits = tnp.bitwise_and(tnp.right_shift(x[..., None], shifts), 1)
     bits = tnp.reshape(bits, tnp.shape(x)[:-1] + (-1,))
     if count is not None:
-        bits = bits[..., :int(count)] if count >= 0 else bits[..., :tnp.shape(bits)[-1] + int(count)]
+        bits = bits[..., : int(count)] if count >= 0 else bits[..., : tnp.shape(bits)[-1] + int(count)]
     return tnp.astype(tnp.moveaxis(bits, -1, axis), tnp.uint8)

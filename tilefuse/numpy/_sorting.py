@@ -6,6 +6,7 @@ rest composes: searchsorted compares every value with every sorted entry (one fu
 unique and the set operations sort and mark the first of each run. Functions whose result size
 depends on the values (unique, nonzero-like selections, bincount without a length) need concrete
 values, or a static `size` (with `fill_value`) under jit, as in JAX."""
+
 from __future__ import annotations
 
 import builtins
@@ -19,11 +20,37 @@ from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import ConcretizationError, DTypeError, ShapeError, TilefuseError, with_user_line
 from tilefuse.tracer.core import Tracer, bind1, concrete_or_none
 
-__all__ = ["sort", "argsort", "lexsort", "partition", "argpartition", "searchsorted", "digitize", "unique",
-           "unique_all", "unique_counts", "unique_inverse", "unique_values", "intersect1d", "union1d",
-           "setdiff1d", "setxor1d", "isin", "bincount", "histogram", "histogram_bin_edges", "histogram2d",
-           "histogramdd", "median", "quantile", "percentile", "nanmedian", "nanquantile", "nanpercentile",
-           "sort_complex"]
+__all__ = [
+    "sort",
+    "argsort",
+    "lexsort",
+    "partition",
+    "argpartition",
+    "searchsorted",
+    "digitize",
+    "unique",
+    "unique_all",
+    "unique_counts",
+    "unique_inverse",
+    "unique_values",
+    "intersect1d",
+    "union1d",
+    "setdiff1d",
+    "setxor1d",
+    "isin",
+    "bincount",
+    "histogram",
+    "histogram_bin_edges",
+    "histogram2d",
+    "histogramdd",
+    "median",
+    "quantile",
+    "percentile",
+    "nanmedian",
+    "nanquantile",
+    "nanpercentile",
+    "sort_complex",
+]
 
 
 def _axis_last(x, axis):
@@ -35,7 +62,9 @@ def _axis_last(x, axis):
     return tnp.moveaxis(x, axis, -1), axis
 
 
-def argsort(a, axis: int | None = -1, kind=None, order=None, *, stable: bool = True, descending: bool = False):
+def argsort(
+    a, axis: int | None = -1, kind=None, order=None, *, stable: bool = True, descending: bool = False
+):
     """Indices that sort a along axis (int32); stable, NaN last (first when descending)."""
     if order is not None:
         raise TilefuseError(with_user_line("argsort: order= (structured arrays) is not supported"))
@@ -82,8 +111,12 @@ def argpartition(a, kth: int, axis: int = -1):
 
 
 def sort_complex(a):
-    raise DTypeError(with_user_line("sort_complex returns complex numbers: tilefuse has no complex dtype "
-                                    "(use tnp.sort for real arrays)"))
+    raise DTypeError(
+        with_user_line(
+            "sort_complex returns complex numbers: tilefuse has no complex dtype "
+            "(use tnp.sort for real arrays)"
+        )
+    )
 
 
 def _nan_last_less(a, v, strict: bool):
@@ -120,8 +153,12 @@ def digitize(x, bins, right: bool = False):
         raise ShapeError(with_user_line(f"digitize: bins must be 1-d, got shape {tnp.shape(bins)}"))
     vals = concrete_or_none(bins)
     side = "left" if right else "right"
-    if vals is not None and not isinstance(vals, Tracer) and np.asarray(vals).size > 1 and \
-            np.asarray(vals)[0] > np.asarray(vals)[-1]:
+    if (
+        vals is not None
+        and not isinstance(vals, Tracer)
+        and np.asarray(vals).size > 1
+        and np.asarray(vals)[0] > np.asarray(vals)[-1]
+    ):
         n = tnp.shape(bins)[0]
         return n - searchsorted(tnp.flip(bins), x, side="right" if right else "left")
     return searchsorted(bins, x, side=side)
@@ -138,15 +175,19 @@ def isin(element, test_elements, assume_unique: bool = False, invert: bool = Fal
 
 # ---- unique and the set operations --------------------------------------------------------------
 
+
 def _static_size(name, x, count, size):
     """The number of results: size when given, else the concrete count (outside jit)."""
     if size is not None:
         return int(size)
     c = concrete_or_none(count)
     if c is None or isinstance(c, Tracer):
-        raise ConcretizationError(with_user_line(
-            f"{name}: the number of results depends on the values, which jit cannot know; pass a static "
-            f"size= (and fill_value=) as in JAX, or call it outside jit"))
+        raise ConcretizationError(
+            with_user_line(
+                f"{name}: the number of results depends on the values, which jit cannot know; pass a static "
+                f"size= (and fill_value=) as in JAX, or call it outside jit"
+            )
+        )
     return int(np.asarray(c))
 
 
@@ -197,8 +238,18 @@ class UniqueInverseResult(NamedTuple):
     inverse_indices: object
 
 
-def unique(ar, return_index: bool = False, return_inverse: bool = False, return_counts: bool = False,
-           axis=None, *, equal_nan: bool = True, size=None, fill_value=None, sorted: bool = True):  # noqa: A002
+def unique(
+    ar,
+    return_index: bool = False,
+    return_inverse: bool = False,
+    return_counts: bool = False,
+    axis=None,
+    *,
+    equal_nan: bool = True,
+    size=None,
+    fill_value=None,
+    sorted: bool = True,
+):  # noqa: A002
     """The sorted distinct values (numpy.unique), with the first indices, the inverse and the
     counts on request. Under jit pass size= (results padded with fill_value, default the
     smallest value; counts padded with 0)."""
@@ -211,7 +262,9 @@ def unique(ar, return_index: bool = False, return_inverse: bool = False, return_
     k = _static_size("unique", ar, count, size)
     if fill_value is None:
         fill_value = tnp.min(runs.values) if runs.n else 0
-    values = _scatter_first(runs, runs.values, k, fill_value) if runs.n else tnp.zeros((k,), tnp._aval(ar).dtype)
+    values = (
+        _scatter_first(runs, runs.values, k, fill_value) if runs.n else tnp.zeros((k,), tnp._aval(ar).dtype)
+    )
     out = [values]
     if return_index:
         out.append(_scatter_first(runs, runs.order, k, 0) if runs.n else tnp.zeros((k,), tnp.int32))
@@ -237,11 +290,17 @@ def _unique_axis(ar, axis, return_index, return_inverse, return_counts, size):
     n = tnp.shape(moved)[0]
     rows = tnp.reshape(moved, (n, -1))
     m = tnp.shape(rows)[1]
-    order = bind1(P.argsort, *[rows[:, j] for j in range(m)], axis=0, descending=False) if m else \
-        tnp.arange(n, dtype=tnp.int32)
+    order = (
+        bind1(P.argsort, *[rows[:, j] for j in range(m)], axis=0, descending=False)
+        if m
+        else tnp.arange(n, dtype=tnp.int32)
+    )
     s = tnp.take(rows, order, axis=0)
-    first = tnp.concatenate([tnp.ones((builtins.min(n, 1),), tnp.bool_), tnp.any(s[1:] != s[:-1], axis=1)]) \
-        if n else tnp.zeros((0,), tnp.bool_)
+    first = (
+        tnp.concatenate([tnp.ones((builtins.min(n, 1),), tnp.bool_), tnp.any(s[1:] != s[:-1], axis=1)])
+        if n
+        else tnp.zeros((0,), tnp.bool_)
+    )
     k = _static_size("unique", ar, tnp.sum(tnp.astype(first, tnp.int32)), size)
     slot = tnp.cumsum(tnp.astype(first, tnp.int32)) - 1
     target = tnp.where(first & (slot < k), slot, k)
@@ -271,8 +330,9 @@ def unique_inverse(x, *, size=None, fill_value=None):
 
 
 def unique_all(x, *, size=None, fill_value=None):
-    values, idx, inv, counts = unique(x, return_index=True, return_inverse=True, return_counts=True,
-                                      size=size, fill_value=fill_value)
+    values, idx, inv, counts = unique(
+        x, return_index=True, return_inverse=True, return_counts=True, size=size, fill_value=fill_value
+    )
     return UniqueAllResult(values, idx, tnp.reshape(inv, tnp.shape(x)), counts)
 
 
@@ -291,8 +351,9 @@ def union1d(ar1, ar2, *, size=None, fill_value=None):
     return unique(tnp.concatenate([tnp.ravel(ar1), tnp.ravel(ar2)]), size=size, fill_value=fill_value)
 
 
-def intersect1d(ar1, ar2, assume_unique: bool = False, return_indices: bool = False, *, size=None,
-                fill_value=None):
+def intersect1d(
+    ar1, ar2, assume_unique: bool = False, return_indices: bool = False, *, size=None, fill_value=None
+):
     if return_indices:
         raise TilefuseError(with_user_line("intersect1d: return_indices is not supported"))
     ar1, ar2 = tnp._promote(ar1, ar2)
@@ -330,6 +391,7 @@ def setxor1d(ar1, ar2, assume_unique: bool = False, *, size=None, fill_value=Non
 
 
 # ---- counting --------------------------------------------------------------------------------
+
 
 def bincount(x, weights=None, minlength: int = 0, *, length=None):
     """Occurrences of each non-negative integer (or the sum of their weights): int32 counts,
@@ -424,16 +486,22 @@ def histogramdd(sample, bins=10, range=None, weights=None, density=None):  # noq
 
 
 def histogram2d(x, y, bins=10, range=None, weights=None, density=None):  # noqa: A002
-    counts, edges = histogramdd(tnp.stack([tnp.ravel(x), tnp.ravel(y)], axis=1), bins, range, weights, density)
+    counts, edges = histogramdd(
+        tnp.stack([tnp.ravel(x), tnp.ravel(y)], axis=1), bins, range, weights, density
+    )
     return counts, edges[0], edges[1]
 
 
 # ---- order statistics ------------------------------------------------------------------------
 
+
 def _quantile(a, q, axis, method, keepdims, ignore_nan: bool, name: str):
     if method not in ("linear", "lower", "higher", "nearest", "midpoint"):
-        raise TilefuseError(with_user_line(f"{name}: method {method!r} is not supported (linear, lower, "
-                                           "higher, nearest, midpoint are)"))
+        raise TilefuseError(
+            with_user_line(
+                f"{name}: method {method!r} is not supported (linear, lower, higher, nearest, midpoint are)"
+            )
+        )
     (a,) = tnp._promote(a, to_float=True)
     nd = tnp.ndim(a)
     axes = tnp._norm_axes(axis, nd)
@@ -443,7 +511,11 @@ def _quantile(a, q, axis, method, keepdims, ignore_nan: bool, name: str):
     rest = tuple(tnp.shape(a)[i] for i in keep)
     x = tnp.reshape(x, rest + (-1,))
     n = tnp.shape(x)[-1]
-    q = tnp.asarray(q, tnp._aval(a).dtype) if not isinstance(q, (Tracer, tnp.Array)) else tnp.astype(q, tnp._aval(a).dtype)
+    q = (
+        tnp.asarray(q, tnp._aval(a).dtype)
+        if not isinstance(q, (Tracer, tnp.Array))
+        else tnp.astype(q, tnp._aval(a).dtype)
+    )
     qshape = tnp.shape(q)
     s = sort(x, axis=-1)
     nan = tnp.isnan(s)
@@ -485,27 +557,65 @@ def _quantile(a, q, axis, method, keepdims, ignore_nan: bool, name: str):
     return out
 
 
-def quantile(a, q, axis=None, out=None, overwrite_input: bool = False, method: str = "linear",
-             keepdims: bool = False, *, interpolation=None):
+def quantile(
+    a,
+    q,
+    axis=None,
+    out=None,
+    overwrite_input: bool = False,
+    method: str = "linear",
+    keepdims: bool = False,
+    *,
+    interpolation=None,
+):
     return _quantile(a, q, axis, interpolation or method, keepdims, False, "quantile")
 
 
-def nanquantile(a, q, axis=None, out=None, overwrite_input: bool = False, method: str = "linear",
-                keepdims: bool = False, *, interpolation=None):
+def nanquantile(
+    a,
+    q,
+    axis=None,
+    out=None,
+    overwrite_input: bool = False,
+    method: str = "linear",
+    keepdims: bool = False,
+    *,
+    interpolation=None,
+):
     return _quantile(a, q, axis, interpolation or method, keepdims, True, "nanquantile")
 
 
 def _pct(q):
-    return tnp._operand(q) / 100.0 if isinstance(q, (Tracer, tnp.Array)) else np.asarray(q, np.float64) / 100.0
+    return (
+        tnp._operand(q) / 100.0 if isinstance(q, (Tracer, tnp.Array)) else np.asarray(q, np.float64) / 100.0
+    )
 
 
-def percentile(a, q, axis=None, out=None, overwrite_input: bool = False, method: str = "linear",
-               keepdims: bool = False, *, interpolation=None):
+def percentile(
+    a,
+    q,
+    axis=None,
+    out=None,
+    overwrite_input: bool = False,
+    method: str = "linear",
+    keepdims: bool = False,
+    *,
+    interpolation=None,
+):
     return quantile(a, _pct(q), axis, method=method, keepdims=keepdims, interpolation=interpolation)
 
 
-def nanpercentile(a, q, axis=None, out=None, overwrite_input: bool = False, method: str = "linear",
-                  keepdims: bool = False, *, interpolation=None):
+def nanpercentile(
+    a,
+    q,
+    axis=None,
+    out=None,
+    overwrite_input: bool = False,
+    method: str = "linear",
+    keepdims: bool = False,
+    *,
+    interpolation=None,
+):
     return nanquantile(a, _pct(q), axis, method=method, keepdims=keepdims, interpolation=interpolation)
 
 

@@ -6,6 +6,7 @@ derivative rules; everything else composes them with matmuls. Matrices are the l
 leading axes are a batch. Integer inputs compute in float32. As in JAX, a matrix LAPACK rejects
 (singular for solve/inv, not positive definite for cholesky) gives NaN or inf, not an exception.
 Not here: eig and eigvals (complex results: tilefuse has no complex dtype)."""
+
 from __future__ import annotations
 
 import builtins
@@ -19,10 +20,38 @@ from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import ShapeError, TilefuseError, with_user_line
 from tilefuse.tracer.core import bind1
 
-__all__ = ["cholesky", "cond", "cross", "det", "diagonal", "eigh", "eigvalsh", "inv", "lstsq", "matmul",
-           "matrix_norm", "matrix_power", "matrix_rank", "matrix_transpose", "multi_dot", "norm", "outer",
-           "pinv", "qr", "slogdet", "solve", "svd", "svdvals", "tensordot", "tensorinv", "tensorsolve",
-           "trace", "vecdot", "vector_norm", "solve_triangular"]
+__all__ = [
+    "cholesky",
+    "cond",
+    "cross",
+    "det",
+    "diagonal",
+    "eigh",
+    "eigvalsh",
+    "inv",
+    "lstsq",
+    "matmul",
+    "matrix_norm",
+    "matrix_power",
+    "matrix_rank",
+    "matrix_transpose",
+    "multi_dot",
+    "norm",
+    "outer",
+    "pinv",
+    "qr",
+    "slogdet",
+    "solve",
+    "svd",
+    "svdvals",
+    "tensordot",
+    "tensorinv",
+    "tensorsolve",
+    "trace",
+    "vecdot",
+    "vector_norm",
+    "solve_triangular",
+]
 
 
 class EighResult(NamedTuple):
@@ -62,7 +91,7 @@ def _unpack(packed, shapes):
     out, start = [], 0
     for s in shapes:
         n = int(np.prod(s, dtype=np.int64))
-        out.append(tnp.reshape(packed[..., start:start + n], batch + tuple(s)))
+        out.append(tnp.reshape(packed[..., start : start + n], batch + tuple(s)))
         start += n
     return out
 
@@ -86,6 +115,7 @@ def _eye_like(a):
 
 
 # ---- decompositions ---------------------------------------------------------------------------
+
 
 def cholesky(a, *, upper: bool = False, symmetrize_input: bool = True):
     """The lower factor L with L Lᵀ = a (of (a + aᵀ)/2, as JAX, or of a's lower triangle with
@@ -114,7 +144,9 @@ def eigvalsh(a, UPLO: str = "L", symmetrize_input: bool = True):
 def qr(a, mode: str = "reduced"):
     """mode 'reduced' (Q m×k, R k×n), 'complete' (Q m×m, R m×n) or 'r' (R alone)."""
     if mode not in ("reduced", "complete", "r"):
-        raise TilefuseError(with_user_line(f"linalg.qr: mode must be 'reduced', 'complete' or 'r', got {mode!r}"))
+        raise TilefuseError(
+            with_user_line(f"linalg.qr: mode must be 'reduced', 'complete' or 'r', got {mode!r}")
+        )
     a = _matrix(a, "qr")
     full = mode == "complete"
     q, r = _unpack(bind1(P.qr, a, full_matrices=full), P.packed_sizes("qr", tnp.shape(a), full_matrices=full))
@@ -137,6 +169,7 @@ def svdvals(x):
 
 # ---- solving --------------------------------------------------------------------------------
 
+
 def solve(a, b):
     """x with a x = b: b a vector (n,) or stacked matrices (..., n, k) (numpy 2's rule)."""
     a = _matrix(a, "solve", square=True)
@@ -146,8 +179,12 @@ def solve(a, b):
     if vector:
         b = b[:, None]
     if tnp.ndim(b) < 2 or tnp.shape(b)[-2] != n:
-        raise ShapeError(with_user_line(f"linalg.solve: a of shape {tnp.shape(a)} and b of shape "
-                                        f"{tnp.shape(b) if not vector else (n,)} do not fit (b needs {n} rows)"))
+        raise ShapeError(
+            with_user_line(
+                f"linalg.solve: a of shape {tnp.shape(a)} and b of shape "
+                f"{tnp.shape(b) if not vector else (n,)} do not fit (b needs {n} rows)"
+            )
+        )
     batch = tnp.broadcast_shapes(tnp.shape(a)[:-2], tnp.shape(b)[:-2], _op="linalg.solve")
     a = tnp.broadcast_to(a, batch + (n, n))
     b = tnp.broadcast_to(b, batch + tnp.shape(b)[-2:])
@@ -167,8 +204,14 @@ def solve_triangular(a, b, trans=0, lower: bool = False, unit_diagonal: bool = F
     n = tnp.shape(a)[-1]
     a = tnp.broadcast_to(a, batch + (n, n))
     b = tnp.broadcast_to(b, batch + tnp.shape(b)[-2:])
-    x = bind1(P.triangular_solve, a, b, lower=builtins.bool(lower), transpose_a=trans in (1, "T", "C"),
-              unit_diagonal=builtins.bool(unit_diagonal))
+    x = bind1(
+        P.triangular_solve,
+        a,
+        b,
+        lower=builtins.bool(lower),
+        transpose_a=trans in (1, "T", "C"),
+        unit_diagonal=builtins.bool(unit_diagonal),
+    )
     return x[..., 0] if vector else x
 
 
@@ -217,7 +260,9 @@ def lstsq(a, b, rcond=None, *, numpy_resid: bool = False):
     m, n = tnp.shape(a)
     vector = tnp.ndim(b) == 1
     if tnp.shape(b)[0] != m:
-        raise ShapeError(with_user_line(f"linalg.lstsq: a {tnp.shape(a)} and b {tnp.shape(b)} differ in rows"))
+        raise ShapeError(
+            with_user_line(f"linalg.lstsq: a {tnp.shape(a)} and b {tnp.shape(b)} differ in rows")
+        )
     if rcond is None:
         rcond = _default_rtol(a)
     s = svdvals(a)
@@ -267,6 +312,7 @@ def matrix_rank(M, rtol=None, *, tol=None):
 
 
 # ---- norms ----------------------------------------------------------------------------------
+
 
 def vector_norm(x, /, *, axis=None, keepdims: bool = False, ord=2):
     (x,) = tnp._promote(x, to_float=True)
@@ -352,6 +398,7 @@ def cond(x, p=None):
 
 # ---- products and the rest of the namespace ---------------------------------------------------
 
+
 def matmul(x1, x2, /):
     return tnp.matmul(x1, x2)
 
@@ -402,8 +449,11 @@ def tensorinv(a, ind: int = 2):
     first, rest = shape[:ind], shape[ind:]
     n = int(np.prod(first, dtype=np.int64))
     if n != int(np.prod(rest, dtype=np.int64)):
-        raise ShapeError(with_user_line(f"tensorinv: the first {ind} axes {first} and the rest {rest} "
-                                        "must hold equally many elements"))
+        raise ShapeError(
+            with_user_line(
+                f"tensorinv: the first {ind} axes {first} and the rest {rest} must hold equally many elements"
+            )
+        )
     return tnp.reshape(inv(tnp.reshape(a, (n, n))), rest + first)
 
 
@@ -413,7 +463,7 @@ def tensorsolve(a, b, axes=None):
     if axes is not None:
         order = [i for i in range(nd) if i not in [k % nd for k in axes]] + [k % nd for k in axes]
         a = tnp.transpose(a, order)
-    xshape = tnp.shape(a)[tnp.ndim(b):]
+    xshape = tnp.shape(a)[tnp.ndim(b) :]
     n = int(np.prod(xshape, dtype=np.int64))
     x = solve(tnp.reshape(a, (-1, n)), tnp.ravel(b))
     return tnp.reshape(x, xshape)

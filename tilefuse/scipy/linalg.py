@@ -1,5 +1,6 @@
 """tilefuse.scipy.linalg: jax.scipy.linalg's common functions (triangular and Cholesky solves,
 the matrix exponential, ...) over tilefuse.numpy.linalg."""
+
 from __future__ import annotations
 
 
@@ -8,8 +9,21 @@ from tilefuse.ir.errors import ShapeError, with_user_line
 from tilefuse.numpy import linalg as _la
 from tilefuse.numpy.linalg import solve_triangular  # noqa: F401  (defined there, scipy's signature)
 
-__all__ = ["solve_triangular", "cho_factor", "cho_solve", "cholesky", "solve", "inv", "det", "eigh", "qr", "svd",
-           "expm", "block_diag", "lu_solve"]
+__all__ = [
+    "solve_triangular",
+    "cho_factor",
+    "cho_solve",
+    "cholesky",
+    "solve",
+    "inv",
+    "det",
+    "eigh",
+    "qr",
+    "svd",
+    "expm",
+    "block_diag",
+    "lu_solve",
+]
 
 
 def cholesky(a, lower: bool = False, overwrite_a: bool = False, check_finite: bool = True):
@@ -32,8 +46,15 @@ def cho_solve(c_and_lower, b, overwrite_b: bool = False, check_finite: bool = Tr
     return solve_triangular(c, y, lower=False)
 
 
-def solve(a, b, lower: bool = False, overwrite_a: bool = False, overwrite_b: bool = False, check_finite=True,
-          assume_a: str = "gen"):
+def solve(
+    a,
+    b,
+    lower: bool = False,
+    overwrite_a: bool = False,
+    overwrite_b: bool = False,
+    check_finite=True,
+    assume_a: str = "gen",
+):
     return _la.solve(a, b)
 
 
@@ -52,12 +73,20 @@ def eigh(a, b=None, lower: bool = True, eigvals_only: bool = False, **kwargs):
     return w if eigvals_only else (w, v)
 
 
-def qr(a, overwrite_a: bool = False, lwork=None, mode: str = "full", pivoting: bool = False, check_finite=True):
+def qr(
+    a, overwrite_a: bool = False, lwork=None, mode: str = "full", pivoting: bool = False, check_finite=True
+):
     return _la.qr(a, {"full": "complete", "economic": "reduced", "r": "r"}[mode])
 
 
-def svd(a, full_matrices: bool = True, compute_uv: bool = True, overwrite_a: bool = False, check_finite=True,
-        lapack_driver: str = "gesdd"):
+def svd(
+    a,
+    full_matrices: bool = True,
+    compute_uv: bool = True,
+    overwrite_a: bool = False,
+    check_finite=True,
+    lapack_driver: str = "gesdd",
+):
     return _la.svd(a, full_matrices, compute_uv)
 
 
@@ -68,9 +97,22 @@ def lu_solve(*args, **kwargs):
 # Higham's scaling-and-squaring with the degree-13 Padé approximant (Higham 2005): exact enough
 # (to the dtype's precision) for any norm, every step a matmul, a solve or a select, so it runs
 # and differentiates under jit (the squarings are a fixed number of selects).
-_PADE13 = (64764752532480000.0, 32382376266240000.0, 7771770303897600.0, 1187353796428800.0,
-           129060195264000.0, 10559470521600.0, 670442572800.0, 33522128640.0, 1323241920.0,
-           40840800.0, 960960.0, 16380.0, 182.0, 1.0)
+_PADE13 = (
+    64764752532480000.0,
+    32382376266240000.0,
+    7771770303897600.0,
+    1187353796428800.0,
+    129060195264000.0,
+    10559470521600.0,
+    670442572800.0,
+    33522128640.0,
+    1323241920.0,
+    40840800.0,
+    960960.0,
+    16380.0,
+    182.0,
+    1.0,
+)
 _THETA13 = 5.371920351148152
 _MAX_SQUARINGS = 24
 
@@ -89,8 +131,10 @@ def expm(A, *, upper_triangular: bool = False, max_squarings: int = _MAX_SQUARIN
     X2 = tnp.matmul(X, X)
     X4 = tnp.matmul(X2, X2)
     X6 = tnp.matmul(X4, X2)
-    U = tnp.matmul(X, tnp.matmul(X6, b[13] * X6 + b[11] * X4 + b[9] * X2) + b[7] * X6 + b[5] * X4 + b[3] * X2
-                   + b[1] * eye)
+    U = tnp.matmul(
+        X,
+        tnp.matmul(X6, b[13] * X6 + b[11] * X4 + b[9] * X2) + b[7] * X6 + b[5] * X4 + b[3] * X2 + b[1] * eye,
+    )
     V = tnp.matmul(X6, b[12] * X6 + b[10] * X4 + b[8] * X2) + b[6] * X6 + b[4] * X4 + b[2] * X2 + b[0] * eye
     R = _la.solve(V - U, V + U)
     for k in range(int(max_squarings)):  # R^(2^s), one select per possible squaring
@@ -110,5 +154,3 @@ def block_diag(*arrs):
         out_rows.append(tnp.pad(tnp.astype(blk, dt), ((0, 0), (c0, cols - c0 - c))))
         c0 += c
     return tnp.concatenate(out_rows, axis=0)
-
-

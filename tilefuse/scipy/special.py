@@ -6,6 +6,7 @@ gammaln and digamma shift their argument up by their recurrences and use the asy
 approximation by Newton steps on erf; erfc uses a rational approximation (float32) or a
 continued fraction (float64) where 1 - erf would cancel; the incomplete gamma and beta functions
 are their series and continued fractions evaluated to a fixed depth."""
+
 from __future__ import annotations
 
 import math
@@ -16,10 +17,44 @@ import tilefuse.numpy as tnp
 from tilefuse import nn
 from tilefuse.ir import dtypes as _dt
 
-__all__ = ["logsumexp", "softmax", "log_softmax", "expit", "logit", "erf", "erfc", "erfinv", "gammaln", "loggamma",
-           "gamma", "gammasgn", "digamma", "polygamma", "betaln", "beta", "multigammaln", "xlogy", "xlog1py", "entr",
-           "rel_entr", "kl_div", "ndtr", "ndtri", "log_ndtr", "gammainc", "gammaincc", "betainc", "factorial",
-           "comb", "poch", "i0", "i0e", "boxcox", "boxcox1p", "sinc"]
+__all__ = [
+    "logsumexp",
+    "softmax",
+    "log_softmax",
+    "expit",
+    "logit",
+    "erf",
+    "erfc",
+    "erfinv",
+    "gammaln",
+    "loggamma",
+    "gamma",
+    "gammasgn",
+    "digamma",
+    "polygamma",
+    "betaln",
+    "beta",
+    "multigammaln",
+    "xlogy",
+    "xlog1py",
+    "entr",
+    "rel_entr",
+    "kl_div",
+    "ndtr",
+    "ndtri",
+    "log_ndtr",
+    "gammainc",
+    "gammaincc",
+    "betainc",
+    "factorial",
+    "comb",
+    "poch",
+    "i0",
+    "i0e",
+    "boxcox",
+    "boxcox1p",
+    "sinc",
+]
 
 
 def _f(x):
@@ -38,6 +73,7 @@ def _safe(cond, x, value=1.0):
 
 
 # ---- already in tilefuse: re-exported under scipy's names -----------------------------------------
+
 
 def logsumexp(a, axis=None, b=None, keepdims: bool = False, return_sign: bool = False, where=None):
     """log(sum(b * exp(a))) along axis, stable; with return_sign, (log|.|, sign)."""
@@ -114,7 +150,9 @@ def entr(x):
     """-x log x for x > 0, 0 at 0, -inf below."""
     x = _f(x)
     pos = x > 0
-    return tnp.where(pos, -x * tnp.log(_safe(pos, x)), tnp.where(x == 0, tnp.zeros_like(x), tnp.full_like(x, -np.inf)))
+    return tnp.where(
+        pos, -x * tnp.log(_safe(pos, x)), tnp.where(x == 0, tnp.zeros_like(x), tnp.full_like(x, -np.inf))
+    )
 
 
 def rel_entr(x, y):
@@ -131,6 +169,7 @@ def kl_div(x, y):
 
 # ---- error function family ---------------------------------------------------------------------
 
+
 def _erfc_positive(x):
     """erfc for x >= 0 without the cancellation of 1 - erf(x)."""
     if _is64(x):  # the continued fraction erfc(x) = exp(-x²)/√π / (x + (1/2)/(x + 1/(x + (3/2)/(x + ...))))
@@ -142,8 +181,23 @@ def _erfc_positive(x):
         cf = tnp.exp(-xs * xs) / (math.sqrt(math.pi) * t)
         return tnp.where(big, cf, 1.0 - tnp.erf(x))
     t = 1.0 / (1.0 + 0.5 * x)  # Numerical Recipes' erfcc: relative error below 1.2e-7
-    poly = (-1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+    poly = -1.26551223 + t * (
+        1.00002368
+        + t
+        * (
+            0.37409196
+            + t
+            * (
+                0.09678418
+                + t
+                * (
+                    -0.18628806
+                    + t
+                    * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))
+                )
+            )
+        )
+    )
     approx = t * tnp.exp(-x * x + poly)
     return tnp.where(x < 0.5, 1.0 - tnp.erf(x), approx)
 
@@ -165,13 +219,29 @@ def erfinv(y):
     lo = w < 5.0
     wl = _safe(lo, w, 2.5) - 2.5
     p = 2.81022636e-08
-    for c in (3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503, -0.00417768164,
-              0.246640727, 1.50140941):
+    for c in (
+        3.43273939e-07,
+        -3.5233877e-06,
+        -4.39150654e-06,
+        0.00021858087,
+        -0.00125372503,
+        -0.00417768164,
+        0.246640727,
+        1.50140941,
+    ):
         p = c + p * wl
     wh = tnp.sqrt(_safe(~lo, w, 9.0)) - 3.0
     q = -0.000200214257
-    for c in (0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613, 0.00943887047,
-              1.00167406, 2.83297682):
+    for c in (
+        0.000100950558,
+        0.00134934322,
+        -0.00367342844,
+        0.00573950773,
+        -0.0076224613,
+        0.00943887047,
+        1.00167406,
+        2.83297682,
+    ):
         q = c + q * wh
     x = tnp.where(lo, p, q) * ys
     for _ in range(2 if _is64(y) else 1):  # Newton on erf(x) = y
@@ -199,7 +269,7 @@ def log_ndtr(x):
     z = -xs * (1 / math.sqrt(2.0))
     # log erfc(z) for large z: -z² - log(z √π) + log(1 - 1/(2z²) + 3/(4z⁴) - 15/(8z⁶) + 105/(16 z⁸))
     iz2 = 1.0 / (z * z)
-    series = 1.0 - 0.5 * iz2 + 0.75 * iz2 * iz2 - 1.875 * iz2 ** 3 + 6.5625 * iz2 ** 4
+    series = 1.0 - 0.5 * iz2 + 0.75 * iz2 * iz2 - 1.875 * iz2**3 + 6.5625 * iz2**4
     tail = -z * z - tnp.log(z * math.sqrt(math.pi)) + tnp.log(series) - math.log(2.0)
     mid = _safe(~low & (x <= 0), x, 0.0)
     up = _safe(x > 0, x, 0.0)
@@ -216,8 +286,14 @@ def _stirling_lgamma(z):
     """lgamma(z) for z >= 8 by Stirling's series."""
     iz = 1.0 / z
     iz2 = iz * iz
-    series = iz * (1 / 12 + iz2 * (-1 / 360 + iz2 * (1 / 1260 + iz2 * (-1 / 1680 + iz2 * (
-        1 / 1188 + iz2 * (-691 / 360360 + iz2 / 156))))))
+    series = iz * (
+        1 / 12
+        + iz2
+        * (
+            -1 / 360
+            + iz2 * (1 / 1260 + iz2 * (-1 / 1680 + iz2 * (1 / 1188 + iz2 * (-691 / 360360 + iz2 / 156))))
+        )
+    )
     return (z - 0.5) * tnp.log(z) - z + 0.5 * math.log(2 * math.pi) + series
 
 
@@ -278,8 +354,19 @@ def digamma(x):
     z = tnp.where(small, ys + _SHIFT, y)
     iz = 1.0 / z
     iz2 = iz * iz
-    psi = tnp.log(z) - 0.5 * iz - iz2 * (1 / 12 + iz2 * (-1 / 120 + iz2 * (1 / 252 + iz2 * (
-        -1 / 240 + iz2 * (1 / 132 + iz2 * (-691 / 32760 + iz2 / 12))))))
+    psi = (
+        tnp.log(z)
+        - 0.5 * iz
+        - iz2
+        * (
+            1 / 12
+            + iz2
+            * (
+                -1 / 120
+                + iz2 * (1 / 252 + iz2 * (-1 / 240 + iz2 * (1 / 132 + iz2 * (-691 / 32760 + iz2 / 12))))
+            )
+        )
+    )
     psi = psi - tnp.where(small, acc, tnp.zeros_like(acc))
     xr = _safe(neg, x, 0.25)
     refl = psi - math.pi / tnp.tan(math.pi * (xr - tnp.floor(xr)))  # tan has period π: reduce exactly
@@ -302,7 +389,7 @@ def polygamma(n: int, x):
     z = tnp.where(small, xs + 10, x)
     # Σ_{k>=0} 1/(z+k)^(n+1) ≈ (n-1)!/z^n + n!/(2 z^(n+1)) + Σ B_2j (n+2j-1)!/((2j)! z^(n+2j))
     bern = (1 / 6, -1 / 30, 1 / 42, -1 / 30, 5 / 66, -691 / 2730, 7 / 6)
-    tail = math.factorial(n - 1) / z ** n + math.factorial(n) / (2 * z ** (n + 1))
+    tail = math.factorial(n - 1) / z**n + math.factorial(n) / (2 * z ** (n + 1))
     for j, b in enumerate(bern, 1):
         tail = tail + b * math.factorial(n + 2 * j - 1) / math.factorial(2 * j) / z ** (n + 2 * j)
     total = tail / math.factorial(n) + tnp.where(small, acc, tnp.zeros_like(acc))
@@ -363,6 +450,7 @@ def boxcox1p(x, lmbda):
 
 
 # ---- incomplete gamma and beta ------------------------------------------------------------------
+
 
 def _gammainc_series(a, x, terms):
     """P(a, x) = x^a e^-x / Γ(a+1) Σ x^n / ((a+1)...(a+n))."""

@@ -1,4 +1,5 @@
 """Shared pieces of the distributions: standardising by loc and scale, promoting arguments."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """The Bernoulli distribution."""
+
 import tilefuse.numpy as tnp
 from tilefuse.scipy import special
 

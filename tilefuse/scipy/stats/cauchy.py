@@ -1,4 +1,5 @@
 """The Cauchy distribution."""
+
 import math
 
 import tilefuse.numpy as tnp

@@ -1,4 +1,5 @@
 """The exponential distribution."""
+
 import tilefuse.numpy as tnp
 
 from ._common import standardize

@@ -1,4 +1,5 @@
 """The gamma distribution (shape a)."""
+
 import tilefuse.numpy as tnp
 from tilefuse.scipy import special
 

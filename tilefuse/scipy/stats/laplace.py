@@ -1,4 +1,5 @@
 """The Laplace distribution."""
+
 import math
 
 import tilefuse.numpy as tnp

@@ -1,4 +1,5 @@
 """The logistic distribution."""
+
 import tilefuse.numpy as tnp
 
 from ._common import standardize

@@ -1,4 +1,5 @@
 """The normal distribution."""
+
 import math
 
 import tilefuse.numpy as tnp

@@ -1,4 +1,5 @@
 """Student's t distribution."""
+
 import math
 
 import tilefuse.numpy as tnp
@@ -10,8 +11,13 @@ from ._common import promote, standardize
 def logpdf(x, df, loc=0.0, scale=1.0):
     z, scale = standardize(x, loc, scale)
     z, df = promote(z, df)
-    return (special.gammaln((df + 1.0) * 0.5) - special.gammaln(df * 0.5) - 0.5 * tnp.log(df * math.pi)
-            - (df + 1.0) * 0.5 * tnp.log1p(z * z / df) - tnp.log(scale))
+    return (
+        special.gammaln((df + 1.0) * 0.5)
+        - special.gammaln(df * 0.5)
+        - 0.5 * tnp.log(df * math.pi)
+        - (df + 1.0) * 0.5 * tnp.log1p(z * z / df)
+        - tnp.log(scale)
+    )
 
 
 def pdf(x, df, loc=0.0, scale=1.0):

@@ -1,4 +1,5 @@
 """The uniform distribution on [loc, loc + scale]."""
+
 import tilefuse.numpy as tnp
 
 from ._common import standardize
