@@ -48,8 +48,8 @@ def canonicalize(dtype) -> np.dtype:
     if d in SUPPORTED:
         return d
     if d.kind == "c":
-        raise DTypeError(f"tilefuse has no complex dtypes ({d}): keep real and imaginary parts as two "
-                         "float arrays")
+        raise DTypeError(f"tilefuse does not support the dtype {d}: it has no complex dtypes (keep real "
+                         "and imaginary parts as two float arrays)")
     if d == np.dtype(np.uint64):
         raise DTypeError("tilefuse does not support uint64 (no backend computes it yet): use int64, "
                          "or uint32 for bit patterns")
