@@ -378,3 +378,26 @@ def test_unsupported_dtypes_are_clear_errors(device):
         tnp.complex64(1.0)
     with pytest.raises(tx.DTypeError, match="uint64"):
         tnp.uint64(3)
+
+
+def test_attention_rows_with_inf_or_nan_are_nan_fused_or_not(device):
+    """nn.softmax is NaN on rows holding +inf or NaN (JAX's); written-out attention is still
+    rewritten to the fused kernel, whose output rows agree (NaN) with the unfused ones."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.normal(size=(1, 2, 4, 8)).astype(np.float32) for _ in range(3))
+    bias = np.zeros((4, 4), np.float32)
+    bias[1, 2] = np.inf
+    bias[2, 0] = np.nan
+    bias[3] = -np.inf  # a row with no key left: zeros
+
+    def attn(q, k, v):
+        return nn.softmax(q @ tnp.swapaxes(k, -1, -2) / 8.0 ** 0.5 + bias, axis=-1) @ v
+    got = np.asarray(tx.jit(attn)(q, k, v))
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(8.0)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ v
+    np.testing.assert_allclose(got[..., 0, :], want[..., 0, :], rtol=1e-4, atol=1e-5)
+    assert np.isnan(got[..., 1:3, :]).all() and (got[..., 3, :] == 0).all()
+    from tilefuse.ir.passes import run_passes
+    optimised = run_passes(tx.make_graph(attn)(q, k, v))
+    assert [e.prim.name for e in optimised.eqns].count("fused_attention") == 1, optimised
