@@ -390,3 +390,217 @@ vjp_rules[P.fused_attention] = _attention_vjp
 jvp_rules[P.fused_attention] = _jvp_by_decomposition(P.fused_attention)
 vjp_rules[P.fused_attention_bwd] = _vjp_by_decomposition(P.fused_attention_bwd)
 jvp_rules[P.fused_attention_bwd] = _jvp_by_decomposition(P.fused_attention_bwd)
+
+
+# ---- sorting and linear algebra (the numpy_host primitives) ------------------------------------
+# argsort has an integer result: no rule. The decompositions' JVPs are JAX's; solve and
+# triangular_solve have their VJPs written out, the others get theirs by transposing the JVP
+# (it is linear in the tangents: the VJP of that linear map is its transpose).
+
+def _mT(x):
+    nd = aval(x).ndim
+    return transpose(x, tuple(range(nd - 2)) + (nd - 1, nd - 2))
+
+
+def _mm(x, y):
+    """x @ y over the last two axes, equal leading (batch) axes."""
+    nb = aval(x).ndim - 2
+    batch = tuple(range(nb))
+    return bind1(P.dot_general, x, y, dimension_numbers=(((nb + 1,), (nb,)), (batch, batch)))
+
+
+def _tri_mask(x, lower: bool, strict: bool = False):
+    """The lower (upper) triangle of x's last two axes, diagonal included unless strict."""
+    shape = aval(x).shape
+    nd = len(shape)
+    r = bind1(P.iota, dtype=dtypes.int32, shape=shape, dimension=nd - 2)
+    c = bind1(P.iota, dtype=dtypes.int32, shape=shape, dimension=nd - 1)
+    keep = bind1(P.gt if strict else P.ge, r, c) if lower else bind1(P.lt if strict else P.le, r, c)
+    return select(keep, x, like(x, 0))
+
+
+def _eye_like(x):
+    shape = aval(x).shape
+    nd = len(shape)
+    r = bind1(P.iota, dtype=dtypes.int32, shape=shape, dimension=nd - 2)
+    c = bind1(P.iota, dtype=dtypes.int32, shape=shape, dimension=nd - 1)
+    return indicator(eq(r, c), x)
+
+
+def _diag_part(x):
+    """The diagonal of x's last two (square) axes: (..., n)."""
+    return reduce_sum(mul(x, _eye_like(x)), (aval(x).ndim - 1,))
+
+
+def _sym_part(t):
+    return mul(add_any(t, _mT(t)), like(t, 0.5))
+
+
+def _solve_jvp(ts, a, b, *, out):
+    ta, tb = ts
+    rhs = add_any(tb, None if ta is None else neg(_mm(ta, out)))
+    return None if rhs is None else bind1(P.solve, a, rhs)
+
+
+def _solve_vjp(ct, a, b, *, out, needs):
+    gb = bind1(P.solve, _mT(a), ct)
+    return (neg(_mm(gb, _mT(out))) if needs[0] else None), (gb if needs[1] else None)
+
+
+vjp_rules[P.solve], jvp_rules[P.solve] = _solve_vjp, _solve_jvp
+
+
+def _tri_operand_mask(t, lower, unit_diagonal):
+    return _tri_mask(t, lower, strict=unit_diagonal)
+
+
+def _triangular_solve_jvp(ts, a, b, *, out, lower, transpose_a, unit_diagonal):
+    ta, tb = ts
+    dt = None
+    if ta is not None:
+        m = _tri_operand_mask(ta, lower, unit_diagonal)
+        dt = neg(_mm(_mT(m) if transpose_a else m, out))
+    rhs = add_any(tb, dt)
+    return None if rhs is None else bind1(P.triangular_solve, a, rhs, lower=lower, transpose_a=transpose_a,
+                                          unit_diagonal=unit_diagonal)
+
+
+def _triangular_solve_vjp(ct, a, b, *, out, needs, lower, transpose_a, unit_diagonal):
+    gb = bind1(P.triangular_solve, a, ct, lower=lower, transpose_a=not transpose_a,
+               unit_diagonal=unit_diagonal)
+    ga = None
+    if needs[0]:
+        outer = _mm(out, _mT(gb)) if transpose_a else _mm(gb, _mT(out))
+        ga = neg(_tri_operand_mask(outer, lower, unit_diagonal))
+    return ga, (gb if needs[1] else None)
+
+
+vjp_rules[P.triangular_solve], jvp_rules[P.triangular_solve] = _triangular_solve_vjp, _triangular_solve_jvp
+
+
+def _pack(parts, batch):
+    """Tangents of a packed decomposition: each part flattened after the batch axes, in order."""
+    flat = [reshape(p, tuple(batch) + (int(np.prod(aval(p).shape[len(batch):], dtype=np.int64)),))
+            for p in parts]
+    return bind1(P.concatenate, *flat, dimension=len(batch)) if len(flat) > 1 else flat[0]
+
+
+def _unpack(packed, shapes):
+    batch = aval(packed).shape[:-1]
+    out, start = [], 0
+    for s in shapes:
+        n = int(np.prod(s, dtype=np.int64))
+        out.append(reshape(slice_axis(packed, len(batch), start, start + n), tuple(batch) + tuple(s)))
+        start += n
+    return out
+
+
+def _cholesky_jvp(ts, a, *, out):
+    # dL = L Φ(L⁻¹ dA L⁻ᵀ), Φ: the lower triangle with the diagonal halved (dA symmetrized, as a is)
+    da = _sym_part(ts[0])
+    y = bind1(P.triangular_solve, out, da, lower=True, transpose_a=False, unit_diagonal=False)
+    z = bind1(P.triangular_solve, out, _mT(y), lower=True, transpose_a=False, unit_diagonal=False)
+    phi = sub(_tri_mask(z, True), mul(_tri_mask(_tri_mask(z, True), False), like(z, 0.5)))
+    return _mm(out, phi)
+
+
+def _slogdet_jvp(ts, a, *, out):
+    dlog = _diag_part(bind1(P.solve, a, ts[0]))
+    d = reduce_sum(dlog, (aval(dlog).ndim - 1,))
+    d = reshape(d, aval(d).shape + (1,))
+    return bind1(P.concatenate, like(d, 0), d, dimension=aval(d).ndim - 1)
+
+
+def _qr_jvp(ts, a, *, out, full_matrices):
+    m, n = aval(a).shape[-2:]
+    if m < n or (full_matrices and m != n):
+        from tilefuse.ir.errors import TransformError
+        raise TransformError("the derivative of qr needs a tall or square matrix (m >= n) and, when "
+                             f"m > n, full_matrices=False; got a ({m}, {n}) matrix")
+    q, r = _unpack(out, P.packed_sizes("qr", aval(a).shape, full_matrices=full_matrices))
+    # dA R⁻¹ (a right-side solve), as JAX's qr_jvp_rule
+    dx_rinv = _mT(bind1(P.triangular_solve, r, _mT(ts[0]), lower=False, transpose_a=True,
+                        unit_diagonal=False))
+    qt_dx_rinv = _mm(_mT(q), dx_rinv)
+    low = _tri_mask(qt_dx_rinv, True, strict=True)
+    do = sub(low, _mT(low))
+    dq = add_any(_mm(q, sub(do, qt_dx_rinv)), dx_rinv)
+    dr = _mm(sub(qt_dx_rinv, do), r)
+    return _pack([dq, dr], aval(a).shape[:-2])
+
+
+def _eigh_jvp(ts, a, *, out):
+    w, v = _unpack(out, P.packed_sizes("eigh", aval(a).shape))
+    nd = aval(w).ndim
+    shape = aval(v).shape
+    wi = broadcast(w, shape, tuple(range(nd - 1)) + (nd - 1,))  # [..., i, j] = w_i
+    wj = broadcast(w, shape, tuple(range(nd - 1)) + (nd,))  # [..., i, j] = w_j
+    eye = _eye_like(v)
+    f = sub(div(like(v, 1), add_any(eye, sub(wj, wi))), eye)  # 1 / (w_j - w_i) off the diagonal
+    vt_da_v = _mm(_mm(_mT(v), _sym_part(ts[0])), v)
+    dv = _mm(v, mul(f, vt_da_v))
+    dw = _diag_part(vt_da_v)
+    return _pack([dw, dv], aval(a).shape[:-2])
+
+
+def _svd_jvp(ts, a, *, out, full_matrices, compute_uv):
+    shape = aval(a).shape
+    m, n = shape[-2:]
+    if compute_uv and full_matrices and m != n:
+        from tilefuse.ir.errors import TransformError
+        raise TransformError("the derivative of svd with full_matrices=True needs a square matrix; "
+                             f"got ({m}, {n}): use full_matrices=False")
+    packed = out if compute_uv and not full_matrices else \
+        bind1(P.svd, a, full_matrices=False, compute_uv=True)
+    u, s, vt = _unpack(packed, P.packed_sizes("svd", shape, full_matrices=False, compute_uv=True))
+    da = ts[0]
+    v = _mT(vt)
+    ds_mat = _mm(_mm(_mT(u), da), v)
+    ds = _diag_part(ds_mat)
+    if not compute_uv:
+        return ds
+    nd = aval(s).ndim
+    k = aval(s).shape[-1]
+    kshape = aval(s).shape[:-1] + (k, k)
+    s_row = broadcast(s, kshape, tuple(range(nd - 1)) + (nd,))  # [..., i, j] = s_j
+    s_col = broadcast(s, kshape, tuple(range(nd - 1)) + (nd - 1,))  # [..., i, j] = s_i
+    eye = _eye_like(ds_mat)
+    s_diffs = mul(add_any(s_row, s_col), sub(s_row, s_col))
+    f = sub(div(like(s_diffs, 1), add_any(s_diffs, eye)), eye)
+    dss = mul(s_row, ds_mat)  # dS diag(s)
+    sds = mul(s_col, ds_mat)  # diag(s) dS
+    zero = indicator(eq(s, like(s, 0)), s)
+    s_inv = sub(div(like(s, 1), add_any(s, zero)), zero)
+    s_inv_mat = mul(broadcast(s_inv, kshape, tuple(range(nd - 1)) + (nd,)), eye)
+    dudv_diag = mul(mul(sub(ds_mat, _mT(ds_mat)), like(ds_mat, 0.5)), s_inv_mat)
+    du = _mm(u, add_any(mul(f, add_any(dss, _mT(dss))), dudv_diag))
+    dv = _mm(v, mul(f, add_any(sds, _mT(sds))))
+    if m > n:
+        dav = _mm(da, v)
+        du = add_any(du, div(sub(dav, _mm(u, _mm(_mT(u), dav))), broadcast(s, aval(dav).shape,
+                                                                       tuple(range(nd - 1)) + (nd,))))
+    if n > m:
+        dahu = _mm(_mT(da), u)
+        dv = add_any(dv, div(sub(dahu, _mm(v, _mm(vt, dahu))), broadcast(s, aval(dahu).shape,
+                                                                    tuple(range(nd - 1)) + (nd,))))
+    return _pack([du, ds, _mT(dv)], shape[:-2])
+
+
+def _vjp_by_transposing_jvp(prim):
+    """The VJP of a primitive whose JVP is written: the JVP is linear in the tangents, and the
+    VJP of a linear map at any point is its transpose."""
+    def rule(ct, *primals, out, needs, **params):
+        from .vjp import vjp_flat
+
+        def linear(*tangents):
+            ts = [t if need else None for t, need in zip(tangents, needs)]
+            return [jvp_rules[prim](ts, *primals, out=out, **params)], None
+        _, pullback, _ = vjp_flat(linear, [zeros(aval(x)) for x in primals])
+        return tuple(c if need else None for c, need in zip(pullback([ct]), needs))
+    return rule
+
+
+for _p, _jvp in ((P.cholesky, _cholesky_jvp), (P.slogdet, _slogdet_jvp), (P.qr, _qr_jvp),
+                 (P.eigh, _eigh_jvp), (P.svd, _svd_jvp)):
+    jvp_rules[_p] = _jvp
+    vjp_rules[_p] = _vjp_by_transposing_jvp(_p)

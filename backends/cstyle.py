@@ -26,7 +26,8 @@ from tilefuse.ir.kernel.tile import Alloc, Barrier, If, Range, Store, TileKernel
 F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
 BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
 VALUE_T = {BOOL: "uchar", I32: "int", U32: "uint", I64: "long", F16: "float", BF16: "float",
-           F32: "float", F64: "double"}
+           F32: "float", F64: "double", dtypes.int8: "char", dtypes.uint8: "uchar", dtypes.int16: "short",
+           dtypes.uint16: "ushort"}  # 8/16-bit ints are only loaded, stored and cast (computed as int)
 STORE_T = {**VALUE_T, F16: "half", BF16: "ushort"}
 MASK_T = {1: "char", 2: "short", 4: "int", 8: "long"}
 FLOAT_FN = {"exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh",

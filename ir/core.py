@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import dtypes
-from .errors import ArgumentError, ShapeError, with_user_line
+from .errors import ArgumentError, ConcretizationError, ShapeError, with_user_line
 
 MAX_BYTES = (1 << 63) - 1  # an array's bytes must count in int64 (numpy's and every device's sizes)
 
@@ -76,9 +76,12 @@ def dimension(d) -> int:
     TypeError, as numpy's and JAX's)."""
     if isinstance(d, (int, np.integer)):
         return int(d)
-    if hasattr(type(d), "__index__"):
+    try:
         return operator.index(d)
-    raise _not_a_dimension(d)
+    except ConcretizationError:  # (a TypeError too)
+        raise
+    except TypeError:
+        raise _not_a_dimension(d) from None
 
 
 def _not_a_dimension(d) -> ArgumentError:

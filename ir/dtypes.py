@@ -12,17 +12,23 @@ float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
 int32 = np.dtype(np.int32)
 int64 = np.dtype(np.int64)
-uint32 = np.dtype(np.uint32)  # internal: the PRNG's counters
+uint32 = np.dtype(np.uint32)
 bool_ = np.dtype(np.bool_)
+int8, int16 = np.dtype(np.int8), np.dtype(np.int16)
+uint8, uint16 = np.dtype(np.uint8), np.dtype(np.uint16)
+# 8- and 16-bit integers are stored narrow and computed in int32, wrapped back to their width
+# after every operation that can leave it (as 16-bit floats are computed in float32)
+NARROW_INTS = (int8, int16, uint8, uint16)
 
-SUPPORTED = (bool_, int32, int64, uint32, float16, bfloat16, float32, float64)
+SUPPORTED = (bool_, int8, int16, int32, int64, uint8, uint16, uint32, float16, bfloat16, float32, float64)
 FLOATS = (float16, bfloat16, float32, float64)
-INTS = (int32, int64, uint32)
+INTS = (int8, int16, int32, int64, uint8, uint16, uint32)
 DEFAULT_FLOAT, DEFAULT_INT = float32, int32
 
 _NAMES = {"float16": float16, "half": float16, "bfloat16": bfloat16, "float32": float32,
           "float": float32, "float64": float64, "double": float64, "int32": int32,
-          "int64": int64, "int": int32, "uint32": uint32, "bool": bool_}
+          "int64": int64, "int": int32, "uint32": uint32, "bool": bool_, "int8": int8, "int16": int16,
+          "uint8": uint8, "uint16": uint16}
 
 
 def canonicalize(dtype) -> np.dtype:
@@ -41,10 +47,12 @@ def canonicalize(dtype) -> np.dtype:
         raise DTypeError(f"tilefuse does not understand the dtype {dtype!r}") from e
     if d in SUPPORTED:
         return d
-    narrow = {np.dtype(np.int8): int32, np.dtype(np.int16): int32, np.dtype(np.uint8): int32,
-              np.dtype(np.uint16): int32, np.dtype(np.uint64): int64}
-    if d in narrow:
-        return narrow[d]
+    if d.kind == "c":
+        raise DTypeError(f"tilefuse does not support the dtype {d}: it has no complex dtypes (keep real "
+                         "and imaginary parts as two float arrays)")
+    if d == np.dtype(np.uint64):
+        raise DTypeError("tilefuse does not support uint64 (no backend computes it yet): use int64, "
+                         "or uint32 for bit patterns")
     raise DTypeError(f"tilefuse does not support the dtype {d}; supported: "
                      + ", ".join(str(s) for s in SUPPORTED))
 
@@ -71,8 +79,13 @@ def _join(a: np.dtype, b: np.dtype) -> np.dtype:
     ka, kb = kind_rank(a), kind_rank(b)
     if ka != kb:
         return a if ka > kb else b
-    if ka == 1:  # ints: the wider; uint32 with a signed int needs int64
-        return int64 if int64 in (a, b) or uint32 in (a, b) else int32
+    if ka == 1:  # ints on JAX's lattice: the wider of one signedness; signed with unsigned: the
+        # smallest signed int holding both (uint8 + int8: int16, uint32 + int32: int64)
+        sa, sb = a.kind == "i", b.kind == "i"
+        if sa == sb:
+            return a if a.itemsize >= b.itemsize else b
+        s, u = (a, b) if sa else (b, a)
+        return np.dtype(f"int{8 * max(s.itemsize, 2 * u.itemsize)}")
     # floats: f16 and bf16 meet at f32; anything meets f64 at f64
     return float64 if float64 in (a, b) else float32
 
@@ -108,10 +121,21 @@ def python_scalar_dtype(x) -> np.dtype:
 
 
 def finfo(dtype):
-    return ml_dtypes.finfo(dtype) if np.dtype(dtype) == bfloat16 else np.finfo(dtype)
+    d = np.dtype(dtype)
+    return ml_dtypes.finfo(d) if d == bfloat16 else np.finfo(d)
 
 
 def compute_dtype(dtype) -> np.dtype:
-    """The dtype arithmetic runs in: 16-bit floats are stored narrow and computed in float32."""
+    """The dtype arithmetic runs in: 16-bit floats are stored narrow and computed in float32,
+    8- and 16-bit ints in int32."""
     d = np.dtype(dtype)
-    return float32 if d in (float16, bfloat16) else d
+    return float32 if d in (float16, bfloat16) else int32 if d in NARROW_INTS else d
+
+
+def sum_dtype(dtype) -> np.dtype:
+    """The dtype sums and products of `dtype` accumulate in (JAX's): bool and narrow ints widen
+    to int32 (uint8/uint16 to uint32)."""
+    d = np.dtype(dtype)
+    if d == bool_ or d in (int8, int16):
+        return int32
+    return uint32 if d in (uint8, uint16) else d

@@ -74,8 +74,14 @@ class UnsupportedDTypeError(DTypeError):
     """A dtype the device cannot hold (float64 on WebGPU, on an OpenCL device without fp64)."""
 
 
-class ConcretizationError(TilefuseError):
-    """A Python value was needed from a traced (abstract) value."""
+class OperandShapeError(ShapeError, TypeError):
+    """Operands whose shapes cannot meet in an operation where JAX raises TypeError (the shape
+    rules of its lax primitives, matmul, reshape, concatenate): catchable as either."""
+
+
+class ConcretizationError(TilefuseError, TypeError):
+    """A Python value was needed from a traced (abstract) value (a TypeError, as JAX's
+    TracerBoolConversionError is)."""
 
 
 class ArgumentError(TilefuseError, TypeError):

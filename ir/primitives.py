@@ -10,7 +10,7 @@ import numpy as np
 
 from . import dtypes
 from .core import Eqn, Graph, Literal, ShapedArray, Var, eval_graph, pp_graph
-from .errors import DTypeError, ShapeError, with_user_line
+from .errors import DTypeError, OperandShapeError, ShapeError, with_user_line
 
 PRIMITIVES: dict[str, "Primitive"] = {}
 
@@ -50,7 +50,7 @@ def primitive(name: str) -> Primitive:
 
 def shape_error(prim: str, msg: str, *avals) -> ShapeError:
     shapes = ", ".join(str(a.shape) for a in avals)
-    return ShapeError(with_user_line(f"{prim}: {msg} (operand shapes {shapes})"))
+    return OperandShapeError(with_user_line(f"{prim}: {msg} (operand shapes {shapes})"))
 
 
 def dtype_error(prim: str, msg: str, *avals) -> DTypeError:
@@ -156,8 +156,7 @@ xor = binop("xor", np.bitwise_xor, ("bool", "int"))
 shift_left = binop("shift_left", np.left_shift, ("int",))
 shift_right_logical = binop(
     "shift_right_logical",
-    lambda x, y: (x.view(np.uint32 if x.dtype.itemsize == 4 else np.uint64) >> y.astype(
-        np.uint32 if x.dtype.itemsize == 4 else np.uint64)).view(x.dtype), ("int",))
+    lambda x, y: (x.view(f"u{x.dtype.itemsize}") >> y.astype(f"u{x.dtype.itemsize}")).view(x.dtype), ("int",))
 ALL = ("float", "int", "bool")
 eq = binop("eq", np.equal, ALL, dtypes.bool_)
 ne = binop("ne", np.not_equal, ALL, dtypes.bool_)
@@ -693,3 +692,207 @@ def _debug_print_impl(*xs, fmt, names):
 
 debug_print = Primitive("debug_print", lambda *xs, fmt, names: [], _debug_print_impl,
                         multiple_results=True, effectful=True)
+
+
+# ---- sorting and linear algebra: vendor kernels run by numpy on the host ------------------------
+#
+# These run through numpy (its sort, its LAPACK) on every device: the dispatcher's "numpy_host"
+# implementation (runtime/host.py) reads the operands to the host and writes the results back,
+# one launch the profiler times with its copies. Operands carry any leading batch axes.
+# A decomposition's several results are packed into one array, each flattened in order along
+# the last axis (`packed_sizes` says how), so it differentiates like any one-result primitive
+# (fused_attention_bwd does the same); tilefuse.numpy.linalg unpacks them. Where LAPACK fails
+# (a matrix that is singular, not positive definite, or holds NaN) the results are NaN, as in
+# JAX, never an exception from inside a kernel.
+
+HOST_PRIMITIVES: list[Primitive] = []
+
+
+def _host_primitive(name: str, rule: Callable, impl: Callable) -> Primitive:
+    p = Primitive(name, rule, impl)
+    HOST_PRIMITIVES.append(p)
+    return p
+
+
+def _argsort_rule(*keys, axis, descending=False):
+    if not keys or any(k.shape != keys[0].shape for k in keys):
+        raise shape_error("argsort", "needs one or more keys of one shape", *keys)
+    _check_axes("argsort", keys[0], (axis,))
+    for k in keys:
+        _check_kinds("argsort", ALL, k)
+    return ShapedArray(keys[0].shape, dtypes.int32)
+
+
+def _argsort_impl(*keys, axis, descending=False):
+    """Stable: keys[0] decides first, ties go to the next key, then to the original order; NaN
+    sorts last (numpy's and JAX's order), first when descending (JAX's), where ties still keep
+    their original order."""
+    ks = [np.asarray(k, dtypes.compute_dtype(k.dtype)) for k in keys]
+    if descending:
+        ks = [_descending_rank(k, axis) for k in ks]
+    return np.lexsort(ks[::-1], axis=axis).astype(np.int32) if ks[0].ndim else np.zeros((), np.int32)
+
+
+def _descending_rank(k, axis):
+    """-(how many values sort before each one): ordering by it ascending is the descending order,
+    NaN first (JAX's), equal values keeping their original order."""
+    k = np.moveaxis(k, axis, -1)
+    s = np.sort(k, axis=-1)
+    r = np.empty(k.shape, np.int64)
+    for i in np.ndindex(*k.shape[:-1]):
+        r[i] = np.searchsorted(s[i], k[i], side="left")
+    return np.moveaxis(-r, -1, axis)
+
+
+argsort = _host_primitive("argsort", _argsort_rule, _argsort_impl)
+
+
+def _float_matrices(name, *avals, square=True):
+    for a in avals:
+        if not dtypes.is_float(a.dtype) or a.dtype != avals[0].dtype:
+            raise dtype_error(name, "needs float operands of one dtype", *avals)
+        if a.ndim < 2 or (square and a is avals[0] and a.shape[-1] != a.shape[-2]):
+            raise shape_error(name, f"needs {'square ' if square else ''}matrices (..., m, n)", *avals)
+
+
+def _lapack(fn):
+    """numpy.linalg's `fn` over stacked matrices in their compute dtype (16-bit floats in float32),
+    the results in the operands' dtype; a matrix LAPACK rejects gives NaN results."""
+    def impl(*xs, **params):
+        d = xs[0].dtype
+        cd = dtypes.compute_dtype(d)
+        xs = [np.asarray(x, cd) for x in xs]
+        with np.errstate(all="ignore"):
+            try:
+                out = fn(*xs, **params)
+            except np.linalg.LinAlgError:
+                out = _lapack_each(fn, xs, params)
+        return np.asarray(out, d)
+    return impl
+
+
+def _lapack_each(fn, xs, params):
+    """fn matrix by matrix, NaN for the ones LAPACK rejects."""
+    batch = xs[0].shape[:-2]
+    probe = None
+    outs = {}
+    for i in np.ndindex(*batch):
+        try:
+            outs[i] = np.asarray(fn(*(x[i] for x in xs), **params))
+            probe = outs[i]
+        except np.linalg.LinAlgError:
+            outs[i] = None
+    if probe is None:  # every matrix failed: the result's shape from a well-posed stand-in
+        probe = np.asarray(fn(*(np.broadcast_to(np.eye(x.shape[-2], x.shape[-1], dtype=x.dtype), x.shape[-2:])
+                                for x in xs), **params))
+    out = np.full(batch + probe.shape, np.nan, probe.dtype)
+    for i, o in outs.items():
+        if o is not None:
+            out[i] = o
+    return out
+
+
+def _sym(a):
+    return (a + np.swapaxes(a, -1, -2)) * 0.5
+
+
+def _square_rule(name):
+    def rule(a):
+        _float_matrices(name, a)
+        return a
+    return rule
+
+
+# cholesky(a): the lower factor L of (a + aᵀ)/2 = L Lᵀ (JAX symmetrizes its input so).
+cholesky = _host_primitive("cholesky", _square_rule("cholesky"),
+                           _lapack(lambda a: np.linalg.cholesky(_sym(a))))
+
+
+def _solve_rule(a, b, **params):
+    _float_matrices("solve", a, b)
+    if b.ndim != a.ndim or b.shape[:-2] != a.shape[:-2] or b.shape[-2] != a.shape[-1]:
+        raise shape_error("solve", "needs a (..., n, n) and b (..., n, k) with equal batch axes", a, b)
+    return b
+
+
+# solve(a, b) = a⁻¹ b, b a stack of (n, k) matrices.
+solve = _host_primitive("solve", _solve_rule, _lapack(np.linalg.solve))
+
+
+def _triangle(a, lower, unit_diagonal):
+    t = np.tril(a) if lower else np.triu(a)
+    if unit_diagonal:
+        n = a.shape[-1]
+        t = t * (1 - np.eye(n, dtype=a.dtype)) + np.eye(n, dtype=a.dtype)
+    return t
+
+
+def _triangular_solve_impl(a, b, *, lower, transpose_a, unit_diagonal):
+    t = _triangle(a, lower, unit_diagonal)
+    return np.linalg.solve(np.swapaxes(t, -1, -2) if transpose_a else t, b)
+
+
+# triangular_solve(a, b) solves op(T) x = b, T the lower (or upper) triangle of a (its diagonal
+# taken as ones with unit_diagonal), op(T) = Tᵀ with transpose_a; entries off the triangle are
+# never read (JAX's lax.linalg.triangular_solve with left_side=True).
+triangular_solve = _host_primitive("triangular_solve", lambda a, b, **p: _solve_rule(a, b),
+                                   _lapack(_triangular_solve_impl))
+
+
+def _slogdet_rule(a):
+    _float_matrices("slogdet", a)
+    return ShapedArray(a.shape[:-2] + (2,), a.dtype)
+
+
+def _slogdet_impl(a):
+    sign, logdet = np.linalg.slogdet(a)
+    return np.stack([sign, logdet], axis=-1)
+
+
+# slogdet(a) -> packed (sign, log|det|).
+slogdet = _host_primitive("slogdet", _slogdet_rule, _lapack(_slogdet_impl))
+
+
+def packed_sizes(prim_name: str, shape: tuple, **params) -> list[tuple]:
+    """The shapes (without batch axes) of the results packed by a decomposition of a matrix of
+    shape (..., m, n)."""
+    m, n = shape[-2:]
+    k = min(m, n)
+    if prim_name == "qr":
+        kq = m if params["full_matrices"] else k
+        return [(m, kq), (kq, n)]
+    if prim_name == "eigh":
+        return [(n,), (n, n)]
+    if prim_name == "svd":
+        if not params["compute_uv"]:
+            return [(k,)]
+        ku, kv = (m, n) if params["full_matrices"] else (k, k)
+        return [(m, ku), (k,), (kv, n)]
+    if prim_name == "slogdet":
+        return [(), ()]
+    raise KeyError(prim_name)
+
+
+def _packed_rule(name, square):
+    def rule(a, **params):
+        _float_matrices(name, a, square=square)
+        total = sum(int(np.prod(s, dtype=np.int64)) for s in packed_sizes(name, a.shape, **params))
+        return ShapedArray(a.shape[:-2] + (total,), a.dtype)
+    return rule
+
+
+def _pack(*parts, batch):
+    return np.concatenate([np.asarray(p).reshape(batch + (-1,)) for p in parts], axis=-1)
+
+
+# qr(a) -> packed (q, r); eigh(a) -> packed (w ascending, v: eigenvectors in columns) of
+# (a + aᵀ)/2; svd(a) -> packed (u, s descending, vh), or s alone without compute_uv.
+qr = _host_primitive("qr", _packed_rule("qr", False), _lapack(
+    lambda a, full_matrices: _pack(*np.linalg.qr(a, "complete" if full_matrices else "reduced"),
+                                   batch=a.shape[:-2])))
+eigh = _host_primitive("eigh", _packed_rule("eigh", True), _lapack(
+    lambda a: _pack(*np.linalg.eigh(_sym(a)), batch=a.shape[:-2])))
+svd = _host_primitive("svd", _packed_rule("svd", False), _lapack(
+    lambda a, full_matrices, compute_uv: _pack(*np.linalg.svd(a, full_matrices=full_matrices),
+                                               batch=a.shape[:-2])
+    if compute_uv else np.linalg.svd(a, compute_uv=False)))

@@ -1,6 +1,7 @@
 """Array: a buffer on a device with its aval; stays on its device until someone reads it."""
 from __future__ import annotations
 
+import operator
 import re
 
 import numpy as np
@@ -95,8 +96,8 @@ class Array:
     def __int__(self):
         return int(self.numpy())
 
-    def __index__(self):
-        return int(self.numpy())
+    def __index__(self):  # integers only, as numpy's: 2.0 is no index
+        return operator.index(self.numpy())
 
     def __complex__(self):
         return complex(self.numpy())

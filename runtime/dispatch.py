@@ -124,3 +124,9 @@ for _kind in TEMPLATE_KINDS:
 _template("cuda_gemm", ("dot_general", "fused_gemm"), "tilefuse.backends.cuda.gemm", "cuda", 20)
 for _dk in ("opencl", "cuda"):
     _template("gemm_then_epilogue", ("fused_gemm",), "tilefuse.runtime.gemm_split", _dk, 10)
+
+# Sorting and LAPACK's decompositions: numpy on the host, on every device (runtime/host.py).
+from tilefuse.ir.primitives import HOST_PRIMITIVES  # noqa: E402
+
+for _p in HOST_PRIMITIVES:
+    register(Implementation("numpy_host", _p.name, _lazy("tilefuse.runtime.host", "build")))

@@ -7,8 +7,8 @@ __version__ = "0.1.0"
 
 from tilefuse.ir import dtypes as _dtypes
 from tilefuse.ir.errors import (ArgumentError, CompileError, ConcretizationError, DeviceError,
-                                DTypeError, NaNError, OutOfMemoryError, ShapeError, StaticArgumentError,
-                                TilefuseError, TracerLeakError, TransformError)
+                                DTypeError, NaNError, OperandShapeError, OutOfMemoryError, ShapeError,
+                                StaticArgumentError, TilefuseError, TracerLeakError, TransformError)
 from tilefuse.runtime import device as _device
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.config import config
@@ -31,12 +31,13 @@ _jit.hooks.config = config
 
 from tilefuse import numpy  # noqa: E402  (installs the array operators)
 from tilefuse import nn, optim, random  # noqa: E402
-from tilefuse.api import debug_print, make_graph  # noqa: E402
+from tilefuse.api import debug_print, elementwise_grad, make_graph  # noqa: E402
 from tilefuse.autodiff import (check_grads, custom_jvp, custom_vjp, grad, hessian, jacfwd, jacrev,  # noqa: E402
                                jvp, stop_gradient, value_and_grad, vjp)
 from tilefuse.tracer.jit import jit  # noqa: E402
 from tilefuse.tracer.vmap import vmap  # noqa: E402
 from tilefuse.tile_op import Tensor, TileOp, tile_op  # noqa: E402
+from tilefuse import flatten_util, tree_util  # noqa: E402,F401  (JAX's module names)
 
 float16, bfloat16, float32, float64 = _dtypes.float16, _dtypes.bfloat16, _dtypes.float32, _dtypes.float64
 int32, int64, uint32, bool_ = _dtypes.int32, _dtypes.int64, _dtypes.uint32, _dtypes.bool_

@@ -31,3 +31,21 @@ def debug_print(fmt: str, *args, **kwargs) -> None:
     from tilefuse.numpy import _operand
     values = [_operand(a) for a in args] + [_operand(v) for v in kwargs.values()]
     bind(P.debug_print, *values, fmt=fmt, names=tuple(kwargs))
+
+
+def elementwise_grad(fun: Callable, argnums=0, has_aux: bool = False):
+    """autograd's elementwise_grad: the gradient of the sum of fun's outputs, i.e. its VJP with
+    a cotangent of ones. For an elementwise fun, each output's derivative in its own input
+    (grad(tanh) over an array): grad needs a scalar output, this does not."""
+    from tilefuse.autodiff import grad
+    from tilefuse.numpy import sum as _sum
+    from tilefuse.tracer.pytree import tree_leaves
+
+    def total(*args, **kwargs):
+        out = fun(*args, **kwargs)
+        out, aux = out if has_aux else (out, None)
+        s = sum((_sum(x) for x in tree_leaves(out)), 0.0)
+        return (s, aux) if has_aux else s
+    g = grad(total, argnums=argnums, has_aux=has_aux)
+    g.__name__ = f"elementwise_grad({getattr(fun, '__name__', 'fun')})"
+    return g

@@ -139,7 +139,10 @@ def rms_norm(params, x, eps: float = 1e-6):
 # ---- activations -------------------------------------------------------------------------------
 
 def relu(x):
-    return tnp.maximum(x, 0.0)
+    """max(x, 0); its derivative at 0 is 0, as in JAX and PyTorch (max's tie rule would give 1/2),
+    and NaN stays NaN."""
+    x = tnp.asarray(x)
+    return tnp.where(x > 0, x, tnp.where(x == x, tnp.zeros((), x.dtype), x))
 
 
 def gelu(x, approximate: bool = True):
@@ -186,21 +189,30 @@ def logsumexp(x, axis=-1, keepdims: bool = False, where=None):
     return out if keepdims else tnp.squeeze(out, axis=axis)
 
 
+def _shift_max(x, axis):
+    """The max along axis (kept, no gradient) to subtract before exp; 0 for rows that are all
+    -inf (masked out), so they give zeros. A +inf or NaN max stays: the row is NaN, as in JAX."""
+    m = tnp.stop_gradient(tnp.max(x, axis=axis, keepdims=True))
+    return tnp.where(m == -np.inf, 0.0, m)
+
+
 def softmax(x, axis=-1, where=None):
     """exp(x) / sum(exp(x)) along axis. Entries where `where` is False (or x is -inf) get weight
-    0, and a row with no entry left gets all zeros, never NaN."""
+    0, and a row with no entry left gets all zeros, never NaN; a row holding +inf or NaN is all
+    NaN (JAX's result)."""
     x = _masked(tnp.asarray(x), where)
-    e = tnp.exp(x - _safe_max(x, axis))
+    e = tnp.exp(x - _shift_max(x, axis))
     s = tnp.sum(e, axis=axis, keepdims=True)
-    return e / tnp.where(s > 0.0, s, 1.0)
+    return e / tnp.where(s == 0.0, 1.0, s)
 
 
 def log_softmax(x, axis=-1, where=None):
-    """x - logsumexp(x) along axis, stable (max subtraction); -inf where softmax is 0."""
+    """x - logsumexp(x) along axis, stable (max subtraction); -inf where softmax is 0, NaN on
+    rows holding +inf or NaN (as JAX)."""
     x = _masked(tnp.asarray(x), where)
-    shifted = x - _safe_max(x, axis)
+    shifted = x - _shift_max(x, axis)
     s = tnp.sum(tnp.exp(shifted), axis=axis, keepdims=True)
-    return shifted - tnp.log(tnp.where(s > 0.0, s, 1.0))  # an empty row stays -inf, not NaN
+    return shifted - tnp.log(tnp.where(s == 0.0, 1.0, s))  # an empty row stays -inf, not NaN
 
 
 def one_hot(labels, num_classes: int, dtype=tnp.float32):

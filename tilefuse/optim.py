@@ -51,6 +51,10 @@ class AdamState(NamedTuple):
     nu: Any
 
 
+def _compute_dtype(x):
+    return tnp.float64 if tnp.result_type(x) == tnp.float64 else tnp.float32
+
+
 def _count0():
     return tnp.zeros((), tnp.int32)
 
@@ -148,12 +152,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         mu = tree_map(lambda g, m: b1 * m + (1.0 - b1) * g, updates, state.mu)
         nu = tree_map(lambda g, v: b2 * v + (1.0 - b2) * (g * g), updates, state.nu)
         count = state.count + 1
-        t = tnp.astype(count, tnp.float32)
-        c1 = 1.0 - tnp.power(b1, t)
-        c2 = 1.0 - tnp.power(b2, t)
-        out = tree_map(lambda m, v: (m / tnp.astype(c1, m.dtype)) /
-                       (tnp.sqrt(v / tnp.astype(c2, v.dtype) + eps_root) + eps), mu, nu)
-        return out, AdamState(count, mu, nu)
+
+        def direction(m, v):
+            # the bias corrections in the parameter's precision (float64 stays float64; 16-bit
+            # floats use float32): 1 - 0.999**t loses 4 digits in float32 at small t
+            t = tnp.astype(count, _compute_dtype(m))
+            c1, c2 = 1.0 - tnp.power(b1, t), 1.0 - tnp.power(b2, t)
+            return tnp.astype((m / c1) / (tnp.sqrt(v / c2 + eps_root) + eps), m.dtype)
+        return tree_map(direction, mu, nu), AdamState(count, mu, nu)
     return GradientTransformation(init, update)
 
 

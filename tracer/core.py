@@ -3,6 +3,7 @@ vmap) plugs into, in the manner of JAX's core (see Autodidax)."""
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from typing import Any, Callable, NamedTuple
 
@@ -127,8 +128,8 @@ class Tracer:
     def __int__(self):
         return int(self.concrete_value())
 
-    def __index__(self):
-        return int(self.concrete_value())
+    def __index__(self):  # integers only, as numpy's: 2.0 is no index
+        return operator.index(self.concrete_value())
 
     def __complex__(self):
         return complex(self.concrete_value())

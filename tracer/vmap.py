@@ -520,3 +520,18 @@ def _vmap_call(f, in_axes, out_axes, axis_size, args, kwargs):
         out_specs = _broadcast_prefix(out_axes, out, "the output", "out_axes")
         outs = [_batch_output(trace, o, ax, n, name) for o, (ax, name) in zip(out_leaves, out_specs)]
     return pytree.tree_unflatten(out_tree, outs)
+
+
+# ---- sorting and linear algebra (numpy_host primitives): operands carry leading batch axes ------
+
+def _leading_batch_rule(prim, vals, dims, **params):
+    """The mapped axis becomes the first batch axis of every operand (argsort's axis moves)."""
+    n = _axis_size(vals, dims)
+    vals = [bdim_at(v, d, n, 0) for v, d in zip(vals, dims)]
+    if prim is P.argsort:
+        params = dict(params, axis=params["axis"] + 1)
+    return [bind1(prim, *vals, **params)], [0]
+
+
+for _p in P.HOST_PRIMITIVES:
+    batch_rules[_p] = functools.partial(_leading_batch_rule, _p)

@@ -33,7 +33,10 @@ UINT32 = np.dtype(np.uint32)
 # register type and memory type of each dtype (bfloat16 is kept as its 16 bits)
 TYPES = {np.dtype(np.bool_): (I1, I8), np.dtype(np.int32): (I32, I32), UINT32: (I32, I32),
          np.dtype(np.int64): (I64, I64), F16: (HALF, HALF), BF16: (I16, I16),
-         np.dtype(np.float32): (F32, F32), np.dtype(np.float64): (F64, F64)}
+         np.dtype(np.float32): (F32, F32), np.dtype(np.float64): (F64, F64),
+         # 8/16-bit ints: loaded and stored narrow, computed in int32 (ir/kernel/lower.py wraps them)
+         np.dtype(np.int8): (I8, I8), np.dtype(np.uint8): (I8, I8), np.dtype(np.int16): (I16, I16),
+         np.dtype(np.uint16): (I16, I16)}
 CONTRACT = ("contract",)  # lets LLVM fuse a*b+c into an FMA: ≤ 0.5 ulp from numpy per pair
 REASSOC = ("reassoc", "contract")  # reductions only: partial sums per SIMD lane (like pairwise)
 REDUCE_TILE = 256  # parallel points per tile when loops are interchanged for a strided reduction
@@ -53,7 +56,7 @@ def is_16(d) -> bool:
 
 
 def is_unsigned(d) -> bool:
-    return np.dtype(d) in (UINT32, BOOL)
+    return np.dtype(d) == BOOL or np.dtype(d).kind == "u"
 
 
 # ---- analysis: affine index forms and axis merging ------------------------------------------

@@ -26,7 +26,7 @@ from .wgsl import print_wgsl
 INSTALL_HINT = ("install wgpu (`pip install wgpu`, or tilefuse[webgpu]) and a WebGPU-capable driver: Metal "
                 "(macOS), DX12 or Vulkan (Windows), Vulkan (Linux; no GPU: `apt-get install mesa-vulkan-drivers "
                 "libvulkan1`)")
-UNSUPPORTED = ("float64", "int64", "uint64")
+UNSUPPORTED = ("float64", "int64", "uint64", "int8", "uint8", "int16", "uint16")  # (8/16-bit ints: not yet)
 
 
 def _ceil4(n: int) -> int:

@@ -189,7 +189,7 @@ class _Builder:
                 rule = VALUE_RULES.get(e.prim.name)
                 if rule is None:
                     raise CompileError(f"no kernel lowering for the primitive {e.prim.name}")
-                hit = rule(self, e, tuple(index))
+                hit = _wrap_narrow_int(self, e, rule(self, e, tuple(index)), tuple(index))
             self.memo[key] = hit
         return hit
 
@@ -652,3 +652,37 @@ def lower_region(region) -> list[LoweredKernel]:
     if rule is None:
         raise CompileError(f"no kernel lowering for the primitive {region.kind}")
     return rule(region)
+
+
+# ---- vendor kernels on the host: sorting and LAPACK (ir/primitives.py HOST_PRIMITIVES) --------
+# Taken whole like a template; the dispatcher's numpy_host implementation (runtime/host.py) runs it.
+
+def _register_host_primitives():
+    from ..primitives import HOST_PRIMITIVES
+    for p in HOST_PRIMITIVES:
+        REGION_RULES[p.name] = _lower_template
+
+
+_register_host_primitives()
+
+
+# ---- 8- and 16-bit integers: computed in int32, wrapped to their width after each operation --------
+# (dtypes.NARROW_INTS). Operations that can leave the width wrap at once, so a fused chain gives
+# what numpy gives op by op: uint8 200 * 2 is 144, and 144 > 100 as numpy decides it.
+
+_NARROW_WRAPS = frozenset({"add", "sub", "mul", "neg", "abs", "integer_pow", "shift_left", "div", "rem",
+                           "not", "reduce_sum", "reduce_prod"})
+
+
+def _wrap_narrow_int(b, e, v: KExpr, index) -> KExpr:
+    if not e.outputs or len(e.outputs) != 1:
+        return v
+    d = np.dtype(e.outputs[0].aval.dtype)
+    if d not in dtypes.NARROW_INTS:
+        return v
+    if e.prim.name == "shift_right_logical" and d.kind == "i":  # shift the narrow bits, not the sign-extended
+        x, s = (b.value(a, index) for a in e.inputs)
+        mask = const((1 << (8 * d.itemsize)) - 1, x.dtype)
+        v = binary("shift_right_logical", binary("and", x, mask), s)
+        return round_to(v, d)
+    return round_to(v, d) if e.prim.name in _NARROW_WRAPS else v

@@ -191,6 +191,22 @@ def _guarded(m: _Matcher, a, guard: str, fill: float):
     return on_true
 
 
+def _guarded_eq(m: _Matcher, a, value: float, fill: float):
+    """select(a == value, fill, a) -> a: nn.softmax's guards that let NaN through (a max of -inf
+    taken as 0, a total of 0 as 1), as JAX's softmax, which is NaN on a row holding +inf or NaN.
+    Under the matmul with v such a row is NaN in either form, so the fused attention (whose
+    guards swallow NaN in the probabilities) computes the same output."""
+    e = m.producer(a, "select")
+    if e is None:
+        return a
+    pred, on_true, on_false = e.inputs
+    g = m.producer(_strip_reshapes(m, pred, None), "eq")
+    if g is None or _strip_reshapes(m, g.inputs[0], None) is not _strip_reshapes(m, on_false, None) \
+            or m.scalar(g.inputs[1]) != value or m.scalar(on_true) != fill:
+        return a
+    return on_false
+
+
 def _reduced(m: _Matcher, a, prim: str, x_shape):
     """The operand of reduce_<prim>(x, axes=(last,)) behind a per-row value, else None."""
     if a is None:
@@ -214,6 +230,7 @@ def _softmax_input(m: _Matcher, p):
     if total is None:
         return None
     total = _guarded(m, _strip_reshapes(m, total, shape), "gt", 1.0)
+    total = _guarded_eq(m, _strip_reshapes(m, total, shape), 0.0, 1.0)
     summed = _reduced(m, _strip_reshapes(m, total, shape), "reduce_sum", shape)
     if summed is not num:
         return None
@@ -229,6 +246,7 @@ def _softmax_input(m: _Matcher, p):
     if mx is None:
         return None
     mx = _guarded(m, _strip_reshapes(m, mx, shape), "is_finite", 0.0)
+    mx = _guarded_eq(m, _strip_reshapes(m, mx, shape), -np.inf, 0.0)
     return x if _reduced(m, _strip_reshapes(m, mx, shape), "reduce_max", shape) is x else None
 
 

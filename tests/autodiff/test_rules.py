@@ -107,6 +107,20 @@ CASES = [
      (u(1, 3, 2), u(1, 4, 2), u(1, 4, 3), u(1, 3, 4))),
     ("fused_attention_bwd", P.fused_attention_bwd, attention(causal=True, bwd=True),
      (u(1, 3, 2), u(1, 3, 2), u(1, 3, 2), u(1, 3, 2), u(1, 3, 2))),
+    # the LAPACK primitives (their rules are JAX's; tests/test_linalg.py tests the public functions)
+    ("solve", P.solve, binary(P.solve), (u(3, 3) + 3 * np.eye(3), u(3, 2))),
+    ("triangular_solve", P.triangular_solve, lambda a, b: bind1(P.triangular_solve, a, b, lower=True,
+                                                                transpose_a=True, unit_diagonal=False),
+     (u(3, 3) + 3 * np.eye(3), u(3, 2))),
+    ("triangular_solve_unit", P.triangular_solve, lambda a, b: bind1(P.triangular_solve, a, b, lower=False,
+                                                                     transpose_a=False, unit_diagonal=True),
+     (u(3, 3), u(3, 2))),
+    ("cholesky", P.cholesky, unary(P.cholesky), (u(2, 3, 3) + 3 * np.eye(3),)),
+    ("slogdet", P.slogdet, unary(P.slogdet), (u(3, 3) + 2 * np.eye(3),)),
+    ("qr", P.qr, unary(P.qr, full_matrices=False), (u(4, 3),)),
+    ("eigh", P.eigh, unary(P.eigh), (np.array([[2.0, 0.3, -0.4], [0.3, 1.0, 0.2], [-0.4, 0.2, -1.5]]),)),
+    ("svd", P.svd, unary(P.svd, full_matrices=False, compute_uv=True), (u(3, 2),)),
+    ("svd_values", P.svd, unary(P.svd, full_matrices=False, compute_uv=False), (u(2, 3),)),
 ]
 
 
@@ -132,7 +146,7 @@ def test_rule_second_order(on_ref, name, prim, fn, args):
 
 # Primitives without a derivative to test: integer/bool outputs, or effects.
 NOT_DIFFERENTIABLE = {"iota", "is_finite", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge",
-                      "and", "or", "xor", "not", "shift_left", "shift_right_logical", "debug_print"}
+                      "and", "or", "xor", "not", "shift_left", "shift_right_logical", "debug_print", "argsort"}
 
 
 def test_every_differentiable_primitive_has_rules_and_a_row():

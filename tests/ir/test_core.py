@@ -33,7 +33,7 @@ def test_aval_of_value():
     assert aval_of_value(3) == ShapedArray((), I32, True)
     assert aval_of_value(True) == ShapedArray((), B, True)
     assert aval_of_value(np.float64(1)) == ShapedArray((), F64)
-    assert aval_of_value(np.ones((2, 1), np.int8)) == ShapedArray((2, 1), I32)  # narrow ints widen
+    assert aval_of_value(np.ones((2, 1), np.int8)) == ShapedArray((2, 1), np.dtype(np.int8))  # kept narrow
     assert aval_of_value(np.ones(3, ml_dtypes.bfloat16)).dtype == BF16
 
 
@@ -41,7 +41,9 @@ def test_canonicalize():
     assert D.canonicalize(float) == F32 and D.canonicalize(int) == I32 and D.canonicalize(bool) == B
     assert D.canonicalize("bfloat16") == BF16 and D.canonicalize("half") == F16
     assert D.canonicalize(np.float64) == F64 and D.canonicalize("int64") == I64
-    assert D.canonicalize(np.uint8) == I32 and D.canonicalize(np.uint64) == I64
+    assert D.canonicalize(np.uint8) == np.uint8 and D.canonicalize("int16") == np.int16
+    with pytest.raises(DTypeError, match="uint64"):  # was silently int64: 2**63 turned negative
+        D.canonicalize(np.uint64)
     with pytest.raises(DTypeError, match="complex64"):
         D.canonicalize(np.complex64)
     with pytest.raises(DTypeError):

@@ -15,7 +15,7 @@ from tilefuse.ir.kernel import lower_region, run_kernel
 from tilefuse.ir.kernel.lower import reshape_index
 from tilefuse.ir.passes import partition
 from tilefuse.ir.passes.util import new_eqn
-from tilefuse.ir.primitives import PRIMITIVES
+from tilefuse.ir.primitives import HOST_PRIMITIVES, PRIMITIVES
 from tilefuse.validate.primitives import epilogue_fn
 
 import tilefuse.numpy as tnp
@@ -174,6 +174,8 @@ HOST_ONLY = {"debug_print"}
 # tile_op calls are inlined before fusion, never lowered (tests/test_tile_op.py)
 INLINED = {"tile_op", "custom_vjp_call", "custom_jvp_call"}
 TEMPLATES = {"fused_attention", "fused_attention_bwd"}  # taken whole by implementations: tests/test_attention.py
+# numpy on the host behind the dispatcher (runtime/host.py): tests/test_linalg.py, tests/ir/test_primitives.py
+TEMPLATES |= {p.name for p in HOST_PRIMITIVES}
 
 
 def test_the_table_covers_every_primitive():

@@ -131,6 +131,28 @@ CASES += [
     Case(P.fused_attention_bwd, [(normal, (2, 3, 4))] * 5, scale=0.5, causal=False,
          dims=((0, 1, 2),) * 3),
 ]
+
+
+def spd(rng, s):  # symmetric positive definite matrices: every decomposition is defined
+    a = rng.standard_normal(s).astype(np.float64)
+    return a @ a.T + s[-1] * np.eye(s[-1])
+
+
+def normal64(rng, s):
+    return rng.standard_normal(s).astype(np.float64)
+
+
+CASES += [
+    Case(P.argsort, [(small_ints_f, (3, 4))], axis=1, descending=False),
+    Case(P.argsort, [(small_ints_f, (4,)), (normal, (4,))], axis=0, descending=True, id="argsort_keys"),
+    Case(P.cholesky, [(spd, (3, 3))]),
+    Case(P.solve, [(spd, (3, 3)), (normal64, (3, 2))]),
+    Case(P.triangular_solve, [(spd, (3, 3)), (normal64, (3, 2))], lower=True, transpose_a=True, unit_diagonal=False),
+    Case(P.slogdet, [(normal64, (3, 3))]),
+    Case(P.qr, [(normal64, (4, 3))], full_matrices=False),
+    Case(P.eigh, [(spd, (3, 3))]),
+    Case(P.svd, [(normal64, (3, 2))], full_matrices=False, compute_uv=True),
+]
 DEDICATED = {"debug_print": "test_debug_print_per_example", "tile_op": "tests/test_tile_op.py",
              "custom_vjp_call": "tests/autodiff/test_custom.py", "custom_jvp_call": "tests/autodiff/test_custom.py"}
 

@@ -370,6 +370,54 @@ OPS = [
     _scatter((2, 4), (3, 2), 1),
     _scatter((5,), (0,), 0),
 ]
+
+
+# ---- sorting and LAPACK (numpy_host primitives): numpy's own routines are the reference ----------
+
+def _spd(r, shape, d):
+    a = r.normal(size=shape)
+    return (a @ np.swapaxes(a, -1, -2) + shape[-1] * np.eye(shape[-1])).astype(d)
+
+
+def _packed(*parts):
+    batch = parts[0].shape[:-2] if parts[0].ndim >= 2 else ()
+    return np.concatenate([np.asarray(p).reshape(batch + (-1,)) for p in parts], axis=-1)
+
+
+def _host(name, prim, args, ref, dtypes=(F32, F64), **params):
+    return Op(name, prim, args, ref, dtypes, shapes=[None], params=params, tol={F32: (2e-5, 2e-5)})
+
+
+def _tri(a, lower, unit):
+    t = np.tril(a) if lower else np.triu(a)
+    return t - np.diag(np.diag(t)) + np.eye(len(a)) if unit else t
+
+
+OPS += [
+    Op("argsort(3,5)@1", P.argsort, lambda r, s, d: [_rand(r, (3, 5), d, -2, 2)],
+       lambda x: np.argsort(x, axis=1, kind="stable").astype(np.int32), (F32, I32, F16), shapes=[None],
+       params=dict(axis=1, descending=False)),
+    Op("argsort(4,)-two-keys", P.argsort, lambda r, s, d: [_rand(r, (6,), d, 0, 1), _rand(r, (6,), d, -2, 2)],
+       lambda a, b: np.lexsort((b, a)).astype(np.int32), (I32,), shapes=[None], params=dict(axis=0, descending=False)),
+    _host("cholesky(2,3,3)", P.cholesky, lambda r, s, d: [_spd(r, (2, 3, 3), d)], np.linalg.cholesky),
+    _host("solve(3,3)(3,2)", P.solve, lambda r, s, d: [_spd(r, (3, 3), d), _rand(r, (3, 2), d)], np.linalg.solve),
+    _host("triangular_solve-lower", P.triangular_solve, lambda r, s, d: [_spd(r, (3, 3), d), _rand(r, (3, 2), d)],
+          lambda a, b: np.linalg.solve(np.tril(a), b), lower=True, transpose_a=False, unit_diagonal=False),
+    _host("triangular_solve-upper-T-unit", P.triangular_solve, lambda r, s, d: [_rand(r, (3, 3), d), _rand(r, (3, 2), d)],
+          lambda a, b: np.linalg.solve(_tri(a, False, True).T, b), lower=False, transpose_a=True, unit_diagonal=True),
+    _host("slogdet(2,3,3)", P.slogdet, lambda r, s, d: [_rand(r, (2, 3, 3), d)],
+          lambda a: np.stack(np.linalg.slogdet(a), axis=-1)),
+    _host("qr(4,3)", P.qr, lambda r, s, d: [_rand(r, (4, 3), d)], lambda a: _packed(*np.linalg.qr(a)),
+          full_matrices=False),
+    _host("qr(2,3)-complete", P.qr, lambda r, s, d: [_rand(r, (2, 3), d)],
+          lambda a: _packed(*np.linalg.qr(a, "complete")), full_matrices=True),
+    _host("eigh(3,3)", P.eigh, lambda r, s, d: [_spd(r, (3, 3), d)],
+          lambda a: np.concatenate([np.linalg.eigh(a)[0], np.linalg.eigh(a)[1].ravel()])),
+    _host("svd(4,3)", P.svd, lambda r, s, d: [_rand(r, (4, 3), d)],
+          lambda a: _packed(*np.linalg.svd(a, full_matrices=False)), full_matrices=False, compute_uv=True),
+    _host("svd(2,4)-values", P.svd, lambda r, s, d: [_rand(r, (2, 4), d)],
+          lambda a: np.linalg.svd(a, compute_uv=False), full_matrices=False, compute_uv=False),
+]
 OPS_BY_NAME = {str(op): op for op in OPS}
 assert len(OPS_BY_NAME) == len(OPS), "op record names must be unique"
 NO_VALUE_RECORD = {"debug_print", "tile_op"}  # an effect (tests/test_debug.py); a call (tests/test_tile_op.py)

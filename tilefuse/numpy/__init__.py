@@ -7,19 +7,60 @@ from __future__ import annotations
 
 import builtins
 import math
+import sys
 
 import numpy as np
 
 from tilefuse.ir import dtypes as _dt
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import dimension
-from tilefuse.ir.errors import ConcretizationError, DTypeError, ShapeError, TilefuseError, with_user_line
+from tilefuse.ir.errors import (ConcretizationError, DTypeError, OperandShapeError, ShapeError, TilefuseError,
+                                is_internal, with_user_line)
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.device import default_device
 from tilefuse.tracer.core import Tracer, bind1, concrete_or_none, get_aval
 
-float16, bfloat16, float32, float64 = _dt.float16, _dt.bfloat16, _dt.float32, _dt.float64
-int32, int64, uint32, bool_ = _dt.int32, _dt.int64, _dt.uint32, _dt.bool_
+
+
+class _ScalarType:
+    """tnp.float32 and the other dtype names: usable wherever a dtype is (np.dtype(tnp.float32),
+    x.astype(tnp.int8), x.dtype == tnp.float32) and callable as a constructor, as jnp.float32(3)
+    is: an array of that dtype (0-d for a scalar), converted from numbers, arrays or tracers."""
+
+    def __init__(self, name: str, dtype):
+        self.__name__ = self.__qualname__ = name
+        self.dtype = np.dtype(dtype)
+
+    def __call__(self, x=0):
+        return astype(x, self.dtype) if isinstance(x, (Tracer, Array)) else asarray(x, self.dtype)
+
+    def __eq__(self, other):
+        try:
+            return self.dtype == np.dtype(other)
+        except TypeError:
+            return NotImplemented
+
+    def __hash__(self):
+        return hash(self.dtype)
+
+    def __repr__(self):
+        return f"tilefuse.numpy.{self.__name__}"
+
+
+float16, bfloat16, float32, float64 = (_ScalarType(n, getattr(_dt, n))
+                                       for n in ("float16", "bfloat16", "float32", "float64"))
+int8, int16, int32, int64 = (_ScalarType(n, getattr(np, n)) for n in ("int8", "int16", "int32", "int64"))
+uint8, uint16, uint32, uint64 = (_ScalarType(n, getattr(np, n)) for n in ("uint8", "uint16", "uint32", "uint64"))
+bool_ = _ScalarType("bool_", np.bool_)
+# numpy's aliases (numpy's meaning: float_ and double are float64, int_ is int64)
+bool = _ScalarType("bool", np.bool_)  # jnp.bool (shadows the builtin here: use builtins.bool)
+half, single, double, float_ = (_ScalarType(n, d) for n, d in (("half", np.float16), ("single", np.float32),
+                                                               ("double", np.float64), ("float_", np.float64)))
+int_, uint = _ScalarType("int_", np.int64), _ScalarType("uint", np.uint64)
+# complex and uint64 names exist so ported code reads; using them is a DTypeError (not computed)
+complex64, complex128 = _ScalarType("complex64", np.complex64), _ScalarType("complex128", np.complex128)
+complex_, csingle, cdouble = (_ScalarType(n, d) for n, d in (("complex_", np.complex128), ("csingle", np.complex64),
+                                                              ("cdouble", np.complex128)))
 pi, e, inf, nan, newaxis = np.pi, np.e, np.inf, np.nan, None
 ndarray = Array
 
@@ -27,7 +68,7 @@ ndarray = Array
 # ---- conversion and promotion ---------------------------------------------------------------
 
 def _is_python_scalar(x) -> bool:
-    return isinstance(x, (bool, int, float)) and not isinstance(x, np.generic)
+    return isinstance(x, (builtins.bool, int, float)) and not isinstance(x, np.generic)
 
 
 def _operand(x):
@@ -47,9 +88,15 @@ def _aval(x):
     return get_aval(x)
 
 
+def _is_dtype_like(x) -> builtins.bool:
+    return isinstance(x, (np.dtype, type, str, _ScalarType))
+
+
 def result_type(*xs):
-    """The dtype numpy-style promotion gives these operands (weak Python scalars respected)."""
-    return _dt.result_type(*((_aval(x).dtype, _aval(x).weak_type) for x in xs))[0]
+    """The dtype numpy-style promotion gives these operands (weak Python scalars respected);
+    dtypes count as strong operands of their type."""
+    return _dt.result_type(*((_dt.canonicalize(x), False) if _is_dtype_like(x) else
+                             (_aval(x).dtype, _aval(x).weak_type) for x in xs))[0]
 
 
 def _convert(x, dtype):
@@ -120,15 +167,20 @@ def _unary(prim, to_float=True, kinds=None):
     def f(x):
         (x,) = _promote(x, to_float=to_float)
         return bind1(prim, x)
-    f.__name__ = prim.name
-    return f
+    return _named(f, prim.name)
 
 
 def _binary(prim, to_float=False, name=None):
     def f(x, y):
         x, y = _broadcast_all(*_promote(x, y, to_float=to_float), op=f.__name__)
         return bind1(prim, x, y)
-    f.__name__ = name or prim.name
+    return _named(f, name or prim.name)
+
+
+def _named(f, name: str):
+    """A generated function named `name`, in its code too (errors name the function from it)."""
+    f.__name__ = f.__qualname__ = name
+    f.__code__ = f.__code__.replace(co_name=name)
     return f
 
 
@@ -205,14 +257,14 @@ def sigmoid(x):
 
 
 def power(x, y):
-    if _is_python_scalar(y) and not isinstance(y, bool) and math.isfinite(y) and float(y) == int(y) \
+    if _is_python_scalar(y) and not isinstance(y, builtins.bool) and math.isfinite(y) and float(y) == int(y) \
             and builtins.abs(y) <= 64:
         if not (_dt.is_int(_aval(x).dtype) and y < 0):
             return integer_pow(x, int(y))
     x, y = _promote(x, y)
     if not _dt.is_float(_aval(x).dtype):  # integer ** integer array: compute in float, cast back
         d = _aval(x).dtype
-        return astype(power(astype(x, float64 if d == int64 else float32), astype(y, float32)), d)
+        return astype(power(astype(x, _dt.float64 if d == _dt.int64 else _dt.float32), astype(y, _dt.float32)), d)
     x, y = _broadcast_all(x, y, op="power")
     return bind1(P.pow_, x, y)
 
@@ -245,19 +297,19 @@ def fmod(x, y):
 
 
 def logical_not(x):
-    return bind1(P.not_, astype(x, bool_))
+    return bind1(P.not_, astype(x, _dt.bool_))
 
 
 def logical_and(x, y):
-    return bitwise_and(astype(x, bool_), astype(y, bool_))
+    return bitwise_and(astype(x, _dt.bool_), astype(y, _dt.bool_))
 
 
 def logical_or(x, y):
-    return bitwise_or(astype(x, bool_), astype(y, bool_))
+    return bitwise_or(astype(x, _dt.bool_), astype(y, _dt.bool_))
 
 
 def logical_xor(x, y):
-    return bitwise_xor(astype(x, bool_), astype(y, bool_))
+    return bitwise_xor(astype(x, _dt.bool_), astype(y, _dt.bool_))
 
 
 def invert(x):
@@ -270,14 +322,14 @@ bitwise_not = invert
 def isnan(x):
     x = _operand(x)
     if not _dt.is_float(_aval(x).dtype):
-        return zeros_like(x, dtype=bool_)
+        return zeros_like(x, dtype=_dt.bool_)
     return not_equal(x, x)
 
 
 def isinf(x):
     x = _operand(x)
     if not _dt.is_float(_aval(x).dtype):
-        return zeros_like(x, dtype=bool_)
+        return zeros_like(x, dtype=_dt.bool_)
     return equal(abs(x), inf)
 
 
@@ -351,7 +403,7 @@ def isclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
 def where(cond, x=None, y=None):
     if x is None and y is None:
         return nonzero(cond)
-    cond = astype(cond, bool_)
+    cond = astype(cond, _dt.bool_)
     x, y = _promote(x, y)
     cond, x, y = _broadcast_all(cond, x, y, op="where")
     return bind1(P.select, cond, x, y)
@@ -415,14 +467,14 @@ def reshape(x, *newshape, order="C"):
     if -1 in newshape:
         known = int(np.prod([s for s in newshape if s != -1], dtype=np.int64))
         if known == 0 or a.size % known:
-            raise ShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} into "
+            raise OperandShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} into "
                                             f"{tuple(newshape)}"))
         newshape[newshape.index(-1)] = a.size // known
     newshape = tuple(newshape)
     if newshape == a.shape:
         return x
     if int(np.prod(newshape, dtype=np.int64)) != a.size:
-        raise ShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} (size {a.size}) "
+        raise OperandShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} (size {a.size}) "
                                         f"into {newshape}"))
     return bind1(P.reshape, x, new_sizes=newshape)
 
@@ -594,8 +646,8 @@ def diag(v, k=0):
     if ndim(v) != 1:
         raise ShapeError(with_user_line(f"diag: needs a 1-d or 2-d array, got shape {shape(v)}"))
     n = shape(v)[0] + builtins.abs(k)
-    r = bind1(P.iota, dtype=int32, shape=(n, n), dimension=0)
-    c = bind1(P.iota, dtype=int32, shape=(n, n), dimension=1)
+    r = bind1(P.iota, dtype=_dt.int32, shape=(n, n), dimension=0)
+    c = bind1(P.iota, dtype=_dt.int32, shape=(n, n), dimension=1)
     vals = bind1(P.gather, v, r if k >= 0 else c, axis=0)  # out-of-range rows clamp; masked below
     return where(equal(c - r, k), vals, zeros((), _aval(v).dtype))
 
@@ -630,7 +682,7 @@ def split(x, indices_or_sections, axis=0):
 
 def array_split(x, sections, axis=0):
     n = shape(x)[_norm_axis(axis, ndim(x))]
-    q, r = divmod(n, sections)
+    q, r = builtins.divmod(n, sections)
     idx = np.cumsum([q + 1] * r + [q] * (sections - r))[:-1]
     return split(x, list(idx), axis)
 
@@ -696,15 +748,15 @@ def _reduce(prim, x, axis, keepdims, dtype=None, identity_ok=True):
 def sum(x, axis=None, dtype=None, keepdims=False):
     x = _operand(x)
     d = _aval(x).dtype
-    if dtype is None and (_dt.is_bool(d) or d == uint32):
-        dtype = int32
+    if dtype is None and _dt.sum_dtype(d) != d:  # bool and 8/16-bit ints accumulate wider (JAX's)
+        dtype = _dt.sum_dtype(d)
     return _reduce(P.reduce_sum, x, axis, keepdims, dtype)
 
 
 def prod(x, axis=None, dtype=None, keepdims=False):
     x = _operand(x)
-    if dtype is None and _dt.is_bool(_aval(x).dtype):
-        dtype = int32
+    if dtype is None and _dt.sum_dtype(_aval(x).dtype) != _aval(x).dtype:
+        dtype = _dt.sum_dtype(_aval(x).dtype)
     return _reduce(P.reduce_prod, x, axis, keepdims, dtype)
 
 
@@ -720,7 +772,7 @@ amax, amin = max, min
 
 
 def _bool_reduce(prim, empty_value, x, axis, keepdims):
-    x = astype(x, bool_)
+    x = astype(x, _dt.bool_)
     a = _aval(x)
     axes = _norm_axes(axis, a.ndim)
     if builtins.any(a.shape[i] == 0 for i in axes):  # min/max have no identity: the answer is known
@@ -746,7 +798,7 @@ def _count(x, axis):
 def mean(x, axis=None, dtype=None, keepdims=False):
     x = _operand(x)
     d = _aval(x).dtype
-    x = astype(x, dtype or (d if _dt.is_float(d) else float32))
+    x = astype(x, dtype or (d if _dt.is_float(d) else _dt.float32))
     n = _count(x, axis)
     s = sum(x, axis, keepdims=keepdims)
     return divide(s, float(n)) if n else divide(s, nan)
@@ -755,7 +807,7 @@ def mean(x, axis=None, dtype=None, keepdims=False):
 def var(x, axis=None, dtype=None, ddof=0, keepdims=False):
     x = _operand(x)
     d = _aval(x).dtype
-    x = astype(x, dtype or (d if _dt.is_float(d) else float32))
+    x = astype(x, dtype or (d if _dt.is_float(d) else _dt.float32))
     m = mean(x, axis, keepdims=True)
     c = x - m
     n = _count(x, axis) - ddof
@@ -785,40 +837,13 @@ def average(x, axis=None, weights=None, keepdims=False):
     return divide(sum(x * w, axis, keepdims=keepdims), sum(w, axis, keepdims=keepdims))
 
 
-def _norm(x, ord=None, axis=None, keepdims=False):
-    """numpy.linalg.norm for vectors (ord None/2/1/inf/-inf/0) and 'fro' for matrices."""
-    x = _operand(x)
-    (x,) = _promote(x, to_float=True)
-    if ord in (None, 2, "fro") or (ord == 2 and axis is not None):
-        if ord == 2 and (axis is None and ndim(x) == 2 or isinstance(axis, tuple) and len(axis) == 2):
-            raise TilefuseError(with_user_line("norm: the matrix 2-norm (spectral) is not supported"))
-        return sqrt(sum(x * x, axis, keepdims=keepdims))
-    if ord == 1:
-        return sum(abs(x), axis, keepdims=keepdims)
-    if ord == inf:
-        return max(abs(x), axis, keepdims=keepdims)
-    if ord == -inf:
-        return min(abs(x), axis, keepdims=keepdims)
-    if ord == 0:
-        return astype(count_nonzero(x, axis, keepdims), _aval(x).dtype)
-    return power(sum(power(abs(x), ord), axis, keepdims=keepdims), 1.0 / ord)
-
-
-class _Linalg:
-    """tnp.linalg: the part of numpy.linalg that models use."""
-    norm = staticmethod(_norm)
-
-
-linalg = _Linalg()
-
-
 def _arg_reduce(prim, x, axis, keepdims):
     x = _operand(x)
     if axis is None:
         x, axis = ravel(x), 0
     a = _aval(x)
     axis = _norm_axis(axis, a.ndim)
-    out = bind1(prim, x, axis=axis, index_dtype=int32)
+    out = bind1(prim, x, axis=axis, index_dtype=_dt.int32)
     if keepdims:
         out = expand_dims(out, axis)
     return out
@@ -833,18 +858,15 @@ def argmin(x, axis=None, keepdims=False):
     return _arg_reduce(P.argmin, x, axis, keepdims)
 
 
-def cumsum(x, axis=None, dtype=None):
-    """Cumulative sum, as a product with a triangular matrix (fine for model-sized axes)."""
+def _scan_operand(x, axis, dtype):
     x = _operand(x)
     if axis is None:
         x, axis = ravel(x), 0
     if dtype is not None:
         x = astype(x, dtype)
-    axis = _norm_axis(axis, ndim(x))
-    n = shape(x)[axis]
-    tri = astype(tril(ones((n, n), dtype=bool_)), _aval(x).dtype)  # tri[i, j] = j <= i
-    y = tensordot(moveaxis(x, axis, -1), tri, axes=([-1], [1]))
-    return moveaxis(y, -1, axis)
+    elif _dt.sum_dtype(_aval(x).dtype) != _aval(x).dtype:
+        x = astype(x, _dt.sum_dtype(_aval(x).dtype))
+    return x, _norm_axis(axis, ndim(x))
 
 
 def _shift(x, axis, k, fill):
@@ -856,21 +878,47 @@ def _shift(x, axis, k, fill):
     return _slice_axis(padded, axis, 0, n)
 
 
-def cumprod(x, axis=None, dtype=None):
-    """Cumulative product by a log-step scan (log2(n) shifted multiplies)."""
-    x = _operand(x)
-    if axis is None:
-        x, axis = ravel(x), 0
-    if dtype is not None:
-        x = astype(x, dtype)
-    elif _dt.is_bool(_aval(x).dtype):
-        x = astype(x, int32)
-    axis = _norm_axis(axis, ndim(x))
+def _scan(x, axis, op, identity):
+    """The inclusive scan of `op` along axis by a log-step (Hillis-Steele) scan: log2(n) shifted
+    combines, each a pad and one fused elementwise kernel; sums add in a tree, as pairwise."""
     n, k = shape(x)[axis], 1
     while k < n:
-        x = x * _shift(x, axis, k, 1)
+        x = op(x, _shift(x, axis, k, identity))
         k *= 2
     return x
+
+
+def cumsum(x, axis=None, dtype=None):
+    """Cumulative sum: a product with a triangular matrix for short axes (one GEMM), a log-step
+    scan for longer ones (O(n log n), no n x n matrix)."""
+    x, axis = _scan_operand(x, axis, dtype)
+    n = shape(x)[axis]
+    if n > 32:
+        return _scan(x, axis, add, 0)
+    tri = astype(tril(ones((n, n), dtype=_dt.bool_)), _aval(x).dtype)  # tri[i, j] = j <= i
+    y = tensordot(moveaxis(x, axis, -1), tri, axes=([-1], [1]))
+    return moveaxis(y, -1, axis)
+
+
+def cumprod(x, axis=None, dtype=None):
+    """Cumulative product by a log-step scan (log2(n) shifted multiplies)."""
+    x, axis = _scan_operand(x, axis, dtype)
+    return _scan(x, axis, multiply, 1)
+
+
+def cummax(x, axis=None):
+    """The running maximum along axis (jax.lax.cummax; NaN propagates, as maximum's)."""
+    x, axis = _scan_operand(x, axis, _aval(_operand(x)).dtype)
+    d = _aval(x).dtype
+    low = -np.inf if _dt.is_float(d) else np.iinfo(d).min
+    return _scan(x, axis, maximum, np.asarray(low, d))
+
+
+def cummin(x, axis=None):
+    x, axis = _scan_operand(x, axis, _aval(_operand(x)).dtype)
+    d = _aval(x).dtype
+    high = np.inf if _dt.is_float(d) else np.iinfo(d).max
+    return _scan(x, axis, minimum, np.asarray(high, d))
 
 
 # ---- contraction -------------------------------------------------------------------------
@@ -888,7 +936,7 @@ def matmul(a, b):
         raise ShapeError(with_user_line("matmul: operands must not be scalars (use *)"))
     k_b = sb[-2 if len(sb) > 1 else 0]
     if sa[-1] != k_b:
-        raise ShapeError(with_user_line(f"matmul: contracting dimensions differ: {sa} @ {sb} ({sa[-1]} vs {k_b})"))
+        raise OperandShapeError(with_user_line(f"matmul: contracting dimensions differ: {sa} @ {sb} ({sa[-1]} vs {k_b})"))
     if len(sb) <= 2:  # a weight matrix (or vector): contract without broadcasting it
         return _dot_general(a, b, ((len(sa) - 1,), (0,)))
     if len(sa) == 1:
@@ -1011,7 +1059,11 @@ def _einsum_single(x, t, out, others):
 # ---- creation -----------------------------------------------------------------------------
 
 def _shape_tuple(s):
-    return (dimension(s),) if isinstance(s, (int, np.integer)) else tuple(dimension(n) for n in s)
+    """A static shape from an int, a sequence of them, or a 0-d integer array (tnp.zeros(n) with
+    n = tnp.asarray(3)); a traced size raises ConcretizationError (ir.core.dimension)."""
+    if isinstance(s, (int, np.integer)) or getattr(s, "ndim", None) == 0:
+        return (dimension(s),)
+    return tuple(dimension(n) for n in s)
 
 
 def full(shape, fill_value, dtype=None):
@@ -1024,15 +1076,15 @@ def full(shape, fill_value, dtype=None):
     return _wrap_result(broadcast_to(fv, shape))
 
 
-def zeros(shape, dtype=float32):
+def zeros(shape, dtype=_dt.float32):
     return full(shape, 0, dtype)
 
 
-def ones(shape, dtype=float32):
+def ones(shape, dtype=_dt.float32):
     return full(shape, 1, dtype)
 
 
-def empty(shape, dtype=float32):
+def empty(shape, dtype=_dt.float32):
     return zeros(shape, dtype)
 
 
@@ -1073,9 +1125,9 @@ def arange(start, stop=None, step=None, dtype=None):
     step = 1 if step is None else step
     n = builtins.max(0, math.ceil((stop - start) / step))
     if dtype is None:
-        dtype = float32 if builtins.any(isinstance(v, float) for v in (start, stop, step)) else int32
+        dtype = _dt.float32 if builtins.any(isinstance(v, float) for v in (start, stop, step)) else _dt.int32
     dtype = _dt.canonicalize(dtype)
-    x = _iota(dtype if _dt.is_int(dtype) else float32, n)
+    x = _iota(dtype if _dt.is_int(dtype) else _dt.float32, n)
     if step != 1:
         x = x * step
     if start != 0:
@@ -1087,16 +1139,16 @@ def linspace(start, stop, num=50, endpoint=True, dtype=None):
     num = int(num)
     div = (num - 1) if endpoint else num
     step = (stop - start) / div if div > 0 else 0.0
-    x = _iota(float32, num) * float(step) + float(start)
+    x = _iota(_dt.float32, num) * float(step) + float(start)
     if endpoint and num > 1:
-        x = where(equal(_iota(int32, num), num - 1), float(stop), x)
-    return _wrap_result(astype(x, dtype or float32))
+        x = where(equal(_iota(_dt.int32, num), num - 1), float(stop), x)
+    return _wrap_result(astype(x, dtype or _dt.float32))
 
 
-def eye(N, M=None, k=0, dtype=float32):
+def eye(N, M=None, k=0, dtype=_dt.float32):
     M = N if M is None else M
-    r = bind1(P.iota, dtype=int32, shape=(N, M), dimension=0)
-    c = bind1(P.iota, dtype=int32, shape=(N, M), dimension=1)
+    r = bind1(P.iota, dtype=_dt.int32, shape=(N, M), dimension=0)
+    c = bind1(P.iota, dtype=_dt.int32, shape=(N, M), dimension=1)
     return _wrap_result(astype(equal(r + k, c), dtype))
 
 
@@ -1104,12 +1156,12 @@ identity = eye
 
 
 def _tri_mask(n, m, k):
-    r = bind1(P.iota, dtype=int32, shape=(n, m), dimension=0)
-    c = bind1(P.iota, dtype=int32, shape=(n, m), dimension=1)
+    r = bind1(P.iota, dtype=_dt.int32, shape=(n, m), dimension=0)
+    c = bind1(P.iota, dtype=_dt.int32, shape=(n, m), dimension=1)
     return greater_equal(r + k, c)  # j <= i + k
 
 
-def tri(N, M=None, k=0, dtype=float32):
+def tri(N, M=None, k=0, dtype=_dt.float32):
     return _wrap_result(astype(_tri_mask(N, N if M is None else M, k), dtype))
 
 
@@ -1135,13 +1187,14 @@ def asarray(x, dtype=None):
             return stack([asarray(v, dtype) for v in x])
         try:
             arr = np.asarray(x)
-        except ValueError as err:
+        except ValueError:
             raise TilefuseError(with_user_line(
-                f"cannot make an array from a ragged nested list: {err}")) from None
+                f"{_api_argument(x)}a ragged nested list (rows of different lengths, "
+                f"{_row_lengths(x)}) cannot be an array: pad the rows to one length")) from None
         if arr.dtype == object:
             raise TilefuseError(with_user_line("cannot make an array of Python objects"))
         if dtype is None:
-            dtype = {"f": float32, "i": int32, "u": int32, "b": bool_}.get(arr.dtype.kind, arr.dtype)
+            dtype = {"f": _dt.float32, "i": _dt.int32, "u": _dt.int32, "b": _dt.bool_}.get(arr.dtype.kind, arr.dtype)
             if arr.dtype.kind in "iu" and arr.size and not (-2**31 <= arr.min() and arr.max() < 2**31):
                 raise DTypeError(with_user_line(
                     f"a Python int in the list does not fit int32 (max {arr.max()}, min {arr.min()}): "
@@ -1154,6 +1207,27 @@ def asarray(x, dtype=None):
             raise TilefuseError(with_user_line("cannot make an array of Python objects"))
     dtype = _dt.canonicalize(arr.dtype if dtype is None else dtype)
     return default_device().put(arr.astype(dtype, copy=False), committed=False)
+
+
+def _api_argument(obj) -> str:
+    """'sum: argument 'x' is ' for the tilefuse function the user called and its parameter that
+    holds obj (found on the stack), or '' when there is none."""
+    frame, api = sys._getframe(1), None
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        api, frame = frame, frame.f_back
+    if api is None:
+        return ""
+    code = api.f_code
+    for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+        v = api.f_locals.get(name)
+        if v is obj or isinstance(v, (list, tuple)) and builtins.any(u is obj for u in v):
+            return f"{code.co_name}: argument {name!r} is "
+    return f"{code.co_name}: "
+
+
+def _row_lengths(x) -> str:
+    lens = [len(v) if isinstance(v, (list, tuple)) else "scalar" for v in x]
+    return f"lengths {lens[:8]}{' ...' if len(lens) > 8 else ''}"
 
 
 def argwhere(x):
@@ -1184,12 +1258,12 @@ def _concrete(x, what):
 def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
     """A Python bool, so only on concrete arrays (use tnp.isclose(...).all() inside jit)."""
     a, b = _concrete(a, "allclose"), _concrete(b, "allclose")
-    return bool(np.allclose(a.astype(np.float64), b.astype(np.float64), rtol, atol, equal_nan))
+    return builtins.bool(np.allclose(a.astype(np.float64), b.astype(np.float64), rtol, atol, equal_nan))
 
 
 def array_equal(a, b) -> bool:
     a, b = _concrete(a, "array_equal"), _concrete(b, "array_equal")
-    return a.shape == b.shape and bool((a == b).all())
+    return a.shape == b.shape and builtins.bool((a == b).all())
 
 
 def triu_indices(n, k=0, m=None):
@@ -1207,9 +1281,9 @@ floating, integer, inexact, number, signedinteger, bool8 = (np.floating, np.inte
 
 
 def issubdtype(arg1, arg2) -> bool:
-    if _dt.canonicalize(arg1) == bfloat16 and arg2 in (np.floating, np.inexact, np.number, np.generic):
+    if _dt.canonicalize(arg1) == _dt.bfloat16 and arg2 in (np.floating, np.inexact, np.number, np.generic):
         return True
-    return bool(np.issubdtype(arg1, arg2))
+    return builtins.bool(np.issubdtype(arg1, arg2))
 
 
 def isscalar(x) -> bool:
@@ -1222,7 +1296,7 @@ def promote_types(a, b) -> np.dtype:
 
 def can_cast(from_, to) -> bool:
     """Whether the cast loses nothing: promotion of the two gives `to`."""
-    f = from_ if isinstance(from_, np.dtype) or isinstance(from_, type) or isinstance(from_, str) \
+    f = from_ if _is_dtype_like(from_) \
         else _aval(_operand(from_)).dtype
     return promote_types(f, to) == _dt.canonicalize(to)
 
@@ -1239,7 +1313,7 @@ def array(x, dtype=None, copy=True):
 # ---- indexing ------------------------------------------------------------------------------
 
 def _is_int_index(i):
-    return isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+    return isinstance(i, (int, np.integer)) and not isinstance(i, (builtins.bool, np.bool_))
 
 
 def _as_index_array(i):
@@ -1258,7 +1332,7 @@ def _index_rank(i) -> int:
     if i is None or i is Ellipsis:
         return 0
     arr = _as_index_array(i) if not isinstance(i, (Tracer, Array)) else i
-    return _aval(arr).ndim if arr is not None and _aval(arr).dtype == bool_ else 1
+    return _aval(arr).ndim if arr is not None and _aval(arr).dtype == _dt.bool_ else 1
 
 
 def _check_mask(mask_shape, x_shape, idx, pos):
@@ -1281,7 +1355,7 @@ def _getitem(x, idx):
     expanded = []
     for pos, i in enumerate(idx):
         arr = _as_index_array(i) if not isinstance(i, (Tracer, Array)) else i
-        if arr is not None and _aval(arr).dtype == bool_:
+        if arr is not None and _aval(arr).dtype == _dt.bool_:
             val = concrete_or_none(arr)
             if val is None:
                 raise ConcretizationError(with_user_line(
@@ -1293,7 +1367,7 @@ def _getitem(x, idx):
                 raise TilefuseError(with_user_line("indexing with a 0-d boolean mask is not supported"))
             _check_mask(val.shape, _aval(x).shape, idx, pos)
             expanded.extend(val.nonzero())
-        elif isinstance(i, (bool, np.bool_)):
+        elif isinstance(i, (builtins.bool, np.bool_)):
             raise TilefuseError(with_user_line("indexing with a Python bool is not supported"))
         else:
             expanded.append(i)
@@ -1377,7 +1451,7 @@ def _advanced_index(x, axes, indexes):
                                                 f" is out of bounds for axis {ax} with size {n}"))
             i = np.where(val < 0, val + n, val).astype(np.int32)
         else:
-            i = astype(i, int32)
+            i = astype(i, _dt.int32)
             i = where(less(i, 0), i + n, i)
         arrays.append(i)
     bshape = broadcast_shapes(*(_aval(i).shape for i in arrays))
@@ -1413,11 +1487,14 @@ def take(x, indices, axis=None, mode=None):
     n = shape(x)[axis]
     i = _as_index_array(indices)
     if i is None:
-        i = np.asarray(indices, np.int32)
+        i = np.asarray(indices)
+    if not (_dt.is_int(_aval(i).dtype) or np.dtype(_aval(i).dtype).kind in "iu"):
+        raise DTypeError(with_user_line(f"take: indices must be integers, got {_aval(i).dtype} "
+                                        "(convert them with .astype(int32))"))
     if isinstance(i, np.ndarray) and mode != "clip" and i.size and (i.max() >= n or i.min() < -n):
         bad = int(i.max() if i.max() >= n else i.min())
         raise IndexError(with_user_line(f"take: index {bad} is out of bounds for axis {axis} with size {n}"))
-    i = astype(i, int32) if not isinstance(i, np.ndarray) else i.astype(np.int32)
+    i = astype(i, _dt.int32) if not isinstance(i, np.ndarray) else i.astype(np.int32)
     if mode != "clip":
         i = where(less(i, 0), i + n, i) if not isinstance(i, np.ndarray) else np.where(i < 0, i + n, i)
     return bind1(P.gather, x, i, axis=axis)
@@ -1438,13 +1515,13 @@ def take_along_axis(arr, indices, axis):
     oshape = tuple(ia.shape[k] if k == axis else n for k, n in enumerate(oshape))
     arr = broadcast_to(arr, tuple(a.shape[k] if k == axis else n for k, n in enumerate(oshape)))
     a = _aval(arr)
-    idx = broadcast_to(astype(indices, int32), oshape)
+    idx = broadcast_to(astype(indices, _dt.int32), oshape)
     idx = where(less(idx, 0), idx + a.shape[axis], idx)
     strides = np.cumprod((1,) + a.shape[::-1])[::-1][1:]
     flat = idx * int(strides[axis]) if strides[axis] != 1 else idx
     for k in range(a.ndim):
         if k != axis and oshape[k] > 1:
-            io = bind1(P.iota, dtype=int32, shape=oshape, dimension=k)
+            io = bind1(P.iota, dtype=_dt.int32, shape=oshape, dimension=k)
             flat = flat + (io * int(strides[k]) if strides[k] != 1 else io)
     return bind1(P.gather, ravel(arr), flat, axis=0)
 
@@ -1502,7 +1579,7 @@ class _IndexUpdateRef:
         x = _operand(self.x)
         pos = self._static_positions()
         if pos is None:
-            pos = ravel(_getitem(reshape(arange(size(x), dtype=int32), shape(x)), self.idx))
+            pos = ravel(_getitem(reshape(arange(size(x), dtype=_dt.int32), shape(x)), self.idx))
         upd = self._updates(x, value, shape(pos))
         flat = bind1(P.scatter_add, ravel(x), ravel(pos), upd, axis=0)
         return reshape(flat, shape(x))
@@ -1529,9 +1606,9 @@ class _IndexUpdateRef:
 
     def _set_traced(self, x, value):
         dt = _aval(x).dtype
-        pos = ravel(_getitem(reshape(arange(size(x), dtype=int32), shape(x)), self.idx))
+        pos = ravel(_getitem(reshape(arange(size(x), dtype=_dt.int32), shape(x)), self.idx))
         upd = self._updates(x, value, shape(pos))
-        hit = bind1(P.scatter_add, zeros(size(x), int32), pos, ones(size(pos), int32), axis=0)
+        hit = bind1(P.scatter_add, zeros(size(x), _dt.int32), pos, ones(size(pos), _dt.int32), axis=0)
         new = bind1(P.scatter_add, zeros(size(x), dt), pos, upd, axis=0)
         if not _dt.is_bool(dt):  # repeated positions summed their values: take the mean
             many = greater(hit, 1)
@@ -1549,6 +1626,16 @@ class _IndexUpdateRef:
 
     def max(self, value):
         return self.set(maximum(self.get(), value))
+
+    def divide(self, value):
+        return self.set(self.get() / value)
+
+    def power(self, value):
+        return self.set(self.get() ** value)
+
+    def apply(self, func):
+        """func applied to the selected entries (JAX's .at[].apply)."""
+        return self.set(func(self.get()))
 
 
 # ---- operators on tracers and Arrays (the one place they are defined) ---------------------
@@ -1604,3 +1691,21 @@ def _install(cls):
 
 _install(Tracer)
 _install(Array)
+
+
+# ---- the rest of numpy's namespace, by concern, and the submodules --------------------------
+from tilefuse.numpy import linalg  # noqa: E402,F401
+from tilefuse.numpy._math import *  # noqa: E402,F401,F403
+from tilefuse.numpy._sorting import *  # noqa: E402,F401,F403
+from tilefuse.numpy._reductions import *  # noqa: E402,F401,F403
+from tilefuse.numpy._shapes import *  # noqa: E402,F401,F403
+
+# array operators and methods of the functions defined above in the submodules
+for _name, _fn in {"__lshift__": left_shift, "__rlshift__": _swap(left_shift), "__rshift__": right_shift,  # noqa: F405
+                   "__rrshift__": _swap(right_shift), "argsort": _method(argsort), "sort": _method(sort),  # noqa: F405
+                   "searchsorted": searchsorted, "conj": conj, "conjugate": conj}.items():  # noqa: F405
+    setattr(Tracer, _name, _fn)
+    setattr(Array, _name, _fn)
+for _name, _fn in {"real": real, "imag": imag}.items():  # noqa: F405
+    setattr(Tracer, _name, property(_fn))
+    setattr(Array, _name, property(_fn))

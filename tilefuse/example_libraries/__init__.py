@@ -1,0 +1,2 @@
+"""tilefuse.example_libraries: jax.example_libraries' optimizers and stax, so programs written
+against them port by their import."""
