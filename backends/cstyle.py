@@ -295,6 +295,14 @@ class _Printer:
 
     def unary(self, op, x, d, w) -> str:
         one = literal(1, d)
+        if op in ("sin", "cos") and w > 1:
+            # PoCL's vector sin/cos reduce every lane as its largest (|x| >= ~1e9) needs, which
+            # gives lanes under 2**-7 answers like 0.0078: those lanes take their Taylor series
+            t, c = f"({x} * {x})", [literal(v, d) for v in ((-1 / 6, 1 / 120, -1 / 5040) if op == "sin"
+                                                             else (-1 / 2, 1 / 24, -1 / 720))]
+            series = f"({t} * ({c[0]} + {t} * ({c[1]} + {t} * {c[2]})))"
+            series = f"({x} * ({one} + {series}))" if op == "sin" else f"({one} + {series})"  # (keeps -0.0)
+            return f"select({FLOAT_FN[op]}({x}), {series}, fabs({x}) < {literal(2 ** -5, d)})"
         if op in FLOAT_FN:
             return f"{FLOAT_FN[op]}({x})"
         if op == "neg":
