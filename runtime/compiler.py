@@ -144,7 +144,7 @@ class _Builder:
         run, bodies = build_control(e, self.device, self.backend)
         name = self.unique(e.prim.name)
         for body in bodies:  # the bodies' kernels, as the program's own
-            for k, text in body.prog._sources._entries.items():
+            for k, text in getattr(body.prog._sources, "_entries", body.prog._sources).items():
                 self.sources[f"{name}.{body.prog.graph.meta.get('name', 'body')}.{k}"] = text
         slots = tuple(self.slot[a.id] for a in e.inputs if isinstance(a, Var)) + \
             tuple(self.slot[o.id] for o in e.outputs)

@@ -3,7 +3,8 @@ pass, see manager.run_passes): outputs nobody reads leave their bodies, and loop
 computation leaves its loop.
 
 prune_control_flow: a cond's outputs and a scan's stacked ys that nobody reads are dropped from
-every branch (or the body), so the work that made them goes too.
+every branch (or the body), so the work that made them goes too; so are the constants (a cond's
+operands) that no body reads.
 
 hoist_loop_invariants: the equations of a while or scan body that read only the loop's constants
 (weights, say: W.T, a bias broadcast into a GEMM) run once before the loop, their results passed
@@ -43,11 +44,58 @@ def _prune(e: Eqn, live: set[int]) -> Eqn:
     return e
 
 
+def _reads(g: Graph) -> set[int]:
+    return _live_ids(g)
+
+
+def _drop_unread(g: Graph, start: int, count: int, also=()) -> list[int]:
+    """Positions among g's inputs start..start+count that g (and the graphs `also`, with the same
+    inputs) never read."""
+    read = _reads(g).union(*(_reads(a) for a in also))
+    gone = [k for k in range(start, start + count) if g.invars[k].id not in read]
+    for a in also:
+        gone = [k for k in gone if a.invars[k].id not in read]
+    return gone
+
+
+def _without(g: Graph, gone) -> Graph:
+    return g.replace(invars=tuple(v for k, v in enumerate(g.invars) if k not in gone))
+
+
+def _prune_inputs(e: Eqn) -> Eqn:
+    """Constants (operands, for cond) that no body reads leave the equation."""
+    p = e.params
+    if e.prim is P.scan_p:
+        gone = set(_drop_unread(p["body"], 0, p["n_consts"]))
+        if not gone:
+            return e
+        return e.replace(inputs=tuple(a for k, a in enumerate(e.inputs) if k not in gone),
+                         params={**p, "body": _without(p["body"], gone), "n_consts": p["n_consts"] - len(gone)})
+    if e.prim is P.while_p:
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        gc = set(_drop_unread(p["cond_graph"], 0, nc))
+        gb = set(_drop_unread(p["body_graph"], 0, nb))
+        if not gc and not gb:
+            return e
+        keep = [k for k in range(len(e.inputs)) if k not in gc and k - nc not in gb]
+        return e.replace(inputs=tuple(e.inputs[k] for k in keep),
+                         params={**p, "cond_graph": _without(p["cond_graph"], gc), "cond_nconsts": nc - len(gc),
+                                 "body_graph": _without(p["body_graph"], gb), "body_nconsts": nb - len(gb)})
+    if e.prim is P.cond_p:
+        bs = p["branches"]
+        gone = set(_drop_unread(bs[0], 0, len(bs[0].invars), bs[1:]))
+        if not gone:
+            return e
+        return e.replace(inputs=(e.inputs[0], *(a for k, a in enumerate(e.inputs[1:]) if k not in gone)),
+                         params={**p, "branches": tuple(_without(b, gone) for b in bs)})
+    return e
+
+
 def prune_control_flow(graph: Graph) -> Graph:
-    if not any(e.prim in (P.cond_p, P.scan_p) for e in graph.eqns):
+    if not any(e.prim in P.CONTROL_FLOW for e in graph.eqns):
         return graph
     live = _live_ids(graph)
-    return graph.replace(eqns=tuple(_prune(e, live) for e in graph.eqns))
+    return graph.replace(eqns=tuple(_prune_inputs(_prune(e, live)) for e in graph.eqns))
 
 
 # ---- loop invariants -------------------------------------------------------------------------------
@@ -59,8 +107,7 @@ def _hoist(body: Graph, n_consts: int, const_atoms: list):
     candidates = []
     for e in body.eqns:
         vins = [a for a in e.inputs if isinstance(a, Var)]
-        if (not e.prim.effectful and e.prim not in P.CONTROL_FLOW and vins
-                and all(a.id in invariant for a in vins)):
+        if not e.prim.effectful and e.prim not in P.CONTROL_FLOW and all(a.id in invariant for a in vins):
             candidates.append(e)
             invariant.update(o.id for o in e.outputs)
     # an index map moves only for a moving computation that reads it

@@ -34,6 +34,7 @@ PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("fuse_gemm_epilogues", fuse_gemm_epilogues),          # dot + bias + activation -> fused_gemm
     ("cse_after", cse),                                    # rewrites expose new duplicates
     ("dce_after", dce),                                    # and leave dead producers behind
+    ("prune_after", prune_control_flow),                   # and loop constants nobody reads now
 )
 
 # Structural rewrites into primitives that have differentiation and batching rules, run on a
