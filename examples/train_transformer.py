@@ -31,7 +31,7 @@ import tilefuse.nn as nn  # noqa: E402
 import tilefuse.numpy as tnp  # noqa: E402
 import tilefuse.optim as optim  # noqa: E402
 import tilefuse.random as random  # noqa: E402
-from tilefuse import distributed  # noqa: E402
+from tilefuse import distributed, lax  # noqa: E402
 from tilefuse.ir.errors import TilefuseError  # noqa: E402
 
 import data  # noqa: E402
@@ -50,6 +50,7 @@ class Config:
     seq: int = 64
     tied: bool = False
     dropout: float = 0.0
+    scan_layers: bool = False  # blocks' parameters stacked, the layers run by one lax.scan
 
 
 # ---- the model --------------------------------------------------------------------------------
@@ -79,6 +80,8 @@ def init_params(key, cfg: Config) -> dict:
         })
     if not cfg.tied:
         params["head"] = nn.init_linear(keys[2], d, cfg.vocab, w_init=w)
+    if cfg.scan_layers:  # the same values, each leaf stacked along a leading layer axis
+        params["blocks"] = tx.tree_map(lambda *xs: tnp.stack(xs), *params["blocks"])
     return params
 
 
@@ -98,7 +101,12 @@ def forward(params, x, cfg: Config, key=None, train: bool = False):
     """Logits (batch, time, vocab) for int32 tokens x (batch, time), time <= cfg.seq."""
     t = tnp.shape(x)[1]
     h = nn.embedding(params["tok"], x) + params["pos"][:t]
-    for i, p in enumerate(params["blocks"]):
+    if cfg.scan_layers:  # one block traced and compiled once, run over the stacked layers
+        keys = tnp.stack([random.fold_in(key, i) for i in range(cfg.layers)]) \
+            if train and cfg.dropout > 0 else tnp.zeros((cfg.layers,), tnp.float32)
+        h, _ = lax.scan(lambda h, pk: (_block(pk[0], h, cfg, pk[1], train), None), h,
+                        (params["blocks"], keys))
+    for i, p in enumerate([] if cfg.scan_layers else params["blocks"]):
         k = random.fold_in(key, i) if train and cfg.dropout > 0 else None
         h = _block(p, h, cfg, k, train)
     h = nn.layer_norm(params["ln_f"], h)
@@ -114,7 +122,10 @@ def loss_fn(params, x, y, cfg: Config, key=None, train: bool = False):
 
 def decay_mask(params):
     """Weight decay on matrices (weights and embeddings), not on biases or LayerNorms."""
-    return tx.tree_map(lambda p: tnp.ndim(p) >= 2, params)
+    mask = tx.tree_map(lambda p: tnp.ndim(p) >= 2, params)
+    if isinstance(params.get("blocks"), dict):  # stacked layers (--scan-layers): one axis more
+        mask["blocks"] = tx.tree_map(lambda p: tnp.ndim(p) >= 3, params["blocks"])
+    return mask
 
 
 def make_optimizer(lr: float, steps: int, warmup: int | None = None, weight_decay: float = 0.1,
@@ -280,6 +291,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--tied", action="store_true", help="share the input and output embeddings")
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--scan-layers", action="store_true",
+                   help="stack the blocks' parameters and run the layers with lax.scan (one block compiled)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--device", default=None, help="cpu, ref, opencl:0, cuda:0 (default: tilefuse's)")
@@ -327,7 +340,8 @@ def train(args) -> dict:
         args = argparse.Namespace(**{**vars(args), "quiet": True, "out": None, "resume": False, "sample": 0})
     corpus = data.Corpus(max_chars=args.max_chars)
     cfg = Config(vocab=corpus.vocab.size, d_model=args.d_model, layers=args.layers,
-                 heads=args.heads, seq=args.seq, tied=args.tied, dropout=args.dropout)
+                 heads=args.heads, seq=args.seq, tied=args.tied, dropout=args.dropout,
+                 scan_layers=getattr(args, "scan_layers", False))
     if cfg.d_model % cfg.heads:
         raise TilefuseError(f"--d-model {cfg.d_model} must be a multiple of --heads {cfg.heads}")
     optimizer = make_optimizer(args.lr, args.steps, weight_decay=args.weight_decay)
