@@ -141,11 +141,9 @@ class _Builder:
         for o in e.outputs:
             if o.id not in self.slot:
                 self.new_slot("temp", o.aval, o)
-        run, bodies = build_control(e, self.device, self.backend)
+        run, sources = build_control(e, self.device, self.backend)
         name = self.unique(e.prim.name)
-        for body in bodies:  # the bodies' kernels, as the program's own
-            for k, text in getattr(body.prog._sources, "_entries", body.prog._sources).items():
-                self.sources[f"{name}.{body.prog.graph.meta.get('name', 'body')}.{k}"] = text
+        self.sources.update((f"{name}.{k}", text) for k, text in sources.items())  # the bodies' kernels
         slots = tuple(self.slot[a.id] for a in e.inputs if isinstance(a, Var)) + \
             tuple(self.slot[o.id] for o in e.outputs)
         self.steps.append((run, slots, step))

@@ -45,25 +45,26 @@ class _Step:
         self.device, self.backend = device, backend
         self.n_vars = sum(isinstance(a, Var) for a in eqn.inputs)
         # per operand: its position among the step's buffers, or a buffer made now for a literal
-        self.sources = []
+        self.operands = []
         k = 0
         for a in eqn.inputs:
             if isinstance(a, Literal):
                 host = np.ascontiguousarray(np.asarray(a.val, a.aval.dtype).reshape(()))
-                self.sources.append(("lit", backend.put(host, device)))
+                self.operands.append(("lit", backend.put(host, device)))
             else:
-                self.sources.append(("buf", k))
+                self.operands.append(("buf", k))
                 k += 1
-        self.bodies: list[_Body] = []
+        self.sources: dict = {}  # kernel name -> Kernel or compiled kernel, as compile_graph keeps them
 
     def split(self, buffers):
         """(the equation's operand buffers, its output buffers)."""
-        ins = [buffers[x] if tag == "buf" else x for tag, x in self.sources]
+        ins = [buffers[x] if tag == "buf" else x for tag, x in self.operands]
         return ins, list(buffers[self.n_vars:])
 
     def body(self, graph: Graph, name: str) -> _Body:
         b = _Body(graph, self.device, self.backend, name)
-        self.bodies.append(b)
+        for k, text in getattr(b.prog._sources, "_entries", b.prog._sources).items():
+            self.sources[f"{name}.{k}"] = text
         return b
 
     def alloc(self, avals, owned: list) -> list:
@@ -108,7 +109,7 @@ def _build_cond(eqn: Eqn, device, backend):
             st.bind(branches[k], owned)(ins[1:], outs)
         finally:
             st.free(owned)
-    return run, st.bodies
+    return run, st.sources
 
 
 # ---- while -----------------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ def _build_while(eqn: Eqn, device, backend):
                 st.bind(copy, owned)(cur, X)
         finally:
             st.free(owned)
-    return run, st.bodies
+    return run, st.sources
 
 
 # ---- scan ------------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def scan_step_graph(eqn: Eqn) -> tuple[Graph, list[Var], Var]:
     return g, rows, i
 
 
-def _row_writer(row: Var, i: Var, ys_aval, device, backend):
+def _row_writer(st: _Step, row: Var, i: Var, ys_aval, name: str):
     """run(row buffer, i buffer, ys buffer): row i of ys = row, in place (a kernel that writes only
     that window)."""
     ys = Var(ys_aval)
@@ -202,7 +203,11 @@ def _row_writer(row: Var, i: Var, ys_aval, device, backend):
     if not lowered:  # an empty row: nothing to write
         return lambda row_buf, i_buf, ys_buf: None
     (lk,) = lowered
-    _, kernel = dispatch.compile_kernel(lk.kernel, device, backend)
+    _, kernel = dispatch.compile_kernel(lk.kernel, st.device, st.backend)
+    st.sources[name] = lk.kernel
+    from .compiler import _has_text
+    if _has_text(kernel):  # the backend's own text, rendered when read
+        st.sources[f"{name}.{st.backend.kind}"] = kernel
     where = {row.id: 0, i.id: 1, out.id: 2}
     order = [where[v.id] for v in lk.args]
 
@@ -220,7 +225,8 @@ def _build_scan(eqn: Eqn, device, backend):
     graph, rows, i = scan_step_graph(eqn)
     step = st.body(graph, "scan_step")
     copy = st.body(_identity(carry_avals), "scan_copy")
-    writers = [_row_writer(r, i, o.aval, device, backend) for r, o in zip(rows, eqn.outputs[nc:])]
+    writers = [_row_writer(st, r, i, o.aval, f"scan_row_write{k}") for k, (r, o) in
+               enumerate(zip(rows, eqn.outputs[nc:]))]
     i0 = backend.put(np.asarray(length - 1 if reverse else 0, np.int32).reshape(()), device)
 
     def run(buffers):
@@ -247,13 +253,13 @@ def _build_scan(eqn: Eqn, device, backend):
                 cur, cur_i = nxt, nxt_i
         finally:
             st.free(owned)
-    return run, st.bodies
+    return run, st.sources
 
 
 BUILDERS = {P.cond_p: _build_cond, P.while_p: _build_while, P.scan_p: _build_scan}
 
 
 def build_control(eqn: Eqn, device, backend):
-    """(run(buffers), the compiled bodies) for a control-flow equation; buffers are those of its
+    """(run(buffers), its kernels by name) for a control-flow equation; buffers are those of its
     variable operands, then its outputs."""
     return BUILDERS[eqn.prim](eqn, device, backend)

@@ -30,7 +30,8 @@ import networkx as nx
 from ..core import Eqn, Graph, Var
 from ..kernel import lower
 
-INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota"})
+INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota",
+                        "dynamic_slice"})  # (its start indices: scalars the kernel loads)
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 # primitives whose kernels read their operands through index maps fused into their region
 # (conv2d's im2col: strided windows concatenated, and their transposes padded back)
