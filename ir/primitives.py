@@ -898,3 +898,12 @@ def _dynamic_update_slice_impl(operand, update, *starts):
 
 dynamic_update_slice = Primitive("dynamic_update_slice", _dynamic_update_slice_rule,
                                  _dynamic_update_slice_impl)
+
+
+def has_effect(eqn: Eqn) -> bool:
+    """Whether an equation has an effect: an effectful primitive, or control flow whose bodies
+    hold one (a debug_print in a loop): passes keep it, in program order, even when its outputs
+    go unread."""
+    if eqn.prim.effectful:
+        return True
+    return eqn.prim in CONTROL_FLOW and any(has_effect(e) for _, _, g in subgraphs(eqn.params) for e in g.eqns)

@@ -391,3 +391,14 @@ def test_conv_general_dilated_against_numpy(device):
     xd[:, :, ::2] = x1
     xd = np.pad(xd, ((0, 0), (0, 0), (2, 0)))[:, :, :-1]
     close(y, _np_conv_nchw(xd[:, :, None], w1[:, :, None], (1, 1), [(0, 0), (0, 0)])[:, :, 0], 1e-4)
+
+
+def test_a_loop_that_prints_is_kept_and_prints_each_step(device, capsys):
+    def f(x):
+        def step(c, _):
+            tx.debug_print("c={}", c)
+            return c + 1.0, None
+        lax.scan(step, x, None, length=3)  # its result unread: the loop still runs for its prints
+        return x * 2.0
+    close(tx.jit(f)(np.float32(1.0)), 2.0)
+    assert capsys.readouterr().out.split() == ["c=1.0", "c=2.0", "c=3.0"]
