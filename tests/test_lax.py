@@ -404,3 +404,21 @@ def test_a_loop_that_prints_is_kept_and_prints_each_step(device, capsys):
         return x * 2.0
     close(tx.jit(f)(np.float32(1.0)), 2.0)
     assert capsys.readouterr().out.split() == ["c=1.0", "c=2.0", "c=3.0"]
+
+
+def test_python_scalar_carries_take_the_body_dtype_and_second_order(device):
+    xs = np.linspace(-1, 1, 4)  # float64: a carry started as 0.3 becomes float64, as in JAX
+
+    def f(w):
+        c, ys = lax.scan(lambda c, x: (tnp.sin(c * w + x), c * c), 0.3, xs)
+        return c + tnp.sum(ys)
+
+    def unrolled(w):
+        c, t = 0.3, 0.0
+        for x in xs:
+            c, t = tnp.sin(c * w + x), t + c * c
+        return c + t
+    w = np.float64(0.7)
+    assert np.asarray(tx.jit(f)(w)).dtype == np.float64
+    close(tx.jit(tx.grad(tx.grad(f)))(w), tx.grad(tx.grad(unrolled))(w), 1e-9)
+    assert float(lax.fori_loop(0, 4, lambda i, x: x + i * 0.5, 0)) == 3.0  # an int start, float sums

@@ -45,8 +45,8 @@ def _user_frames(fn: Callable) -> Callable:
 # ---- tracing bodies -------------------------------------------------------------------------------
 
 def _leaves(tree, what: str) -> tuple[list, Any, list[ShapedArray]]:
-    """The array leaves of a pytree, its structure and the leaves' avals (without weak types: a
-    Python scalar in a carry is a float32/int32 array there)."""
+    """The array leaves of a pytree, its structure and the leaves' avals (without weak types; a
+    Python scalar in a carry then takes the body's dtype: _promote_weak)."""
     leaves, td = tree_flatten(tree)
     out = []
     for i, x in enumerate(leaves):
@@ -58,6 +58,19 @@ def _leaves(tree, what: str) -> tuple[list, Any, list[ShapedArray]]:
                     f"{what}: leaf {i} is a {type(x).__name__}, not an array"))
         out.append(x)
     return out, td, [get_aval(x).strip_weak() for x in out]
+
+
+def _promote_weak(leaves, avals, out_avals):
+    """As JAX does: a carry leaf given as a Python scalar (weak-typed) takes the dtype the body
+    gives it (0.0 as the start of a float64 sum is a float64). (leaves, avals, changed)."""
+    changed = False
+    leaves, avals = list(leaves), list(avals)
+    for i, (x, a, o) in enumerate(zip(leaves, avals, out_avals)):
+        if get_aval(x).weak_type and a.shape == o.shape and a.dtype != o.dtype:
+            d = dtypes.result_type((a.dtype, True), (o.dtype, False))[0]
+            if d != a.dtype:
+                leaves[i], avals[i], changed = tnp.astype(x, d), a.update(dtype=d), True
+    return leaves, avals, changed
 
 
 def _types(td, avals) -> str:
@@ -167,8 +180,14 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init_val):
     if len(out) != 1 or out[0].shape != () or not dtypes.is_bool(out[0].dtype):
         raise TypeError(with_user_line(
             f"while_loop: cond_fun must return a boolean scalar, got {_types(ctree, out)}"))
-    bg, bconsts, btree = _trace(lambda *c: body_fun(tree_unflatten(tree, c)),
-                                tree_flatten(tuple(avals))[1], avals, "while_loop: body_fun")
+    for _ in range(2):  # again when a Python scalar in the carry took the body's dtype
+        bg, bconsts, btree = _trace(lambda *c: body_fun(tree_unflatten(tree, c)),
+                                    tree_flatten(tuple(avals))[1], avals, "while_loop: body_fun")
+        leaves, avals, changed = _promote_weak(leaves, avals, bg.out_avals)
+        if not changed:
+            break
+        cg, cconsts, _ = _trace(lambda *c: cond_fun(tree_unflatten(tree, c)),
+                                tree_flatten(tuple(avals))[1], avals, "while_loop: cond_fun")
     _check_carry("while_loop", "body_fun", tree, avals, btree, bg.out_avals)
     outs = bind(P.while_p, *cconsts, *bconsts, *leaves, cond_graph=cg, body_graph=bg,
                 cond_nconsts=len(cconsts), body_nconsts=len(bconsts))
@@ -257,7 +276,12 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         store["n_carry"] = len(c_leaves)
         return [*c_leaves, *y_leaves]
 
-    g, consts, _ = _trace(lambda c, x: body(c, x), in_tree, [*cavals, *slices], "scan: f")
+    for _ in range(2):  # again when a Python scalar in the carry took the body's dtype
+        in_tree = tree_flatten((tuple(cavals), tuple(slices)))[1]
+        g, consts, _ = _trace(lambda c, x: body(c, x), in_tree, [*cavals, *slices], "scan: f")
+        init_leaves, cavals, changed = _promote_weak(init_leaves, cavals, g.out_avals[:store["n_carry"]])
+        if not changed:
+            break
     k = store["n_carry"]
     _check_carry("scan", "f", ctree, cavals, store["ctree"], g.out_avals[:k])
     outs = bind(P.scan_p, *consts, *init_leaves, *x_leaves, body=g, length=n, reverse=bool(reverse),
