@@ -291,8 +291,6 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--tied", action="store_true", help="share the input and output embeddings")
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--scan-layers", action="store_true",
-                   help="stack the blocks' parameters and run the layers with lax.scan (one block compiled)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--device", default=None, help="cpu, ref, opencl:0, cuda:0 (default: tilefuse's)")
@@ -308,6 +306,8 @@ def parse_args(argv=None):
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step as if interrupted (checkpoint kept): tests resuming")
     p.add_argument("--quiet", action="store_true", help="no progress bar or prints")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="stack the blocks' parameters and run the layers with lax.scan (one block compiled)")
     p.add_argument("--distributed", action="store_true",
                    help="data-parallel over MPI: mpirun -n N python train_transformer.py --distributed "
                         "(the global --batch is split across ranks; rank 0 prints and writes)")

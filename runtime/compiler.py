@@ -165,7 +165,7 @@ def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) ->
         regions = partition(g, fuse=fuse)
         if dump.dir:
             dump.text("regions", "\n".join(map(str, regions)))
-        lowered = [[] if r.kind == "host" or r.kind in CONTROL_KINDS else lower_region(r) for r in regions]
+        lowered = [[] if r.kind == "host" else lower_region(r) for r in regions]
         frontend_cache.store(key, g, regions, lowered)
     else:
         g, regions, lowered = front

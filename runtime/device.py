@@ -9,7 +9,6 @@ import numpy as np
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var, aval_of_value, eval_graph
 from tilefuse.ir.errors import DeviceError, NaNError
-from tilefuse.ir.primitives import subgraphs
 
 from .array import Array
 from .config import config
@@ -238,6 +237,7 @@ def _apply_primitive(prim, values, params) -> list:
         hash(key)
     except TypeError:
         key = None
+    from tilefuse.ir.primitives import subgraphs
     if key is not None and subgraphs(params):  # a body traced anew each call: never hit again
         key = None
     exe = _eager_cache.get(key) if key is not None else None

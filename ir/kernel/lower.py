@@ -679,6 +679,10 @@ REGION_RULES: dict[str, Callable] = {
     "gather": lambda r: _lower_generic(r, "gather"),
     "dynamic_slice": lambda r: _lower_generic(r, "gather"),
     "dynamic_update_slice": _lower_dynamic_update_slice,
+    # control flow lowers to no kernel here: the runtime compiles its bodies (runtime/control_flow.py)
+    "cond": lambda r: [],
+    "while": lambda r: [],
+    "scan": lambda r: [],
     "argmax": lambda r: _lower_generic(r, "arg_reduce"),
     "argmin": lambda r: _lower_generic(r, "arg_reduce"),
 }
