@@ -176,7 +176,7 @@ def test_control_flow_errors_name_both_sides_and_the_line():
     with pytest.raises(tx.ShapeError, match=r"true_fun returns .*f32\[4\].*false_fun.*i32\[4\]|false_fun returns"):
         lax.cond(True, lambda x: x, lambda x: tnp.astype(x, np.int32), C0)
     with pytest.raises(tx.ShapeError, match="body_fun"):
-        lax.while_loop(lambda c: c < 3, lambda c: c + 1.5, 0)
+        lax.while_loop(lambda c: c < 3, lambda c: c + 1.5, np.int32(0))  # (a Python 0 would promote)
     with pytest.raises(TypeError, match="boolean scalar"):
         lax.while_loop(lambda c: c, lambda c: c + 1, C0)
     with pytest.raises(tx.ShapeError, match="leading axes"):
