@@ -10,7 +10,7 @@ from tilefuse.tracer.core import Trace, Tracer, bind, full_lower, get_aval, new_
 from tilefuse.tracer.pytree import tree_map
 
 from . import ops
-from .rules import ZERO_DERIVATIVE, jvp_rules
+from .rules import ZERO_DERIVATIVE, jvp_multi_rules, jvp_rules
 
 
 class JVPTracer(Tracer):
@@ -42,6 +42,9 @@ class JVPTrace(Trace):
     def process_primitive(self, prim, tracers, params):
         primals = [t.primal for t in tracers]
         tangents = [t.tangent for t in tracers]
+        if prim in jvp_multi_rules and any(t is not None for t in tangents):  # control flow
+            outs, touts = jvp_multi_rules[prim](primals, tangents, **params)
+            return [JVPTracer(self, o, t) for o, t in zip(outs, touts, strict=True)]
         outs = bind(prim, *primals, **params)
         if (all(t is None for t in tangents) or prim in ZERO_DERIVATIVE
                 or not any(ops.is_float(o) for o in outs)):

@@ -29,6 +29,13 @@ from .ops import (add_any, aval, broadcast, convert, div, eq, expand_reduced, in
 
 vjp_rules: dict = {}
 jvp_rules: dict = {}
+# Primitives with several outputs whose reverse mode changes the forward pass too (control flow:
+# its forward saves residuals); autodiff/control_flow.py fills these.
+# vjp_fwd_rules[prim](primals, needs, **params) -> (outputs, backward): backward(cts, one per
+# output, None for zero) -> one cotangent per operand (None for zero).
+vjp_fwd_rules: dict = {}
+# jvp_multi_rules[prim](primals, tangents, **params) -> (outputs, tangents out), None for zero.
+jvp_multi_rules: dict = {}
 
 # Piecewise constant (or a gradient barrier): the derivative is a symbolic zero.
 ZERO_DERIVATIVE = frozenset({P.sign, P.floor, P.ceil, P.round_, P.stop_gradient})
@@ -604,3 +611,32 @@ for _p, _jvp in ((P.cholesky, _cholesky_jvp), (P.slogdet, _slogdet_jvp), (P.qr, 
                  (P.eigh, _eigh_jvp), (P.svd, _svd_jvp)):
     jvp_rules[_p] = _jvp
     vjp_rules[_p] = _vjp_by_transposing_jvp(_p)
+
+
+# ---- dynamic slicing (tilefuse.lax) ------------------------------------------------------------
+
+def _dynamic_slice_vjp(ct, x, *starts, out, needs, slice_sizes):
+    cx = bind1(P.dynamic_update_slice, zeros(aval(x)), ct, *starts) if needs[0] else None
+    return (cx,) + (None,) * len(starts)
+
+
+def _dynamic_slice_jvp(ts, x, *starts, out, slice_sizes):
+    return None if ts[0] is None else bind1(P.dynamic_slice, ts[0], *starts, slice_sizes=slice_sizes)
+
+
+def _dynamic_update_slice_vjp(ct, x, update, *starts, out, needs):
+    cx = bind1(P.dynamic_update_slice, ct, zeros(aval(update)), *starts) if needs[0] else None
+    cu = bind1(P.dynamic_slice, ct, *starts, slice_sizes=aval(update).shape) if needs[1] else None
+    return (cx, cu) + (None,) * len(starts)
+
+
+def _dynamic_update_slice_jvp(ts, x, update, *starts, out):
+    if ts[0] is None and ts[1] is None:
+        return None
+    return bind1(P.dynamic_update_slice, instantiate(ts[0], x), instantiate(ts[1], update), *starts)
+
+
+vjp_rules[P.dynamic_slice] = _dynamic_slice_vjp
+jvp_rules[P.dynamic_slice] = _dynamic_slice_jvp
+vjp_rules[P.dynamic_update_slice] = _dynamic_update_slice_vjp
+jvp_rules[P.dynamic_update_slice] = _dynamic_update_slice_jvp

@@ -19,7 +19,7 @@ from tilefuse.tracer.pytree import tree_flatten, tree_map, tree_unflatten
 from tilefuse.tracer.staging import closed_graph
 
 from . import ops
-from .rules import ZERO_DERIVATIVE, vjp_rules
+from .rules import ZERO_DERIVATIVE, vjp_fwd_rules, vjp_rules
 
 
 class _Entry(NamedTuple):
@@ -77,8 +77,13 @@ class VJPTrace(Trace):
 
     def process_primitive(self, prim, tracers, params):
         primals = [t.primal for t in tracers]
-        outs = bind(prim, *primals, **params)
         needs = tuple(t.node is not None for t in tracers)
+        if prim in vjp_fwd_rules and any(needs):  # control flow: its forward saves residuals
+            outs, backward = vjp_fwd_rules[prim](primals, needs, **params)
+            out_nodes = _float_outputs(self.tape, outs)
+            self.tape.entries.append(_Entry(backward, tuple(t.node for t in tracers), out_nodes))
+            return [VJPTracer(self, o, n) for o, n in zip(outs, out_nodes)]
+        outs = bind(prim, *primals, **params)
         out_nodes = (None,) * len(outs)
         if any(needs) and prim not in ZERO_DERIVATIVE:
             out_nodes = _float_outputs(self.tape, outs)

@@ -32,7 +32,7 @@ import tilefuse.nn as nn  # noqa: E402
 import tilefuse.numpy as tnp  # noqa: E402
 import tilefuse.optim as optim  # noqa: E402
 import tilefuse.random as random  # noqa: E402
-from tilefuse import distributed  # noqa: E402
+from tilefuse import distributed, lax  # noqa: E402
 from tilefuse.ir.errors import TilefuseError  # noqa: E402
 
 import checkpoint as ckpt_io  # noqa: E402
@@ -52,6 +52,7 @@ class Config:
     seq: int = 64
     tied: bool = False
     dropout: float = 0.0
+    scan_layers: bool = False  # blocks' parameters stacked, the layers run by one lax.scan
 
 
 # ---- the model --------------------------------------------------------------------------------
@@ -81,6 +82,8 @@ def init_params(key, cfg: Config) -> dict:
         })
     if not cfg.tied:
         params["head"] = nn.init_linear(keys[2], d, cfg.vocab, w_init=w)
+    if cfg.scan_layers:  # the same values, each leaf stacked along a leading layer axis
+        params["blocks"] = tx.tree_map(lambda *xs: tnp.stack(xs), *params["blocks"])
     return params
 
 
@@ -100,7 +103,12 @@ def forward(params, x, cfg: Config, key=None, train: bool = False):
     """Logits (batch, time, vocab) for int32 tokens x (batch, time), time <= cfg.seq."""
     t = tnp.shape(x)[1]
     h = nn.embedding(params["tok"], x) + params["pos"][:t]
-    for i, p in enumerate(params["blocks"]):
+    if cfg.scan_layers:  # one block traced and compiled once, run over the stacked layers
+        keys = tnp.stack([random.fold_in(key, i) for i in range(cfg.layers)]) \
+            if train and cfg.dropout > 0 else tnp.zeros((cfg.layers,), tnp.float32)
+        h, _ = lax.scan(lambda h, pk: (_block(pk[0], h, cfg, pk[1], train), None), h,
+                        (params["blocks"], keys))
+    for i, p in enumerate([] if cfg.scan_layers else params["blocks"]):
         k = random.fold_in(key, i) if train and cfg.dropout > 0 else None
         h = _block(p, h, cfg, k, train)
     h = nn.layer_norm(params["ln_f"], h)
@@ -116,7 +124,10 @@ def loss_fn(params, x, y, cfg: Config, key=None, train: bool = False):
 
 def decay_mask(params):
     """Weight decay on matrices (weights and embeddings), not on biases or LayerNorms."""
-    return tx.tree_map(lambda p: tnp.ndim(p) >= 2, params)
+    mask = tx.tree_map(lambda p: tnp.ndim(p) >= 2, params)
+    if isinstance(params.get("blocks"), dict):  # stacked layers (--scan-layers): one axis more
+        mask["blocks"] = tx.tree_map(lambda p: tnp.ndim(p) >= 3, params["blocks"])
+    return mask
 
 
 def make_optimizer(lr: float, steps: int, warmup: int | None = None, weight_decay: float = 0.1,
@@ -322,6 +333,8 @@ def parse_args(argv=None):
     p.add_argument("--stop-at", type=counter, default=None,
                    help="stop after this step as if interrupted (checkpoint kept): tests resuming")
     p.add_argument("--quiet", action="store_true", help="no progress bar or prints")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="stack the blocks' parameters and run the layers with lax.scan (one block compiled)")
     p.add_argument("--distributed", action="store_true",
                    help="data-parallel over MPI: mpirun -n N python train_transformer.py --distributed "
                         "(the global --batch is split across ranks; rank 0 prints and writes)")
@@ -362,7 +375,8 @@ def train(args) -> dict:
         args = argparse.Namespace(**{**vars(args), "quiet": True, "out": None, "resume": False, "sample": 0})
     corpus = data.Corpus(max_chars=args.max_chars)
     cfg = Config(vocab=corpus.vocab.size, d_model=args.d_model, layers=args.layers,
-                 heads=args.heads, seq=args.seq, tied=args.tied, dropout=args.dropout)
+                 heads=args.heads, seq=args.seq, tied=args.tied, dropout=args.dropout,
+                 scan_layers=getattr(args, "scan_layers", False))
     if cfg.d_model % cfg.heads:
         raise TilefuseError(f"--d-model {cfg.d_model} must be a multiple of --heads {cfg.heads}")
     if len(corpus.train) <= args.seq or len(corpus.eval) <= args.seq:

@@ -194,7 +194,7 @@ class Graph:
     def eqn_text(self, eqn: "Eqn") -> str:
         """One equation as it reads in str(graph), with the same variable names."""
         i = next(k for k, e in enumerate(self.eqns) if e is eqn)
-        line = pp_graph(self).splitlines()[1 + i].strip()
+        line = _pp_parts(self, _Namer(), 0)[1][i].splitlines()[0].strip()  # its sub-graphs left out
         return line[4:] if line.startswith("let ") else line
 
     def count(self, prim_name: str | None = None) -> int:
@@ -231,6 +231,10 @@ def _fmt_literal(lit: Literal) -> str:
     return f"{v!r}:{dtype_short(lit.aval.dtype)}"
 
 
+def _is_subgraph(v) -> bool:
+    return isinstance(v, Graph) or (isinstance(v, tuple) and bool(v) and all(isinstance(g, Graph) for g in v))
+
+
 def _fmt_param(v) -> str:
     if isinstance(v, Graph):
         return "{graph " + str(len(v.eqns)) + " eqns}"
@@ -241,22 +245,35 @@ def _fmt_param(v) -> str:
     return repr(v)
 
 
-def pp_graph(g: Graph, indent: int = 0) -> str:
-    name = _Namer()
+def _pp_parts(g: Graph, name: "_Namer", indent: int) -> tuple[str, list[str], str]:
+    """(header line, one text per equation, closing line). An equation's sub-graphs (the bodies
+    of control flow) follow its line in full, indented, one `param=` each."""
     pad = " " * indent
     consts = " ".join(name.decl(v) for v in g.constvars)
     ins = " ".join(name.decl(v) for v in g.invars)
-    lines = [f"{pad}{{ lambda {consts + '; ' if consts else ''}{ins} ."]
+    head = f"{pad}{{ lambda {consts + '; ' if consts else ''}{ins} ."
+    eqns = []
     for i, e in enumerate(g.eqns):
         outs = " ".join(name.decl(v) for v in e.outputs)
-        params = " ".join(f"{k}={_fmt_param(v)}" for k, v in sorted(e.params.items())
-                          if not k.startswith("_"))
+        items = [(k, v) for k, v in sorted(e.params.items()) if not k.startswith("_")]
+        params = " ".join(f"{k}={_fmt_param(v)}" for k, v in items if not _is_subgraph(v))
         args = " ".join(name(a) for a in e.inputs)
-        head = "let " if i == 0 else "    "
-        lines.append(f"{pad}  {head}{outs} = {e.prim.name}"
-                     f"{'[' + params + ']' if params else ''} {args}")
-    lines.append(f"{pad}  in ({', '.join(name(v) for v in g.outvars)}) }}")
-    return "\n".join(lines)
+        head_word = "let " if i == 0 else "    "
+        text = [f"{pad}  {head_word}{outs} = {e.prim.name}{'[' + params + ']' if params else ''} {args}"]
+        for k, v in items:
+            if _is_subgraph(v):
+                for j, sub in enumerate((v,) if isinstance(v, Graph) else v):
+                    label = k if isinstance(v, Graph) else f"{k}[{j}]"
+                    body = pp_graph(sub, indent + 8, name)
+                    text.append(f"{pad}      {label}=" + body.lstrip())
+        eqns.append("\n".join(text))
+    tail = f"{pad}  in ({', '.join(name(v) for v in g.outvars)}) }}"
+    return head, eqns, tail
+
+
+def pp_graph(g: Graph, indent: int = 0, namer: "_Namer | None" = None) -> str:
+    head, eqns, tail = _pp_parts(g, namer or _Namer(), indent)
+    return "\n".join([head, *eqns, tail])
 
 
 def graph_to_dot(g: Graph, name: str = "graph") -> str:
@@ -316,6 +333,12 @@ def typecheck_graph(g: Graph) -> None:
     for e in g.eqns:
         for a in e.inputs:
             assert isinstance(a, Literal) or a.id in defined, f"{a} used before definition in {e.prim}"
+        for k, v in e.params.items():  # the bodies of control flow, each on its own
+            for sub in ((v,) if isinstance(v, Graph) else v if _is_subgraph(v) else ()):
+                try:
+                    typecheck_graph(sub)
+                except AssertionError as err:
+                    raise AssertionError(f"in {e.prim.name}'s {k}: {err}") from err
         try:
             expected = e.prim.abstract_eval(*[a.aval for a in e.inputs], **e.params)
         except ShapeError as err:

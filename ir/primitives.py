@@ -896,3 +896,217 @@ svd = _host_primitive("svd", _packed_rule("svd", False), _lapack(
     lambda a, full_matrices, compute_uv: _pack(*np.linalg.svd(a, full_matrices=full_matrices),
                                                batch=a.shape[:-2])
     if compute_uv else np.linalg.svd(a, compute_uv=False)))
+
+
+# ---- structured control flow (tilefuse.lax) ----------------------------------------------------
+#
+# Primitives whose parameters hold sub-graphs, closed as call bodies are: a body's captured
+# constants are its leading inputs, passed as operands, so every transformation sees them. The
+# graph of each body is printed, type-checked and optimised with its equation (ir/core.py,
+# ir/passes/manager.py); the runtime compiles each body once and loops over device buffers
+# (runtime/control_flow.py); the rules of autodiff and vmap rewrite the bodies.
+# - cond(index, *operands; branches): branches[clamp(index)](*operands), every branch taking all
+#   operands (the constants of every branch, then the user's operands).
+# - while(*cond_consts, *body_consts, *init; cond_graph, body_graph, cond_nconsts, body_nconsts):
+#   carry = init; while cond_graph(*cond_consts, *carry): carry = body_graph(*body_consts, *carry).
+# - scan(*consts, *init, *xs; body, length, reverse, n_consts, n_carry): for each step t (from the
+#   last when reverse) carry, y_t = body(*consts, *carry, *(x[t] for x in xs)); the results are the
+#   final carry and the ys stacked along a new leading axis of size length.
+
+def _avals_text(avals) -> str:
+    return "(" + ", ".join(a.str_short() for a in avals) + ")"
+
+
+def _same_types(got, want) -> bool:
+    return len(got) == len(want) and all((a.shape, np.dtype(a.dtype)) == (b.shape, np.dtype(b.dtype))
+                                         for a, b in zip(got, want))
+
+
+def _sub_error(prim: str, what: str, got, want) -> ShapeError:
+    return ShapeError(with_user_line(f"{prim}: {what}: {_avals_text(got)} but {_avals_text(want)}"))
+
+
+def _strong(avals) -> list[ShapedArray]:
+    return [ShapedArray(a.shape, a.dtype) for a in avals]
+
+
+def _cond_rule(index, *ops, branches):
+    if index.shape != () or not dtypes.is_int(index.dtype):
+        raise dtype_error("cond", "the branch index must be an integer scalar", index)
+    if not branches:
+        raise ShapeError(with_user_line("cond: needs at least one branch"))
+    for k, b in enumerate(branches):
+        if not _same_types(ops, b.in_avals):
+            raise _sub_error("cond", f"operands do not match the inputs of branch {k}", ops, b.in_avals)
+        if not _same_types(b.out_avals, branches[0].out_avals):
+            raise _sub_error("cond", f"branch {k} and branch 0 give different outputs",
+                             b.out_avals, branches[0].out_avals)
+    return _strong(branches[0].out_avals)
+
+
+def run_graph(graph: Graph, args) -> list:
+    """A graph on numpy values, by the reference implementations (the bodies of control flow)."""
+    return eval_graph(graph, list(args), lambda e, vs: e.prim.impl(*vs, **e.params))
+
+
+def _cond_impl(index, *ops, branches):
+    return run_graph(branches[int(np.clip(index, 0, len(branches) - 1))], ops)
+
+
+cond_p = Primitive("cond", _cond_rule, _cond_impl, multiple_results=True)
+
+
+def _while_rule(*args, cond_graph, body_graph, cond_nconsts, body_nconsts):
+    cc, bc, init = args[:cond_nconsts], args[cond_nconsts:cond_nconsts + body_nconsts], \
+        args[cond_nconsts + body_nconsts:]
+    if not _same_types([*cc, *init], cond_graph.in_avals):
+        raise _sub_error("while_loop", "the carry does not match cond_fun's inputs", init,
+                         cond_graph.in_avals[cond_nconsts:])
+    out = cond_graph.out_avals
+    if len(out) != 1 or out[0].shape != () or not dtypes.is_bool(out[0].dtype):
+        raise ShapeError(with_user_line(f"while_loop: cond_fun must return a bool scalar, got "
+                                        f"{_avals_text(out)}"))
+    if not _same_types([*bc, *init], body_graph.in_avals):
+        raise _sub_error("while_loop", "the carry does not match body_fun's inputs", init,
+                         body_graph.in_avals[body_nconsts:])
+    if not _same_types(body_graph.out_avals, init):
+        raise _sub_error("while_loop", "body_fun's output does not match its input carry",
+                         body_graph.out_avals, init)
+    return _strong(init)
+
+
+def _while_impl(*args, cond_graph, body_graph, cond_nconsts, body_nconsts):
+    cc, bc = args[:cond_nconsts], args[cond_nconsts:cond_nconsts + body_nconsts]
+    carry = list(args[cond_nconsts + body_nconsts:])
+    while bool(run_graph(cond_graph, [*cc, *carry])[0]):
+        carry = run_graph(body_graph, [*bc, *carry])
+    return carry
+
+
+while_p = Primitive("while", _while_rule, _while_impl, multiple_results=True)
+
+
+def _scan_split(args, n_consts, n_carry):
+    return args[:n_consts], args[n_consts:n_consts + n_carry], args[n_consts + n_carry:]
+
+
+def _scan_rule(*args, body, length, reverse, n_consts, n_carry):
+    consts, init, xs = _scan_split(args, n_consts, n_carry)
+    for x in xs:
+        if x.ndim == 0 or x.shape[0] != length:
+            raise shape_error("scan", f"every xs must have a leading axis of the length {length}", *xs)
+    slices = [ShapedArray(x.shape[1:], x.dtype) for x in xs]
+    if not _same_types([*consts, *init, *slices], body.in_avals):
+        raise _sub_error("scan", "the carry and the slices of xs do not match the body's inputs",
+                         [*init, *slices], body.in_avals[n_consts:])
+    outs = body.out_avals
+    if not _same_types(outs[:n_carry], init):
+        raise _sub_error("scan", "the body's carry output does not match its carry input",
+                         outs[:n_carry], init)
+    return _strong(init) + [ShapedArray((length, *y.shape), y.dtype) for y in outs[n_carry:]]
+
+
+def _scan_impl(*args, body, length, reverse, n_consts, n_carry):
+    consts, carry, xs = _scan_split(args, n_consts, n_carry)
+    ys = [np.empty((length, *a.shape), a.dtype) for a in body.out_avals[n_carry:]]
+    for t in (range(length - 1, -1, -1) if reverse else range(length)):
+        outs = run_graph(body, [*consts, *carry, *(x[t] for x in xs)])
+        carry = outs[:n_carry]
+        for y, o in zip(ys, outs[n_carry:]):
+            y[t] = o
+    return [*carry, *ys]
+
+
+scan_p = Primitive("scan", _scan_rule, _scan_impl, multiple_results=True)
+CONTROL_FLOW = (cond_p, while_p, scan_p)
+
+
+def subgraphs(params: dict) -> list[tuple[str, int | None, Graph]]:
+    """(parameter, position in a tuple or None, graph) for every sub-graph among an equation's
+    parameters."""
+    out = []
+    for k, v in params.items():
+        if isinstance(v, Graph):
+            out.append((k, None, v))
+        elif isinstance(v, tuple) and v and all(isinstance(g, Graph) for g in v):
+            out.extend((k, i, g) for i, g in enumerate(v))
+    return out
+
+
+def replace_subgraphs(params: dict, fn: Callable[[Graph], Graph]) -> dict:
+    """params with fn applied to every sub-graph (the same dict when nothing changed)."""
+    new = dict(params)
+    changed = False
+    for k, v in params.items():
+        if isinstance(v, Graph):
+            new[k] = fn(v)
+            changed |= new[k] is not v
+        elif isinstance(v, tuple) and v and all(isinstance(g, Graph) for g in v):
+            new[k] = tuple(fn(g) for g in v)
+            changed |= any(a is not b for a, b in zip(new[k], v))
+    return new if changed else params
+
+
+# ---- dynamic slicing ----------------------------------------------------------------------------
+#
+# dynamic_slice(operand, *starts; slice_sizes) and dynamic_update_slice(operand, update, *starts):
+# one integer scalar start per axis, clamped (as in JAX) so the window lies inside the operand.
+
+def _check_starts(name, operand, starts):
+    if len(starts) != operand.ndim:
+        raise shape_error(name, f"needs one start index per axis ({operand.ndim}), got {len(starts)}",
+                          operand)
+    for s in starts:
+        if s.shape != () or not dtypes.is_int(s.dtype):
+            raise dtype_error(name, "start indices must be integer scalars", *starts)
+
+
+def clamped_starts(starts, shape, sizes) -> list[int]:
+    return [int(np.clip(int(s), 0, n - k)) for s, n, k in zip(starts, shape, sizes)]
+
+
+def _dynamic_slice_rule(operand, *starts, slice_sizes):
+    _check_starts("dynamic_slice", operand, starts)
+    if len(slice_sizes) != operand.ndim or any(not 0 <= k <= n for k, n in zip(slice_sizes, operand.shape)):
+        raise shape_error("dynamic_slice", f"slice_sizes {tuple(slice_sizes)} must fit the operand",
+                          operand)
+    return ShapedArray(tuple(slice_sizes), operand.dtype, operand.weak_type)
+
+
+def _dynamic_slice_impl(operand, *starts, slice_sizes):
+    st = clamped_starts(starts, operand.shape, slice_sizes)
+    return operand[tuple(slice(s, s + k) for s, k in zip(st, slice_sizes))]
+
+
+dynamic_slice = Primitive("dynamic_slice", _dynamic_slice_rule, _dynamic_slice_impl)
+
+
+def _dynamic_update_slice_rule(operand, update, *starts):
+    _check_starts("dynamic_update_slice", operand, starts)
+    if update.ndim != operand.ndim or any(k > n for k, n in zip(update.shape, operand.shape)):
+        raise shape_error("dynamic_update_slice", "the update must have the operand's rank and fit "
+                          "inside it", operand, update)
+    if update.dtype != operand.dtype:
+        raise dtype_error("dynamic_update_slice", "operand and update must have equal dtypes",
+                          operand, update)
+    return ShapedArray(operand.shape, operand.dtype, operand.weak_type and update.weak_type)
+
+
+def _dynamic_update_slice_impl(operand, update, *starts):
+    out = np.array(operand, copy=True)
+    st = clamped_starts(starts, operand.shape, update.shape)
+    out[tuple(slice(s, s + k) for s, k in zip(st, update.shape))] = update
+    return out
+
+
+dynamic_update_slice = Primitive("dynamic_update_slice", _dynamic_update_slice_rule,
+                                 _dynamic_update_slice_impl)
+
+
+def has_effect(eqn: Eqn) -> bool:
+    """Whether an equation has an effect: an effectful primitive, or control flow whose bodies
+    hold one (a debug_print in a loop): passes keep it, in program order, even when its outputs
+    go unread."""
+    if eqn.prim.effectful:
+        return True
+    return eqn.prim in CONTROL_FLOW and any(has_effect(e) for _, _, g in subgraphs(eqn.params) for e in g.eqns)

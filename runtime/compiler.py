@@ -21,10 +21,14 @@ from tilefuse.ir.kernel import copy_kernel, lower_region
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.passes import Dump, partition, run_passes
 from tilefuse.ir.passes.inline import inline_calls
+from tilefuse.ir.primitives import CONTROL_FLOW
 
 from . import dispatch, frontend_cache, profiler
 from .config import config
 from .planner import Interval, plan_buffers
+
+
+CONTROL_KINDS = frozenset(p.name for p in CONTROL_FLOW)  # regions run by runtime/control_flow.py
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,24 @@ class _Builder:
         self.launches.append(Launch(self.unique(e.prim.name), "host", region.eqns))
 
 
+    def add_control(self, region, step: int) -> None:
+        """A control-flow equation: a step that runs the compiled programs of its bodies over
+        device buffers (runtime/control_flow.py). Outputs nobody reads still get buffers (the
+        loop writes them), as temporaries of this step."""
+        from .control_flow import build_control
+        (e,) = region.eqns
+        for o in e.outputs:
+            if o.id not in self.slot:
+                self.new_slot("temp", o.aval, o)
+        run, sources = build_control(e, self.device, self.backend)
+        name = self.unique(e.prim.name)
+        self.sources.update((f"{name}.{k}", text) for k, text in sources.items())  # the bodies' kernels
+        slots = tuple(self.slot[a.id] for a in e.inputs if isinstance(a, Var)) + \
+            tuple(self.slot[o.id] for o in e.outputs)
+        self.steps.append((run, slots, step))
+        self.launches.append(Launch(name, "control", region.eqns))
+
+
 def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) -> Program:
     """Optimise, fuse, lower and compile `graph` for `device`; see the module docstring."""
     fuse = config.fusion if fuse is None else fuse
@@ -186,6 +208,8 @@ def _compile_front(g: Graph, regions, lowered, device, backend, dump) -> Program
     for step, region, lks in work:
         if region is not None and region.kind == "host":
             b.add_host(region, step)
+        if region is not None and region.kind in CONTROL_KINDS:
+            b.add_control(region, step)
         for lk in lks:
             b.add_kernel(lk, step)
     if dump.dir:
@@ -261,7 +285,27 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
                 free(arena, device)
         return outs
 
+    def runner(arena):
+        """The program as a loop body calls it: run(buffers, outs) writes into the output buffers
+        it is given, its temporaries in `arena` (arena_bytes, made once per loop): nothing is
+        allocated per call. Outputs must not alias inputs."""
+        base = template.copy()
+        for s, off, nbytes in views:
+            base[s] = view(arena, off, nbytes)
+        out_at = [s for s, _ in outs_spec]
+
+        def run_into(buffers, outs):
+            slots = base
+            slots[:n_in] = buffers
+            for s, buf in zip(out_at, outs):
+                slots[s] = buf
+            for fn, gather in steps:
+                fn(gather(slots))
+        return run_into
+
     prog = Program(g, run, _Sources(b.sources), tuple(b.launches))
+    prog.runner = runner
+    prog.arena_bytes = arena_bytes if views else 0
     prog.plan = plan
     prog.const_buffers = const_bufs
     return prog

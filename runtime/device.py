@@ -281,6 +281,9 @@ def _apply_primitive(prim, values, params) -> list:
         hash(key)
     except TypeError:
         key = None
+    from tilefuse.ir.primitives import subgraphs
+    if key is not None and subgraphs(params):  # a body traced anew each call: never hit again
+        key = None
     exe = _eager_cache.get(key) if key is not None else None
     if exe is None:
         exe = dev.compile(one_equation_graph(prim, avals, params))

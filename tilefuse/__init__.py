@@ -31,6 +31,7 @@ _jit.hooks.config = config
 
 from tilefuse import numpy  # noqa: E402  (installs the array operators)
 from tilefuse import nn, optim, random  # noqa: E402
+from tilefuse import lax  # noqa: E402
 from tilefuse.api import debug_print, elementwise_grad, make_graph  # noqa: E402
 from tilefuse.autodiff import (check_grads, custom_jvp, custom_vjp, grad, hessian, jacfwd, jacrev,  # noqa: E402
                                jvp, stop_gradient, value_and_grad, vjp)

@@ -136,3 +136,41 @@ def _stage_call(trace: "StagingTrace", prim, fun: Callable, tracers, **rules) ->
     return trace.process_primitive(prim, ins, dict(graph=graph, name=getattr(fun, "__name__", prim.name),
                                                    n_consts=len(consts), **rules))
 
+
+
+def trace_closed(fun: Callable, avals) -> tuple[Graph, tuple, object]:
+    """closed_graph, keeping fun's aux: (closed graph, its constants, aux). The bodies of
+    control flow are traced so (tilefuse.lax), their output structure in aux."""
+    graph, aux = trace_to_graph(fun, list(avals))
+    return graph.replace(constvars=(), invars=graph.constvars + graph.invars, consts=()), graph.consts, aux
+
+
+def call_graph(graph: Graph, *args) -> list:
+    """Run a graph by binding its primitives on args: on tracers, every transformation sees them."""
+    from tilefuse.ir.core import eval_graph
+    from .core import bind
+    return eval_graph(graph, list(args), lambda e, vs: bind(e.prim, *vs, **e.params))
+
+
+def join_branch_consts(traced: Sequence[tuple[Graph, Sequence]]) -> tuple[list[Graph], list]:
+    """Branches traced apart, each (closed graph, its constants), as branches of one cond: every
+    branch takes every branch's constants (in branch order) ahead of the operands."""
+    from .core import get_aval
+    avals = [[get_aval(c) for c in cs] for _, cs in traced]
+    graphs = []
+    for k, (g, cs) in enumerate(traced):
+        n = len(cs)
+        before = tuple(Var(a) for a_list in avals[:k] for a in a_list)
+        after = tuple(Var(a) for a_list in avals[k + 1:] for a in a_list)
+        graphs.append(g.replace(invars=before + g.invars[:n] + after + g.invars[n:]))
+    return graphs, [c for _, cs in traced for c in cs]
+
+
+def bind_cond(index, funs: Sequence[Callable], operands: Sequence) -> list:
+    """cond over flat functions (operand list -> output list), traced here; the outputs of one
+    branch must match the others' (the caller checks, with its own words)."""
+    from .core import bind, get_aval
+    avals = [get_aval(x).strip_weak() for x in operands]
+    traced = [trace_closed(lambda *xs, f=f: (list(f(*xs)), None), avals)[:2] for f in funs]
+    graphs, consts = join_branch_consts(traced)
+    return bind(P.cond_p, index, *consts, *operands, branches=tuple(graphs))

@@ -535,3 +535,213 @@ def _leading_batch_rule(prim, vals, dims, **params):
 
 for _p in P.HOST_PRIMITIVES:
     batch_rules[_p] = functools.partial(_leading_batch_rule, _p)
+
+
+# ---- control flow and dynamic slicing (tilefuse.lax) -------------------------------------------
+
+def batch_graph(graph, batched_in: list[bool], size: int, force_out: list[bool]):
+    """A closed graph vmapped: the inputs batched_in marks carry the batch at axis 0, and so do
+    the outputs that depend on them and those force_out marks (broadcast). Returns (graph, its
+    constants, which outputs are batched)."""
+    from .staging import call_graph, trace_closed
+    store: dict = {}
+
+    def fun(*args):
+        with new_main(BatchTrace, None) as main:
+            trace = BatchTrace(main)
+            ins = [BatchTracer(trace, a, 0) if b else a for a, b in zip(args, batched_in)]
+            outs, batched = [], []
+            for o, force in zip(call_graph(graph, *ins), force_out):
+                t = full_raise(trace, o)
+                if t.bdim is None and not force:
+                    outs.append(t.val)
+                    batched.append(False)
+                else:
+                    outs.append(bdim_at(t.val, t.bdim, size, 0))
+                    batched.append(True)
+        store["batched"] = batched
+        return outs, None
+    avals = [v.aval.update(shape=(size, *v.aval.shape)) if b else v.aval
+             for v, b in zip(graph.invars, batched_in)]
+    g, consts, _ = trace_closed(fun, avals)
+    return g, list(consts), store["batched"]
+
+
+def _carry_fixed_point(graph, before: list[bool], carry: list[bool], after: list[bool], size: int,
+                       n_other_out: int):
+    """batch_graph of a loop body whose carry follows `before` inputs: carries become batched
+    until the body batches none that its input lacks."""
+    while True:
+        g, consts, out = batch_graph(graph, before + carry + after, size, carry + [False] * n_other_out)
+        grown = [a or b for a, b in zip(carry, out[:len(carry)])]
+        if grown == carry:
+            return g, consts, out, carry
+        carry = grown
+
+
+def _at0(vals, dims, size, want=None):
+    """Operands with their batch axis at 0 (those `want` marks broadcast when unbatched)."""
+    want = want or [d is not None for d in dims]
+    return [bdim_at(v, d, size, 0) if w else v for v, d, w in zip(vals, dims, want)]
+
+
+def _scan_batch_rule(vals, dims, *, body, length, reverse, n_consts, n_carry):
+    from tilefuse.ir import primitives as P
+    n = _axis_size(vals, dims)
+    nk, nc = n_consts, n_carry
+    ny = len(body.outvars) - nc
+    dk, dc, dx = dims[:nk], dims[nk:nk + nc], dims[nk + nc:]
+    g, jc, out, bc = _carry_fixed_point(body, [d is not None for d in dk], [d is not None for d in dc],
+                                        [d is not None for d in dx], n, ny)
+    consts = _at0(vals[:nk], dk, n)
+    init = _at0(vals[nk:nk + nc], dc, n, bc)
+    xs = [bdim_at(v, d, n, 1) if d is not None else v for v, d in zip(vals[nk + nc:], dx)]  # axis 0 scans
+    outs = bind(P.scan_p, *jc, *consts, *init, *xs, body=g, length=length, reverse=reverse,
+                n_consts=len(jc) + nk, n_carry=nc)
+    return outs, [0 if b else None for b in bc] + [1 if b else None for b in out[nc:]]
+
+
+def _while_batch_rule(vals, dims, *, cond_graph, body_graph, cond_nconsts, body_nconsts):
+    from tilefuse.ir import primitives as P
+    from .staging import call_graph, trace_closed
+    n = _axis_size(vals, dims)
+    ncc, nb = cond_nconsts, body_nconsts
+    dcc, dbc, dc = dims[:ncc], dims[ncc:ncc + nb], dims[ncc + nb:]
+    bcc, bbc = [d is not None for d in dcc], [d is not None for d in dbc]
+    _, _, _, bc = _carry_fixed_point(body_graph, bbc, [d is not None for d in dc], [], n, 0)
+    _, _, pred_batched = batch_graph(cond_graph, bcc + bc, n, [False])
+    if pred_batched[0]:  # lanes finish apart: every carry per lane, and a lane that is done stays
+        bc = [True] * len(bc)
+    cg, cjc, _ = batch_graph(cond_graph, bcc + bc, n, [False])
+    bg, bjc, _, _ = _carry_fixed_point(body_graph, bbc, bc, [], n, 0)
+    cc, bcs = _at0(vals[:ncc], dcc, n), _at0(vals[ncc:ncc + nb], dbc, n)
+    init = _at0(vals[ncc + nb:], dc, n, bc)
+    if not pred_batched[0]:
+        outs = bind(P.while_p, *cjc, *cc, *bjc, *bcs, *init, cond_graph=cg, body_graph=bg,
+                    cond_nconsts=len(cjc) + ncc, body_nconsts=len(bjc) + nb)
+        return outs, [0 if b else None for b in bc]
+    k = len(cc)
+    avals = [get_aval(x) for x in (*cc, *bcs, *init)]
+
+    def any_lane(*args):  # (cond consts, body consts, carry) -> some lane still runs
+        p = call_graph(cg, *cjc, *args[:k], *args[k + nb:])[0]
+        return [bind1(P.reduce_max, p, axes=(0,))], None
+
+    def step(*args):  # every lane steps; a finished lane keeps its carry
+        carry = args[k + nb:]
+        p = call_graph(cg, *cjc, *args[:k], *carry)[0]
+        new = call_graph(bg, *bjc, *args[k:k + nb], *carry)
+        return [bind1(P.select, bind1(P.broadcast_in_dim, p, shape=_shape(c), broadcast_dimensions=(0,)), x, c)
+                for x, c in zip(new, carry)], None
+    cond2, c2, _ = trace_closed(any_lane, avals)
+    body2, b2, _ = trace_closed(step, avals)
+    outs = bind(P.while_p, *c2, *cc, *b2, *cc, *bcs, *init, cond_graph=_drop_body_consts(cond2, len(c2) + k, nb),
+                body_graph=body2, cond_nconsts=len(c2) + k, body_nconsts=len(b2) + k + nb)
+    return outs, [0] * len(init)
+
+
+def _drop_body_consts(graph, start: int, count: int):
+    """graph without inputs start..start+count (a cond that the body's constants were traced into
+    but that does not read them)."""
+    return graph.replace(invars=graph.invars[:start] + graph.invars[start + count:])
+
+
+def _cond_batch_rule(vals, dims, *, branches):
+    from tilefuse.ir import primitives as P
+    from .staging import bind_cond, call_graph
+    n = _axis_size(vals, dims)
+    index, ops, di, dops = vals[0], vals[1:], dims[0], dims[1:]
+    bops = [d is not None for d in dops]
+    n_out = len(branches[0].outvars)
+    ops = _at0(ops, dops, n)
+    if di is None:  # one branch for all examples
+        union = [False] * n_out
+        for b in branches:
+            union = [a or c for a, c in zip(union, batch_graph(b, bops, n, [False] * n_out)[2])]
+        funs = []
+        for b in branches:
+            g, consts, _ = batch_graph(b, bops, n, union)
+            funs.append(lambda *xs, g=g, consts=consts: call_graph(g, *consts, *xs))
+        return bind_cond(index, funs, ops), [0 if u else None for u in union]
+    # a predicate per example: every branch runs on every example and a select picks
+    idx = moveaxis(index, di, 0)
+    dt = get_aval(idx).dtype
+    idx = bind1(P.min_, bind1(P.max_, idx, _full(0, dt, (n,))), _full(len(branches) - 1, dt, (n,)))
+    results = []
+    for b in branches:
+        g, consts, _ = batch_graph(b, bops, n, [True] * n_out)
+        results.append(call_graph(g, *consts, *ops))
+    outs = results[0]
+    for k in range(1, len(branches)):
+        pick = bind1(P.eq, idx, _full(k, dt, (n,)))
+        outs = [bind1(P.select, bind1(P.broadcast_in_dim, pick, shape=_shape(o), broadcast_dimensions=(0,)), r, o)
+                for r, o in zip(results[k], outs)]
+    return outs, [0] * n_out
+
+
+def _clamped_start(start, n: int, k: int):
+    dt = get_aval(start).dtype
+    return bind1(P.min_, bind1(P.max_, start, np.asarray(0, dt)), np.asarray(n - k, dt))
+
+
+def _window_indices(start, n: int, k: int):
+    """The k indices of a window of an axis of size n starting at start (clamped to fit)."""
+    s = _clamped_start(start, n, k)
+    dt = get_aval(s).dtype
+    return bind1(P.add, bind1(P.iota, dtype=dt, shape=(k,), dimension=0),
+                 bind1(P.broadcast_in_dim, s, shape=(k,), broadcast_dimensions=()))
+
+
+def dynamic_slice_by_gather(x, *starts, slice_sizes):
+    """dynamic_slice written with gathers (one per axis): what vmap runs for per-example starts."""
+    for axis, (s, k) in enumerate(zip(starts, slice_sizes)):
+        x = bind1(P.gather, x, _window_indices(s, _shape(x)[axis], k), axis=axis)
+    return x
+
+
+def dynamic_update_slice_by_select(x, update, *starts):
+    """dynamic_update_slice written with gathers and a select: what vmap runs for per-example
+    starts. The update is gathered to x's shape (window position p reads update[p - start]) and
+    selected inside the window."""
+    shape, ushape = _shape(x), _shape(update)
+    inside = None
+    for axis, (s, n, k) in enumerate(zip(starts, shape, ushape)):
+        s = _clamped_start(s, n, k)
+        dt = get_aval(s).dtype
+        pos = bind1(P.sub, bind1(P.iota, dtype=dt, shape=(n,), dimension=0),
+                    bind1(P.broadcast_in_dim, s, shape=(n,), broadcast_dimensions=()))
+        src = bind1(P.min_, bind1(P.max_, pos, _full(0, dt, (n,))), _full(max(k - 1, 0), dt, (n,)))
+        update = bind1(P.gather, update, src, axis=axis)
+        ok = bind1(P.and_, bind1(P.ge, pos, _full(0, dt, (n,))), bind1(P.lt, pos, _full(k, dt, (n,))))
+        ok = bind1(P.broadcast_in_dim, ok, shape=shape, broadcast_dimensions=(axis,))
+        inside = ok if inside is None else bind1(P.and_, inside, ok)
+    return x if inside is None else bind1(P.select, inside, update, x)
+
+
+def _dynamic_slice_batch_rule(vals, dims, *, slice_sizes):
+    x, starts, dx = vals[0], vals[1:], dims[0]
+    if all(d is None for d in dims[1:]):
+        n = _shape(x)[dx]
+        x = moveaxis(x, dx, 0)
+        zero = np.zeros((), get_aval(starts[0]).dtype) if starts else np.int32(0)
+        return [bind1(P.dynamic_slice, x, zero, *starts, slice_sizes=(n, *slice_sizes))], [0]
+    return [vmap(lambda *a: dynamic_slice_by_gather(*a, slice_sizes=slice_sizes), in_axes=tuple(dims))(*vals)], [0]
+
+
+def _dynamic_update_slice_batch_rule(vals, dims):
+    (x, u), starts = vals[:2], vals[2:]
+    if all(d is None for d in dims[2:]):
+        n = _axis_size(vals, dims)
+        x, u = bdim_at(x, dims[0], n, 0), bdim_at(u, dims[1], n, 0)
+        zero = np.zeros((), get_aval(starts[0]).dtype) if starts else np.int32(0)
+        return [bind1(P.dynamic_update_slice, x, u, zero, *starts)], [0]
+    return [vmap(dynamic_update_slice_by_select, in_axes=tuple(dims))(*vals)], [0]
+
+
+batch_rules.update({
+    P.scan_p: _scan_batch_rule,
+    P.while_p: _while_batch_rule,
+    P.cond_p: _cond_batch_rule,
+    P.dynamic_slice: _dynamic_slice_batch_rule,
+    P.dynamic_update_slice: _dynamic_update_slice_batch_rule,
+})

@@ -456,6 +456,46 @@ def _gather(b, e, I):
     return b.value(operand, I[:axis] + (i,) + I[axis + ni:])
 
 
+def _dynamic_starts(b, starts, shape, sizes) -> list[KExpr]:
+    """dynamic_slice's and dynamic_update_slice's start indices (scalars), clamped so the window
+    of `sizes` lies inside `shape`, as the primitives define."""
+    out = []
+    for s, n, k in zip(starts, shape, sizes):
+        if isinstance(s, Literal):
+            out.append(_ic(min(max(int(s.val), 0), n - k)))
+        else:
+            i = cast(b.value(s, ()), INDEX)
+            out.append(binary("min", binary("max", i, _ic(0)), _ic(n - k)))
+    return out
+
+
+@_rule("dynamic_slice")
+def _dynamic_slice(b, e, I):
+    x = e.inputs[0]
+    st = _dynamic_starts(b, e.inputs[1:], x.aval.shape, e.params["slice_sizes"])
+    return b.value(x, tuple(iadd(i, s) for i, s in zip(I, st)))
+
+
+def _lower_dynamic_update_slice(region) -> list[LoweredKernel]:
+    """Copy the operand, then write the update's window over it (the second kernel alone is what
+    a loop runs to write one step's row into a stacked result in place)."""
+    (e,) = region.eqns
+    operand, update = e.inputs[:2]
+    out = e.outputs[0]
+    kernels = [_copy(operand, out, region.eqns, "dynamic_update_slice_copy", "copy")]
+    if update.aval.size == 0:
+        return kernels
+    b = _Builder()
+    U = _idx_space(update.aval.shape)
+    st = _dynamic_starts(b, e.inputs[2:], operand.aval.shape, update.aval.shape)
+    target = offset(tuple(iadd(i, s) for i, s in zip(U, st)), operand.aval.shape)
+    v = to_storage(b.value(update, U), out.aval.dtype)  # (its input first: outputs follow inputs)
+    stores = [Store(len(b.inputs), target, v)]
+    kernels.append(b.kernel("dynamic_update_slice", [out], update.aval.shape, stores, "concatenate",
+                            region.eqns))
+    return kernels
+
+
 # ---- regions -> kernels ------------------------------------------------------------------------
 
 _SHORT = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
@@ -637,6 +677,12 @@ REGION_RULES: dict[str, Callable] = {
     "dot_general": lambda r: _lower_generic(r, "dot_general"),
     "fused_gemm": lambda r: _lower_generic(r, "fused_gemm"),
     "gather": lambda r: _lower_generic(r, "gather"),
+    "dynamic_slice": lambda r: _lower_generic(r, "gather"),
+    "dynamic_update_slice": _lower_dynamic_update_slice,
+    # control flow lowers to no kernel here: the runtime compiles its bodies (runtime/control_flow.py)
+    "cond": lambda r: [],
+    "while": lambda r: [],
+    "scan": lambda r: [],
     "argmax": lambda r: _lower_generic(r, "arg_reduce"),
     "argmin": lambda r: _lower_generic(r, "arg_reduce"),
 }

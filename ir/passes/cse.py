@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import Graph, Literal
+from ..primitives import has_effect
 from .util import Rewriter
 
 
@@ -33,7 +34,7 @@ def cse(graph: Graph) -> Graph:
     seen: dict = {}
     for e in graph.eqns:
         e = rw.rewrite_inputs(e)
-        pk = None if e.prim.effectful else _params_key(e.params)
+        pk = None if has_effect(e) else _params_key(e.params)
         key = None if pk is None else (e.prim.name, tuple(map(_atom_key, e.inputs)), pk)
         if key is not None and key in seen:
             for o, prev in zip(e.outputs, seen[key].outputs):

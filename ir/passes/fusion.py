@@ -32,8 +32,10 @@ import networkx as nx
 
 from ..core import Eqn, Graph, Var
 from ..kernel import lower
+from ..primitives import has_effect
 
-INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota"})
+INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota",
+                        "dynamic_slice"})  # (its start indices: scalars the kernel loads)
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
 # primitives whose kernels read their operands through index maps fused into their region
 # (conv2d's im2col: strided windows concatenated, and their transposes padded back)
@@ -214,7 +216,7 @@ class _Partitioner:
                 j = self.producer.get(getattr(a, "id", None))
                 if j is not None:
                     self.dag.add_edge(j, i)
-        effects = [i for i, e in enumerate(eqns) if e.prim.effectful]
+        effects = [i for i, e in enumerate(eqns) if has_effect(e)]
         self.dag.add_edges_from(zip(effects, effects[1:]))  # effects stay in program order
         # a topological position per group, kept valid across merges (Pearce-Kelly style): a
         # cycle search then only visits the groups placed between the two it would merge
@@ -223,7 +225,7 @@ class _Partitioner:
         live, self.dead = set(self.graph_out), set()
         for i in reversed(range(len(eqns))):
             e = eqns[i]
-            if e.prim.effectful or any(o.id in live for o in e.outputs):
+            if has_effect(e) or any(o.id in live for o in e.outputs):
                 live.update(a.id for a in e.inputs if isinstance(a, Var))
             else:
                 self.dead.add(i)

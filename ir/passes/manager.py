@@ -17,19 +17,24 @@ from .dce import dce
 from .fold import fold_constants
 from .gemm_epilogue import fuse_gemm_epilogues
 from .inline import inline_calls
+from .loops import hoist_loop_invariants, prune_control_flow
 from .simplify import fold_transpose_into_dot, simplify
+from .. import primitives as P
 
 PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("inline_calls", inline_calls),                        # calls (tile_op, custom_vjp) become their bodies
     ("dce", dce),                                          # drop what nobody reads
+    ("prune_control_flow", prune_control_flow),            # and the loop/branch outputs nobody reads
     ("cse", cse),                                          # one copy of each computation
     ("fold_constants", fold_constants),                    # evaluate what is known now
     ("simplify", simplify),                                # x*1, double transposes, ...
     ("fold_transpose_into_dot", fold_transpose_into_dot),  # dot absorbs operand transposes
+    ("hoist_loop_invariants", hoist_loop_invariants),      # loop bodies' work on constants, once
     ("fuse_attention", fuse_attention),                    # softmax(q·kᵀ·scale + mask)·v -> one op
     ("fuse_gemm_epilogues", fuse_gemm_epilogues),          # dot + bias + activation -> fused_gemm
     ("cse_after", cse),                                    # rewrites expose new duplicates
     ("dce_after", dce),                                    # and leave dead producers behind
+    ("prune_after", prune_control_flow),                   # and loop constants nobody reads now
 )
 
 # Structural rewrites into primitives that have differentiation and batching rules, run on a
@@ -53,6 +58,20 @@ def prepare_for_ad(graph: Graph) -> Graph:
         hit = run_passes(graph, BEFORE_AD)
         _prepared[graph] = hit if hit is not graph else _UNCHANGED  # (no strong ref to the key)
     return graph if hit is _UNCHANGED else hit
+
+
+def in_bodies(fn: Callable[[Graph], Graph]) -> Callable[[Graph], Graph]:
+    """A pass run on the bodies of control flow first (innermost first), then on the graph."""
+    def run(graph: Graph) -> Graph:
+        if any(e.prim in P.CONTROL_FLOW for e in graph.eqns):
+            eqns = []
+            for e in graph.eqns:
+                params = P.replace_subgraphs(e.params, run) if e.prim in P.CONTROL_FLOW else e.params
+                eqns.append(e if params is e.params else e.replace(params=params))
+            if any(a is not b for a, b in zip(eqns, graph.eqns)):
+                graph = graph.replace(eqns=tuple(eqns))
+        return fn(graph)
+    return run
 
 
 _dump_ids = itertools.count()
@@ -96,7 +115,7 @@ def run_passes(graph: Graph, passes: Sequence = PIPELINE, *, dump: Dump | None =
     if check:
         typecheck_graph(graph)
     for name, fn in passes:
-        graph = fn(graph)
+        graph = in_bodies(fn)(graph)
         if check:
             try:
                 typecheck_graph(graph)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tilefuse as tx
-from tilefuse.autodiff.rules import ZERO_DERIVATIVE, jvp_rules, vjp_rules
+from tilefuse.autodiff.rules import ZERO_DERIVATIVE, jvp_multi_rules, jvp_rules, vjp_fwd_rules, vjp_rules
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
 from tilefuse.tracer.core import bind1
@@ -102,6 +102,10 @@ CASES = [
     ("gather_axis1", P.gather, lambda x: bind1(P.gather, x, IDX2, axis=1), (u(3, 2),)),
     ("scatter_add", P.scatter_add, lambda x, upd: bind1(P.scatter_add, x, IDX, upd, axis=0),
      (u(5, 2), u(4, 2))),
+    ("dynamic_slice", P.dynamic_slice,
+     lambda x: bind1(P.dynamic_slice, x, np.int32(1), np.int32(5), slice_sizes=(2, 2)), (u(4, 3),)),
+    ("dynamic_update_slice", P.dynamic_update_slice,
+     lambda x, upd: bind1(P.dynamic_update_slice, x, upd, np.int32(3), np.int32(1)), (u(4, 3), u(2, 2))),
     ("fused_attention", P.fused_attention, attention(causal=False), (u(1, 3, 2), u(1, 4, 2), u(1, 4, 3))),
     ("fused_attention_causal_bias", P.fused_attention, attention(causal=True),
      (u(1, 3, 2), u(1, 4, 2), u(1, 4, 3), u(1, 3, 4))),
@@ -157,7 +161,10 @@ def test_every_differentiable_primitive_has_rules_and_a_row():
     todo = [p for p in P.PRIMITIVES.values()
             if p.name not in NOT_DIFFERENTIABLE and p not in ZERO_DERIVATIVE and not p.compile_only
             and p not in (P.custom_vjp_call, P.custom_jvp_call)]
-    missing_rules = [p.name for p in todo if p not in vjp_rules or p not in jvp_rules]
+    rows |= set(P.CONTROL_FLOW)  # against Python loops and finite differences: tests/test_lax.py
+    # control flow's rules see all outputs (and reverse mode its forward too): their own tables
+    vjp_all, jvp_all = {**vjp_rules, **vjp_fwd_rules}, {**jvp_rules, **jvp_multi_rules}
+    missing_rules = [p.name for p in todo if p not in vjp_all or p not in jvp_all]
     missing_rows = [p.name for p in todo if p not in rows]
     assert not missing_rules, f"primitives without differentiation rules: {missing_rules}"
     assert not missing_rows, f"primitives without a finite-difference row: {missing_rows}"

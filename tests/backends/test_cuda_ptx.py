@@ -16,6 +16,7 @@ import pytest
 
 import tilefuse as tx
 import tilefuse.numpy as tnp
+from tilefuse import lax
 from tilefuse.backends import cuda
 from tilefuse.backends.cuda import device_info, launch_config, offline_device, ptx_for, sm_target
 from tilefuse.ir import primitives as P
@@ -112,6 +113,10 @@ TABLE = {
     "dot_general": (dot(((1,), (0,))), (u(4, 3), u(3, 5))),
     "dot_general_batched": (dot(((2,), (1,)), ((0,), (0,))), (u(2, 3, 4), u(2, 4, 2))),
     "gather": (lambda x: bind1(P.gather, x, IDX, axis=0), (u(4, 3),)),
+    "dynamic_slice": (lambda x, i: bind1(P.dynamic_slice, x, i, np.int32(1), slice_sizes=(2, 2)),
+                      (u(4, 3), np.array(3, I32))),
+    "dynamic_update_slice": (lambda x, v, i: bind1(P.dynamic_update_slice, x, v, i, np.int32(0)),
+                             (u(4, 3), u(2, 3), np.array(1, I32))),
     "scatter_add": (lambda x, upd: bind1(P.scatter_add, x, IDX, upd, axis=0), (u(5, 2), u(4, 2))),
     "scatter_add_f64": (lambda x, upd: bind1(P.scatter_add, x, IDX, upd, axis=0),
                         (u(5, 2, dtype=F64), u(4, 2, dtype=F64))),
@@ -129,7 +134,14 @@ def mlp_value_and_grad(params, x, y):
     return mlp_loss(params, x, y), tx.grad(mlp_loss)(params, x, y)
 
 
+def _scan(c, xs):  # the step program (a row of xs read in place, the counter) and the row writer
+    return lax.scan(lambda c, x: (tnp.tanh(c * x), c + x), c, xs)
+
+
 PROGRAMS = {
+    "scan_p": (_scan, (u(3), u(5, 3))),
+    "while_p": (lambda x: lax.while_loop(lambda c: c[0] < 4, lambda c: (c[0] + 1, c[1] * 1.5), (0, x)), (u(3),)),
+    "cond_p": (lambda p, x: lax.cond(p, tnp.sin, tnp.cos, x), (np.bool_(True), u(3))),
     "softmax": (softmax, (u(4, 33),)),
     "layernorm": (layernorm, (u(3, 40), u(40), u(40))),
     "fused_gemm": (lambda x, w, b: tnp.tanh(x @ w + b), (u(6, 16), u(16, 8), u(8))),  # made by a pass

@@ -312,9 +312,10 @@ def test_transpose_that_reorders_free_axes_stays():
 # ---- the pass manager ---------------------------------------------------------------------------
 
 def test_pipeline_order_is_the_documented_one():
-    assert [n for n, _ in PIPELINE] == ["inline_calls", "dce", "cse", "fold_constants", "simplify",
-                                        "fold_transpose_into_dot", "fuse_attention", "fuse_gemm_epilogues",
-                                        "cse_after", "dce_after"]
+    assert [n for n, _ in PIPELINE] == ["inline_calls", "dce", "prune_control_flow", "cse", "fold_constants",
+                                        "simplify", "fold_transpose_into_dot", "hoist_loop_invariants",
+                                        "fuse_attention", "fuse_gemm_epilogues", "cse_after", "dce_after",
+                                        "prune_after"]
 
 
 def _mlp_ish(x, w):

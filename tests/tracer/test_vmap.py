@@ -153,7 +153,14 @@ CASES += [
     Case(P.eigh, [(spd, (3, 3))]),
     Case(P.svd, [(normal64, (3, 2))], full_matrices=False, compute_uv=True),
 ]
-DEDICATED = {"debug_print": "test_debug_print_per_example", "tile_op": "tests/test_tile_op.py",
+CASES += [
+    Case(P.dynamic_slice, [(normal, (5, 3)), (lambda r, s: np.int32(r.integers(-2, 6)), ()),
+                           (lambda r, s: np.int32(r.integers(0, 3)), ())], slice_sizes=(2, 2)),
+    Case(P.dynamic_update_slice, [(normal, (5, 3)), (normal, (2, 3)),
+                                  (lambda r, s: np.int32(r.integers(-2, 6)), ()), (lambda r, s: np.int32(0), ())]),
+]
+DEDICATED = {"cond": "tests/test_lax.py", "while": "tests/test_lax.py", "scan": "tests/test_lax.py",
+             "debug_print": "test_debug_print_per_example", "tile_op": "tests/test_tile_op.py",
              "custom_vjp_call": "tests/autodiff/test_custom.py", "custom_jvp_call": "tests/autodiff/test_custom.py"}
 
 

@@ -258,6 +258,31 @@ def _scatter(shape, ishape, axis):
               params=dict(axis=axis))
 
 
+def _clip_starts(starts, shape, sizes):
+    return [min(max(int(st), 0), n - k) for st, n, k in zip(starts, shape, sizes)]
+
+
+def _dynamic_slice(shape, starts, sizes):
+    """Start indices as int32 scalars, some out of range (they clamp so the window fits)."""
+    def ref(x, *st):
+        st = _clip_starts(st, shape, sizes)
+        return x[tuple(slice(a, a + k) for a, k in zip(st, sizes))]
+    return Op(f"dynamic_slice{shape}@{starts}:{sizes}", P.dynamic_slice,
+              lambda r, s, d: [_rand(r, shape, d), *(np.asarray(st, I32) for st in starts)], ref,
+              (F32, I32, BF16, BOOL), shapes=[None], params=dict(slice_sizes=sizes))
+
+
+def _dynamic_update_slice(shape, ushape, starts):
+    def ref(x, u, *st):
+        out = x.copy()
+        st = _clip_starts(st, shape, ushape)
+        out[tuple(slice(a, a + k) for a, k in zip(st, ushape))] = u
+        return out
+    return Op(f"dynamic_update_slice{shape}<-{ushape}@{starts}", P.dynamic_update_slice,
+              lambda r, s, d: [_rand(r, shape, d), _rand(r, ushape, d), *(np.asarray(st, I32) for st in starts)],
+              ref, (F32, I32, F16), shapes=[None])
+
+
 OPS = [
     unary("neg", P.neg, np.negative, dtypes=FLOATS + INTS),
     unary("exp", P.exp, np.exp),
@@ -369,6 +394,11 @@ OPS = [
     _scatter((5, 3), (4,), 0),
     _scatter((2, 4), (3, 2), 1),
     _scatter((5,), (0,), 0),
+    _dynamic_slice((5, 3), (1, 2), (3, 1)),
+    _dynamic_slice((5, 3), (4, -1), (2, 3)),
+    _dynamic_slice((4,), (2,), (0,)),
+    _dynamic_update_slice((5, 3), (2, 3), (1, 0)),
+    _dynamic_update_slice((5, 3), (2, 2), (9, -3)),
 ]
 
 
@@ -424,6 +454,7 @@ NO_VALUE_RECORD = {"debug_print", "tile_op"}  # an effect (tests/test_debug.py);
 NO_VALUE_RECORD |= {"custom_vjp_call", "custom_jvp_call"}  # calls: tests/autodiff/test_custom.py
 # made by nn.dot_product_attention and the attention pattern pass: tests/test_attention.py
 NO_VALUE_RECORD |= {"fused_attention", "fused_attention_bwd"}
+NO_VALUE_RECORD |= {"cond", "while", "scan"}  # control flow, its bodies graphs: tests/test_lax.py
 
 
 def comparisons(op: Op, dtype, device):
