@@ -41,7 +41,9 @@ class Case:
         """Programs compare a device with `ref`, so they do not run on `ref` itself; a case of a
         dtype the device lacks (float64 on WebGPU) does not run there."""
         import tilefuse as tx
-        if not tx.get_device(device).supports(self.dtype):
+        params = getattr(self.record, "params", None) or {}
+        wanted = [self.dtype] + [v for v in params.values() if isinstance(v, np.dtype)]  # (convert's new_dtype)
+        if not all(map(tx.get_device(device).supports, wanted)):
             return False
         return self.group == "primitive" or getattr(device, "kind", str(device)) != "ref"
 
