@@ -21,7 +21,7 @@ import numpy as np
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel.ir import INDEX, KExpr
-from tilefuse.ir.kernel.tile import Alloc, Barrier, If, Range, Store, TileKernel, lanes_of, pp_tile
+from tilefuse.ir.kernel.tile import Alloc, Barrier, If, PrintedValues, Range, Store, TileKernel, lanes_of, pp_tile
 
 F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
 BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
@@ -93,7 +93,7 @@ def cname(k: TileKernel) -> str:
     return f"tf_{re.sub(r'[^A-Za-z0-9_]', '_', k.name)}_{digest}"
 
 
-class _Printer:
+class _Printer(PrintedValues):
     def __init__(self, k: TileKernel, d: Dialect):
         self.k, self.d = k, d
         self.lines: list[str] = []
@@ -156,27 +156,6 @@ class _Printer:
     def ty(self, d, w: int = 1) -> str:
         t = VALUE_T[np.dtype(d)]
         return t if w == 1 else f"{t}{w}"
-
-    def lookup(self, n: KExpr):
-        for layer in reversed(self.memo):
-            if n in layer:
-                return layer[n]
-        return None
-
-    def forget(self, target) -> None:
-        """After a store to `target`: loads of it, and what was computed from them, are stale."""
-        for layer in self.memo:
-            for n in [n for n in layer if target in self.reads(n)]:
-                del layer[n]
-
-    def reads(self, n) -> frozenset:
-        """The targets whose loads n's value depends on (kept per node: a printer asks often)."""
-        cache = self.__dict__.setdefault("_reads", {})
-        for x in n.toposort() if n not in cache else ():
-            if x not in cache:
-                own = {x.arg if x.op == "load" else x.arg[0]} if x.op in ("load", "vload") else set()
-                cache[x] = frozenset(own.union(*(cache[s] for s in x.src)))
-        return cache[n]
 
     # -- expressions --------------------------------------------------------------------------
     def val(self, n: KExpr, depth: int) -> str:

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import builtins
 import enum
-import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from tilefuse import numpy as tnp
 from tilefuse.autodiff import stop_gradient
+from tilefuse.autodiff.api import _user_frames
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import ShapedArray
-from tilefuse.ir.errors import ShapeError, TilefuseError, filter_traceback, with_user_line
+from tilefuse.ir.errors import ShapeError, TilefuseError, with_user_line
 from tilefuse.tracer.core import Tracer, bind, bind1, get_aval, is_array_like
 from tilefuse.tracer.pytree import tree_flatten, tree_unflatten
 from tilefuse.tracer.staging import join_branch_consts, trace_closed
@@ -29,17 +29,6 @@ __all__ = ["Precision", "cond", "conv_general_dilated", "dynamic_index_in_dim", 
            "dynamic_slice_in_dim", "dynamic_update_index_in_dim", "dynamic_update_slice",
            "dynamic_update_slice_in_dim", "fori_loop", "map", "reduce_window", "scan", "select",
            "stop_gradient", "switch", "while_loop"]
-
-
-def _user_frames(fn: Callable) -> Callable:
-    """Re-raise tilefuse errors with our internal frames dropped from the traceback."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
-    return wrapper
 
 
 # ---- tracing bodies -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 
 from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel.ir import INDEX, KExpr
-from tilefuse.ir.kernel.tile import Barrier, If, Range, Store, TileKernel, lanes_of, pp_tile
+from tilefuse.ir.kernel.tile import Barrier, If, PrintedValues, Range, Store, TileKernel, lanes_of, pp_tile
 
 from .irutil import _like, counted_loop, splat
 from .render import (BF16, BINARY_OPS, BOOL, CMP, F16, I8, TYPES, UNARY_OPS, _constant, _Ops, convert,
@@ -33,7 +33,7 @@ def _i(v: int):
     return ir.Constant(I64, v)
 
 
-class _Printer:
+class _Printer(PrintedValues):
     def __init__(self, k: TileKernel, fn_name: str):
         self.k = k
         if any(isinstance(s, Barrier) for s in _walk(k.body)) or \
@@ -82,27 +82,6 @@ class _Printer:
         self.b.store(v, p, align=sd.itemsize)
 
     # -- expressions ----------------------------------------------------------------------------
-    def lookup(self, n):
-        for layer in reversed(self.memo):
-            if n in layer:
-                return layer[n]
-        return None
-
-    def forget(self, target) -> None:
-        """After a store to `target`: loads of it, and what was computed from them, are stale."""
-        for layer in self.memo:
-            for n in [n for n in layer if target in self.reads(n)]:
-                del layer[n]
-
-    def reads(self, n) -> frozenset:
-        """The targets whose loads n's value depends on (kept per node: a printer asks often)."""
-        cache = self.__dict__.setdefault("_reads", {})
-        for x in n.toposort() if n not in cache else ():
-            if x not in cache:
-                own = {x.arg if x.op == "load" else x.arg[0]} if x.op in ("load", "vload") else set()
-                cache[x] = frozenset(own.union(*(cache[s] for s in x.src)))
-        return cache[n]
-
     def val(self, n: KExpr, w: int | None = None):
         """n's value; a scalar is splatted when a vector of width w is wanted."""
         v = self._val(n)

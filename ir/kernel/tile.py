@@ -206,6 +206,33 @@ def expressions(s) -> list[KExpr]:
 
 # ---- printing ------------------------------------------------------------------------------------
 
+class PrintedValues:
+    """A printer's values in scope, innermost block last (memo: a dict per open block, expression
+    -> its printed name), forgotten when a store makes their loads stale."""
+    memo: list[dict]
+
+    def lookup(self, n: KExpr):
+        for layer in reversed(self.memo):
+            if n in layer:
+                return layer[n]
+        return None
+
+    def forget(self, target) -> None:
+        """After a store to `target`: loads of it, and what was computed from them, are stale."""
+        for layer in self.memo:
+            for n in [n for n in layer if target in self.reads(n)]:
+                del layer[n]
+
+    def reads(self, n) -> frozenset:
+        """The targets whose loads n's value depends on (kept per node: a printer asks often)."""
+        cache = self.__dict__.setdefault("_reads", {})
+        for x in n.toposort() if n not in cache else ():
+            if x not in cache:
+                own = {x.arg if x.op == "load" else x.arg[0]} if x.op in ("load", "vload") else set()
+                cache[x] = frozenset(own.union(*(cache[s] for s in x.src)))
+        return cache[n]
+
+
 def pp_tile(k: TileKernel) -> str:
     lines = [f"tile kernel {k.name}(" + ", ".join(
         f"{'in' if i < k.n_inputs else 'out'} {b.name}:{np.dtype(b.dtype).name}[{b.size}]"
