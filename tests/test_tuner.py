@@ -148,10 +148,10 @@ def test_opencl_work_group_size_is_tuned_and_used(db):
     f = tx.jit(lambda v: tnp.exp(-v * v) * 3.0, device=dev)
     report = tx.tune(f, x, trials=6, progress=False, repeat=3, verify=False)
     (res,) = report.results
-    assert res.template == "opencl_kernel" and res.stored and res.best_seconds <= res.default_seconds
+    assert res.template == "tile_kernel" and res.stored and res.best_seconds <= res.default_seconds
     tuner.applied.clear()
     np.testing.assert_allclose(np.asarray(f(x)), np.exp(-x * x) * 3, rtol=1e-5, atol=1e-6)
-    assert [p for k, p in tuner.applied.items() if k[0] == "opencl_kernel"] == [res.best]
+    assert [p for k, p in tuner.applied.items() if k[0] == "tile_kernel"] == [res.best]
 
 
 def test_cuda_block_size_is_a_template_and_a_stored_block_is_built(db):

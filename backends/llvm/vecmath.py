@@ -12,6 +12,8 @@ import math
 
 import llvmlite.ir as ir
 
+from tilefuse.ir.kernel.mathlib import ERF_LARGE, ERF_SMALL
+
 F32, F64, I32, I64 = ir.FloatType(), ir.DoubleType(), ir.IntType(32), ir.IntType(64)
 LN2_HI, LN2_LO = 0.693359375, -2.12194440e-4  # Cody-Waite split of ln 2 (cephes)
 LOG2E = 1.44269504088896341
@@ -286,15 +288,8 @@ def logistic(em: Emit, x):
     return em.sel(em.isnan(x), x, r)
 
 
-# erf: |x| < 0.9: x·P(x²); 0.9 ≤ |x| < 3.95: 1 - exp(Q(|x| - 2.425)), Q ≈ log erfc; beyond: ±1.
-# Fitted here (least squares on Chebyshev nodes refined toward minimax, in float64).
-ERF_SMALL = (8.53883902891539e-05, -0.0008181927260011435, 0.005204435903578997,
-             -0.026860753074288368, 0.11283719539642334, -0.37612634897232056, 1.128379225730896)
-ERF_LARGE = (-7.444486360697056e-09, 1.625219169909542e-06, -1.4225823179003783e-05,
-             8.458823140244931e-05, -0.0004566970746964216, 0.0023295078426599503,
-             -0.011532275937497616, -0.9413756132125854, -5.2112836837768555, -7.410668849945068)
-
-
+# erf: |x| < 0.9: x·P(x²); 0.9 ≤ |x| < 3.95: 1 - exp(Q(|x| - 2.425)), Q ≈ log erfc; beyond: ±1
+# (ir/kernel/mathlib.py; fitted toward minimax in float64).
 def erf(em: Emit, x):
     b = em.b
     ty = x.type

@@ -130,6 +130,10 @@ class WebGPUBackend(Backend):
         if bad:
             raise CompileError(f"webgpu: kernel {tk.name} holds {', '.join(bad)}: WGSL has no 64-bit types; "
                                "use float32/int32 on this device", backend="webgpu", kernel=str(tk))
+        big = max((b.size * np.dtype(b.dtype).itemsize for b in tk.buffers), default=0)
+        if big > self.info.extra["max_buffer"]:
+            raise OutOfMemoryError(f"webgpu: cannot allocate an array of {big} bytes for kernel {tk.name}: a buffer holds at "
+                                   f"most {self.info.extra['max_buffer']} on {self.info.name}")
         p = print_wgsl(tk)
         with self._lock:
             hit = self._pipelines.get(p.source)

@@ -232,8 +232,8 @@ class Emu:
             a, b = self.val(t, ops[1], cw), self.val(t, ops[2], cw)
             if ct == "f32":
                 a, b = f32(a), f32(b)
-                if cmp == "nan":
-                    R[ops[0]] = int(a != a or b != b)
+                if cmp in ("nan", "num"):  # unordered (either is NaN), ordered (neither)
+                    R[ops[0]] = int((a != a or b != b) == (cmp == "nan"))
                     return
             elif ct[0] == "s":
                 a, b = sgn(a, cw), sgn(b, cw)
