@@ -15,6 +15,7 @@ import numpy as np
 
 from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
 from tilefuse.ir.kernel.schedule import Schedule, default_schedule, schedule
+from tilefuse.ir.kernel.tile import loop_trips
 from tilefuse.runtime.config import config
 from tilefuse.runtime.hardware import DeviceInfo, target_of
 from tilefuse.runtime.memory import PoolAllocator
@@ -109,7 +110,9 @@ class WebGPUBackend(Backend):
             max_work_group=min(lim["max-compute-invocations-per-workgroup"], lim["max-compute-workgroup-size-x"]),
             features=tuple(sorted(adapter.features)),
             extra={"device_type": "gpu", "fp64": False, "unsupported": UNSUPPORTED, "fp16": "shader-f16" in adapter.features,
-                   "max_buffer": lim["max-storage-buffer-binding-size"], "adapter_type": info.get("adapter_type")})
+                   "max_buffer": lim["max-storage-buffer-binding-size"], "adapter_type": info.get("adapter_type"),
+                   # Mesa's llvmpipe ends any loop after 65535 trips per invocation (gallivm's limit)
+                   "max_loop_trips": 65535 if "llvmpipe" in info.get("device", "") else None})
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.pool = PoolAllocator(lambda n: self._raw_alloc(n, usage), lambda b: b.destroy(), name="webgpu")
         return [self.info]
@@ -134,6 +137,10 @@ class WebGPUBackend(Backend):
         if big > self.info.extra["max_buffer"]:
             raise OutOfMemoryError(f"webgpu: cannot allocate an array of {big} bytes for kernel {tk.name}: a buffer holds at "
                                    f"most {self.info.extra['max_buffer']} on {self.info.name}")
+        cap = self.info.extra["max_loop_trips"]
+        if cap and loop_trips(tk.body) > cap:  # (the driver would end the loop early: a wrong result)
+            raise CompileError(f"webgpu: kernel {tk.name} runs a loop {loop_trips(tk.body)} times in one work-item; "
+                               f"{self.info.name} stops loops at {cap}", backend="webgpu", kernel=str(tk))
         p = print_wgsl(tk)
         with self._lock:
             hit = self._pipelines.get(p.source)

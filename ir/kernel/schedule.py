@@ -12,6 +12,10 @@ The layout (v1):
 - Reductions: per point, one pass over the reduction space per dependency level
   (ir.reduce_levels), accumulators in registers (argmax/argmin: value and index); a reduce node
   then reads its accumulator. Row stores (they read the reduction indices) run in a last pass.
+- Long reductions on a GPU (`reduce_group`): a work-group per point; its work-items walk the
+  reduction space strided, then combine their partials in shared memory (a tree of halvings,
+  a barrier between steps) and all read the result; one work-item stores the point, all store the
+  row. No work-item loops over a long space alone (slow, and a driver may cap a loop's trips).
 - "add" stores are atomic adds; a kernel that also sets what it adds to, or whose dtype has no
   atomic add on the target, runs on one work-item (`serial`)."""
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .ir import (INDEX, Kernel, KExpr, affine_forms, binary, cast, const, reduce
                  unary)
 from .ir import Store as KStore
 from .target import Target
-from .tile import (Alloc, If, Range, Store, TileKernel, broadcast, hmax, hmin, hsum, iota, lanes_of, tload, var,
+from .tile import (Alloc, Barrier, If, Range, Store, TileKernel, broadcast, hmax, hmin, hsum, iota, lanes_of, tload, var,
                    vload)
 
 ATOMIC = ("int32", "uint32", "float32", "int64", "float64")
@@ -45,6 +49,8 @@ class Schedule:
     serial: bool = False
     owner: bool = False
     reduce_lanes: int = 1  # vector width along the last reduction axis (sums, maxima, minima)
+    reduce_group: int = 1  # GPU: a work-group of this many work-items (a power of two) per point,
+    #                        reducing its space together (strided, then a tree in shared memory)
 
 
 def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> Schedule:
@@ -56,6 +62,9 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
     lanes = W if k.shape and k.shape[-1] >= W > 1 else 1
     adds = [s for s in k.stores if s.mode == "add"]
     if not adds:
+        G = _reduce_group(k, target)
+        if G > 1:
+            return Schedule(G, 1, reduce_group=G)
         if W > 1 and k.reduce_shape and k.reduce_shape[-1] >= W:
             par, red = _contiguous(k, ("idx", len(k.shape) - 1)), _contiguous(k, ("ridx", len(k.reduce_shape) - 1))
             if red > par or not lanes:
@@ -69,6 +78,23 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
             any(np.dtype(k.buffers[s.buffer].dtype).name not in ATOMIC for s in adds):
         return Schedule(serial=True)
     return Schedule(group, 1)
+
+
+GROUP_REDUCE_MIN = 512  # reduction sizes from which a GPU point takes a work-group
+
+
+def _reduce_group(k: Kernel, target: Target) -> int:
+    """The work-group size for cooperative reductions on a GPU target (1: none): a power of two,
+    for kernels whose reductions are long sums, products, maxima or minima."""
+    n = math.prod(k.reduce_shape) if k.reduce_shape else 0
+    roots = [e for st in k.stores for e in (st.offset, st.value)]
+    reds = [r for level in reduce_levels(roots) for r in level]
+    if target.kind != "gpu" or n < GROUP_REDUCE_MIN or not reds or any(r.arg not in GROUP_REDUCE for r in reds):
+        return 1
+    G = 1 << (min(256, target.max_group, n).bit_length() - 1)
+    while G > 1 and G * 16 * len(reds) > target.shared_bytes:
+        G //= 2
+    return G
 
 
 def _contiguous(k: Kernel, key: tuple) -> int:
@@ -134,7 +160,9 @@ def substitute(roots, env: dict, vector: tuple | None = None) -> dict:
 
 
 VECTOR_REDUCE = ("sum", "max", "min", "argmax", "argmin")
+GROUP_REDUCE = ("sum", "max", "min", "prod", "argmax", "argmin")
 BLOCK = 1024  # elements a float sum adds up before it is flushed into its total (blocked summation)
+LANE_BLOCK = 128  # the same for one work-item's share of a group reduction (a scalar: no lanes to split it)
 
 
 def _fold_arg(op: str, vname: str, tail: str | None, d: np.dtype, W: int) -> tuple[list, KExpr]:
@@ -166,6 +194,23 @@ def _fold_arg(op: str, vname: str, tail: str | None, d: np.dtype, W: int) -> tup
     return stmts, cur_i
 
 
+def _halve(op: str, d: np.dtype, name: str, at: KExpr, other: KExpr) -> tuple:
+    """One step of a shared-memory tree: the partial at `at` combined with the one at `other`
+    (argmax/argmin: values in `name`, indices in `name`i; ties to the first index, a NaN is the
+    extreme, an index < 0 is a lane that saw nothing)."""
+    va, vb = tload(name, at, d), tload(name, other, d)
+    if op not in ("argmax", "argmin"):
+        return (Store(name, at, _combine(op, va, vb)),)
+    ia, ib = tload(name + "i", at, INDEX), tload(name + "i", other, INDEX)
+    gt, tie = binary("gt" if op == "argmax" else "lt", vb, va), binary("eq", vb, va)
+    if d.kind == "f":
+        gt = binary("or", gt, binary("and", binary("ne", vb, vb), binary("eq", va, va)))
+        tie = binary("or", tie, binary("and", binary("ne", vb, vb), binary("ne", va, va)))
+    take = binary("and", binary("ge", ib, _ic(0)), binary("or", binary("lt", ia, _ic(0)), binary(
+        "or", gt, binary("and", tie, binary("lt", ib, ia)))))
+    return (If(take, (Store(name, at, vb), Store(name + "i", at, ib))),)
+
+
 def _identity(op: str, d: np.dtype):
     if op in ("sum",):
         return False if d == np.bool_ else 0
@@ -192,6 +237,8 @@ class _Builder:
         """Statements computing `reds` (one level) at the point I_env, and reduce -> value; also
         the `stash` stores (row_stashes: a costly value the row pass reads back), made in its loop."""
         R = self.k.reduce_shape
+        if self.s.reduce_group > 1:
+            return self._group_reduction(reds, I_env, stash)
         W = self.s.reduce_lanes if R[-1] >= self.s.reduce_lanes else 1
         if vector is None and all(r.arg in VECTOR_REDUCE for r in reds) and \
                 (W > 1 or (R[-1] > 2 * BLOCK and any(r.arg == "sum" and r.dtype.kind == "f" for r in reds))):
@@ -284,13 +331,7 @@ class _Builder:
         def fold(r, acc):
             x = acc["cur"]
             return x if acc["w"] == 1 else (hsum if r.arg == "sum" else hmax if r.arg == "max" else hmin)(x)
-        def kahan(r):  # total += the block's sum, its rounding error carried to the next block
-            t, c, nxt = totals[r]
-            y = binary("sub", fold(r, vaccs[r]), c["cur"])
-            return (Store(nxt["name"], _ic(0), binary("add", t["cur"], y)),
-                    Store(c["name"], _ic(0), binary("sub", binary("sub", nxt["cur"], t["cur"]), y)),
-                    Store(t["name"], _ic(0), nxt["cur"]), Store(vaccs[r]["name"], _ic(0), broadcast(const(0, r.dtype), W)))
-        flush = tuple(st for r in totals for st in kahan(r))
+        flush = tuple(st for r in totals for st in self._kahan(totals[r], fold(r, vaccs[r]), vaccs[r], W))
         rb, rv, rr, rt = var("rb"), var("rv"), var("rr"), var("rt")
         body = ()
         if nb:
@@ -320,6 +361,71 @@ class _Builder:
             results[r] = _combine(r.arg, v, saccs[r]["cur"]) if tail else v
         return decls + list(body) + folds, results
 
+    def _totals(self, reds: list, blocked: bool) -> tuple[dict, list]:
+        """For each float sum (when `blocked`): accumulators for the total, its error and the next."""
+        totals = {r: tuple(self._declare(r, 1) for _ in range(3)) for r in reds
+                  if blocked and r.arg == "sum" and r.dtype.kind == "f"}
+        return totals, [d for x in totals.values() for acc in x for d in acc["decl"]]
+
+    @staticmethod
+    def _kahan(total: tuple, partial: KExpr, acc: dict, W: int) -> tuple:
+        """total += the block's sum (partial), its rounding error carried to the next block; the
+        block's accumulator restarts at 0."""
+        t, c, nxt = total
+        y = binary("sub", partial, c["cur"])
+        return (Store(nxt["name"], _ic(0), binary("add", t["cur"], y)),
+                Store(c["name"], _ic(0), binary("sub", binary("sub", nxt["cur"], t["cur"]), y)),
+                Store(t["name"], _ic(0), nxt["cur"]), Store(acc["name"], _ic(0), broadcast(const(0, acc["cur"].dtype), W)))
+
+    def _group_reduction(self, reds: list, I_env: dict, stash=()) -> tuple[list, dict]:
+        """The work-group's G lanes reduce one point together: lane l takes the flat reduction
+        indices l, l + G, ... (float sums in blocks of LANE_BLOCK steps flushed into a total), then the
+        partials meet in shared memory, halving each step; every lane reads the result."""
+        R, G, lane = self.k.reduce_shape, self.s.reduce_group, var("l")
+        n = math.prod(R)
+        T = -(-n // G)
+        nb, rem = (T // LANE_BLOCK, T % LANE_BLOCK) if T > LANE_BLOCK else (0, T)
+        accs = {r: self._declare(r, 1) for r in reds}
+        totals, decls = self._totals(reds, nb > 0)
+        decls = [d for a in accs.values() for d in a["decl"]] + decls
+
+        def steps_at(t: KExpr) -> tuple:
+            f = _add(_mul(t, G), lane)
+            env = {**I_env, **{KExpr("ridx", INDEX, (), a): i for a, i in enumerate(_divmod(f, R))}}
+            out = []
+            for r in reds:
+                body = substitute(list(r.src), env)
+                out += self._update(r, accs[r], body[r.src[0]], body[r.src[1]] if len(r.src) > 1 else None)
+            return (If(binary("lt", f, _ic(n)), tuple(out) + tuple(self.store(st, env, None) for st in stash)),)
+        rb, rv, rr = var("rb"), var("rv"), var("rr")
+        body: list = []
+        if nb:
+            flush = tuple(st for r in totals for st in self._kahan(totals[r], accs[r]["cur"], accs[r], 1))
+            body.append(Range("rb", nb, "serial", (Range("rv", LANE_BLOCK, "serial",
+                                                         steps_at(_add(_mul(rb, LANE_BLOCK), rv))),) + flush))
+        if rem:
+            body.append(Range("rr", rem, "serial", steps_at(_add(_ic(nb * LANE_BLOCK), rr))))
+        tree, results, halve = [], {}, {}
+        for r in reds:
+            d, name = np.dtype(r.src[0].dtype), accs[r]["name"] + "s"
+            v = accs[r]["cur"]
+            if r in totals:
+                v = binary("add", totals[r][0]["cur"], binary("sub", v, totals[r][1]["cur"]))
+            tree += [Alloc(name, d, G, "shared"), Store(name, lane, v)]
+            results[r] = tload(name, _ic(0), d)
+            if r.arg in ("argmax", "argmin"):
+                tree += [Alloc(name + "i", np.dtype(INDEX), G, "shared"), Store(name + "i", lane, accs[r]["idx"])]
+                results[r] = tload(name + "i", _ic(0), INDEX)
+            halve[r] = (d, name)
+        tree.append(Barrier())
+        step = G // 2
+        while step:
+            tree.append(If(binary("lt", lane, _ic(step)), tuple(
+                st for r in reds for st in _halve(r.arg, *halve[r], lane, _add(lane, _ic(step))))))
+            tree.append(Barrier())
+            step //= 2
+        return decls + body + tree, results
+
     def point(self, I: list, vector) -> tuple:
         """The statements of one unit at parallel indices I."""
         k = self.k
@@ -341,6 +447,17 @@ class _Builder:
         row = [st if id(st) not in stashes else KStore(st.buffer, st.offset, substitute(
             [st.value], {stashes[id(st)][1]: KExpr("load", stashes[id(st)][1].dtype, (st.offset,), st.buffer)}
         )[st.value], st.mode) for st in row]
+        G = self.s.reduce_group
+        if G > 1:  # lane 0 stores the point; the lanes store the row strided, as they reduced it
+            if plain:
+                out.append(If(binary("eq", var("l"), _ic(0)), tuple(self.store(st, env, None) for st in plain)))
+            if row:
+                n, qt = math.prod(R), var("qt")
+                f = _add(_mul(qt, G), var("l"))
+                renv = {**env, **{KExpr("ridx", INDEX, (), a): i for a, i in enumerate(_divmod(f, R))}}
+                out.append(Range("qt", -(-n // G), "serial", (If(binary("lt", f, _ic(n)), tuple(
+                    self.store(st, renv, None) for st in row)),)))
+            return tuple(out)
         for st in plain:
             out.append(self.store(st, env, vector))
         if row:
@@ -396,6 +513,10 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
         return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
     if s.owner:
         return _owner(k, s, b)
+    if s.reduce_group > 1:
+        points = max(1, math.prod(shape))
+        body = (Range("g", points, "grid", (Range("l", s.reduce_group, "lane", b.point(_divmod(var("g"), shape), None)),)),)
+        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
     W = s.lanes
     if W > 1:
         last = shape[-1]

@@ -193,6 +193,19 @@ def walk(body):
             yield from walk(s.body)
 
 
+def loop_trips(body, outer: int = 1) -> int:
+    """The most iterations one loop statement (a serial or unrolled Range) runs in one work-item,
+    over all the times its enclosing loops enter it (a variable extent counts as 1)."""
+    most = 0
+    for s in body:
+        if isinstance(s, Range) and s.kind in ("serial", "unroll"):
+            n = outer * (s.extent if isinstance(s.extent, int) else 1)
+            most = max(most, n, loop_trips(s.body, n))
+        elif isinstance(s, (Range, If)):
+            most = max(most, loop_trips(s.body, outer))
+    return most
+
+
 def expressions(s) -> list[KExpr]:
     """The expressions a statement reads directly."""
     if isinstance(s, Store):

@@ -48,3 +48,48 @@ def test_gemm_tile_kernels_match_the_reference(device, schedule):
         tol = 2e-2 if args[0].dtype != np.float32 else 1e-5
         np.testing.assert_allclose(np.asarray(got, np.float32), want.astype(np.float32), rtol=tol, atol=tol,
                                    err_msg=f"{row} under {s}")
+
+
+# ---- cooperative reductions: a work-group per point (GPU targets' long reductions) -------------
+
+def _one_kernel(f, *args):
+    from tilefuse.ir.kernel import lower_region
+    from tilefuse.ir.passes import partition, run_passes
+    (lk,) = [lk for r in partition(run_passes(tx.make_graph(f)(*args))) for lk in lower_region(r)]
+    return lk.kernel
+
+
+_rng = np.random.default_rng(3)
+GROUP_CASES = {  # a long sum (blocked: more than BLOCK steps per lane), rows with a stash, max, prod
+    "sum of 100k": (lambda x: x.sum(), np.full(100_000, 0.1, np.float32)),
+    "softmax rows": (lambda x: tx.nn.softmax(x, axis=-1), _rng.standard_normal((3, 700)).astype(np.float32) * 4),
+    "layer norm rows": (lambda x: (x - x.mean(-1, keepdims=True)) / (x.var(-1, keepdims=True) + 1e-5) ** 0.5,
+                        _rng.standard_normal((2, 1000)).astype(np.float32) + 3),
+    "max over axes 0, 2": (lambda x: x.max(axis=(0, 2)), _rng.standard_normal((30, 3, 40)).astype(np.float32)),
+    "ragged prod": (lambda x: x.prod(axis=1), 1 + _rng.standard_normal((2, 777)).astype(np.float32) * 1e-3),
+    "argmax with ties and NaN": (lambda x: x.argmax(axis=1), np.where(np.arange(1200) % 97 == 5, np.float32(9),
+                                 _rng.standard_normal((3, 1200))).astype(np.float32) *
+                                 np.float32([[1], [1], [np.nan]])),
+    "argmin": (lambda x: x.argmin(axis=0), _rng.standard_normal((900, 2)).astype(np.float32)),
+}
+
+
+@pytest.mark.parametrize("case", GROUP_CASES)
+@pytest.mark.parametrize("group", [1, 8, 64])
+def test_group_reductions_match_the_reference(device, case, group):
+    from tilefuse.ir.kernel.schedule import Schedule, schedule
+    if not device.backend.tile_kernels or "shared" not in device.backend.tile_prints or not device.info.local_mem_bytes:
+        pytest.skip(f"{device.name} runs no work-group of shared memory from the tile printer")
+    f, x = GROUP_CASES[case]
+    k = _one_kernel(f, x)
+    if group > device.info.max_work_group:
+        pytest.skip(f"{device.name} holds work-groups of at most {device.info.max_work_group}")
+    tk = schedule(k, target_of(device.info), Schedule(group, 1, reduce_group=group) if group > 1 else None)
+    run = device.backend.compile_tile(tk, device)
+    out = k.buffers[-1]
+    bufs = [device.backend.put(x.reshape(-1), device), device.backend.put(np.zeros(out.size, out.dtype), device)]
+    run(bufs)
+    got = device.backend.to_host(bufs[1], ShapedArray((out.size,), out.dtype), device)
+    want = np.asarray(f(x.astype(np.float64)) if case != "softmax rows" else
+                      np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-5, atol=1e-6, err_msg=f"{case}, groups of {group}")

@@ -106,3 +106,12 @@ def test_lockstep_reference_sees_shared_memory_after_a_barrier():
 def _f32(x):
     from tilefuse.ir.kernel.ir import cast
     return cast(x, F32)
+
+
+def test_loop_trips_count_every_entry_of_a_loop():
+    """A driver that caps a loop's trips per work-item (llvmpipe: 65535) counts them over every
+    time the enclosing loops enter it: the WebGPU backend refuses past the cap, never truncates."""
+    from tilefuse.ir.kernel.tile import loop_trips
+    inner = Range("b", 5, "serial", (Store("x", const(0, INDEX), const(1.0, np.float32)),))
+    body = (Range("g", 100, "grid", (Range("a", 3, "serial", (inner,)), Range("c", 7, "serial", ()))),)
+    assert loop_trips(body) == 15 and loop_trips((inner,)) == 5 and loop_trips(()) == 0
