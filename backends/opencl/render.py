@@ -33,8 +33,9 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.ir import KExpr, Kernel, Store, cast as kcast, load as kload, pp_kernel, reads_ridx, \
-    reduce_levels, row_stashes
+from tilefuse.ir.kernel.ir import SUM_BLOCK, SUM_FAN, KExpr, Kernel, Store, blocked_sums, idx, \
+    known_multiple, pp_kernel, reads_ridx, reduce_levels, ridx, row_stashes, sum_levels, value_range
+from tilefuse.ir.kernel.ir import cast as kcast, load as kload
 
 F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
 BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
@@ -116,8 +117,10 @@ class _Body:
     leaf (`vary`) carrying W lanes. A node is rendered as a vector when it depends on that leaf
     (and `scalar` is off), else as a scalar; `memo` maps (node, is_scalar) to its variable."""
 
-    def __init__(self, k: Kernel, out: list, vary: tuple | None, width: int, base: str, indent: str):
+    def __init__(self, k: Kernel, out: list, vary: tuple | None, width: int, base: str, indent: str,
+                 align: int = 0):
         self.k, self.out, self.vary, self.W, self.base, self.ind = k, out, vary, width, base, indent
+        self.align = align  # bytes every buffer's start is aligned to (0: nothing is assumed)
         self.memo: dict = {}
         self.scalar = vary is None or width == 1
         self._varying: dict = {}
@@ -160,8 +163,10 @@ class _Body:
         return f"(-convert_{MASK_T[_size(d)]}{w}({cond}))"
 
     def to_bool(self, m: str, w: int) -> str:
-        """A comparison result (scalar 1/0, vector -1/0) as a bool value."""
-        return f"((uchar)({m}))" if w == 1 else f"convert_uchar{w}(({m}) & 1)"
+        """A comparison result (scalar 1/0, vector -1/0 of the operands' element size) as a bool
+        value. The mask is converted first: `char8 & 1` is an error (an int operand outranks
+        the vector's char elements)."""
+        return f"((uchar)({m}))" if w == 1 else f"(convert_uchar{w}({m}) & (uchar{w})(1))"
 
     # ---- nodes ----
     def val(self, n: KExpr, scalar: bool = False) -> str:
@@ -201,9 +206,15 @@ class _Body:
             return f"({c} ? {a} : {b})" if w == 1 else f"select({b}, {a}, {self.mask(c, d, w)})"
         if op == "cast":
             return self.cast(args[0], n.src[0].dtype, d, w)
+        if op in WRAPPING and d in (I32, I64) and not self.cannot_overflow(n):
+            return wrapping(op, args, d, w)
         if len(args) == 1:
             return self.unary(op, args[0], d, w)
         return self.binary(op, args[0], args[1], n.src[0].dtype, w)
+
+    def cannot_overflow(self, n: KExpr) -> bool:
+        """Index arithmetic: bounded by the index spaces (so it may stay signed and plain)."""
+        return self.k is not None and value_range(n, self.k.shape, self.k.reduce_shape) is not None
 
     def unary(self, op: str, x: str, d, w: int) -> str:
         if op in ("sin", "cos") and w > 1:
@@ -260,7 +271,7 @@ class _Body:
         if op in ("shift_left", "shift_right_logical"):
             vt = self.ty(d, w)
             ut = ("ulong" if d.itemsize == 8 else "uint") + ("" if w == 1 else str(w))
-            sh = f"({a} << {b})" if op == "shift_left" else f"as_{vt}(as_{ut}({a}) >> as_{ut}({b}))"
+            sh = f"as_{vt}(as_{ut}({a}) {'<<' if op == 'shift_left' else '>>'} as_{ut}({b}))"
             zero, bits = literal(0, d), literal(d.itemsize * 8, d)
             bad = f"({b} >= {bits})" if d == U32 else f"(({b} < {zero}) | ({b} >= {bits}))"
             if w == 1:  # numpy: shifting by the width or more (or by < 0) gives 0
@@ -309,7 +320,9 @@ class _Body:
         if w == 1:
             self.line(f"ushort {t}; vstore_half_rte({x}, 0, (__private half*)&{t});")
             return f"vload_half(0, (__private half*)&{t})"
-        self.line(f"ushort {t}[{w}]; vstore_half{w}_rte({x}, 0, (__private half*){t});")
+        # aligned to the vector's size: PoCL's vstore_halfN/vload_halfN assume it (see aligned)
+        self.line(f"ushort {t}[{w}] __attribute__((aligned({2 * w}))); "
+                  f"vstore_half{w}_rte({x}, 0, (__private half*){t});")
         return f"vload_half{w}(0, (__private half*){t})"
 
     def bf16_bits(self, x: str, w: int) -> str:
@@ -343,6 +356,18 @@ class _Body:
                 return c * int(x.arg)
         return None
 
+    def aligned(self, off: KExpr, w: int, itemsize: int) -> bool:
+        """Whether a w-wide vector access at element offset `off` (contiguous along the vector
+        axis) is proven to start at a multiple of its own size: the buffer's start is aligned
+        so far (the device's base_align) and `off` is a multiple of w (the vector axis' base is).
+        PoCL's vload_halfN/vstore_halfN assume that alignment (x86: an aligned 16-byte move
+        where the spec asks for 2 bytes; the AVX2 build faulted), so they need it proven;
+        vloadN/vstoreN of other types read unaligned memory correctly."""
+        if self.vary is None or w * itemsize > self.align:
+            return False
+        leaf = (idx if self.vary[0] == "idx" else ridx)(self.vary[1])
+        return known_multiple(off, {leaf: w}) % w == 0
+
     def scalar_load(self, buf: int, off: str) -> str:
         d = np.dtype(self.k.buffers[buf].dtype)
         if d == F16:
@@ -358,6 +383,9 @@ class _Body:
             return self.scalar_load(buf, self.val(off, True))
         if self.lin(off) == 1:
             o0 = self.val(off, True)
+            if d == F16 and not self.aligned(off, w, 2):  # one vload_half per lane
+                lanes = ", ".join(f"vload_half({o0} + {j}, b{buf})" for j in range(w))
+                return f"(({self.ty(n.dtype, w)})({lanes}))"
             if d == F16:
                 return f"vload_half{w}(0, b{buf} + {o0})"
             if d == BF16:
@@ -381,7 +409,10 @@ class _Body:
             self.scalar_store(st.buffer, self.val(st.offset, True), v, d)
         elif self.lin(st.offset) == 1:
             o0 = self.val(st.offset, True)
-            if d == F16:
+            if d == F16 and not self.aligned(st.offset, w, 2):
+                for j in range(w):
+                    self.line(f"vstore_half_rte({v}.s{LANE[j]}, {o0} + {j}, b{st.buffer});")
+            elif d == F16:
                 self.line(f"vstore_half{w}_rte({v}, 0, b{st.buffer} + {o0});")
             elif d == BF16:
                 self.line(f"vstore{w}(convert_ushort{w}({self.bf16_bits(v, w)} >> 16), 0, "
@@ -421,6 +452,20 @@ class _Body:
                       f"{ut} {old} = *{q}, {prev};")
             self.line(f"  do {{ {prev} = {old}; {old} = {cas}({q}, {prev}, "
                       f"as_{ut}(as_{ft}({prev}) + {v})); }} while ({old} != {prev}); }}")
+
+
+WRAPPING = ("add", "sub", "mul", "neg")  # (shift_left shifts unsigned: see binary)
+
+
+def wrapping(op: str, args: list, d, w: int) -> str:
+    """Signed integer arithmetic that wraps (numpy's) instead of overflowing, which C leaves
+    undefined and compilers exploit ((x + 1) > x folded to true): computed unsigned, and the
+    bits read back as signed."""
+    suffix = "" if w == 1 else str(w)
+    vt, ut = VALUE_T[np.dtype(d)] + suffix, ("ulong" if np.dtype(d) == I64 else "uint") + suffix
+    if op == "neg":
+        return f"as_{vt}(({ut})(0) - as_{ut}({args[0]}))"
+    return f"as_{vt}(as_{ut}({args[0]}) {ARITH[op]} as_{ut}({args[1]}))"
 
 
 ATOMIC_DTYPES = (I32, U32, F32)
@@ -516,10 +561,11 @@ def _decompose(out: list, ind: str, var: str, axes: list, tmp: str = "q_") -> No
     out.append(f"{ind}const long {live[0][0]} = {tmp};")
 
 
-def _emit_body(k: Kernel, out: list, ind: str, vary, width: int, base: str, atomic: bool) -> None:
+def _emit_body(k: Kernel, out: list, ind: str, vary, width: int, base: str, atomic: bool,
+               align: int = 0) -> None:
     """Reductions (if any, one pass per dependency level) then the stores, for the point(s)
     whose indices are in scope; then the row stores in one more pass over the reduction space."""
-    b = _Body(k, out, vary, width, base, ind)
+    b = _Body(k, out, vary, width, base, ind, align)
     stash = row_stashes(k)  # values a reduction pass keeps in a row store's buffer for the row pass
     for i, level in enumerate(reduce_levels(st.value for st in k.stores)):
         _emit_reductions(b, level, [Store(st.buffer, st.offset, stash[id(st)][1]) for st in k.row_stores
@@ -603,6 +649,12 @@ def _emit_reductions(b: _Body, reds: list, stash=(), atomic: bool = False) -> No
         names = _init_acc(b, r, d, w, "a")
         tail = _init_acc(b, r, d, 1, "s") if vec_red else None
         accs[r] = (names, w, tail)
+    steps = int(np.prod(k.reduce_shape, dtype=np.int64))
+    blocked = []  # (accumulator, C type): the lanes' and the scalar tail's
+    for r in blocked_sums(reds, steps):
+        names, w, tail = accs[r]
+        blocked += [(names[0], b.ty(r.dtype, w))] + ([(tail[0], b.ty(r.dtype, 1))] if tail else [])
+    blocks = _SumBlocks(b, blocked, steps)
     nr = len(k.reduce_shape)
     last = nr - 1
     for ax in range(nr - 1 if vec_red else nr):
@@ -612,16 +664,17 @@ def _emit_reductions(b: _Body, reds: list, stash=(), atomic: bool = False) -> No
         W, R = b.W, k.reduce_shape[last]
         b.line(f"{{ long r{last} = 0;  // (a row kernel walks its row once per level)")
         b.line(f"for (; r{last} + {W} <= {R}L; r{last} += {W}) {{")
-        _loop_body(b, reds, accs, 0, stash=stash, atomic=atomic)
+        _loop_body(b, reds, accs, 0, stash=stash, atomic=atomic, blocks=blocks)
         b.line("}")
         b.line(f"for (; r{last} < {R}L; ++r{last}) {{")
-        _loop_body(b, reds, accs, 2, stash=stash, atomic=atomic)
+        _loop_body(b, reds, accs, 2, stash=stash, atomic=atomic, blocks=blocks)
         b.line("} }")
     else:
-        _loop_body(b, reds, accs, 0, indent=False, stash=stash, atomic=atomic)
+        _loop_body(b, reds, accs, 0, indent=False, stash=stash, atomic=atomic, blocks=blocks)
     for ax in range(nr - 1 if vec_red else nr):
         b.ind = b.ind[:-2]
         b.line("}")
+    blocks.finish()
     for r in reds:
         (names, w, tail) = accs[r]
         if vec_red:
@@ -642,9 +695,46 @@ def _init_acc(b: _Body, r: KExpr, d, w: int, tag: str) -> tuple:
     return (acc,)
 
 
-def _loop_body(b: _Body, reds, accs, which: int, indent: bool = True, stash=(), atomic=False) -> None:
+class _SumBlocks:
+    """Blocked float sums (ir/kernel/ir.py, SUM_BLOCK and SUM_FAN): a step counter, and every
+    SUM_BLOCK steps each accumulator's partial sum moves up into levels of SUM_FAN-way sums
+    (variables <acc>_l1, _l2, ...), added together from the lowest at the end (`finish`)."""
+
+    def __init__(self, b: _Body, accs: list, steps: int):
+        self.b, self.accs = b, accs  # [(accumulator, its C type)]
+        self.levels = sum_levels(steps) if accs else 0
+        if self.levels:
+            tag = f"k{len(b.out)}"
+            self.counters = [f"{tag}_{j}" for j in range(self.levels)]
+            b.line("uint " + ", ".join(f"{c} = 0" for c in self.counters) + ";  // blocked sums")
+            for acc, ct in accs:
+                b.line(f"{ct} " + ", ".join(f"{self._name(acc, j)} = ({ct})(0)"
+                                            for j in range(1, self.levels + 1)) + ";")
+
+    def _name(self, acc: str, j: int) -> str:
+        return acc if j == 0 else f"{acc}_l{j}"
+
+    def step(self) -> None:
+        """After a step of the accumulators: the flush when a block is complete."""
+        def flush(j):
+            moves = " ".join(f"{self._name(a, j + 1)} += {self._name(a, j)}; {self._name(a, j)} = ({ct})(0);"
+                             for a, ct in self.accs)
+            more = (" " + flush(j + 1)) if j + 1 < self.levels else ""
+            c, limit = self.counters[j], SUM_BLOCK if j == 0 else SUM_FAN
+            return f"if (++{c} == {limit}u) {{ {c} = 0; {moves}{more} }}"
+        if self.levels:
+            self.b.line(flush(0))
+
+    def finish(self) -> None:
+        for a, _ in self.accs:
+            for j in range(1, self.levels + 1):
+                self.b.line(f"{a} = {a} + {self._name(a, j)};")
+
+
+def _loop_body(b: _Body, reds, accs, which: int, indent: bool = True, stash=(), atomic=False,
+               blocks: _SumBlocks | None = None) -> None:
     """One step of every reduction. which: 0 the (maybe vector) accumulators, 2 the scalar tail;
-    then the stores of `stash`."""
+    then the stores of `stash` and the flush of blocked sums."""
     saved = dict(b.memo)
     if indent:
         b.ind += "  "
@@ -658,6 +748,8 @@ def _loop_body(b: _Body, reds, accs, which: int, indent: bool = True, stash=(), 
         _update(b, r.arg, np.dtype(r.src[0].dtype), names, v, ix, w)
     for st in stash:
         b.store(st, atomic, which == 2)
+    if blocks is not None:
+        blocks.step()
     if indent:
         b.ind = b.ind[:-2]
     b.memo = saved
@@ -665,7 +757,9 @@ def _loop_body(b: _Body, reds, accs, which: int, indent: bool = True, stash=(), 
 
 def _update(b: _Body, op: str, d, names, v: str, ix: str | None, w: int) -> None:
     acc = names[0]
-    if op in ("sum", "prod"):
+    if op in ("sum", "prod") and d in (I32, I64):
+        b.line(f"{acc} = {wrapping('add' if op == 'sum' else 'mul', [acc, v], d, w)};")
+    elif op in ("sum", "prod"):
         sym = ("|" if op == "sum" else "&") if d == BOOL else ("+" if op == "sum" else "*")
         b.line(f"{acc} = {acc} {sym} {v};")
     elif op in ("max", "min"):
@@ -731,12 +825,15 @@ def _emit_tree(k: Kernel, out: list, ind: str, local: int) -> None:
                 b.val(n)
     accs = {r: _init_acc(b, r, np.dtype(r.src[0].dtype), 1, "a") for r in reds}
     total = int(np.prod(k.reduce_shape, dtype=np.int64))
+    steps = -(-total // local)  # per work-item
+    blocks = _SumBlocks(b, [(accs[r][0], b.ty(r.dtype, 1)) for r in blocked_sums(reds, steps)], steps)
     b.line(f"for (long rf = lid; rf < {total}L; rf += {local}L) {{")
     b.ind += "  "
     _decompose(out, b.ind, "rf", [(f"r{a}", n) for a, n in enumerate(k.reduce_shape)], tmp="qr_")
-    _loop_body(b, reds, {r: (names, 1, None) for r, names in accs.items()}, 0, indent=False)
+    _loop_body(b, reds, {r: (names, 1, None) for r, names in accs.items()}, 0, indent=False, blocks=blocks)
     b.ind = b.ind[:-2]
     b.line("}")
+    blocks.finish()
     for j, r in enumerate(reds):
         names = accs[r]
         b.line(f"sh{j}[lid] = {names[0]};" + (f" sh{j}i[lid] = {names[1]};" if len(names) > 1 else ""))
@@ -775,12 +872,15 @@ def _local_arrays(k: Kernel, local: int) -> list:
 
 
 def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool = True,
-           tree: int = 0, tree_below: int = 0, owners: int = 0, mode: str | None = None) -> Rendered:
+           tree: int = 0, tree_below: int = 0, owners: int = 0, mode: str | None = None,
+           base_align: int = 0) -> Rendered:
     """OpenCL C for a kernel. `width`: the device's preferred vector width for its dtypes;
     `tree`: the work-group size of tree reductions (0: none, as on CPU devices, where one
     work-group runs on one core), used for kernels of fewer than `tree_below` points reducing
     at least 8 steps per work-item; `owners`: the work-items that share an owner axis in place
-    of atomic adds (0: atomics where they exist; choose_mode); `mode` overrides the choice."""
+    of atomic adds (0: atomics where they exist; choose_mode); `mode` overrides the choice;
+    `base_align`: the bytes every buffer's start is aligned to (vector accesses that need
+    alignment are used only where it is proven)."""
     used = {np.dtype(b.dtype) for b in k.buffers} | {np.dtype(n.dtype) for n in _nodes(k)}
     if F64 in used and not fp64:
         raise CompileError(f"opencl: kernel {k.name} needs float64, which this device lacks "
@@ -818,7 +918,7 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
         out.append(f"    for (long u = 0; u < {k.size // n_a}L; ++u) {{")
         _decompose(out, "      ", "u", rest)
         out.append(f"      for (long i{a} = lo; i{a} < hi; ++i{a}) {{")  # contiguous when a is last
-        _emit_body(k, out, "        ", None, 1, "", atomic)
+        _emit_body(k, out, "        ", None, 1, "", atomic, base_align)
         out.append("      }")
         out.append("    }")
         out.append("  }")
@@ -833,14 +933,14 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
         vary = ("idx", last)
         if n_last % W:
             out.append(f"    if (ib + {W}L <= {n_last}L) {{")
-            _emit_body(k, out, "      ", vary, W, "ib", atomic)
+            _emit_body(k, out, "      ", vary, W, "ib", atomic, base_align)
             out.append("    } else {")
             out.append(f"      for (long i{last} = ib; i{last} < {n_last}L; ++i{last}) {{")
-            _emit_body(k, out, "        ", None, 1, "", atomic)
+            _emit_body(k, out, "        ", None, 1, "", atomic, base_align)
             out.append("      }")
             out.append("    }")
         else:
-            _emit_body(k, out, "    ", vary, W, "ib", atomic)
+            _emit_body(k, out, "    ", vary, W, "ib", atomic, base_align)
         out.append("  }")
     elif mode == "tree":
         units = k.size
@@ -859,7 +959,7 @@ def render(k: Kernel, *, width: int = 1, fp64: bool = True, int64_atomics: bool 
             out.append(f"  for (long u = get_global_id(0); u < {units}L; u += get_global_size(0)) {{")
         _decompose(out, "    ", "u", [(f"i{a}", n) for a, n in enumerate(shape)])
         vary = ("ridx", len(k.reduce_shape) - 1) if mode == "red" else None
-        _emit_body(k, out, "    ", vary, W, f"r{len(k.reduce_shape) - 1}", atomic)
+        _emit_body(k, out, "    ", vary, W, f"r{len(k.reduce_shape) - 1}", atomic, base_align)
         out.append("  }")
     out.append("}")
     return Rendered(name, "\n".join(out) + "\n", units, mode, W, tree if mode == "tree" else 0)
