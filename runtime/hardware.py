@@ -78,7 +78,7 @@ def description(kind: str) -> dict:
         return {}
     where = "tx.config.hdi" if not isinstance(src, str) else "TILEFUSE_HDI"
     if isinstance(src, str):
-        text = src if src.lstrip().startswith("{") else None
+        text = src if src.lstrip()[:1] in ("{", "[") else None
         if text is None:
             try:
                 with open(src) as f:

@@ -454,7 +454,7 @@ def pp_kernel(k: Kernel) -> str:
 
 # ---- what renderers share: blocked float sums, alignment and ranges of integer expressions ------
 
-SUM_BLOCK = 256  # adds into one float accumulator before its partial sum moves up a level
+SUM_BLOCK = 128  # adds into one float accumulator before its partial sum moves up a level (numpy: 128)
 SUM_FAN = 16     # partial sums per accumulator of each level above
 
 

@@ -139,7 +139,10 @@ def table(devices, selected: list[Case], results: dict, failures_only: bool = Fa
 
 def main(argv=None, selected: list[Case] | None = None) -> int:
     """The command line; `selected` replaces the tables' cases (for tests)."""
+    import faulthandler
+
     import tilefuse as tx
+    faulthandler.enable()  # a crash in a device's code names the case it ran (the progress line)
     p = argparse.ArgumentParser(prog="python -m tilefuse.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", action="append", help="a device (cpu, ref, opencl:0, ...) or kind; "
                    "repeat or separate with commas (default: every available device)")
