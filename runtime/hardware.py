@@ -14,7 +14,8 @@ has 8-wide vectors and no fp16. Keys (all optional; a section named after a devi
     fp16             false: the OpenCL device has no cl_khr_fp16 (half is storage only)
     cpu_name         the LLVM target CPU (default with vector_bits < 512: x86-64-v3 or -v2)
     cpu_features     LLVM target features to remove, glob patterns: ["avx512*", "amx*"]
-    buffer_align     bytes: sub-buffers and proven-aligned vector accesses (OpenCL)
+    buffer_align     bytes kernels may assume every buffer starts at (OpenCL: vector accesses
+                     that need alignment are used where it is proven)
     compute_units, local_mem_bytes, max_work_group, l1_bytes, l2_bytes, l3_bytes
 
 A description only narrows what a device can do (widths, local memory, work-group size, features

@@ -19,9 +19,17 @@ so the explicit vector types are what make elementwise chains fast (measured: ab
 
 Semantics follow ir/primitives.py (numpy): integer div/rem truncate (x/0 = 0, x%0 = x),
 float→int truncates, max/min propagate NaN, argmax/argmin take the first index and count NaN
-as the extreme, round is half-to-even (rint), shifts past the width give 0. float16 lives in
-buffers as half (vload_half/vstore_half), bfloat16 as ushort bits; both compute in float.
-bool is uchar 0/1, int64 long, float64 double (only with cl_khr_fp64).
+as the extreme, round is half-to-even (rint), shifts past the width give 0, signed integers
+wrap (computed unsigned: C leaves their overflow undefined). float16 lives in buffers as half
+(vload_half/vstore_half), bfloat16 as ushort bits; both compute in float, so no kernel needs
+cl_khr_fp16. bool is uchar 0/1, int64 long, float64 double (only with cl_khr_fp64).
+
+Nothing assumes the machine the code was written on: the vector width is the device's preferred
+one (4, 8, 16 all render), vector masks and comparisons use the element size of their operands
+(a uchar comparison is a char vector), vloadN/vstoreN read element-aligned memory, and
+vload_halfN/vstore_halfN, which PoCL's x86 library implements as aligned vector moves, appear
+only where the offset is proven a multiple of N from a buffer start aligned to the device's
+base address alignment. Float sums are blocked (ir/kernel/ir.py: SUM_BLOCK).
 """
 from __future__ import annotations
 

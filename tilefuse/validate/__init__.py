@@ -142,7 +142,8 @@ def main(argv=None, selected: list[Case] | None = None) -> int:
     import faulthandler
 
     import tilefuse as tx
-    faulthandler.enable()  # a crash in a device's code names the case it ran (the progress line)
+    if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__)  # a crash in a device's code names its case
     p = argparse.ArgumentParser(prog="python -m tilefuse.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", action="append", help="a device (cpu, ref, opencl:0, ...) or kind; "
                    "repeat or separate with commas (default: every available device)")
