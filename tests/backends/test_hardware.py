@@ -115,3 +115,53 @@ def test_a_simulated_avx2_machine(tmp_path):
     p = subprocess.run([sys.executable, "-c", AVX2_RUN], capture_output=True, text=True, env=env,
                        timeout=600, cwd=str(tmp_path))
     assert p.returncode == 0 and "ok" in p.stdout, p.stdout + p.stderr
+
+
+NARROW_OPENCL = textwrap.dedent("""
+    import sys
+    import numpy as np, tilefuse as tx, tilefuse.numpy as tnp, tilefuse.nn as nn
+    W = int(sys.argv[1])
+    dev = tx.devices("opencl")[0]
+    assert dev.info.extra["preferred_width"]["float"] == W == dev.info.simd_lanes_f32, dev.info.extra
+    assert not dev.info.extra["fp16"] and "cl_khr_fp16" not in dev.info.features
+
+    def chain(x):
+        return tnp.tanh(x * 1.7 + 0.3) * nn.sigmoid(x) + tnp.exp(-x * x) * 0.5
+
+    def masked(q, k, v):  # its mask compares and combines bool (uchar) vectors
+        m = (tnp.arange(12)[None, :] % 3 != 1) | (tnp.arange(7)[:, None] == 0)
+        return nn.dot_product_attention(q, k, v, mask=m)
+
+    def bools(a, b):
+        return (a < b) == (b != 0), tnp.where((a == b) | (a > 2), a, b), (a + 1) > a
+    rng = np.random.default_rng(0)
+    ints = [rng.integers(-3, 4, (5, 12)).astype(np.int32) for _ in range(2)]
+    ints[0][0, :3] = 2**31 - 1
+    cases = [(chain, [rng.uniform(-2, 2, (33, 65)).astype(np.float16)]),  # rows at odd offsets
+             (chain, [rng.uniform(-2, 2, (9, 64)).astype(np.float16)]),
+             (masked, [rng.standard_normal(s).astype(np.float32) for s in ((1, 7, 3, 8), (1, 12, 3, 8), (1, 12, 3, 8))]),
+             (bools, ints)]
+    for f, args in cases:
+        want = tx.tree_leaves(tx.jit(f, device="ref")(*args))
+        got = tx.tree_leaves(tx.jit(f, device=dev)(*args))
+        for g, w in zip(got, want):
+            g, w = np.asarray(g), np.asarray(w)
+            assert g.dtype == w.dtype and g.shape == w.shape, (f.__name__, g.dtype, w.dtype)
+            np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=1e-2, atol=1e-2,
+                                       err_msg=f.__name__)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("bits", [128, 256])
+def test_opencl_at_other_vector_widths(tmp_path, bits):
+    """An OpenCL device with 4- or 8-wide vectors and no fp16 (PoCL on an AVX2 machine: 8):
+    float16 rows at odd offsets used to crash the process (PoCL's vload_half8 is an aligned
+    move), a mask of bool vectors failed to build; both run, and agree with ref."""
+    if not tx.devices("opencl"):
+        pytest.skip("no OpenCL device")
+    env = {**os.environ, "TILEFUSE_HDI": json.dumps({"opencl": {"vector_bits": bits, "fp16": False}}),
+           "TILEFUSE_CACHE_DIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", NARROW_OPENCL, str(bits // 32)], capture_output=True,
+                       text=True, env=env, timeout=600, cwd=str(tmp_path))
+    assert p.returncode == 0 and "ok" in p.stdout, f"exit status {p.returncode}\n{p.stdout}{p.stderr}"

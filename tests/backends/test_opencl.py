@@ -627,65 +627,12 @@ def test_compile_kernels_builds_a_batch_once(be, rng, monkeypatch):
     assert "good_one" not in info.value.source  # built again alone, to name the culprit
 
 
-# ---- other devices' vector widths and alignment; defined integer overflow; long sums -----------
-# A PoCL on an AVX2 machine reports 8-wide vectors: kernels rendered for it are checked here by
-# narrowing this device's description (as TILEFUSE_HDI does for a whole run).
-
-@pytest.fixture
-def narrowed(be, monkeypatch):
-    """narrowed(width): this device as one whose preferred vector width is `width` (its kernels
-    are rendered again)."""
-    st = be._state(DEV)
-
-    def narrow(width):
-        monkeypatch.setitem(st.info.extra, "preferred_width",
-                            {t: width for t in st.info.extra["preferred_width"]})
-        monkeypatch.setattr(st, "kernels", {})
-    return narrow
-
-
-@pytest.mark.parametrize("width", [4, 8, 16])
-def test_half_vectors_at_any_alignment(be, rng, narrowed, width):
-    """Rows of 65 halves put vector accesses at odd offsets. PoCL's x86 vload_halfN assumes the
-    vector's alignment (an aligned move: the float16 chain crashed the process on AVX2), so a
-    lane-wise vload_half must be used there, and the vector form only where the offset is a
-    proven multiple of the width (rows of 64)."""
-    narrowed(width)
-    for cols in (65, 64):
-        shape = (9, cols)
-        x = (rng.standard_normal(shape) * 10).astype(F16)
-        k = elementwise(f"half_rows{cols}", [F16], shape, lambda h: [h * 1.5 + 0.25], [F16])
-        (y,) = run(be, k, x)
-        want = (x.astype(F32) * np.float32(1.5) + np.float32(0.25)).astype(F16)
-        np.testing.assert_array_equal(y.reshape(shape).astype(F32), want.astype(F32))
-        src = be.compile_kernel(k, DEV).source
-        assert (f"vload_half{width}(0, b0" in src) == (cols % width == 0), src
-        assert (f"vstore_half{width}_rte(" in src.split("__private")[-1]) == (cols % width == 0)
-
-
-@pytest.mark.parametrize("width", [4, 8, 16])
-def test_bool_vector_comparisons(be, narrowed, width):
-    """Comparing bool (uchar) vectors gives char vectors, and `char8 & 1` does not build
-    (an int outranks char: masked attention's mask kernel failed at width 8)."""
-    narrowed(width)
-    shape = (7, 12)
-    a = np.arange(84, dtype=I32).reshape(shape) % 5
-    b = np.arange(84, dtype=I32).reshape(shape)[::-1] % 3
-    k = elementwise("bool_compare", [I32, I32], shape, lambda a, b: [
-        K.binary("ne", K.binary("lt", a, b), K.const(False, BOOL)),
-        K.binary("eq", K.binary("ge", a, b), K.binary("ne", b, K.const(0, I32))),
-        K.binary("lt", K.binary("eq", a, b), K.binary("gt", a, b))], [BOOL, BOOL, BOOL])
-    y = run(be, k, a, b)
-    np.testing.assert_array_equal(y[0].reshape(shape), a < b)
-    np.testing.assert_array_equal(y[1].reshape(shape), (a >= b) == (b != 0))
-    np.testing.assert_array_equal(y[2].reshape(shape), (a == b) < (a > b))
-
+# ---- defined integer overflow; long sums (other vector widths: tests/backends/test_hardware.py) ----
 
 @pytest.mark.parametrize("dtype", [I32, I64])
-def test_signed_overflow_wraps(be, narrowed, dtype):
+def test_signed_overflow_wraps(be, dtype):
     """numpy wraps; OpenCL C leaves signed overflow undefined and PoCL folded (x + 1) > x to
     true at INT32_MAX: the renderer computes in unsigned (vector lanes and scalar tail)."""
-    narrowed(8)
     info = np.iinfo(dtype)
     x = np.array([info.max, info.min, info.max // 2 + 1, -1, 0, 7] * 3, dtype)
     one = K.const(1, dtype)
@@ -711,4 +658,3 @@ def test_long_sums_are_blocked(be, shape, axes):
     (y,) = run(be, k, x)
     exact = float(np.float32(0.1)) * shape[axes[0]]
     assert np.abs(y.astype(np.float64) / exact - 1).max() < 1e-5
-    assert "blocked sums" in be.compile_kernel(k, DEV).source
