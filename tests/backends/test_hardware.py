@@ -139,7 +139,8 @@ NARROW_OPENCL = textwrap.dedent("""
     ints[0][0, :3] = 2**31 - 1
     cases = [(chain, [rng.uniform(-2, 2, (33, 65)).astype(np.float16)]),  # rows at odd offsets
              (chain, [rng.uniform(-2, 2, (9, 64)).astype(np.float16)]),
-             (masked, [rng.standard_normal(s).astype(np.float32) for s in ((1, 7, 3, 8), (1, 12, 3, 8), (1, 12, 3, 8))]),
+             (masked, [rng.standard_normal(s).astype(np.float32)
+                       for s in ((1, 7, 3, 8), (1, 12, 3, 8), (1, 12, 3, 8))]),
              (bools, ints)]
     for f, args in cases:
         want = tx.tree_leaves(tx.jit(f, device="ref")(*args))
