@@ -227,8 +227,8 @@ class _Printer(PrintedValues):
                     return f"vload_half({off}, {ptr})"
                 x = f"{ptr}[{off}]"
                 return f"as_float((uint){x} << 16)" if sd == BF16 else x
-            if sd == F16:
-                return f"vload_half{lanes}(0, {ptr} + {off})"
+            if sd == F16:  # lane by lane: PoCL's x86 vload_halfN is an aligned move (needs N*2 bytes)
+                return f"((float{lanes})({', '.join(f'vload_half(({off}) + {i}, {ptr})' for i in range(lanes))}))"
             x = f"vload{lanes}(0, {ptr} + {off})"
             return f"as_float{lanes}(convert_uint{lanes}({x}) << 16)" if sd == BF16 else x
         if op == "broadcast":
@@ -369,7 +369,8 @@ class _Printer(PrintedValues):
             if w == 1:
                 self.line(f"ushort {t}[1]; vstore_half_rte({conv}, 0, (__private half*){t});", depth)
                 return f"vload_half(0, (__private half*){t})"
-            self.line(f"ushort {t}[{w}]; vstore_half{w}_rte({conv}, 0, (__private half*){t});", depth)
+            self.line(f"ushort {t}[{w}] __attribute__((aligned({2 * w}))); "
+                      f"vstore_half{w}_rte({conv}, 0, (__private half*){t});", depth)
             return f"vload_half{w}(0, (__private half*){t})"
         if dst == BF16:
             t = "uint" if w == 1 else f"uint{w}"
@@ -398,8 +399,11 @@ class _Printer(PrintedValues):
                     self.scalar_store(ptr, sd, o, x, depth)
             self.forget(s.target)
             return
-        if sd == F16:
-            self.line(f"vstore_half{'' if w == 1 else w}_rte({v}, 0, {ptr} + {off});", depth)
+        if sd == F16 and w > 1:  # (lane by lane: see the load)
+            for i in range(w):
+                self.line(f"vstore_half_rte({v}.s{i:x}, ({off}) + {i}, {ptr});", depth)
+        elif sd == F16:
+            self.line(f"vstore_half_rte({v}, {off}, {ptr});", depth)
         elif sd == BF16:
             bits = self.cast(v, F32, BF16, w, depth)  # round, then keep the upper half
             hi = f"convert_ushort{'' if w == 1 else w}(as_uint{'' if w == 1 else w}({bits}) >> 16)" \

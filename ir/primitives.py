@@ -349,7 +349,19 @@ def reduction(name: str, np_fn: Callable, kinds=ALL) -> Primitive:
     return Primitive(name, rule, _in_compute_dtype(lambda x, axes: np_fn(x, axis=tuple(axes))))
 
 
-reduce_sum = reduction("reduce_sum", np.sum)
+def _pairwise_sum(x, axis):
+    """np.sum, pairwise for floats over any axes: numpy adds pairwise only along the contiguous
+    last axis (a column sum of 2e6 tenths: 1.5% off), so the reduced axes are moved last."""
+    axis = tuple(sorted(axis))  # (the shape rule checked them: 0 <= a < ndim, no repeats)
+    if x.dtype.kind != "f" or axis == tuple(range(x.ndim - len(axis), x.ndim)):
+        return np.sum(x, axis=axis)
+    keep = [a for a in range(x.ndim) if a not in axis]
+    n = int(np.prod([x.shape[a] for a in axis], dtype=np.int64))
+    rows = np.ascontiguousarray(np.transpose(x, keep + list(axis)))
+    return np.sum(rows.reshape([x.shape[a] for a in keep] + [n]), axis=-1)
+
+
+reduce_sum = reduction("reduce_sum", _pairwise_sum)
 reduce_max = reduction("reduce_max", np.max)
 reduce_min = reduction("reduce_min", np.min)
 reduce_prod = reduction("reduce_prod", np.prod, NUM)

@@ -27,6 +27,9 @@ class Config:
         # bit-for-bit repeatable results where a device would add floats in a racy order
         # (scatter-add with atomics on OpenCL/CUDA): those kernels then run serially
         self.deterministic: bool = _env_bool("TILEFUSE_DETERMINISTIC")
+        # a simulated hardware description (runtime/hardware.py): a dict, or a JSON file's path;
+        # None reads TILEFUSE_HDI. Read when a device is first used.
+        self.hdi = None
         object.__setattr__(self, "_frozen", True)  # from here on, only known settings can be set
 
     def define(self, name: str, default, env: str | None = None, compiles: bool = False) -> None:

@@ -1,8 +1,34 @@
-"""The hardware description (HDI): what each device is, for code generation and the roofline."""
+"""The hardware description (HDI): what each device is, for code generation and the roofline.
+
+Backends read it from the device; `TILEFUSE_HDI` (a JSON file, or JSON text) or `tx.config.hdi`
+(a dict or a path, set before a device is first used) overrides it, so that code generation for
+hardware we do not have runs here: CI runs the suite as on an AVX2-only CPU whose OpenCL driver
+has 8-wide vectors and no fp16. Keys (all optional; a section named after a device kind --
+"cpu", "opencl", "cuda" -- applies to that kind only, after the common keys):
+
+    vector_bits      SIMD width: CPU lanes (and, below 512, no avx512*/amx*/avx10* target
+                     features; AVX itself stays, because without F16C LLVM converts float16
+                     through compiler-rt calls the JIT does not link); OpenCL preferred widths
+                     are capped at vector_bits / 8 / sizeof(type)
+    vector_widths    OpenCL preferred widths per type, {"float": 8, "char": 16, ...}
+    fp16             false: the OpenCL device has no cl_khr_fp16 (half is storage only)
+    cpu_name         the LLVM target CPU (default with vector_bits < 512: x86-64-v3 or -v2)
+    cpu_features     LLVM target features to remove, glob patterns: ["avx512*", "amx*"]
+    buffer_align     bytes kernels may assume every buffer starts at (OpenCL: vector accesses
+                     that need alignment are used where it is proven)
+    compute_units, local_mem_bytes, max_work_group, l1_bytes, l2_bytes, l3_bytes
+
+A description only narrows what a device can do (widths, local memory, work-group size, features
+and fp16 are capped at what the device reports), so a simulated machine never asks the real
+one for more than it has; caches and core counts are free."""
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from tilefuse.ir.errors import TilefuseError
 
 
 @dataclass(frozen=True)
@@ -27,7 +53,87 @@ class DeviceInfo:
 
     @property
     def fingerprint(self) -> str:
-        return f"{self.kind}|{self.name}|{self.cpu_name}|{self.compute_units}|{','.join(self.features)}"
+        return f"{self.kind}|{self.name}|{self.cpu_name}|{self.compute_units}|{self.simd_lanes_f32}|" \
+               f"{self.local_mem_bytes}|{','.join(self.features)}"
+
+
+# ---- simulated descriptions (TILEFUSE_HDI, tx.config.hdi) --------------------------------------
+
+KINDS = ("cpu", "opencl", "cuda", "ref")
+KEYS = frozenset({"vector_bits", "vector_widths", "fp16", "cpu_name", "cpu_features", "buffer_align",
+                  "compute_units", "local_mem_bytes", "max_work_group", "l1_bytes", "l2_bytes",
+                  "l3_bytes"})
+# CPU target features that need 512-bit vectors or AVX-512 encodings
+WIDE_FEATURES = ("avx512*", "amx*", "avx10*", "evex512")
+
+
+def _source():
+    from .config import config
+    return config.hdi if config.hdi is not None else os.environ.get("TILEFUSE_HDI") or None
+
+
+def description(kind: str) -> dict:
+    """The overrides for devices of `kind`: the common keys, then the kind's own section."""
+    src = _source()
+    if src is None:
+        return {}
+    where = "tx.config.hdi" if not isinstance(src, str) else "TILEFUSE_HDI"
+    if isinstance(src, str):
+        text = src if src.lstrip()[:1] in ("{", "[") else None
+        if text is None:
+            try:
+                with open(src) as f:
+                    text = f.read()
+            except OSError as e:
+                raise TilefuseError(f"{where}: cannot read the hardware description {src!r}: {e}") from None
+        try:
+            src = json.loads(text)
+        except ValueError as e:
+            raise TilefuseError(f"{where}: the hardware description is not valid JSON: {e}") from None
+    if not isinstance(src, dict):
+        raise TilefuseError(f"{where}: the hardware description must be a JSON object, "
+                            f"got {type(src).__name__}")
+    bad = [k for k in src if k not in KEYS and k not in KINDS]
+    bad += [f"{k}.{j}" for k in KINDS if isinstance(src.get(k), dict) for j in src[k] if j not in KEYS]
+    if bad:
+        raise TilefuseError(f"{where}: unknown keys {bad} in the hardware description (known: "
+                         f"{', '.join(sorted(KEYS))}, and sections {', '.join(KINDS)})")
+    out = {k: v for k, v in src.items() if k in KEYS}
+    out.update(src.get(kind) or {})
+    return out
+
+
+def masked(features, patterns) -> tuple:
+    """`features` without those matching any of the glob `patterns`."""
+    return tuple(f for f in features if not any(fnmatch.fnmatchcase(f, p) for p in patterns))
+
+
+def cpu_feature_masks(desc: dict) -> tuple:
+    """The feature patterns a description removes from the host CPU's."""
+    bits = desc.get("vector_bits")
+    pats = tuple(desc.get("cpu_features") or ())
+    if bits is not None and bits < 512:
+        pats += WIDE_FEATURES
+    return pats
+
+
+def narrowed(info: DeviceInfo, desc: dict) -> DeviceInfo:
+    """`info` with the description's device-neutral keys applied (capacities only narrow)."""
+    if not desc:
+        return info
+    ch = {}
+    for k in ("compute_units", "l1_bytes", "l2_bytes", "l3_bytes"):
+        if k in desc:
+            ch[k] = int(desc[k])
+    if "local_mem_bytes" in desc:
+        ch["local_mem_bytes"] = min(int(desc["local_mem_bytes"]), info.local_mem_bytes)
+    if "max_work_group" in desc:
+        ch["max_work_group"] = max(1, min(int(desc["max_work_group"]), info.max_work_group))
+    if "compute_units" in ch and info.compute_units:
+        ch["peak_gflops"] = info.peak_gflops * ch["compute_units"] / info.compute_units
+    extra = dict(info.extra)
+    extra["simulated"] = True
+    return replace(info, **ch, extra=extra)
 
 
 def _read_cache_size(index: int) -> int:
@@ -56,7 +162,13 @@ def host_info() -> DeviceInfo:
         feats = tuple(sorted(k for k, v in llvm.get_host_cpu_features().items() if v))
     except Exception:  # llvmlite missing or unable to read the host: a plain description
         pass
+    desc = description("cpu")
+    kept = masked(feats, cpu_feature_masks(desc))
+    if kept != feats:  # a narrower CPU than the host: the host's name would imply more features
+        feats, name = kept, "x86-64-v3" if "avx2" in kept else "x86-64-v2" if "sse4.2" in kept else "x86-64"
+    name = desc.get("cpu_name", name)
     lanes = 16 if "avx512f" in feats else 8 if "avx2" in feats or "avx" in feats else 4
+    lanes = min(lanes, max(4, desc.get("vector_bits", 512) // 32))
     # FMAs of full vector width per cycle: two ports, except Zen 4, whose two 256-bit FMA units
     # take a 512-bit FMA together (measured: the GEMM micro-kernel in L2, 93-98 GFLOP/s a core
     # at ~3 GHz, i.e. 32 FLOP/cycle)
@@ -67,6 +179,7 @@ def host_info() -> DeviceInfo:
                        l3_bytes=_read_cache_size(3), max_work_group=1, global_mem_bytes=_mem_bytes(),
                        peak_gflops=cores * ghz * lanes * 2 * fma, peak_gbps=12.0 * cores,
                        features=feats, cpu_name=name)
+    _HOST = narrowed(_HOST, desc)
     return _HOST
 
 

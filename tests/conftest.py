@@ -53,32 +53,6 @@ def rng():
     return np.random.default_rng(0)
 
 
-# PoCL builds every new OpenCL program in about 0.5 s cold, so the large table tests (thousands
-# of distinct kernels) would take most of CI's time on `opencl` alone. `make test` runs every
-# test on ref and cpu and a deterministic 1-in-N sample of the table tests on opencl (every
-# other test runs in full there); TILEFUSE_OPENCL_SAMPLE=1 runs them all (`make test-full`).
-TABLE_FILES = ("test_primitives.py", "test_numpy.py", "test_vmap.py", "test_rules.py",
-               "test_lowering.py", "test_validate.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    import zlib
-    every = int(os.environ.get("TILEFUSE_OPENCL_SAMPLE", "8"))
-    if every <= 1:
-        return
-    keep, drop = [], []
-    for item in items:
-        dev = getattr(getattr(item, "callspec", None), "params", {}).get("device", "")
-        if (str(dev).startswith("opencl") and item.fspath.basename in TABLE_FILES
-                and zlib.crc32(item.nodeid.encode()) % every):
-            drop.append(item)
-        else:
-            keep.append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """A test that needs a dtype its device cannot hold (float64 on WebGPU: the device refuses it

@@ -15,6 +15,7 @@ import threading
 import numpy as np
 
 from tilefuse.ir.errors import DeviceError
+from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo
 from tilefuse.runtime.memory import PoolAllocator
 
@@ -65,17 +66,18 @@ def sm_target(cc: tuple[int, int]) -> str:
 def device_info(name: str, cc: tuple[int, int], sm_count: int, *, max_threads_per_block=1024,
                 shared_per_block=48 << 10, warp=32, l2_bytes=0, max_threads_per_sm=2048,
                 total_mem=0, clock_khz=0, mem_clock_khz=0, bus_bits=0) -> DeviceInfo:
-    """DeviceInfo from the driver's attribute values."""
+    """DeviceInfo from the driver's attribute values (narrowed by a simulated description,
+    runtime/hardware.py, where set)."""
     fp32_per_sm = 64 if cc == (8, 0) else 128
     sm = sm_target(cc)
-    return DeviceInfo(
+    return hardware.narrowed(DeviceInfo(
         kind="cuda", name=name, compute_units=sm_count, simd_lanes_f32=warp,
         l1_bytes=shared_per_block, l2_bytes=l2_bytes, local_mem_bytes=shared_per_block,
         max_work_group=max_threads_per_block, sub_group=warp, global_mem_bytes=total_mem,
         peak_gflops=sm_count * fp32_per_sm * 2 * clock_khz / 1e6,
         peak_gbps=2 * mem_clock_khz * 1e3 * bus_bits / 8 / 1e9,
         features=(f"sm_{cc[0]}{cc[1]}",), cpu_name=sm,
-        extra={"max_threads_per_sm": max_threads_per_sm, "sm": sm, "cc": cc})
+        extra={"max_threads_per_sm": max_threads_per_sm, "sm": sm, "cc": cc}), hardware.description("cuda"))
 
 
 # typical devices for offline compilation (A100 and H100 SXM)

@@ -22,7 +22,7 @@ from tilefuse.backends.llvm import vecmath
 from tilefuse.backends.llvm.render import TYPES, Renderer, is_float
 from tilefuse.backends.llvm.vecmath import F32, F64, I32, I64, Emit
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.ir import Kernel
+from tilefuse.ir.kernel.ir import SUM_BLOCK, Kernel
 
 TRIPLE = "nvptx64-nvidia-cuda"
 # float64 functions computed through float32 (≈1e-7 relative, not float64 accuracy)
@@ -86,6 +86,8 @@ def _sreg(b: ir.IRBuilder, name: str):
 
 class PTXRenderer(Renderer):
     """One Kernel as an NVPTX kernel function (see the module docstring)."""
+
+    steps_per_block = SUM_BLOCK  # a thread's sum is one accumulator (no SIMD lanes to spread it)
 
     def __init__(self, kernel: Kernel, fn_name: str):
         super().__init__(kernel, fn_name)

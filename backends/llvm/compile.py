@@ -89,8 +89,13 @@ class Target:
     def __init__(self, info: DeviceInfo):
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
-        self.cpu = llvm.get_host_cpu_name()
-        self.features = llvm.get_host_cpu_features().flatten()
+        # the CPU and features of the description (the host's, or fewer: TILEFUSE_HDI), so that
+        # an AVX2-only machine is simulated on an AVX-512 one; whatever the host has and the
+        # description lacks is switched off explicitly
+        self.cpu = info.cpu_name or llvm.get_host_cpu_name()
+        keep = set(info.features)
+        self.features = ",".join(("+" if on and name in keep else "-") + name
+                                 for name, on in sorted(llvm.get_host_cpu_features().items()))
         target = llvm.Target.from_default_triple()
         self.tm = target.create_target_machine(cpu=self.cpu, features=self.features, opt=OPT_LEVEL,
                                                reloc="pic", codemodel="small")
@@ -305,8 +310,8 @@ def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
         params = default_params(k, info)
         key, fn_name = cache_key(k, params, target)
         if key not in _memory and key not in todo and not target.cache.has(key):
-            todo[key] = (k, fn_name, params)
-    parallel.build_objects(todo, lambda k, fn_name, params: target.compile_ir(
+            todo[key] = (k, fn_name, params, info)  # workers compile for the same description
+    parallel.build_objects(todo, lambda k, fn_name, params, _info: target.compile_ir(
         render_ir(k, fn_name, params), fn_name, str(k)))
 
 

@@ -106,8 +106,8 @@ def _pool(n: int) -> list:
 
 
 def build_objects(todo: dict, local) -> None:
-    """Compile {cache key: (kernel, symbol, KernelParams)} into `_built`: this process (through
-    `local(kernel, symbol, params) -> object code`) and one worker per other core at once."""
+    """Compile {cache key: (kernel, symbol, KernelParams, DeviceInfo)} into `_built`: this process
+    (through `local(kernel, symbol, params, info) -> object code`) and one worker per other core at once."""
     n = min(_worker_count(), len(todo)) - 1
     if len(todo) < MIN_KERNELS or n < 1:
         return
@@ -142,17 +142,17 @@ def build_objects(todo: dict, local) -> None:
 
 
 def _serve() -> None:
-    """The worker: requests (kernel, symbol, params) on stdin, object code on stdout."""
+    """The worker: requests (kernel, symbol, params, DeviceInfo) on stdin, object code on stdout
+    (for the parent's description of the CPU, which may be narrower than this host)."""
     from tilefuse.backends.llvm.compile import get_target, render_ir
-    from tilefuse.runtime.hardware import host_info
-    target = get_target(host_info())
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     while True:
         head = inp.read(8)
         if len(head) < 8:
             return
-        kernel, fn_name, params = pickle.loads(_read(inp, int.from_bytes(head, "little")))
+        kernel, fn_name, params, info = pickle.loads(_read(inp, int.from_bytes(head, "little")))
         try:
+            target = get_target(info)
             status, payload = 0, target.compile_ir(render_ir(kernel, fn_name, params), fn_name, "")
         except Exception as e:  # reported by compile_kernel, which compiles it again in-process
             status, payload = 1, str(e).encode()

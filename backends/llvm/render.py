@@ -17,8 +17,8 @@ import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
 
-from tilefuse.ir.kernel.ir import INDEX, Kernel, KExpr, affine_forms, load, reads_ridx, reduce_levels, \
-    row_stashes
+from tilefuse.ir.kernel.ir import INDEX, SUM_BLOCK, SUM_FAN, Kernel, KExpr, affine_forms, blocked_sums, \
+    load, reads_ridx, reduce_levels, row_stashes, sum_levels
 
 from . import vecmath
 from .irutil import _like, bf16_to_f32, counted_loop, f32_to_bf16, splat
@@ -281,14 +281,48 @@ class Renderer:
             for st in stash:
                 self._store(st, self.stash[id(st)])
             self.cache = dict(saved)
-        self._reduce_nest(inner)
+        sums = _SumBlocks(self, [acc[0] for n, acc in zip(reduces, accs) if n in self._blocked(reduces)])
+        self._reduce_nest(inner, sums)
+        sums.finish()
         for n, acc in zip(reduces, accs):
             self.cache[n] = b.load(acc[1] if acc[1] is not None else acc[0])
 
-    def _reduce_nest(self, inner):
+    def _blocked(self, reduces) -> list:
+        """The float sums that run in blocks (ir/kernel/ir.py: SUM_BLOCK)."""
+        steps = int(np.prod(self.k.reduce_shape, dtype=np.int64))
+        return blocked_sums(reduces, steps, self.steps_per_block)
+
+    @property
+    def steps_per_block(self) -> int:
+        """Steps of the reduction loops per block of a blocked sum: where the innermost reduce
+        loop reads memory contiguously (and is not interchanged), the vectoriser spreads a block
+        over (lanes x interleave) partial sums, so it may be 16 times SUM_BLOCK; else SUM_BLOCK."""
+        if self.interchange or not self.red.groups:
+            return SUM_BLOCK
+        r_last = self.red.groups[-1][1][-1]
+        forms = [self.forms.get(n.src[0]) for n in self.nodes if n.op == "load" and self.dep_ridx[n]]
+        if any(f is None or f.get(("ridx", r_last), 0) not in (0, 1) for f in forms):
+            return SUM_BLOCK
+        return VECTOR_SUM_BLOCK
+
+    def _reduce_nest(self, inner, sums: "_SumBlocks | None" = None):
+        """The loops over the reduction space around inner(). With `sums`, blocks of at most
+        steps_per_block steps: the innermost loop split in blocks when it is longer, else the
+        loop whose iterations are at most that long; sums.flush() after each block."""
         groups = self.red.groups
         if any(s == 0 for s in self.k.reduce_shape):
             return  # an empty reduction: the accumulators keep their identities
+        sizes = [n for n, _ in groups]
+        split, flush_after, block = False, None, self.steps_per_block
+        if sums is not None and sums.accs:
+            if sizes[-1] > block:
+                split, per_block = True, block
+            else:  # the outermost loop whose iteration (the loops inside it) fits a block
+                flush_after = min(g for g in range(len(sizes))
+                                  if int(np.prod(sizes[g + 1:], dtype=np.int64)) <= block)
+                per_block = int(np.prod(sizes[flush_after + 1:], dtype=np.int64))
+            sums.start(int(np.prod(sizes, dtype=np.int64)), per_block)
+        c = lambda v: ir.Constant(I64, v)  # noqa: E731
 
         def level(g):
             if g == len(groups):
@@ -298,7 +332,17 @@ class Renderer:
             def body(i):
                 self.env[("ridx", g)] = i
                 level(g + 1)
-            self._loop(ir.Constant(I64, 0), ir.Constant(I64, groups[g][0]), f"r{g}", body)
+                if g == flush_after:
+                    sums.flush()
+            n = groups[g][0]
+            if split and g == len(groups) - 1:
+                def one_block(j):
+                    lo = self.b.mul(j, c(block))
+                    self._loop(lo, self._smin(self.b.add(lo, c(block)), c(n)), f"r{g}", body)
+                    sums.flush()
+                self._loop(c(0), c(-(-n // block)), f"rb{g}", one_block)
+            else:
+                self._loop(c(0), c(n), f"r{g}", body)
         level(0)
 
     def _hoist_invariants(self, roots):
@@ -413,6 +457,7 @@ class Renderer:
         c = lambda v: ir.Constant(I64, v)  # noqa: E731
         gi = len(self.par.groups) - 1
         accs = [self._acc_init(n, tile) for n in self.reduces]
+        blocked = self._blocked(self.reduces)
         n_tiles = b.sdiv(b.add(b.sub(hi, lo), c(tile - 1)), c(tile))
 
         def per_tile(t):
@@ -430,6 +475,8 @@ class Renderer:
                         b.store(self._first_index(n), b.gep(idx, [j], inbounds=True, source_etype=I64))
                         self.cache = saved
             self._loop(c(0), tn, "ti", init)
+            sums = _SumBlocks(self, [acc[0] for n, acc in zip(self.reduces, accs) if n in blocked],
+                              slots=tile, count=tn)
             saved_cache = self.cache
 
             def step(j):
@@ -438,7 +485,8 @@ class Renderer:
                 for n, acc in zip(self.reduces, accs):
                     self._acc_step(n, acc, j)
                 self.cache = saved_cache
-            self._reduce_nest(lambda: self._loop(c(0), tn, "tj", step))
+            self._reduce_nest(lambda: self._loop(c(0), tn, "tj", step), sums)
+            sums.finish()
 
             def finish(j):
                 self.env[("idx", gi)] = b.add(t0, j)
@@ -597,6 +645,95 @@ def convert(b: ir.IRBuilder, v, src, dst):
     if w > rw:
         return b.trunc(v, rt)
     return (b.zext if is_unsigned(src) or src == BOOL else b.sext)(v, rt)
+
+
+# steps of a vectorised reduction loop per block of a blocked float sum: the vectoriser spreads
+# them over (vector lanes x interleave) partial sums, each then adding about SUM_BLOCK values
+VECTOR_SUM_BLOCK = 16 * SUM_BLOCK
+
+
+class _SumBlocks:
+    """Blocked float sums (ir/kernel/ir.py: SUM_BLOCK, SUM_FAN) in a loop nest: after each block
+    (`flush`) every accumulator's partial sum moves into the first of `levels` partial sums, each
+    of which moves into the next after SUM_FAN of them; `finish` adds them up, lowest first.
+    With `slots`, the accumulators are arrays of that many (a tile's points), `count` in use."""
+
+    def __init__(self, r: "Renderer", accs: list, slots: int | None = None, count=None):
+        self.r, self.accs, self.slots, self.count = r, accs, slots, count
+        self.levels = 0
+
+    def start(self, steps: int, per_block: int) -> None:
+        """Before the loops: the levels' sums and the counters of what each level holds."""
+        r = self.r
+        self.levels = sum_levels(steps, per_block)
+        if not self.levels:
+            return
+        zero = ir.Constant(I64, 0)
+        self.sums = [[r._alloca(acc.allocated_type, self.slots) for _ in range(self.levels)]
+                     for acc in self.accs]
+        self.counters = [r._alloca(I64) for _ in range(self.levels - 1)]
+        for ctr in self.counters:
+            r.b.store(zero, ctr)
+
+        def clear(at):
+            for acc, lvs in zip(self.accs, self.sums):
+                for lv in lvs:
+                    r.b.store(ir.Constant(acc.allocated_type, 0), at(lv))
+        self._each_slot(clear)
+
+    def _each_slot(self, fn) -> None:
+        """fn(at) once, or per slot of the arrays (at(p) the slot's address)."""
+        r = self.r
+        if self.slots is None:
+            fn(lambda p: p)
+            return
+
+        def body(j):
+            fn(lambda p: r.b.gep(p, [j], inbounds=True, source_etype=p.allocated_type))
+        r._loop(ir.Constant(I64, 0), self.count, "tf", body)
+
+    def _move(self, src: int) -> None:
+        """Level src's sums (0: the accumulators) into level src + 1's, src's reset to 0."""
+        b = self.r.b
+
+        def move(at):
+            for acc, lvs in zip(self.accs, self.sums):
+                frm, to = at(acc if src == 0 else lvs[src - 1]), at(lvs[src])
+                b.store(b.fadd(b.load(to), b.load(frm)), to)  # no reassoc: the order is the point
+                b.store(ir.Constant(acc.allocated_type, 0), frm)
+        self._each_slot(move)
+
+    def flush(self) -> None:
+        if not self.levels:
+            return
+        b, one = self.r.b, ir.Constant(I64, 1)
+        self._move(0)
+
+        def up(j):  # level j received one more: full (SUM_FAN) moves it up a level
+            if j >= self.levels:
+                return
+            ctr = self.counters[j - 1]
+            k = b.add(b.load(ctr), one)
+            full = b.icmp_signed("==", k, ir.Constant(I64, SUM_FAN))
+            b.store(b.select(full, ir.Constant(I64, 0), k), ctr)
+            with b.if_then(full):
+                self._move(j)
+                up(j + 1)
+        up(1)
+
+    def finish(self) -> None:
+        """After the loops: each accumulator = itself + its levels' sums, lowest level first."""
+        if not self.levels:
+            return
+        b = self.r.b
+
+        def total(at):
+            for acc, lvs in zip(self.accs, self.sums):
+                v = b.load(at(acc))
+                for lv in lvs:
+                    v = b.fadd(v, b.load(at(lv)))
+                b.store(v, at(acc))
+        self._each_slot(total)
 
 
 CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}

@@ -15,6 +15,7 @@ import numpy as np
 from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.runtime.config import config
+from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo, host_info
 from tilefuse.runtime.memory import PoolAllocator
 from tilefuse.runtime.tiled import register_gemm, register_kernels
@@ -340,13 +341,25 @@ class OpenCLBackend(Backend):
         return self._state(device).last_event
 
 
+TYPE_SIZES = {"char": 1, "short": 2, "int": 4, "long": 8, "float": 4, "double": 8, "half": 2}
+
+
 def device_info(cl, platform, d) -> DeviceInfo:
-    """The hardware description, read from the device itself."""
+    """The hardware description, read from the device itself, narrowed by a simulated one
+    (runtime/hardware.py: TILEFUSE_HDI) where set."""
+    desc = hardware.description("opencl")
     ext = tuple(sorted(d.extensions.split()))
+    if desc.get("fp16") is False:
+        ext = tuple(e for e in ext if e != "cl_khr_fp16")
     is_cpu = bool(d.type & cl.device_type.CPU)
-    widths = {t: getattr(d, f"preferred_vector_width_{t}", 1) or 1
-              for t in ("char", "short", "int", "long", "float", "double", "half")}
+    widths = {t: getattr(d, f"preferred_vector_width_{t}", 1) or 1 for t in TYPE_SIZES}
+    for t, size in TYPE_SIZES.items():  # a simulated device: narrower vectors only
+        if "vector_bits" in desc:
+            widths[t] = min(widths[t], max(1, int(desc["vector_bits"]) // (8 * size)))
+        if t in desc.get("vector_widths", {}):
+            widths[t] = max(1, min(widths[t], int(desc["vector_widths"][t])))
     lanes = max(1, widths["float"])
+    align = max(1, d.mem_base_addr_align // 8)  # bytes; every buffer and sub-buffer starts there
     ghz = (d.max_clock_frequency or 1000) / 1000
     sub_group = 1
     if "cl_nv_device_attribute_query" in ext:
@@ -357,16 +370,19 @@ def device_info(cl, platform, d) -> DeviceInfo:
              "fp64": "cl_khr_fp64" in ext,
              "fp16": "cl_khr_fp16" in ext,
              "int64_atomics": "cl_khr_int64_base_atomics" in ext,
-             "preferred_width": widths, "buffer_align": max(1, d.mem_base_addr_align // 8),
+             "preferred_width": widths, "buffer_align": align,
+             # the alignment a kernel may assume of its buffers' starts (a simulated device: less)
+             "base_align": min(align, int(desc.get("buffer_align", align))),
              "max_alloc_bytes": d.max_mem_alloc_size,
              "host_unified_memory": bool(d.host_unified_memory) or is_cpu}
-    return DeviceInfo(kind="opencl", name=f"{d.name.strip()} ({platform.name.strip()})",
+    info = DeviceInfo(kind="opencl", name=f"{d.name.strip()} ({platform.name.strip()})",
                       compute_units=d.max_compute_units, simd_lanes_f32=lanes,
                       l2_bytes=d.global_mem_cache_size or 1 << 20, local_mem_bytes=d.local_mem_size,
                       max_work_group=d.max_work_group_size, sub_group=sub_group,
                       global_mem_bytes=d.global_mem_size, peak_gflops=float(peak),
                       peak_gbps=host_info().peak_gbps if is_cpu else 0.0, features=ext,
                       cpu_name=host_info().cpu_name if is_cpu else "", extra=extra)
+    return hardware.narrowed(info, desc)
 
 
 def create() -> OpenCLBackend:

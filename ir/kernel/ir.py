@@ -21,6 +21,12 @@ Op semantics every renderer implements (ir/kernel/interp.py is the reference):
   Casts to bool are not emitted (the lowering writes `ne x, 0`).
 - integer `div`/`rem` are C's (truncating; `rem` takes the dividend's sign, as float `rem` = fmod);
   division by zero is undefined (the lowering guards it where the primitive defines it).
+  Integer `add`/`sub`/`mul`/`neg`/`shift_left` wrap around (two's complement, as numpy's): a
+  renderer whose language leaves signed overflow undefined (C) computes them unsigned, except
+  where `value_range` proves that no overflow can happen (index arithmetic).
+- float `sum` reductions add at most SUM_BLOCK values into one accumulator, whose partial sum
+  then moves up levels of SUM_FAN-way accumulators (`sum_levels`): the rounding error grows like
+  log n (numpy's pairwise sum), not like n.
 - `round` rounds half to even; `sign` is -1/0/1 (NaN for NaN); `logistic` is 1/(1+exp(-x)).
 - bool values only meet `and`/`or`/`xor`/`not`, comparisons, `select` and casts (the lowering
   turns bool add/mul/max/min into or/and), and the reductions max (any) and min (all).
@@ -459,3 +465,80 @@ def pp_kernel(k: Kernel) -> str:
         lines.append(f"  store{'+' if st.mode == 'add' else ''} {k.buffers[st.buffer].name}"
                      f"[{names[st.offset]}] = {names[st.value]}")
     return "\n".join(lines)
+
+
+# ---- what renderers share: blocked float sums, alignment and ranges of integer expressions ------
+
+SUM_BLOCK = 128  # adds into one float accumulator before its partial sum moves up a level (numpy: 128)
+SUM_FAN = 16     # partial sums per accumulator of each level above
+
+
+def sum_levels(steps: int, block: int = SUM_BLOCK) -> int:
+    """Levels of SUM_FAN-way partial sums above the block accumulator that `steps` adds in
+    blocks of `block` need (0: one block, no level)."""
+    flushes = -(-steps // block)
+    levels, cap = 0, 1
+    while cap < flushes:
+        levels, cap = levels + 1, cap * SUM_FAN
+    return levels
+
+
+def blocked_sums(reduces, steps: int, block: int = SUM_BLOCK) -> list:
+    """The float sums among `reduces` that `steps` adds per accumulator make worth blocking."""
+    if sum_levels(steps, block) == 0:
+        return []
+    return [r for r in reduces if r.arg == "sum" and np.dtype(r.dtype).kind == "f"]
+
+
+def known_multiple(n: KExpr, leaves: dict | None = None) -> int:
+    """A positive m such that the integer n is a multiple of m at every point, from its form;
+    `leaves` gives what is known of idx/ridx nodes (a vector base: its width), else 1."""
+    leaves = leaves or {}
+    memo: dict = {}
+    for x in n.toposort():
+        if x in leaves:
+            m = leaves[x]
+        elif x.op == "const" and isinstance(x.arg, (int, np.integer)) and not isinstance(x.arg, bool):
+            m = abs(int(x.arg)) or 1 << 62
+        elif x.op in ("add", "sub"):
+            m = int(np.gcd(memo[x.src[0]], memo[x.src[1]]))
+        elif x.op == "mul":
+            m = min(memo[x.src[0]] * memo[x.src[1]], 1 << 62)
+        elif x.op == "cast" and np.dtype(x.dtype).kind in "iu" and np.dtype(x.src[0].dtype).kind in "iu":
+            m = memo[x.src[0]]
+        else:
+            m = 1
+        memo[x] = m
+    return memo[n]
+
+
+def value_range(n: KExpr, shape, reduce_shape) -> tuple | None:
+    """(lo, hi) bounds of an integer expression of idx/ridx and constants over the index
+    spaces, or None where it reads anything else (a load, a division)."""
+    memo: dict = {}
+    for x in n.toposort():
+        r = None
+        if x.op == "const" and np.dtype(x.dtype).kind in "iu":
+            r = (int(x.arg), int(x.arg))
+        elif x.op in ("idx", "ridx"):
+            ext = (shape if x.op == "idx" else reduce_shape)
+            r = (0, max(0, int(ext[x.arg]) - 1)) if x.arg < len(ext) else None
+        elif x.op in ("add", "sub", "mul") and all(memo.get(s) for s in x.src):
+            (a, b), (c, d) = memo[x.src[0]], memo[x.src[1]]
+            if x.op == "add":
+                r = (a + c, b + d)
+            elif x.op == "sub":
+                r = (a - d, b - c)
+            else:
+                ps = (a * c, a * d, b * c, b * d)
+                r = (min(ps), max(ps))
+        elif x.op == "neg" and memo.get(x.src[0]):
+            r = (-memo[x.src[0]][1], -memo[x.src[0]][0])
+        elif x.op == "cast" and np.dtype(x.dtype).kind in "iu" and memo.get(x.src[0]):
+            r = memo[x.src[0]]
+        if r is not None and np.dtype(x.dtype).kind in "iu":
+            info = np.iinfo(x.dtype)
+            if r[0] < info.min or r[1] > info.max:
+                r = None  # it may wrap: nothing is known of it
+        memo[x] = r
+    return memo[n]

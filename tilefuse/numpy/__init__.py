@@ -796,22 +796,27 @@ def _count(x, axis):
 
 
 def mean(x, axis=None, dtype=None, keepdims=False):
+    """As jnp.mean: 16-bit floats are summed and divided in float32 and the mean rounded once, so
+    a sum beyond their range (float16 [60000, 60000]) still gives the mean, on every device."""
     x = _operand(x)
     d = _aval(x).dtype
-    x = astype(x, dtype or (d if _dt.is_float(d) else _dt.float32))
+    out = np.dtype(dtype or (d if _dt.is_float(d) else _dt.float32))
+    x = astype(x, _dt.compute_dtype(out))
     n = _count(x, axis)
     s = sum(x, axis, keepdims=keepdims)
-    return divide(s, float(n)) if n else divide(s, nan)
+    return astype(divide(s, float(n)) if n else divide(s, nan), out)
 
 
 def var(x, axis=None, dtype=None, ddof=0, keepdims=False):
+    """As jnp.var: in float32 for 16-bit floats (see mean), rounded once."""
     x = _operand(x)
     d = _aval(x).dtype
-    x = astype(x, dtype or (d if _dt.is_float(d) else _dt.float32))
+    out = np.dtype(dtype or (d if _dt.is_float(d) else _dt.float32))
+    x = astype(x, _dt.compute_dtype(out))
     m = mean(x, axis, keepdims=True)
     c = x - m
     n = _count(x, axis) - ddof
-    return divide(sum(c * c, axis, keepdims=keepdims), float(n) if n > 0 else nan)
+    return astype(divide(sum(c * c, axis, keepdims=keepdims), float(n) if n > 0 else nan), out)
 
 
 def std(x, axis=None, dtype=None, ddof=0, keepdims=False):

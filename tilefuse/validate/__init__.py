@@ -145,7 +145,11 @@ def table(devices, selected: list[Case], results: dict, failures_only: bool = Fa
 
 def main(argv=None, selected: list[Case] | None = None) -> int:
     """The command line; `selected` replaces the tables' cases (for tests)."""
+    import faulthandler
+
     import tilefuse as tx
+    if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__)  # a crash in a device's code names its case
     p = argparse.ArgumentParser(prog="python -m tilefuse.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", action="append", help="a device (cpu, ref, opencl:0, ...) or kind; "
                    "repeat or separate with commas (default: every available device)")

@@ -18,6 +18,7 @@ import tilefuse as tx
 from tilefuse.ir import primitives as P
 from tilefuse.api import make_graph
 from tilefuse.ir.core import ShapedArray
+from tilefuse.runtime.compiler import precompile
 from tilefuse.tracer.core import bind
 
 from .compare import Comparison
@@ -461,8 +462,16 @@ def comparisons(op: Op, dtype, device):
     """The record's results on `device` (eager and jitted, every shape) against its reference;
     a shape rule that disagrees with the reference raises AssertionError."""
     rng = np.random.default_rng(zlib.crc32(str(op).encode()))
-    for shape in op.shapes:
-        xs = op.args(rng, shape, dtype)
+    inputs = [op.args(rng, shape, dtype) for shape in op.shapes]
+    params = dict(op.params)
+
+    def run(*a):
+        return bind(op.prim, *a, **params)[0]
+    try:  # every shape's kernels in one build (eager calls compile the same graphs)
+        precompile([tx.jit(run, device=device).lower(*xs).graph for xs in inputs], device)
+    except Exception:  # noqa: BLE001 - the comparisons below meet the same error and report it
+        pass
+    for shape, xs in zip(op.shapes, inputs):
         params = dict(op.params)
         want = op.ref(*xs)
         avals = [ShapedArray(x.shape, np.dtype(x.dtype)) for x in xs]
@@ -477,6 +486,6 @@ def comparisons(op: Op, dtype, device):
         assert eager.shape == out_aval.shape and eager.dtype == out_dtype, (op, shape, eager.aval)
         yield Comparison(f"{op} {shape} eager", eager, want, out_dtype, rtol, atol)
 
-        jitted = tx.jit(lambda *a: bind(op.prim, *a, **params)[0], device=device)(*xs)
+        jitted = tx.jit(run, device=device)(*xs)
         assert jitted.shape == out_aval.shape and jitted.dtype == out_dtype, (op, shape, jitted.aval)
         yield Comparison(f"{op} {shape} jit", jitted, want, out_dtype, rtol, atol)

@@ -132,6 +132,12 @@ PROGRAMS = [
     Program("cross entropy and its gradient", "fusion",
             lambda z, y: tx.value_and_grad(lambda z: nn.cross_entropy(z, y))(z),
             lambda r, d: [_r(r, d, 8, 31), _ids(r, 31, 8)]),
+    # accurate sums (blocked; in order they were 0.1% off at these lengths) and wrapping integers
+    Program("long sums", "fusion", lambda x: (tnp.sum(x), tnp.sum(x.reshape(-1, 4), axis=0), tnp.mean(x)),
+            lambda r, d: [r.uniform(0.0, 1.0, 1 << 20).astype(d)], (F32,), {F32: (1e-6, 0.0)}),
+    Program("integer overflow wraps", "fusion",
+            lambda a: ((a + 1) > a, a * 3 + 7, -a, tnp.sum(a, axis=0)),
+            lambda r, d: [np.array([[2**31 - 1, -2**31, 5], [2**31 - 1, 2**30, -1]], np.int32)], (np.int32,)),
     Program("MLP gradient", "fusion", tx.grad(_mlp_loss, argnums=(0, 1, 2)),
             lambda r, d: [_r(r, d, 16, 32) * 0.2, _r(r, d, 32), _r(r, d, 32, 4) * 0.2, _r(r, d, 10, 16)]),
     # GEMM forms
