@@ -255,9 +255,14 @@ class _Printer(PrintedValues):
             return f"select({b}, {a}, {self._mask(c, d, w)})"
         if op == "cast":
             return self.cast(args[0], np.dtype(n.src[0].dtype), d, w, depth)
+        if op == "bitcast":
+            return self.bitcast(args[0], d, w)
         if len(args) == 1:
             return self.unary(op, args[0], d, w)
         return self.binary(op, args[0], args[1], np.dtype(n.src[0].dtype), w)
+
+    def bitcast(self, x: str, d, w: int) -> str:
+        return f"as_{self.ty(d, w)}({x})"
 
     def scalar_load(self, ptr: str, sd, off: str) -> str:
         if sd == F16:

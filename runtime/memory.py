@@ -147,3 +147,27 @@ class PoolAllocator:
             out["live_blocks"] = len(self._live)
             out["limit"] = self.limit
             return out
+
+
+class PoolBuffer:
+    """Device memory, the one buffer owner of every backend: `mem` is a PoolAllocator block (handed
+    back at release() or when the last reference goes), or, for a view (`parent` set), a backend's
+    handle into its parent's block, which the view keeps alive."""
+    __slots__ = ("mem", "nbytes", "pool", "parent")
+
+    def __init__(self, mem, nbytes: int, pool=None, parent=None):
+        self.mem, self.nbytes, self.pool, self.parent = mem, nbytes, pool, parent
+
+    def release(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.free(self.mem)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the pool may be gone already
+            pass
+
+    def __repr__(self):
+        return f"<{type(self).__module__.split('.')[-1]} buffer {self.nbytes} B{' view' if self.parent else ''}>"

@@ -17,7 +17,7 @@ import numpy as np
 from tilefuse.ir.errors import DeviceError
 from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo
-from tilefuse.runtime.memory import PoolAllocator
+from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 
 from ..base import Backend
 from . import driver
@@ -95,24 +95,14 @@ class _Block:
         self.ptr = ptr
 
 
-class DeviceBuffer:
-    """Device memory: an address and a size. An owning buffer returns its pool block at free()
-    or when it is collected; a view keeps its parent alive."""
-    __slots__ = ("ptr", "nbytes", "block", "pool", "parent")
+class DeviceBuffer(PoolBuffer):
+    """Device memory (runtime/memory.PoolBuffer) with its address: `mem` is the pool block (None
+    for a view, which keeps its parent alive)."""
+    __slots__ = ("ptr",)
 
     def __init__(self, ptr: int, nbytes: int, block=None, pool=None, parent=None):
-        self.ptr, self.nbytes, self.block, self.pool, self.parent = ptr, nbytes, block, pool, parent
-
-    def release(self):
-        block, self.block = self.block, None
-        if block is not None:
-            self.pool.free(block)
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown
-            pass
+        super().__init__(block, nbytes, pool, parent)
+        self.ptr = ptr
 
     def __repr__(self):
         return f"DeviceBuffer(0x{self.ptr:x}, {self.nbytes})"

@@ -17,7 +17,7 @@ from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.runtime.config import config
 from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo, host_info
-from tilefuse.runtime.memory import PoolAllocator
+from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 from tilefuse.runtime.tiled import register_gemm, register_kernels
 
 from ..base import Backend
@@ -71,29 +71,6 @@ class _State:
             raise err from None
 
 
-class DeviceBuffer:
-    """Device memory: a pool block (returned to the pool when the last reference goes, or at
-    free) or a view of one (a sub-buffer that keeps its parent alive)."""
-    __slots__ = ("mem", "nbytes", "_pool", "_parent")
-
-    def __init__(self, mem, nbytes: int, pool=None, parent=None):
-        self.mem, self.nbytes, self._pool, self._parent = mem, nbytes, pool, parent
-
-    def release(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.free(self.mem)
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown: the pool may be gone already
-            pass
-
-    def __repr__(self):
-        return f"<opencl buffer {self.nbytes} B{' view' if self._parent is not None else ''}>"
-
-
 class TileLaunch:
     """A built tile kernel: `run(buffers)` enqueues it with its workspace (scratch memory, made
     at the first launch) and returns the event."""
@@ -113,7 +90,7 @@ class TileLaunch:
         if p.scratch_elems:
             if self._ws is None:
                 n = int(np.prod(p.groups)) * p.scratch_elems * np.dtype(p.scratch_dtype).itemsize
-                self._ws = DeviceBuffer(st.pool.alloc(n), n, st.pool)
+                self._ws = PoolBuffer(st.pool.alloc(n), n, st.pool)
             args.append(self._ws.mem)
         try:
             with st.launch_lock:
@@ -261,32 +238,32 @@ class OpenCLBackend(Backend):
         return compile_graph(graph, device, self)
 
     # ---- memory ----
-    def alloc(self, nbytes: int, device) -> DeviceBuffer:
+    def alloc(self, nbytes: int, device) -> PoolBuffer:
         """nbytes of device memory from the device's caching pool (runtime/memory.py)."""
         pool = self._state(device).pool
-        return DeviceBuffer(pool.alloc(nbytes), int(nbytes), pool)
+        return PoolBuffer(pool.alloc(nbytes), int(nbytes), pool)
 
-    def free(self, buffer: DeviceBuffer, device=None) -> None:
+    def free(self, buffer: PoolBuffer, device=None) -> None:
         """Give a buffer back to the pool now (the caller promises not to use it again)."""
         buffer.release()
 
-    def view(self, buffer: DeviceBuffer, offset_bytes: int, nbytes: int) -> DeviceBuffer:
+    def view(self, buffer: PoolBuffer, offset_bytes: int, nbytes: int) -> PoolBuffer:
         """nbytes of `buffer` from offset_bytes, as an OpenCL sub-buffer. Sub-buffers must start
         at a multiple of the device's base-address alignment (DeviceInfo.extra["buffer_align"],
         128 bytes on PoCL); a view elsewhere gets a block of its own from the pool instead
         (correct for arena temporaries, which is what views are for; counted in memory_stats)."""
-        st = next(s for s in self._states.values() if s.pool is buffer._pool or
+        st = next(s for s in self._states.values() if s.pool is buffer.pool or
                   s.ctx == buffer.mem.context)
         if offset_bytes % st.info.extra["buffer_align"] or nbytes == 0:
             if nbytes:
                 st.unaligned_views += 1
-            return DeviceBuffer(st.pool.alloc(nbytes), int(nbytes), st.pool)
+            return PoolBuffer(st.pool.alloc(nbytes), int(nbytes), st.pool)
         try:
             sub = buffer.mem.get_sub_region(offset_bytes, nbytes)
         except self._cl.Error as e:
             raise translate(e, f"make a view of {nbytes} bytes at offset {offset_bytes}",
                             st.info.name) from None
-        return DeviceBuffer(sub, int(nbytes), parent=buffer)
+        return PoolBuffer(sub, int(nbytes), parent=buffer)
 
     def put(self, host: np.ndarray, device):
         st = self._state(device)

@@ -18,7 +18,7 @@ from tilefuse.ir.kernel.schedule import Schedule, default_schedule, schedule
 from tilefuse.ir.kernel.tile import loop_trips
 from tilefuse.runtime.config import config
 from tilefuse.runtime.hardware import DeviceInfo, target_of
-from tilefuse.runtime.memory import PoolAllocator
+from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 from tilefuse.runtime.tiled import register_gemm, register_kernels
 
 from ..base import Backend
@@ -34,25 +34,6 @@ def _ceil4(n: int) -> int:
     return max(4, -(-int(n) // 4) * 4)
 
 
-class DeviceBuffer:
-    """A pool block of device memory, returned to the pool when the last reference goes."""
-    __slots__ = ("buf", "nbytes", "_pool")
-
-    def __init__(self, buf, nbytes: int, pool):
-        self.buf, self.nbytes, self._pool = buf, nbytes, pool
-
-    def release(self):
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.free(self.buf)
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown
-            pass
-
-
 class Launch:
     """A built pipeline: run(buffers) binds them and dispatches its work-groups."""
 
@@ -64,7 +45,7 @@ class Launch:
         if not all(self.groups):
             return None
         be = self._be
-        entries = [{"binding": i, "resource": {"buffer": b.buf, "offset": 0, "size": _ceil4(b.nbytes)}}
+        entries = [{"binding": i, "resource": {"buffer": b.mem, "offset": 0, "size": _ceil4(b.nbytes)}}
                    for i, b in enumerate(buffers)]
         group = be.device.create_bind_group(layout=self._layout, entries=entries)
         enc = be.device.create_command_encoder()
@@ -171,40 +152,40 @@ class WebGPUBackend(Backend):
         return compile_graph(graph, device, self)
 
     # ---- memory ----
-    def alloc(self, nbytes: int, device=None) -> DeviceBuffer:
+    def alloc(self, nbytes: int, device=None) -> PoolBuffer:
         try:
-            return DeviceBuffer(self.pool.alloc(nbytes), int(nbytes), self.pool)
+            return PoolBuffer(self.pool.alloc(nbytes), int(nbytes), self.pool)
         except MemoryError as e:
             raise OutOfMemoryError(str(e)) from None
 
-    def free(self, buffer: DeviceBuffer, device=None) -> None:
+    def free(self, buffer: PoolBuffer, device=None) -> None:
         buffer.release()
 
-    def view(self, buffer, offset: int, nbytes: int) -> DeviceBuffer:
+    def view(self, buffer, offset: int, nbytes: int) -> PoolBuffer:
         return self.alloc(nbytes)  # (see the module docstring)
 
-    def put(self, host: np.ndarray, device=None) -> DeviceBuffer:
+    def put(self, host: np.ndarray, device=None) -> PoolBuffer:
         host = np.ascontiguousarray(host)
         buf = self.alloc(host.nbytes)
         if host.nbytes:
             data = host.view(np.uint8).reshape(-1)
             if data.size % 4:
                 data = np.concatenate([data, np.zeros(4 - data.size % 4, np.uint8)])
-            self.device.queue.write_buffer(buf.buf, 0, data)
+            self.device.queue.write_buffer(buf.mem, 0, data)
         return buf
 
-    def to_host(self, buf: DeviceBuffer, aval, device=None) -> np.ndarray:
+    def to_host(self, buf: PoolBuffer, aval, device=None) -> np.ndarray:
         dtype = np.dtype(aval.dtype)
         n = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
         if n == 0:
             return np.zeros(aval.shape, dtype)
-        raw = np.frombuffer(self.device.queue.read_buffer(buf.buf, 0, _ceil4(n)), np.uint8)
+        raw = np.frombuffer(self.device.queue.read_buffer(buf.mem, 0, _ceil4(n)), np.uint8)
         return raw[:n].view(dtype).reshape(aval.shape)
 
     def synchronize(self, device=None) -> None:
         if self._sync is None:
             self._sync = self.alloc(4)
-        self.device.queue.read_buffer(self._sync.buf, 0, 4)  # (it waits for the work submitted before)
+        self.device.queue.read_buffer(self._sync.mem, 0, 4)  # (it waits for the work submitted before)
 
     def memory_stats(self, device=None) -> dict:
         return self.pool.stats()

@@ -14,80 +14,33 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.mathlib import ERF_LARGE, ERF_SMALL, EXP_P, LN2_HI, LN2_LO, LOG_P, horner
+from tilefuse.ir.kernel.mathlib import expand
 from tilefuse.ir.kernel.tile import Store, TileKernel, pp_tile
 
 from ..cstyle import ARITH, BF16, BOOL, COMPARE, F16, F32, I32, I64, U32, Dialect, Printed, _Printer, _stores, cname
 
 VALUE = {F32: "f32", F16: "f32", BF16: "f32", I32: "i32", I64: "i32", U32: "u32", BOOL: "bool"}
-FN = {"exp": "tf_exp", "log": "tf_log", "tanh": "tf_tanh", "sqrt": "sqrt", "rsqrt": "inverseSqrt", "sin": "sin",
+FN = {"sqrt": "sqrt", "rsqrt": "inverseSqrt", "sin": "sin",
       "cos": "cos", "floor": "floor", "ceil": "ceil", "round": "round", "abs": "abs"}
 MAX_GROUPS = 65535
-HELPERS = f"""fn tf_isnan(x: f32) -> bool {{ return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }}
-fn tf_isfinite(x: f32) -> bool {{ return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u; }}
-fn tf_signed(x: f32, s: f32) -> f32 {{ return bitcast<f32>(bitcast<u32>(x) | (bitcast<u32>(s) & 0x80000000u)); }}
-fn tf_expm1_r(r: f32) -> f32 {{ return fma({horner(EXP_P, "r")}, r * r, r); }}  // |r| <= ln2 / 2
-fn tf_exp(x: f32) -> f32 {{  // (ir/kernel/mathlib.py: WGSL promises exp only to 3 + 2|x| ulp)
-    let n = round(clamp(x, -104.0, 89.0) * 1.442695041);  // (0 and inf past those)
-    let h = i32(n) / 2;  // 2^n in two halves, each a normal float: x's reduction is r(x, n)
-    let p = (tf_expm1_r(tf_reduce(x, n)) + 1.0) * bitcast<f32>(u32(h + 127) << 23u);
-    return select(p * bitcast<f32>(u32(i32(n) - h + 127) << 23u), x, tf_isnan(x));
-}}
-fn tf_reduce(x: f32, n: f32) -> f32 {{  // x - n ln 2 (n again through an int: a driver's algebra
-    return fma(f32(i32(n)), {LN2_LO!r}, fma(n, -{LN2_HI!r}, clamp(x, -104.0, 89.0)));  // may fold the halves)
-}}
-fn tf_log_m(m: f32, e: f32) -> f32 {{  // log(1 + m) + e ln 2, m in [sqrt(1/2) - 1, sqrt(2) - 1]
-    let z = m * m;
-    return fma(e, {LN2_HI!r}, m + fma(e, -{LN2_LO!r}, fma(-0.5, z, {horner(LOG_P, "m")} * m * z)));
-}}
-fn tf_log(x: f32) -> f32 {{  // (WGSL: log only to 2^-21 absolute near 1)
-    let sub = x < 1.17549435e-38;  // a denormal, scaled by 2^23 first (frexp may flush it)
-    let f = frexp(select(x, x * 8388608.0, sub));
-    let small = f.fract < 0.70710678;
-    let r = tf_log_m(select(f.fract, f.fract * 2.0, small) - 1.0, f32(f.exp - select(0, 1, small) - select(0, 23, sub)));
-    return select(select(r, bitcast<f32>(0xff800000u), x == 0.0), select(x, bitcast<f32>(0x7fc00000u), x < 0.0),
-                  x < 0.0 || !tf_isfinite(x));
-}}
-fn tf_erf(x: f32) -> f32 {{
-    let big = select(1.0 - tf_exp({horner(ERF_LARGE, "(min(abs(x), 3.95) - 2.425)")}), 1.0, abs(x) >= 3.95);
-    return select(select(tf_signed(big, x), x * {horner(ERF_SMALL, "(x * x)")}, abs(x) < 0.9), x, tf_isnan(x));
-}}
-fn tf_fmod_abs(x: f32, y: f32) -> f32 {{  // x mod y for x >= 0 and a normal y > 0, exactly
+HELPERS = """fn tf_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
+fn tf_isfinite(x: f32) -> bool { return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u; }
+fn tf_signed(x: f32, s: f32) -> f32 { return bitcast<f32>(bitcast<u32>(x) | (bitcast<u32>(s) & 0x80000000u)); }
+fn tf_fmod_abs(x: f32, y: f32) -> f32 {  // x mod y for x >= 0 and a normal y > 0, exactly
     var r = x;
-    for (var i = 0; i < 300 && r >= y; i++) {{  // r - t is exact: t <= r < 2t
+    for (var i = 0; i < 300 && r >= y; i++) {  // r - t is exact: t <= r < 2t
         let t = ldexp(y, frexp(r).exp - frexp(y).exp);
         r -= select(t, t * 0.5, t > r);
-    }}
+    }
     return r;
-}}
-fn tf_fmod(a: f32, b: f32) -> f32 {{  // as C's fmod (WGSL's % is a - b trunc(a / b), inexact)
-    if (!tf_isfinite(a) || tf_isnan(b) || b == 0.0) {{ return bitcast<f32>(0x7fc00000u); }}
-    if (!tf_isfinite(b)) {{ return a; }}
+}
+fn tf_fmod(a: f32, b: f32) -> f32 {  // as C's fmod (WGSL's % is a - b trunc(a / b), inexact)
+    if (!tf_isfinite(a) || tf_isnan(b) || b == 0.0) { return bitcast<f32>(0x7fc00000u); }
+    if (!tf_isfinite(b)) { return a; }
     let k = select(1.0, 16777216.0, abs(b) < 1.17549435e-38);  // a denormal b: mod b 2^24, then scaled
     let r = tf_fmod_abs(abs(a), abs(b) * k);
     return tf_signed(select(r, tf_fmod_abs(r * k, abs(b) * k) / k, k > 1.0), a);
-}}
-fn tf_pow(x: f32, y: f32) -> f32 {{  // C's pow (WGSL's has no answer for x <= 0)
-    if (y == 0.0 || x == 1.0) {{ return 1.0; }}
-    if (tf_isnan(x) || tf_isnan(y)) {{ return x + y; }}
-    let ax = abs(x);
-    let odd = trunc(y) == y && abs(y) < 16777216.0 && trunc(y * 0.5) != y * 0.5;
-    if (x < 0.0 && trunc(y) != y && tf_isfinite(x)) {{ return bitcast<f32>(0x7fc00000u); }}
-    if (!tf_isfinite(y)) {{ return select(select(0.0, bitcast<f32>(0x7f800000u), (ax < 1.0) == (y < 0.0)), 1.0, ax == 1.0); }}
-    let r = select(tf_exp(y * tf_log(ax)), select(0.0, bitcast<f32>(0x7f800000u), (ax == 0.0) == (y < 0.0)),
-                   ax == 0.0 || !tf_isfinite(ax));
-    return select(r, tf_signed(r, x), odd);
-}}
-fn tf_log1p(x: f32) -> f32 {{  // no 1 + x - 1: a driver's algebra may cancel it to x
-    return select(tf_log(1.0 + x), tf_log_m(x, 0.0), x > -0.2928932 && x < 0.41421356);
-}}
-fn tf_expm1(x: f32) -> f32 {{  // 2^n expm1(r) + (2^n - 1)
-    let n = round(clamp(x, -104.0, 89.0) * 1.442695041);
-    let t = select(bitcast<f32>(u32(i32(n) + 127) << 23u), 1.0, n > 127.0);
-    let e = select(fma(tf_expm1_r(tf_reduce(x, n)), t, t - 1.0), tf_exp(x), n > 127.0);
-    return select(select(e, -1.0, x < -20.0), x, abs(x) < 1e-30 || tf_isnan(x));  // (-0.0 stays)
-}}
-fn tf_tanh(x: f32) -> f32 {{ let e = tf_expm1(-2.0 * abs(x)); return tf_signed(select(-e / (e + 2.0), 1.0, abs(x) > 9.0), x); }}
+}
 """
 
 
@@ -118,6 +71,9 @@ class WGSLPrinter(_Printer):
     def ty(self, d, w: int = 1) -> str:
         assert w == 1, "webgpu kernels are scalar"
         return VALUE[np.dtype(d)]
+
+    def bitcast(self, x: str, d, w: int) -> str:
+        return f"bitcast<{self.ty(d)}>({x})"
 
     def declare(self, name: str, ty: str, expr: str) -> str:
         return f"let {name}: {ty} = {expr};"
@@ -227,10 +183,6 @@ class WGSLPrinter(_Printer):
         f = dtypes.is_float(d)
         if op in FN and (f or op == "abs"):
             return f"{FN[op]}({x})"
-        if op in ("log1p", "expm1", "erf"):
-            return f"tf_{op}({x})"
-        if op == "logistic":
-            return f"(1.0 / (1.0 + tf_exp(-{x})))"
         if op == "neg":
             return f"(-{x})"
         if op == "sign":
@@ -258,8 +210,6 @@ class WGSLPrinter(_Printer):
                 return f"{op}({a}, {b})"
             cmp = ">" if op == "max" else "<"
             return f"select({b}, {a}, ({a} {cmp} {b}) || tf_isnan({a}))"
-        if op == "pow":
-            return f"tf_pow({a}, {b})"
         if op in ("div", "rem"):
             if dtypes.is_float(d):
                 return f"({a} / {b})" if op == "div" else f"tf_fmod({a}, {b})"
@@ -327,4 +277,5 @@ def atomic_buffers(k: TileKernel) -> set:
 
 
 def print_wgsl(k: TileKernel) -> Printed:
+    k = expand(k)  # WGSL's exp, log, pow... are loose: the kernel IR's (ir/kernel/mathlib.py) instead
     return WGSLPrinter(k, atomic_buffers(k)).print()

@@ -115,6 +115,8 @@ class _Eval:
             out = np.where(xs[0], xs[1], xs[2])
         elif op == "cast":
             out = _cast(xs[0], n.dtype)
+        elif op == "bitcast":
+            out = np.ascontiguousarray(xs[0]).view(n.dtype)
         else:
             raise NotImplementedError(f"interp: kernel op {op}")
         return np.asarray(out).astype(n.dtype, copy=False)

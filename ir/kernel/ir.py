@@ -55,7 +55,7 @@ BINARY = ("add", "sub", "mul", "div", "rem", "pow", "max", "min", "and", "or", "
           "shift_left", "shift_right_logical", "eq", "ne", "lt", "le", "gt", "ge")
 REDUCE_OPS = ("sum", "max", "min", "prod", "argmax", "argmin")
 LEAVES = ("const", "idx", "ridx")
-OTHER = ("load", "select", "cast", "reduce")
+OTHER = ("load", "select", "cast", "bitcast", "reduce")
 ALL_OPS = UNARY + BINARY + LEAVES + OTHER
 
 
@@ -158,6 +158,13 @@ def select(c: KExpr, a: KExpr, b: KExpr) -> KExpr:
 def cast(x: KExpr, dtype) -> KExpr:
     dtype = np.dtype(dtype)
     return x if x.dtype == dtype else KExpr("cast", dtype, (x,))
+
+
+def bitcast(x: KExpr, dtype) -> KExpr:
+    """x's bits read as `dtype` (of the same size)."""
+    dtype = np.dtype(dtype)
+    assert dtype.itemsize == np.dtype(x.dtype).itemsize, (x.dtype, dtype)
+    return x if x.dtype == dtype else KExpr("bitcast", dtype, (x,))
 
 
 def reduce(op: str, x: KExpr, index: KExpr | None = None) -> KExpr:

@@ -418,6 +418,8 @@ class _Group:
                     v = np.where(xs[0], xs[1], xs[2])
                 elif op == "cast":
                     v = _cast(xs[0], np.dtype(x.dtype))
+                elif op == "bitcast":
+                    v = np.ascontiguousarray(xs[0]).view(np.dtype(x.dtype))
                 else:
                     raise NotImplementedError(f"run_tile: op {op}")
             memo[x] = np.asarray(v).astype(x.dtype, copy=False)

@@ -115,3 +115,44 @@ def test_loop_trips_count_every_entry_of_a_loop():
     inner = Range("b", 5, "serial", (Store("x", const(0, INDEX), const(1.0, np.float32)),))
     body = (Range("g", 100, "grid", (Range("a", 3, "serial", (inner,)), Range("c", 7, "serial", ()))),)
     assert loop_trips(body) == 15 and loop_trips((inner,)) == 5 and loop_trips(()) == 0
+
+
+def test_the_kernel_ir_math_library_matches_numpy():
+    """ir/kernel/mathlib.py (what WebGPU prints instead of WGSL's loose exp, log, pow...), run by
+    the lockstep reference on a sweep over float32's range, specials included."""
+    import math
+
+    from tilefuse.ir.kernel.ir import load, unary
+    from tilefuse.ir.kernel.mathlib import expand
+    from tilefuse.ir.kernel.tile import var
+    f32 = np.dtype(np.float32)
+    x = np.concatenate([np.logspace(-40, 38, 400), -np.logspace(-40, 38, 400), np.linspace(-30, 30, 601),
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, 88.7, -103.9, 1e-7, 0.41, -0.29]]).astype(f32)
+    ref = {"exp": np.exp, "log": np.log, "expm1": np.expm1, "log1p": np.log1p, "tanh": np.tanh,
+           "logistic": lambda v: 1 / (1 + np.exp(-v)), "erf": np.vectorize(math.erf, otypes=[np.float64])}
+    bound = {"exp": 2, "log": 2, "expm1": 3, "log1p": 3, "tanh": 4, "logistic": 4, "erf": 16}
+
+    def run(value, n):
+        k = TileKernel("m", (Buffer("x", f32, n), Buffer("y", f32, n), Buffer("out", f32, n)), 2,
+                       (Range("g", n, "grid", (Store(2, var("g"), value),)),))
+        out = np.zeros(n, f32)
+        run_tile(expand(k), [x_, y_, out])
+        return out
+    for name, f in ref.items():
+        x_, y_ = x, x
+        got = run(unary(name, load(0, var("g"), f32)), x.size)
+        with np.errstate(all="ignore"):
+            want = f(x.astype(np.float64)).astype(f32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+        ok = np.isfinite(want) & np.isfinite(got)
+        np.testing.assert_array_equal(got[~ok & ~np.isnan(want)], want[~ok & ~np.isnan(want)], err_msg=name)
+        ulps = np.abs(got[ok].view(np.int32).astype(np.int64) - want[ok].view(np.int32).astype(np.int64))
+        assert ulps.max() <= bound[name], f"{name}: {ulps.max()} ulp at {x[ok][np.argmax(ulps)]}"
+    a, b = np.meshgrid(np.float32([-2.5, -1, -0.0, 0, 0.5, 1, 3, np.inf, -np.inf, np.nan]),
+                       np.float32([-3, -0.5, 0, 0.5, 2, 3, 89, np.inf, -np.inf, np.nan]))
+    x_, y_ = a.ravel(), b.ravel()
+    from tilefuse.ir.kernel.ir import binary
+    got = run(binary("pow", load(0, var("g"), f32), load(1, var("g"), f32)), x_.size)
+    with np.errstate(all="ignore"):
+        want = np.power(x_.astype(np.float64), y_.astype(np.float64)).astype(f32)
+    np.testing.assert_allclose(got, want, rtol=3e-5, err_msg=str(list(zip(x_, y_, got, want))))
