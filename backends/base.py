@@ -6,6 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from tilefuse.ir.core import Graph, ShapedArray
+from tilefuse.runtime.memory import PoolBuffer
 
 
 class Backend:
@@ -43,7 +44,16 @@ class Backend:
         raise NotImplementedError
 
     def compile(self, graph: Graph, device):
-        raise NotImplementedError
+        """The shared pipeline (runtime/compiler.py): passes, fusion, lowering, this backend's
+        kernels, a planned arena; a backend that runs graphs otherwise (`ref`) replaces it."""
+        from tilefuse.runtime.compiler import compile_graph
+        return compile_graph(graph, device, self)
+
+    def free(self, buffer, device=None) -> None:
+        """Give a buffer back now (the caller promises not to use it again): a PoolBuffer's block
+        returns to its pool; other buffers are left to the garbage collector."""
+        if isinstance(buffer, PoolBuffer):
+            buffer.release()
 
     # Tile kernels (ir/kernel/tile.py): a backend that prints them sets `tile_kernels` and
     # returns from compile_tile a callable run(buffers), buffers in the kernel's order;
@@ -53,6 +63,23 @@ class Backend:
 
     def compile_tile(self, kernel, device):
         raise NotImplementedError(f"{self.kind}: no tile kernels")
+
+    def info_of(self, device):
+        """The device's hardware description (runtime/hardware.DeviceInfo)."""
+        raise NotImplementedError
+
+    def tile_of(self, kernel, device, sched=None):
+        """An index-space kernel laid out by the shared scheduler (ir/kernel/schedule.py) for the
+        device's target; `sched` overrides the scheduler's choice."""
+        from tilefuse.ir.kernel.schedule import default_schedule, schedule
+        from tilefuse.runtime.config import config
+        from tilefuse.runtime.hardware import target_of
+        target = target_of(self.info_of(device))
+        return schedule(kernel, target, sched or default_schedule(kernel, target, config.deterministic))
+
+    def compile_kernel(self, kernel, device=None, sched=None):
+        """A tile-printing backend's kernel: scheduled (tile_of), then compile_tile."""
+        return self.compile_tile(self.tile_of(kernel, device, sched), device)
 
     def synchronize(self, device) -> None:
         pass

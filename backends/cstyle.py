@@ -380,8 +380,8 @@ class _Printer(PrintedValues):
         if dst == BF16:
             t = "uint" if w == 1 else f"uint{w}"
             u = f"as_{t}({conv})"
-            rne = f"(({u} + 0x7FFFu + (({u} >> 16) & 1u)) & 0xFFFF0000u)"
-            return f"as_float{'' if w == 1 else w}({rne})"
+            rne = f"(({u} + 0x7FFFu + (({u} >> 16) & 1u)) & 0xFFFF0000u)"  # (a NaN's payload could carry)
+            return f"as_float{'' if w == 1 else w}(select({rne}, ({u} | 0x400000u) & 0xFFFF0000u, isnan({conv})))"
         return conv
 
     # -- statements ---------------------------------------------------------------------------

@@ -17,7 +17,10 @@ def test_sum_of_many_tenths(device, n):
     """numpy's pairwise sum of 1e7 tenths is 1e-7 off; summed in order in float32 it was 0.27%
     off on cpu and 0.6% on opencl. Blocked sums (ir/kernel/ir.py: SUM_BLOCK) stay within 1e-5."""
     x = np.full(n, 0.1, np.float32)
-    total = float(tx.jit(tnp.sum)(x))
+    try:
+        total = float(tx.jit(tnp.sum)(x))
+    except tx.OutOfMemoryError as e:  # WebGPU binds at most 128 MiB per buffer on llvmpipe
+        pytest.skip(f"{device}: {e}")
     assert abs(total / (n * TENTH) - 1) < 1e-5, total
     if n == 10**7:  # the mean, and a sum fused with a prologue and an epilogue
         assert abs(float(tx.jit(tnp.mean)(x)) / TENTH - 1) < 1e-5
@@ -56,3 +59,34 @@ def test_float16_mean_beyond_its_range(device):
     rows = np.full((3, 4), 40000, np.float16)
     np.testing.assert_array_equal(np.asarray(tnp.mean(tx.device_put(rows, device), axis=1)),
                                   np.full(3, 40000, np.float16))
+
+
+def test_signed_zero_constants_stay_apart(device):
+    """x / 0.0 and x / -0.0 in one program were one kernel constant (0.0 == -0.0 in Python), and
+    x + 0.0 was simplified to x (wrong for x = -0.0). WGSL may ignore a zero's sign (its spec,
+    floating-point accuracy): there only the infinities are checked."""
+    x = np.array([3.0, -2.0, -0.0, 0.0], np.float32)
+    got = tx.jit(lambda a: (a / 0.0, a / -0.0, a + 0.0, a + -0.0, a - 0.0, a - -0.0, 0.0 + a))(x)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = (x / np.float32(0.0), x / np.float32(-0.0), x + np.float32(0.0), x + np.float32(-0.0),
+                x - np.float32(0.0), x - np.float32(-0.0), np.float32(0.0) + x)
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = np.asarray(g)
+        np.testing.assert_array_equal(g, w, err_msg=f"output {i}")
+        if device.kind != "webgpu":
+            np.testing.assert_array_equal(np.signbit(g), np.signbit(w), err_msg=f"output {i}'s zero signs")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_narrowing_keeps_every_nan(device, dtype):
+    """A NaN whose payload fills the low bits rounded to bfloat16 carried into the sign: OpenCL
+    stored -0.0 for the mean of an empty bfloat16 array (PoCL's NAN is 0x7fffffff)."""
+    bits = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFC00000, 0x7FC00000, 0xFF800000, 0x7F7FFFFF,
+                     0x3F800000, 0x80000000], np.uint32)
+    x = np.tile(bits.view(np.float32), 3)  # vector lanes and a scalar tail
+    got = np.asarray(tx.jit(lambda a: a.astype(dtype))(x))
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = x.astype(tnp.dtype(dtype))
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    empty = np.zeros((2, 0), tnp.dtype(dtype))
+    assert np.isnan(np.asarray(tx.jit(tnp.mean)(empty), np.float32)).all()

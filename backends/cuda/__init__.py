@@ -198,19 +198,11 @@ class CUDABackend(Backend):
             hit = self._ptx[key] = (name, *kernel_ptx(kernel, name, sm))
         return CudaKernel(kernel, hit[0], hit[1], hit[2], self, device, block)
 
-    def compile(self, graph, device):
-        from tilefuse.runtime.compiler import compile_graph
-        return compile_graph(graph, device, self)
-
     # -- memory ----------------------------------------------------------------------------
     def alloc(self, nbytes: int, device=None) -> DeviceBuffer:
         pool = self.pool(device)
         block = pool.alloc(nbytes)
         return DeviceBuffer(block.ptr, int(nbytes), block, pool)
-
-    def free(self, buffer, device=None) -> None:
-        if isinstance(buffer, DeviceBuffer):
-            buffer.release()
 
     def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer:
         return DeviceBuffer(buf.ptr + offset, nbytes, parent=buf)

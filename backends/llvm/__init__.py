@@ -78,13 +78,6 @@ class LLVMBackend(Backend):
         from .tile import compile_tile
         return compile_tile(kernel, self._info(device))
 
-    def compile(self, graph, device):
-        try:
-            from tilefuse.runtime.compiler import compile_graph
-        except ImportError as e:
-            raise NotImplementedError("the graph compiler (tilefuse.runtime.compiler) is missing") from e
-        return compile_graph(graph, device, self)
-
     # -- memory ----------------------------------------------------------------------------
     def alloc(self, nbytes: int, device=None) -> np.ndarray:
         """A 64-byte aligned 1-D uint8 buffer of nbytes from the pool; it returns to the pool at

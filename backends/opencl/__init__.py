@@ -13,7 +13,6 @@ import time
 import numpy as np
 
 from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
-from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.runtime.config import config
 from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo, host_info
@@ -21,8 +20,6 @@ from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 from tilefuse.runtime.tiled import register_gemm, register_kernels
 
 from ..base import Backend
-from tilefuse.ir.kernel.schedule import Schedule, default_schedule, schedule
-from tilefuse.runtime.hardware import target_of
 
 from ..cstyle import F64, print_tile
 from .build import ProgramCache, translate
@@ -165,21 +162,15 @@ class OpenCLBackend(Backend):
         return st
 
     # ---- kernels ----
-    def compile_kernel(self, kernel: Kernel, device, sched: Schedule | None = None) -> "TileLaunch":
-        """The kernel laid out by the shared scheduler (ir/kernel/schedule.py; `sched` overrides
-        its choice), printed as OpenCL C and built (cached)."""
-        return self.compile_tile(self._schedule(kernel, device, sched), device)
-
     def compile_kernels(self, kernels, device) -> list:
         """Several kernels (a graph's) with one program build; a failing batch is built again
         kernel by kernel, so that the CompileError names the kernel at fault."""
-        tks = [self._schedule(k, device, None) for k in kernels]
+        tks = [self.tile_of(k, device) for k in kernels]
         self._build_tiles([tk for tk in tks if self._key(tk) not in self._state(device).kernels], device)
         return [self.compile_tile(tk, device) for tk in tks]
 
-    def _schedule(self, kernel: Kernel, device, sched: Schedule | None):
-        target = target_of(self._state(device).info)
-        return schedule(kernel, target, sched or default_schedule(kernel, target, config.deterministic))
+    def info_of(self, device) -> DeviceInfo:
+        return self._state(device).info
 
     tile_kernels = True
 
@@ -229,23 +220,11 @@ class OpenCLBackend(Backend):
                       f"{p.source}", file=sys.stderr)
         return hit
 
-    def compile(self, graph, device):
-        try:
-            from tilefuse.runtime.compiler import compile_graph
-        except ImportError:
-            raise NotImplementedError("opencl: the graph compiler (runtime/compiler.py) is not "
-                                      "there yet; compile kernels with compile_kernel") from None
-        return compile_graph(graph, device, self)
-
     # ---- memory ----
     def alloc(self, nbytes: int, device) -> PoolBuffer:
         """nbytes of device memory from the device's caching pool (runtime/memory.py)."""
         pool = self._state(device).pool
         return PoolBuffer(pool.alloc(nbytes), int(nbytes), pool)
-
-    def free(self, buffer: PoolBuffer, device=None) -> None:
-        """Give a buffer back to the pool now (the caller promises not to use it again)."""
-        buffer.release()
 
     def view(self, buffer: PoolBuffer, offset_bytes: int, nbytes: int) -> PoolBuffer:
         """nbytes of `buffer` from offset_bytes, as an OpenCL sub-buffer. Sub-buffers must start

@@ -14,10 +14,8 @@ import threading
 import numpy as np
 
 from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
-from tilefuse.ir.kernel.schedule import Schedule, default_schedule, schedule
 from tilefuse.ir.kernel.tile import loop_trips
-from tilefuse.runtime.config import config
-from tilefuse.runtime.hardware import DeviceInfo, target_of
+from tilefuse.runtime.hardware import DeviceInfo
 from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 from tilefuse.runtime.tiled import register_gemm, register_kernels
 
@@ -27,7 +25,7 @@ from .wgsl import print_wgsl
 INSTALL_HINT = ("install wgpu (`pip install wgpu`, or tilefuse[webgpu]) and a WebGPU-capable driver: Metal "
                 "(macOS), DX12 or Vulkan (Windows), Vulkan (Linux; no GPU: `apt-get install mesa-vulkan-drivers "
                 "libvulkan1`)")
-UNSUPPORTED = ("float64", "int64", "uint64", "int8", "uint8", "int16", "uint16")  # (8/16-bit ints: not yet)
+UNSUPPORTED = ("float64", "int64", "uint64")
 
 
 def _ceil4(n: int) -> int:
@@ -43,7 +41,7 @@ class Launch:
 
     def __call__(self, buffers):
         if not all(self.groups):
-            return None
+            return
         be = self._be
         entries = [{"binding": i, "resource": {"buffer": b.mem, "offset": 0, "size": _ceil4(b.nbytes)}}
                    for i, b in enumerate(buffers)]
@@ -55,7 +53,6 @@ class Launch:
         cp.dispatch_workgroups(*self.groups)
         cp.end()
         be.device.queue.submit([enc.finish()])
-        return None
 
 
 class WebGPUBackend(Backend):
@@ -104,16 +101,10 @@ class WebGPUBackend(Backend):
         return self.device.create_buffer(size=_ceil4(nbytes), usage=usage)
 
     # ---- kernels ----
-    def compile_kernel(self, kernel, device=None, sched: Schedule | None = None) -> Launch:
-        target = target_of(self.info)
-        return self.compile_tile(schedule(kernel, target, sched or default_schedule(kernel, target,
-                                                                                     config.deterministic)), device)
+    def info_of(self, device=None) -> DeviceInfo:
+        return self.info
 
     def compile_tile(self, tk, device=None) -> Launch:
-        bad = [str(b.dtype) for b in tk.buffers if np.dtype(b.dtype).name in UNSUPPORTED]
-        if bad:
-            raise CompileError(f"webgpu: kernel {tk.name} holds {', '.join(bad)}: WGSL has no 64-bit types; "
-                               "use float32/int32 on this device", backend="webgpu", kernel=str(tk))
         big = max((b.size * np.dtype(b.dtype).itemsize for b in tk.buffers), default=0)
         if big > self.info.extra["max_buffer"]:
             raise OutOfMemoryError(f"webgpu: cannot allocate an array of {big} bytes for kernel {tk.name}: a buffer holds at "
@@ -147,19 +138,12 @@ class WebGPUBackend(Backend):
                                kernel=str(tk), source=p.source) from None
         return pipe, layout
 
-    def compile(self, graph, device):
-        from tilefuse.runtime.compiler import compile_graph
-        return compile_graph(graph, device, self)
-
     # ---- memory ----
     def alloc(self, nbytes: int, device=None) -> PoolBuffer:
         try:
             return PoolBuffer(self.pool.alloc(nbytes), int(nbytes), self.pool)
         except MemoryError as e:
             raise OutOfMemoryError(str(e)) from None
-
-    def free(self, buffer: PoolBuffer, device=None) -> None:
-        buffer.release()
 
     def view(self, buffer, offset: int, nbytes: int) -> PoolBuffer:
         return self.alloc(nbytes)  # (see the module docstring)
@@ -168,9 +152,8 @@ class WebGPUBackend(Backend):
         host = np.ascontiguousarray(host)
         buf = self.alloc(host.nbytes)
         if host.nbytes:
-            data = host.view(np.uint8).reshape(-1)
-            if data.size % 4:
-                data = np.concatenate([data, np.zeros(4 - data.size % 4, np.uint8)])
+            data = np.zeros(_ceil4(host.nbytes), np.uint8)  # (whole words)
+            data[:host.nbytes] = host.reshape(-1).view(np.uint8)
             self.device.queue.write_buffer(buf.mem, 0, data)
         return buf
 

@@ -8,8 +8,6 @@ compare-and-swap loops. No NaN test is trusted to survive the compiler: NaN and 
 the bits. GPU targets only (a work-item per point: no vectors)."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from tilefuse.ir import dtypes
@@ -19,13 +17,19 @@ from tilefuse.ir.kernel.tile import Store, TileKernel, pp_tile
 
 from ..cstyle import ARITH, BF16, BOOL, COMPARE, F16, F32, I32, I64, U32, Dialect, Printed, _Printer, _stores, cname
 
-VALUE = {F32: "f32", F16: "f32", BF16: "f32", I32: "i32", I64: "i32", U32: "u32", BOOL: "bool"}
+VALUE = {F32: "f32", F16: "f32", BF16: "f32", I32: "i32", I64: "i32", U32: "u32", BOOL: "bool",
+         **{np.dtype(t): "i32" if t[0] == "i" else "u32" for t in ("int8", "int16", "uint8", "uint16")}}
 FN = {"sqrt": "sqrt", "rsqrt": "inverseSqrt", "sin": "sin",
       "cos": "cos", "floor": "floor", "ceil": "ceil", "round": "round", "abs": "abs"}
 MAX_GROUPS = 65535
 HELPERS = """fn tf_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
 fn tf_isfinite(x: f32) -> bool { return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u; }
 fn tf_signed(x: f32, s: f32) -> f32 { return bitcast<f32>(bitcast<u32>(x) | (bitcast<u32>(s) & 0x80000000u)); }
+fn tf_div(a: f32, b: f32) -> f32 {  // IEEE's a / 0 (llvmpipe's division by a constant zero is not)
+    if ((bitcast<u32>(b) & 0x7fffffffu) != 0u) { return a / b; }
+    let inf = 0x7f800000u | ((bitcast<u32>(a) ^ bitcast<u32>(b)) & 0x80000000u);
+    return bitcast<f32>(select(inf, 0x7fc00000u, tf_isnan(a) || (bitcast<u32>(a) & 0x7fffffffu) == 0u));
+}
 fn tf_fmod_abs(x: f32, y: f32) -> f32 {  // x mod y for x >= 0 and a normal y > 0, exactly
     var r = x;
     for (var i = 0; i < 300 && r >= y; i++) {  // r - t is exact: t <= r < 2t
@@ -55,14 +59,8 @@ class WGSLPrinter(_Printer):
         d = np.dtype(dtype)
         if d == BOOL:
             return "true" if value else "false"
-        if dtypes.is_float(d):
-            v = float(value)
-            if math.isnan(v):
-                return "bitcast<f32>(0x7fc00000u)"
-            if math.isinf(v):
-                return f"bitcast<f32>({'0x7f800000u' if v > 0 else '0xff800000u'})"
-            return f"bitcast<f32>({int(np.float32(v).view(np.uint32))}u)" if v == 0 or abs(v) < 1e-37 or abs(v) > 1e37 \
-                else f"{float(np.float32(v))!r}f"  # (a literal at the ends of the range might not parse)
+        if dtypes.is_float(d):  # its bits: exact, and NaN, inf and the ends of the range have no literal
+            return f"bitcast<f32>({int(np.float32(value).view(np.uint32))}u)"
         if d == U32:
             return f"{int(value) & 0xFFFFFFFF}u"
         v = int(value)
@@ -163,6 +161,10 @@ class WGSLPrinter(_Printer):
     def bits(self, v: str, sd) -> str:
         return f"bitcast<u32>({v})" if sd == F32 else v  # (an atomic<i32> or atomic<u32> takes its own)
 
+    def bf16_bits(self, v: str) -> str:  # rounded to nearest even; a NaN stays one (its payload could carry)
+        b = f"bitcast<u32>({v})"
+        return f"select((({b} + 0x7fffu + (({b} >> 16u) & 1u)) >> 16u), (({b} >> 16u) | 0x40u), tf_isnan({v}))"
+
     def subword_store(self, target: int, sd, off: str, v: str, depth: int) -> None:
         size = sd.itemsize
         per, mask = 4 // size, (1 << 8 * size) - 1
@@ -171,8 +173,7 @@ class WGSLPrinter(_Printer):
         elif sd == F16:
             bits = f"(pack2x16float(vec2<f32>({v}, 0.0)) & 0xffffu)"
         elif sd == BF16:
-            b = f"bitcast<u32>({v})"
-            bits = f"select((({b} + 0x7fffu + (({b} >> 16u) & 1u)) >> 16u), (({b} >> 16u) | 0x40u), tf_isnan({v}))"
+            bits = self.bf16_bits(v)
         else:
             bits = f"(u32({v}) & {hex(mask)}u)"
         w, sh = f"b{target}[u32({off}) / {per}u]", f"((u32({off}) % {per}u) * {8 * size}u)"
@@ -212,7 +213,7 @@ class WGSLPrinter(_Printer):
             return f"select({b}, {a}, ({a} {cmp} {b}) || tf_isnan({a}))"
         if op in ("div", "rem"):
             if dtypes.is_float(d):
-                return f"({a} / {b})" if op == "div" else f"tf_fmod({a}, {b})"
+                return f"tf_{'div' if op == 'div' else 'fmod'}({a}, {b})"
             zero, sym = self.lit(0, d), "/" if op == "div" else "%"
             return f"select(({a} {sym} select({b}, {self.lit(1, d)}, {b} == {zero})), {a if op == 'rem' else zero}, " \
                    f"{b} == {zero})"
@@ -230,8 +231,10 @@ class WGSLPrinter(_Printer):
         if dst == F16:
             return f"unpack2x16float(pack2x16float(vec2<f32>(f32({x}), 0.0))).x"
         if dst == BF16:
-            b = f"bitcast<u32>(f32({x}))"
-            return f"bitcast<f32>(({b} + 0x7fffu + (({b} >> 16u) & 1u)) & 0xffff0000u)"
+            return f"bitcast<f32>({self.bf16_bits(f'f32({x})')} << 16u)"
+        if dst.kind in "iu" and dst.itemsize < 4:  # 8/16-bit integers wrap as they are cast
+            sh = 32 - 8 * dst.itemsize
+            return f"(u32({x}) & {hex((1 << 8 * dst.itemsize) - 1)}u)" if dst.kind == "u" else f"((i32({x}) << {sh}u) >> {sh}u)"
         return x if VALUE[src] == VALUE[dst] else f"{VALUE[dst]}({x})"
 
     def print(self) -> Printed:
@@ -239,7 +242,7 @@ class WGSLPrinter(_Printer):
         grid, lanes = k.grid(), k.lanes()
         if len(lanes) > 3:
             raise CompileError(f"{k.name}: {len(lanes)} work-item dimensions", backend="webgpu")
-        n = math.prod(int(r.extent) for r in grid)
+        n = int(np.prod([int(r.extent) for r in grid], dtype=np.int64))
         groups = (min(n, MAX_GROUPS), -(-n // MAX_GROUPS)) if n else (0, 1)
         local = tuple(int(r.extent) for r in reversed(lanes)) or (1,)
         head = ["// generated by tilefuse from:", *("// " + ln for ln in pp_tile(k).splitlines()), HELPERS]

@@ -43,6 +43,7 @@ Op semantics every renderer implements (ir/kernel/interp.py is the reference):
 """
 from __future__ import annotations
 
+import struct
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +60,7 @@ OTHER = ("load", "select", "cast", "bitcast", "reduce")
 ALL_OPS = UNARY + BINARY + LEAVES + OTHER
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, init=False, eq=False)
 class KExpr:
     """One node of a scalar expression DAG. Immutable and compared structurally, so equal
     subexpressions are one node (CSE for free).
@@ -75,17 +76,17 @@ class KExpr:
     arg: Any = None
     _hash: int = field(default=0, compare=False, repr=False)
 
-    # Interned: an equal node is the same object, so comparing two DAGs (a dict lookup, a memo)
-    # stops at their operands' identity instead of walking them whole.
+    # Interned: an equal node is the same object, so equality is identity and comparing two DAGs
+    # (a dict lookup, a memo) stops at their operands instead of walking them whole.
     def __new__(cls, op, dtype, src=(), arg=None):
-        hit = _INTERNED.get((op, np.dtype(dtype), src, arg))
+        hit = _INTERNED.get(_key(op, dtype, src, arg))
         return hit if hit is not None else super().__new__(cls)
 
     def __init__(self, op, dtype, src=(), arg=None):
         if self._hash:  # the interned node, constructed again
             return
-        key = (op, np.dtype(dtype), tuple(src), arg)
-        for name, v in zip(("op", "dtype", "src", "arg", "_hash"), (*key, hash(key))):
+        key = _key(op, dtype, src, arg)
+        for name, v in zip(("op", "dtype", "src", "arg", "_hash"), (op, key[1], key[2], arg, hash(key))):
             object.__setattr__(self, name, v)
         _INTERNED[key] = self
 
@@ -116,6 +117,14 @@ class KExpr:
                 stack.pop()
                 order.append(n)
         return order
+
+
+def _key(op, dtype, src, arg) -> tuple:
+    """A node's identity. A float constant is keyed by its bits: 0.0 == -0.0 in Python, and
+    x / 0.0 is not x / -0.0."""
+    if isinstance(arg, float):
+        arg = (float, struct.pack("<d", arg))
+    return op, np.dtype(dtype), tuple(src), arg
 
 
 INDEX = np.dtype(np.int64)

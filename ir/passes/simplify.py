@@ -7,14 +7,19 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .. import primitives as P
+import numpy as np
+
+from .. import dtypes, primitives as P
 from ..core import Eqn, Graph
 from .util import Rewriter, literal, new_eqn
 
 
 def _is(rw: Rewriter, a, value) -> bool:
+    """Whether atom a holds `value` everywhere; a float zero's sign counts."""
     u = rw.uniform(a)
-    return u is not None and bool(u == value)
+    if u is None or not bool(u == value):
+        return False
+    return not dtypes.is_float(u.dtype) or bool(np.signbit(u) == np.signbit(value))
 
 
 def right_identity(value) -> Callable:
@@ -134,8 +139,8 @@ def sink_reshape(e: Eqn, rw: Rewriter):
 # The table: primitive name -> rules tried in order.
 RULES: dict[str, list[Callable]] = {
     "mul": [right_identity(1), left_identity(1)],
-    "add": [right_identity(0), left_identity(0)],
-    "sub": [right_identity(0)],
+    "add": [right_identity(-0.0), left_identity(-0.0)],  # x + -0.0 is x; x + 0.0 is not for x = -0.0
+    "sub": [right_identity(0.0)],
     "div": [right_identity(1)],
     "transpose": [transpose_identity, transpose_of_transpose, layout_of_scalar_broadcast],
     "reshape": [reshape_same_shape, reshape_of_reshape, layout_of_scalar_broadcast],

@@ -88,8 +88,8 @@ class Rewriter:
             flat = v.reshape(-1)
             first = flat[0]
             same = flat == first
-            if dtypes.is_float(v.dtype):
-                same |= np.isnan(flat) & np.isnan(first)
+            if dtypes.is_float(v.dtype):  # -0.0 is not 0.0 (x + 0.0 is no identity: -0.0 + 0.0 = 0.0)
+                same = (same & (np.signbit(flat) == np.signbit(first))) | (np.isnan(flat) & np.isnan(first))
             return np.asarray(first) if bool(np.all(same)) else None
         p = self.producer.get(a.id)
         if p is not None and p.prim.name == "broadcast_in_dim":

@@ -183,12 +183,12 @@ def _case_one_mul(gb, x):
     return gb(P.mul, _bcast(gb, 1.0, (2, 3)), x)
 
 
-def _case_add_zero(gb, x):
-    return gb(P.add, x, _bcast(gb, 0.0, (2, 3)))
+def _case_add_zero(gb, x):  # -0.0: x + 0.0 is 0.0 at x = -0.0, not x
+    return gb(P.add, x, _bcast(gb, -0.0, (2, 3)))
 
 
 def _case_zero_add(gb, x):
-    return gb(P.add, _bcast(gb, 0.0, (2, 3)), x)
+    return gb(P.add, _bcast(gb, -0.0, (2, 3)), x)
 
 
 def _case_sub_zero(gb, x):
@@ -261,10 +261,13 @@ def test_simplify_keeps_non_identities():
     x = gb.invars[0]
     y = gb(P.mul, x, _bcast(gb, 2.0, (2, 3)))
     y = gb(P.add, y, _bcast(gb, 1.0, (2, 3)))  # x+1 is not x
+    y = gb(P.add, y, _bcast(gb, 0.0, (2, 3)))  # nor x+0.0 (-0.0 + 0.0 is 0.0)
+    y = gb(P.sub, y, _bcast(gb, -0.0, (2, 3)))  # nor x-(-0.0)
     y = gb(P.transpose, gb(P.transpose, y, permutation=(1, 0)), permutation=(1, 0))
     g = gb.graph(gb(P.transpose, y, permutation=(1, 0)))
     out = dce(simplify(g))
-    assert out.count("mul") == 1 and out.count("add") == 1 and out.count("transpose") == 1
+    assert out.count("mul") == 1 and out.count("add") == 2 and out.count("sub") == 1
+    assert out.count("transpose") == 1
     assert_same(g, out)
 
 
