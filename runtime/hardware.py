@@ -28,7 +28,9 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
-from tilefuse.ir.errors import TilefuseError
+import numpy as np
+
+from tilefuse.ir.errors import CompileError, OutOfMemoryError, TilefuseError
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,21 @@ def _mem_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def check_fits(tk, info: DeviceInfo) -> None:
+    """Refuse a tile kernel a device cannot run whole: an array past one buffer's limit
+    (extra["max_buffer"]), a loop past the driver's trip cap (extra["max_loop_trips"]: Mesa's
+    llvmpipe silently ends a loop there, a wrong result)."""
+    from tilefuse.ir.kernel.tile import loop_trips
+    limit, cap = info.extra.get("max_buffer"), info.extra.get("max_loop_trips")
+    big = max((b.size * np.dtype(b.dtype).itemsize for b in tk.buffers), default=0)
+    if limit and big > limit:
+        raise OutOfMemoryError(f"{info.kind}: cannot allocate an array of {big} bytes for kernel {tk.name}: "
+                               f"a buffer holds at most {limit} on {info.name}")
+    if cap and loop_trips(tk.body) > cap:
+        raise CompileError(f"{info.kind}: kernel {tk.name} runs a loop {loop_trips(tk.body)} times in one "
+                           f"work-item; {info.name} stops loops at {cap}", backend=info.kind, kernel=str(tk))
 
 
 def target_of(info: DeviceInfo):

@@ -67,7 +67,6 @@ def test_solvers_against_numpy(device, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_norms_every_ord(device, dtype):
     x = _mat(3, 4, dtype=dtype)
-    v = x[0]
     tol = 1e-5 if dtype == np.float32 else 1e-12
 
     def all_norms(m, x):

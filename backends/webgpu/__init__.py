@@ -14,8 +14,7 @@ import threading
 import numpy as np
 
 from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
-from tilefuse.ir.kernel.tile import loop_trips
-from tilefuse.runtime.hardware import DeviceInfo
+from tilefuse.runtime.hardware import DeviceInfo, check_fits
 from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 from tilefuse.runtime.tiled import register_gemm, register_kernels
 
@@ -105,14 +104,7 @@ class WebGPUBackend(Backend):
         return self.info
 
     def compile_tile(self, tk, device=None) -> Launch:
-        big = max((b.size * np.dtype(b.dtype).itemsize for b in tk.buffers), default=0)
-        if big > self.info.extra["max_buffer"]:
-            raise OutOfMemoryError(f"webgpu: cannot allocate an array of {big} bytes for kernel {tk.name}: a buffer holds at "
-                                   f"most {self.info.extra['max_buffer']} on {self.info.name}")
-        cap = self.info.extra["max_loop_trips"]
-        if cap and loop_trips(tk.body) > cap:  # (the driver would end the loop early: a wrong result)
-            raise CompileError(f"webgpu: kernel {tk.name} runs a loop {loop_trips(tk.body)} times in one work-item; "
-                               f"{self.info.name} stops loops at {cap}", backend="webgpu", kernel=str(tk))
+        check_fits(tk, self.info)
         p = print_wgsl(tk)
         with self._lock:
             hit = self._pipelines.get(p.source)

@@ -115,6 +115,17 @@ def test_loop_trips_count_every_entry_of_a_loop():
     inner = Range("b", 5, "serial", (Store("x", const(0, INDEX), const(1.0, np.float32)),))
     body = (Range("g", 100, "grid", (Range("a", 3, "serial", (inner,)), Range("c", 7, "serial", ()))),)
     assert loop_trips(body) == 15 and loop_trips((inner,)) == 5 and loop_trips(()) == 0
+    # a device's limits refuse the kernel with the reason (runtime/hardware.check_fits)
+    import types
+
+    from tilefuse.ir.errors import CompileError, OutOfMemoryError
+    from tilefuse.runtime.hardware import DeviceInfo, check_fits
+    tk = types.SimpleNamespace(name="k", body=body, buffers=[types.SimpleNamespace(size=1000, dtype=np.float32)])
+    check_fits(tk, DeviceInfo("webgpu", "gpu", extra={"max_buffer": 4000, "max_loop_trips": 15}))
+    with pytest.raises(CompileError, match="runs a loop 15 times .* stops loops at 14"):
+        check_fits(tk, DeviceInfo("webgpu", "gpu", extra={"max_loop_trips": 14}))
+    with pytest.raises(OutOfMemoryError, match="4000 bytes .* at most 3999"):
+        check_fits(tk, DeviceInfo("webgpu", "gpu", extra={"max_buffer": 3999}))
 
 
 def test_the_kernel_ir_math_library_matches_numpy():
