@@ -15,9 +15,10 @@ exp(x - max) / sum; the residuals a backward pass reads, recomputed from the for
 Regions then grow greedily, producer into consumer, from the last equation back. A merge is
 refused when it would create a cycle between regions (some other region on a path between the
 two): the region graph stays a DAG, checked with networkx. It is refused too when the region's
-longest chain of equations would pass MAX_CHAIN: the lowering builds a kernel's expressions
-recursively, and a chain of thousands of operations (a Python loop of x = x * a + b) exceeded
-Python's recursion limit; such a chain becomes a kernel per MAX_CHAIN operations.
+longest chain of operations would pass MAX_CHAIN (or of equations, index maps included,
+MAX_DEPTH): the lowering builds a kernel's expressions recursively, and a chain of thousands of
+operations (a Python loop of x = x * a + b) exceeded Python's recursion limit; such a chain
+becomes a kernel per MAX_CHAIN operations.
 
 Then row merges: regions that reduce the trailing axes of one array shape (a row space), with
 what reads their results along the rows, become one *row kernel* (softmax, layer norm, RMSNorm
@@ -105,7 +106,10 @@ def _copy_index_maps(eqns: list[Eqn]) -> list[Eqn]:
 
 
 # row merges need rows to share among threads, unless the whole space is small
-MAX_CHAIN = 128  # equations one after another in one region (see the module docstring)
+MAX_CHAIN = 128  # operations one after another in one region (see the module docstring)
+# equations one after another, index maps included: lowering recurses through those too (a
+# Python loop of 3,000 flips or x[None][0] hit the recursion limit with index maps uncounted)
+MAX_DEPTH = 256
 # arrays one kernel reads and writes: devices bind a bounded number of buffers per kernel
 # (WebGPU: 8 by default, 30 and more where the adapter allows; we ask for its most)
 MAX_BUFFERS = 24
@@ -244,7 +248,8 @@ class _Partitioner:
                 if isinstance(a, Var):
                     self.consumers.setdefault(a.id, set()).add(i)
         self.group = list(range(len(eqns)))
-        # per group: at least its longest chain of operations (index maps count for none)
+        # per group: its longest chain, as (operations, equations): index maps count for no
+        # operation, but for depth (MAX_CHAIN and MAX_DEPTH bound them)
         self.height = {i: self._weight(e) for i, e in enumerate(eqns)}
         self.rows: dict[int, list] = {}  # groups merged row-wise (run_rows): their kernels
         self.members: dict[int, list[int]] = {i: [i] for i in range(len(eqns))}
@@ -286,7 +291,7 @@ class _Partitioner:
         self.reds: dict[int, list] = {}
         self.n_nonmap: dict[int, int] = {}
         self.n_capped: dict[int, int] = {}
-        self.below: dict[int, int] = {}
+        self.below: dict[int, tuple] = {}
         for i in self.members:
             e = eqns[i]
             self.outs[i] = {o.id: o for o in e.outputs
@@ -454,41 +459,43 @@ class _Partitioner:
                         frontier.extend(e.outputs)
         return True
 
-    def chain(self, p: int, c: int) -> int | None:
-        """The longest chain of operations in the union of producer group p and its consumer group
-        c, None past MAX_CHAIN. Nothing of c reaches p (groups form a DAG), so only p's equations
-        get longer chains below them in the union: each one's weight plus the longest below its
-        readers there (`_below`, in time proportional to p)."""
-        h = max(self.height[c], max(self._below(p, c).values()))
-        return h if h <= MAX_CHAIN else None
+    def chain(self, p: int, c: int) -> tuple | None:
+        """The longest chain in the union of producer group p and its consumer group c, as
+        (operations, equations), None past MAX_CHAIN or MAX_DEPTH. Nothing of c reaches p (groups
+        form a DAG), so only p's equations get longer chains below them in the union: each one's
+        weight plus the longest below its readers there (`_below`, in time proportional to p)."""
+        ops, depth = self.height[c]
+        for o, d in self._below(p, c).values():
+            ops, depth = max(ops, o), max(depth, d)
+        return (ops, depth) if ops <= MAX_CHAIN and depth <= MAX_DEPTH else None
 
-    def _below(self, p: int, c: int) -> dict[int, int]:
+    def _below(self, p: int, c: int) -> dict[int, tuple]:
         """The longest chain from each equation of p to the end of the union of p and c."""
         group, below, new = self.group, self.below, {}
         for i in sorted(self.members[p], reverse=True):  # equations are in data-flow order
-            longest = 0
+            ops = depth = 0
             for o in self.eqns[i].outputs:
                 for j in self.consumers.get(o.id, ()):
                     g = group[j]
-                    if g == p:
-                        longest = max(longest, new[j])
-                    elif g == c:
-                        longest = max(longest, below[j])
-            new[i] = self._weight(self.eqns[i]) + longest
+                    if g == p or g == c:
+                        o_j, d_j = new[j] if g == p else below[j]
+                        ops, depth = max(ops, o_j), max(depth, d_j)
+            w = self._weight(self.eqns[i])
+            new[i] = (w[0] + ops, w[1] + depth)
         return new
 
     @staticmethod
-    def _weight(e: Eqn) -> int:
-        return 0 if e.prim.name in INDEX_MAPS else 1
+    def _weight(e: Eqn) -> tuple:
+        return (0 if e.prim.name in INDEX_MAPS else 1, 1)
 
-    def can_merge(self, p: int, c: int) -> int | None:
+    def can_merge(self, p: int, c: int) -> tuple | None:
         """The union's longest chain when p and c can merge, else None."""
         if not self.valid(p, c):
             return None
         h = self.chain(p, c)
         return None if h is None or self.creates_cycle(p, c) else h
 
-    def merge(self, p: int, c: int, height: int) -> None:
+    def merge(self, p: int, c: int, height: tuple) -> None:
         self.below.update(self._below(p, c))
         self.outs[c], self.reads[c] = self.union_outputs(p, c), self.union_reads(p, c)
         self.own[c] += self.own.pop(p)
