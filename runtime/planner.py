@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+import numpy as np
+
 ALIGN = 64
 
 
@@ -36,16 +38,30 @@ class Plan:
 
 
 def plan_buffers(buffers: Sequence[Interval], align: int = ALIGN) -> Plan:
-    placed: list[tuple[int, Interval]] = []
-    offsets = {}
-    for b in sorted(buffers, key=lambda b: (-b.nbytes, b.start, b.end)):
-        busy = sorted((off, off + o.nbytes) for off, o in placed if o.nbytes and b.overlaps_in_time(o))
+    """Greedy placement (see the module docstring), vectorised over the buffers placed so far: a
+    gradient's graph has thousands of intermediates, and a loop over every placed buffer for each
+    new one, in Python, made planning quadratic (16 s for 5,000 steps)."""
+    order = sorted(buffers, key=lambda b: (-b.nbytes, b.start, b.end))
+    n = len(order)
+    starts = np.fromiter((b.start for b in order), np.int64, n)
+    ends = np.fromiter((b.end for b in order), np.int64, n)
+    sizes = np.fromiter((b.nbytes for b in order), np.int64, n)
+    offs = np.zeros(n, np.int64)
+    for k, b in enumerate(order):
+        # the placed buffers that are live with b, by offset: b goes below the first one it fits
+        # under, else above all of them (each step up aligned past the highest end so far)
+        mask = (starts[:k] <= b.end) & (ends[:k] >= b.start) & (sizes[:k] > 0)
+        lo = offs[:k][mask]
+        hi = lo + sizes[:k][mask]
         off = 0
-        for lo, hi in busy:
-            if off + b.nbytes <= lo:
-                break
-            off = max(off, align_up(hi, align))
-        placed.append((off, b))
-        offsets[b.key] = off
-    arena = max((off + b.nbytes for off, b in placed), default=0)
+        if len(lo):
+            by = np.lexsort((hi, lo))
+            lo, hi = lo[by], hi[by]
+            below = np.maximum.accumulate((hi + align - 1) // align * align)
+            before = np.concatenate(([0], below[:-1]))  # the offset tried at each busy buffer
+            fits = np.flatnonzero(before + b.nbytes <= lo)
+            off = int(before[fits[0]]) if len(fits) else int(below[-1])
+        offs[k] = off
+    offsets = {b.key: int(o) for b, o in zip(order, offs)}
+    arena = int((offs + sizes).max()) if n else 0
     return Plan(offsets, align_up(arena, align), sum(b.nbytes for b in buffers))

@@ -15,9 +15,10 @@ exp(x - max) / sum; the residuals a backward pass reads, recomputed from the for
 Regions then grow greedily, producer into consumer, from the last equation back. A merge is
 refused when it would create a cycle between regions (some other region on a path between the
 two): the region graph stays a DAG, checked with networkx. It is refused too when the region's
-longest chain of equations would pass MAX_CHAIN: the lowering builds a kernel's expressions
-recursively, and a chain of thousands of operations (a Python loop of x = x * a + b) exceeded
-Python's recursion limit; such a chain becomes a kernel per MAX_CHAIN operations.
+longest chain of operations would pass MAX_CHAIN (or of equations, index maps included,
+MAX_DEPTH): the lowering builds a kernel's expressions recursively, and a chain of thousands of
+operations (a Python loop of x = x * a + b) exceeded Python's recursion limit; such a chain
+becomes a kernel per MAX_CHAIN operations.
 
 Then row merges: regions that reduce the trailing axes of one array shape (a row space), with
 what reads their results along the rows, become one *row kernel* (softmax, layer norm, RMSNorm
@@ -25,6 +26,8 @@ and their gradients): it walks each row once per reduction level and once more f
 it writes, while the row is in cache, instead of one kernel (and one trip through memory) each."""
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -103,7 +106,10 @@ def _copy_index_maps(eqns: list[Eqn]) -> list[Eqn]:
 
 
 # row merges need rows to share among threads, unless the whole space is small
-MAX_CHAIN = 128  # equations one after another in one region (see the module docstring)
+MAX_CHAIN = 128  # operations one after another in one region (see the module docstring)
+# equations one after another, index maps included: lowering recurses through those too (a
+# Python loop of 3,000 flips or x[None][0] hit the recursion limit with index maps uncounted)
+MAX_DEPTH = 256
 # arrays one kernel reads and writes: devices bind a bounded number of buffers per kernel
 # (WebGPU: 8 by default, 30 and more where the adapter allows; we ask for its most)
 MAX_BUFFERS = 24
@@ -148,8 +154,12 @@ def _clone_shared_producers(eqns: list[Eqn], graph_out: set[int]) -> list[Eqn]:
             if isinstance(a, Var):
                 consumers.setdefault(a.id, []).append(e)
 
+    @functools.cache
+    def stored_id(vid: int) -> bool:
+        return vid in graph_out or not all(map(is_fusible, consumers.get(vid, ())))
+
     def stored(a: Var) -> bool:  # a graph output, or read by a kernel that cannot fuse it
-        return a.id in graph_out or not all(map(is_fusible, consumers.get(a.id, ())))
+        return stored_id(a.id)
 
     def computed(v) -> bool:  # by an elementwise producer (index maps are copied on their own)
         p = producer.get(getattr(v, "id", None))
@@ -191,6 +201,39 @@ def _non_unit(shape) -> tuple:
     return tuple(n for n in shape if n != 1)
 
 
+class _Dag:
+    """The region graph while groups merge: successor and predecessor dicts (insertion-ordered,
+    as networkx's, whose per-access views cost more than the searches that use them).
+    `as_networkx()` hands the result to networkx for the final checks and order."""
+
+    def __init__(self, n: int):
+        self.succ: dict[int, dict] = {i: {} for i in range(n)}
+        self.pred: dict[int, dict] = {i: {} for i in range(n)}
+
+    def add_edge(self, u: int, v: int) -> None:
+        self.succ[u][v] = None
+        self.pred[v][u] = None
+
+    def remove_node(self, n: int) -> None:
+        for s in self.succ.pop(n):
+            del self.pred[s][n]
+        for q in self.pred.pop(n):
+            del self.succ[q][n]
+
+    @property
+    def edges(self):
+        return [(u, v) for u, vs in self.succ.items() for v in vs]
+
+    def has_edge(self, u: int, v: int) -> bool:
+        return v in self.succ.get(u, ())
+
+    def as_networkx(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        g.add_nodes_from(self.succ)
+        g.add_edges_from(self.edges)
+        return g
+
+
 class _Partitioner:
     def __init__(self, graph: Graph, eqns: list[Eqn], capped: frozenset[int] = frozenset()):
         self.eqns = eqns
@@ -205,22 +248,24 @@ class _Partitioner:
                 if isinstance(a, Var):
                     self.consumers.setdefault(a.id, set()).add(i)
         self.group = list(range(len(eqns)))
-        # per group: at least its longest chain of operations (index maps count for none)
+        # per group: its longest chain, as (operations, equations): index maps count for no
+        # operation, but for depth (MAX_CHAIN and MAX_DEPTH bound them)
         self.height = {i: self._weight(e) for i, e in enumerate(eqns)}
         self.rows: dict[int, list] = {}  # groups merged row-wise (run_rows): their kernels
         self.members: dict[int, list[int]] = {i: [i] for i in range(len(eqns))}
-        self.dag = nx.DiGraph()
-        self.dag.add_nodes_from(range(len(eqns)))
+        self.dag = _Dag(len(eqns))
         for i, e in enumerate(eqns):
             for a in e.inputs:
                 j = self.producer.get(getattr(a, "id", None))
                 if j is not None:
                     self.dag.add_edge(j, i)
         effects = [i for i, e in enumerate(eqns) if has_effect(e)]
-        self.dag.add_edges_from(zip(effects, effects[1:]))  # effects stay in program order
+        for u, v in itertools.pairwise(effects):  # effects stay in program order
+            self.dag.add_edge(u, v)
         # a topological position per group, kept valid across merges (Pearce-Kelly style): a
         # cycle search then only visits the groups placed between the two it would merge
         self.pos = {i: i for i in range(len(eqns))}
+        self.reaches: dict[int, set[int]] = {}  # group -> groups known to reach it (creates_cycle)
         # equations nobody needs any more (originals of copied producers) are dropped
         live, self.dead = set(self.graph_out), set()
         for i in reversed(range(len(eqns))):
@@ -234,9 +279,34 @@ class _Partitioner:
             self.dag.remove_node(i)
         for users in self.consumers.values():
             users -= self.dead
+        # What a merge asks of a union is answered from these summaries of the two groups, in time
+        # proportional to their boundaries, not their sizes (a region of thousands of equations
+        # made every merge walk it: quadratic). Per group: the values it writes (`outs`) and reads
+        # (`reads`), its equations of no fused kind (`own`), its reductions, how many of its
+        # equations are no index map and how many are capped; per equation, its longest chain of
+        # operations to the end of its group (`below`), so a group's height is exact.
+        self.outs: dict[int, dict] = {}
+        self.reads: dict[int, dict] = {}
+        self.own: dict[int, list] = {}
+        self.reds: dict[int, list] = {}
+        self.n_nonmap: dict[int, int] = {}
+        self.n_capped: dict[int, int] = {}
+        self.below: dict[int, tuple] = {}
+        for i in self.members:
+            e = eqns[i]
+            self.outs[i] = {o.id: o for o in e.outputs
+                            if o.id in self.graph_out or self.consumers.get(o.id)}
+            self.reads[i] = {a.id: a for a in e.inputs if isinstance(a, Var)}
+            self.own[i] = [] if is_fusible(e) else [i]
+            self.reds[i] = [i] if e.prim.name in REDUCTIONS else []
+            self.n_nonmap[i] = e.prim.name not in INDEX_MAPS
+            self.n_capped[i] = i in capped
+            self.below[i] = self.height[i]
 
     # ---- questions about groups ----
     def outputs(self, members: set[int]) -> list[Var]:
+        """The values equations of `members` define that are read outside them or are graph outputs
+        (walks the members: for a region once built; merges use union_outputs)."""
         outs = []
         for i in members:
             for o in self.eqns[i].outputs:
@@ -244,30 +314,103 @@ class _Partitioner:
                     outs.append(o)
         return outs
 
-    def _between(self, p: int, c: int, forward: bool) -> tuple[bool, set[int]]:
-        """Groups placed between p and c that p reaches (forward) or that reach c (backward),
-        not through the edge p -> c; and whether c (p) is among what p reaches (reaches p)."""
-        lo, hi = self.pos[p], self.pos[c]
+    def union_outputs(self, p: int, c: int) -> dict:
+        """outputs() of the union of groups p and c, from their own outputs: a value one of them
+        writes stays written unless the other is its only reader."""
+        group, out = self.group, {}
+        for g in (p, c):
+            for vid, v in self.outs[g].items():
+                if vid in self.graph_out or any(group[j] != p and group[j] != c for j in self.consumers[vid]):
+                    out[vid] = v
+        return out
+
+    def union_reads(self, p: int, c: int) -> dict:
+        """The values the union of groups p and c reads from outside it."""
+        group, producer = self.group, self.producer
+        out = {}
+        for g in (p, c):
+            for vid, v in self.reads[g].items():
+                j = producer.get(vid)
+                if j is None or (group[j] != p and group[j] != c):
+                    out[vid] = v
+        return out
+
+    def _walk(self, p: int, c: int, forward: bool):
+        """Groups placed between p and c that p reaches (forward) or that reach c (backward), not
+        through the edge p -> c: a generator that yields once per group it visits and returns
+        the set (so that merge can walk both ways in step and stop at an empty one)."""
+        lo, hi, pos = self.pos[p], self.pos[c], self.pos
         start, goal = (p, c) if forward else (c, p)
-        step = self.dag.successors if forward else self.dag.predecessors
+        step = (self.dag.succ if forward else self.dag.pred).__getitem__
         seen: set[int] = set()
         stack = [n for n in step(start) if n != goal]
-        hit = False
         while stack:
             n = stack.pop()
-            if n == goal:
-                hit = True
-                continue
-            if n in seen or not lo < self.pos[n] < hi:
+            if n == goal or n in seen or not lo < pos[n] < hi:
                 continue
             seen.add(n)
             stack.extend(step(n))
-        return hit, seen
+            yield
+        return seen
 
     def creates_cycle(self, p: int, c: int) -> bool:
         """Whether merging producer group p into its consumer c closes a cycle: some other group
-        lies on a path from p to c. Positions are topological, so such a group sits between."""
-        return self._between(p, c, forward=True)[0]
+        lies on a path from p to c. Positions are topological, so such a group sits between.
+
+        Two searches go in step, forward from p and backward from c, and the first to finish
+        answers (the cost is the smaller of the two). Every group on a path the forward one finds
+        (p too) is remembered as reaching c: merges only add paths, so that stays true, and the
+        next producer of c that reaches one of them is answered at once (a gradient's forward
+        values each feed its backward pass: without this, each searched the forward pass behind
+        it again)."""
+        searches = [self._reaches_forward(p, c), self._reaches_backward(p, c)]
+        while True:
+            for s in searches:
+                try:
+                    next(s)
+                except StopIteration as stop:
+                    return stop.value
+
+    def _reaches_forward(self, p: int, c: int):
+        lo, hi = self.pos[p], self.pos[c]
+        known = self.reaches.setdefault(c, set())
+        succ, pos = self.dag.succ, self.pos
+        parent = {n: p for n in succ[p] if n != c}
+        stack = list(parent)
+        seen: set[int] = set()
+        while stack:
+            n = stack.pop()
+            if n in seen or not lo < pos[n] < hi:
+                continue
+            seen.add(n)
+            if n in known or c in succ[n]:
+                while n != p:  # the path back to p
+                    known.add(n)
+                    n = parent[n]
+                known.add(p)
+                return True
+            for m in succ[n]:
+                if m not in seen:
+                    parent[m] = n
+                    stack.append(m)
+            yield
+        return False
+
+    def _reaches_backward(self, p: int, c: int):
+        lo, hi = self.pos[p], self.pos[c]
+        pred, pos = self.dag.pred, self.pos
+        stack = [n for n in pred[c] if n != p]
+        seen: set[int] = set()
+        while stack:
+            n = stack.pop()
+            if n in seen or not lo < pos[n] < hi:
+                continue
+            seen.add(n)
+            if p in pred[n]:
+                return True
+            stack.extend(pred[n])
+            yield
+        return False
 
     def buffers(self, members: set[int]) -> int:
         """The arrays a region of these equations reads and writes."""
@@ -275,90 +418,134 @@ class _Partitioner:
         reads = {a.id for i in members for a in self.eqns[i].inputs if isinstance(a, Var) and a.id not in made}
         return len(reads) + len(self.outputs(members))
 
-    def valid(self, members: set[int]) -> bool:
-        """A region lowers to one kernel: one index space (all outputs share a shape) and at
-        most one reduction, followed only by elementwise operations of its output shape, reading
-        and writing at most MAX_BUFFERS arrays. Or it is a concatenate or pad with index maps that
-        only it reads."""
-        if not self.capped.isdisjoint(members) and self.buffers(members) > MAX_BUFFERS:
+    def group_buffers(self, g: int) -> int:
+        """buffers() of group g, from its summary."""
+        return len(self.reads[g]) + len(self.outs[g])
+
+    def valid(self, p: int, c: int) -> bool:
+        """Whether the union of groups p and c lowers to one kernel: one index space (all outputs
+        share a shape) and at most one reduction, followed only by elementwise operations of its
+        output shape, reading and writing at most MAX_BUFFERS arrays. Or it is a concatenate or
+        pad with index maps that only it reads."""
+        outs = self.union_outputs(p, c)
+        if self.n_capped[p] + self.n_capped[c] and len(self.union_reads(p, c)) + len(outs) > MAX_BUFFERS:
             return False
-        own = [i for i in members if not is_fusible(self.eqns[i])]
+        own = self.own[p] + self.own[c]
         if own:
-            (k,) = own
-            return (self.eqns[k].prim.name in READS_THROUGH_MAPS and
-                    all(self.eqns[i].prim.name in INDEX_MAPS for i in members if i != k) and
-                    [o.id for o in self.outputs(members)] == [o.id for o in self.eqns[k].outputs])
-        reductions = [i for i in members if self.eqns[i].prim.name in REDUCTIONS]
+            if len(own) > 1:
+                return False
+            e = self.eqns[own[0]]
+            return (e.prim.name in READS_THROUGH_MAPS and self.n_nonmap[p] + self.n_nonmap[c] == 1 and
+                    outs.keys() == {o.id for o in e.outputs})
+        reductions = self.reds[p] + self.reds[c]
         if len(reductions) > 1:
             return False
-        shapes = {o.aval.shape for o in self.outputs(members)}
+        shapes = {o.aval.shape for o in outs.values()}
         if len(shapes) != 1:
             return False
         if reductions:
             out = self.eqns[reductions[0]].outputs[0]
             if shapes != {out.aval.shape}:
                 return False
-            frontier, seen = [out], set()
-            while frontier:  # everything downstream of the reduction inside the region
+            group, frontier, seen = self.group, [out], set()
+            while frontier:  # everything downstream of the reduction inside the union
                 v = frontier.pop()
-                for c in self.consumers.get(v.id, ()):
-                    if c in members and c not in seen:
-                        seen.add(c)
-                        e = self.eqns[c]
+                for j in self.consumers.get(v.id, ()):
+                    if (group[j] == p or group[j] == c) and j not in seen:
+                        seen.add(j)
+                        e = self.eqns[j]
                         if not is_elementwise(e) or e.outputs[0].aval.shape != out.aval.shape:
                             return False
                         frontier.extend(e.outputs)
         return True
 
-    def chain(self, p: int, c: int) -> int | None:
-        """A bound of the union's longest chain, None past MAX_CHAIN: the sum of the two
-        groups' bounds when that is at most MAX_CHAIN, else the union's walked, exactly."""
-        h = self.height[p] + self.height[c]
-        if h <= MAX_CHAIN:
-            return h
-        depth: dict[int, int] = {}
-        for i in sorted(self.members[p] + self.members[c]):  # equations are in data-flow order
-            e = self.eqns[i]
-            depth[i] = self._weight(e) + max((depth.get(self.producer.get(a.id), 0) for a in e.inputs
-                                              if isinstance(a, Var)), default=0)
-        h = max(depth.values())
-        return h if h <= MAX_CHAIN else None
+    def chain(self, p: int, c: int) -> tuple | None:
+        """The longest chain in the union of producer group p and its consumer group c, as
+        (operations, equations), None past MAX_CHAIN or MAX_DEPTH. Nothing of c reaches p (groups
+        form a DAG), so only p's equations get longer chains below them in the union: each one's
+        weight plus the longest below its readers there (`_below`, in time proportional to p)."""
+        ops, depth = self.height[c]
+        for o, d in self._below(p, c).values():
+            ops, depth = max(ops, o), max(depth, d)
+        return (ops, depth) if ops <= MAX_CHAIN and depth <= MAX_DEPTH else None
+
+    def _below(self, p: int, c: int) -> dict[int, tuple]:
+        """The longest chain from each equation of p to the end of the union of p and c."""
+        group, below, new = self.group, self.below, {}
+        for i in sorted(self.members[p], reverse=True):  # equations are in data-flow order
+            ops = depth = 0
+            for o in self.eqns[i].outputs:
+                for j in self.consumers.get(o.id, ()):
+                    g = group[j]
+                    if g == p or g == c:
+                        o_j, d_j = new[j] if g == p else below[j]
+                        ops, depth = max(ops, o_j), max(depth, d_j)
+            w = self._weight(self.eqns[i])
+            new[i] = (w[0] + ops, w[1] + depth)
+        return new
 
     @staticmethod
-    def _weight(e: Eqn) -> int:
-        return 0 if e.prim.name in INDEX_MAPS else 1
+    def _weight(e: Eqn) -> tuple:
+        return (0 if e.prim.name in INDEX_MAPS else 1, 1)
 
-    def can_merge(self, p: int, c: int) -> int | None:
-        """The union's chain bound when p and c can merge, else None."""
-        if not self.valid(set(self.members[p]) | set(self.members[c])):
+    def can_merge(self, p: int, c: int) -> tuple | None:
+        """The union's longest chain when p and c can merge, else None."""
+        if not self.valid(p, c):
             return None
         h = self.chain(p, c)
         return None if h is None or self.creates_cycle(p, c) else h
 
-    def merge(self, p: int, c: int, height: int) -> None:
+    def merge(self, p: int, c: int, height: tuple) -> None:
+        self.below.update(self._below(p, c))
+        self.outs[c], self.reads[c] = self.union_outputs(p, c), self.union_reads(p, c)
+        self.own[c] += self.own.pop(p)
+        self.reds[c] += self.reds.pop(p)
+        self.n_nonmap[c] += self.n_nonmap.pop(p)
+        self.n_capped[c] += self.n_capped.pop(p)
+        del self.outs[p], self.reads[p]
+        if p in self.reaches:
+            self.reaches.setdefault(c, set()).update(self.reaches.pop(p))
         self.height[c] = height
         del self.height[p]
         for i in self.members[p]:
             self.group[i] = c
         self.members[c] += self.members.pop(p)
-        # keep positions topological: what reaches c goes before the merged group, what p
-        # reaches after it, each in its old order, in the positions they held together
-        _, after = self._between(p, c, forward=True)
-        _, before = self._between(p, c, forward=False)
+        self._place(p, c)
+        del self.pos[p]
+        for q in list(self.dag.pred[p]):
+            if q != c:
+                self.dag.add_edge(q, c)
+        for s in list(self.dag.succ[p]):
+            if s != c:
+                self.dag.add_edge(c, s)
+        self.dag.remove_node(p)
+
+    def _place(self, p: int, c: int) -> None:
+        """Keep positions topological when p joins c: what reaches c goes before the merged
+        group, what p reaches after it, each in its old order, in the positions they held
+        together. The two walks go in step: when one side is empty (a gradient's forward value
+        joining its backward use: p reaches the rest of the forward pass, nothing between reaches
+        c), the merged group takes p's place or keeps c's, and the other side is never walked."""
+        walks = {True: self._walk(p, c, True), False: self._walk(p, c, False)}
+        found: dict[bool, set] = {}
+        while len(found) < 2:
+            for side, walk in list(walks.items()):
+                try:
+                    next(walk)
+                except StopIteration as stop:
+                    found[side] = stop.value
+                    del walks[side]
+                    if not stop.value:  # nothing to move on this side
+                        if not side:  # nothing between reaches c: c may go where p was
+                            self.pos[c] = self.pos[p]
+                        return
+        after, before = found[True], found[False]
         pool = sorted([self.pos[p], self.pos[c]] + [self.pos[n] for n in before | after])
         low = sorted(before, key=self.pos.get)
         high = [c] + sorted(after, key=self.pos.get)
         # each group only moves away from what it connects to: those before down, after up
         for n, k in zip(low + high, pool[:len(low)] + pool[len(pool) - len(high):]):
             self.pos[n] = k
-        del self.pos[p]
-        for q in list(self.dag.predecessors(p)):
-            if q != c:
-                self.dag.add_edge(q, c)
-        for s in list(self.dag.successors(p)):
-            if s != c:
-                self.dag.add_edge(c, s)
-        self.dag.remove_node(p)
 
     def run(self) -> None:
         # consumers first (as XLA does): a producer joins the region of its last consumer, and a
@@ -390,10 +577,12 @@ class _Partitioner:
                 if (p, c) in tried or not self.dag.has_edge(p, c):  # (p merged away meanwhile)
                     continue
                 tried.add((p, c))
-                members = set(self.members[p]) | set(self.members[c])
                 height = self.chain(p, c)
-                lowered = height is not None and self.buffers(members) <= MAX_BUFFERS and \
-                    self._row_shaped(members) and not self.creates_cycle(p, c) and self._rows_lower(members)
+                if height is None or len(self.union_reads(p, c)) + len(self.union_outputs(p, c)) > MAX_BUFFERS:
+                    continue
+                members = set(self.members[p]) | set(self.members[c])
+                lowered = self._row_shaped(members) and not self.creates_cycle(p, c) and \
+                    self._rows_lower(members)
                 if lowered:
                     self.merge(p, c, height)
                     self.rows[c] = lowered
@@ -446,12 +635,13 @@ class _Partitioner:
         return Region(eqns, tuple(inputs.values()), outputs, kind, meta or {})
 
     def regions(self) -> list[Region]:
-        assert nx.is_directed_acyclic_graph(self.dag), "fusion created a cycle between regions"
-        assert all(self.pos[u] < self.pos[v] for u, v in self.dag.edges), "positions not topological"
+        dag = self.dag.as_networkx()
+        assert nx.is_directed_acyclic_graph(dag), "fusion created a cycle between regions"
+        assert all(self.pos[u] < self.pos[v] for u, v in dag.edges), "positions not topological"
         # a row region keeps the kernel its last merge lowered (its members since)
         return [self.region(set(self.members[g]), {"rows": True, "lowered": self.rows[g]} if g in self.rows
                             else None)
-                for g in nx.lexicographical_topological_sort(self.dag, key=lambda g: min(self.members[g]))]
+                for g in nx.lexicographical_topological_sort(dag, key=lambda g: min(self.members[g]))]
 
 
 def partition(graph: Graph, fuse: bool = True) -> list[Region]:
@@ -469,7 +659,7 @@ def partition(graph: Graph, fuse: bool = True) -> list[Region]:
         # bound is not asked of every merge: consumers-first merging passes through unions that
         # read many values a later merge takes in (a sum of 256 products reads each product until
         # the products join), and those must not stop the union that reads one array.
-        while (over := {i for m in p.members.values() if p.buffers(set(m)) > MAX_BUFFERS for i in m}) - p.capped:
+        while (over := {i for g, m in p.members.items() if p.group_buffers(g) > MAX_BUFFERS for i in m}) - p.capped:
             p = _Partitioner(graph, eqns, p.capped | over)
             p.run()
             p.run_rows()
