@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from tilefuse.ir.core import Graph, ShapedArray
-from tilefuse.runtime.memory import PoolBuffer
+from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 
 
 class Backend:
@@ -85,7 +85,8 @@ class Backend:
         pass
 
     def memory_stats(self, device) -> dict:
-        return {}
+        pool = getattr(self, "pool", None)  # (a backend with one caching pool)
+        return pool.stats() if isinstance(pool, PoolAllocator) else {}
 
 
 class Program:

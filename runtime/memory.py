@@ -102,9 +102,9 @@ class PoolAllocator:
             self._release_cached()
             try:
                 block = self._raw_alloc(cls)
-            except MemoryError:
+            except MemoryError as e:
                 raise OutOfMemoryError(f"{self.name}: the device cannot allocate {_fmt(nbytes)} "
-                                       f"({_fmt(s['bytes_in_use'])} in use)") from None
+                                       f"({_fmt(s['bytes_in_use'])} in use){': ' * bool(str(e))}{e}") from None
         s["allocations"] += 1
         s["bytes_reserved"] += cls
         s["peak_bytes_reserved"] = max(s["peak_bytes_reserved"], s["bytes_reserved"])

@@ -368,7 +368,8 @@ def _resolve(info: LaunchInfo, t0: int, t1: int, event) -> Record:
     if event is None:
         return Record(info, t0, t1)
     try:
-        event.wait()
+        if hasattr(event, "wait"):  # (an OpenCL event; WebGPU's timestamps wait as they are read)
+            event.wait()
         p = event.profile
         queued, start, end = p.queued, p.start, p.end
     except Exception:  # a driver without profiling information: the host's view of the launch

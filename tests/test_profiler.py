@@ -40,6 +40,9 @@ def test_one_record_and_one_trace_event_per_launch(device, tmp_path):
     np.testing.assert_allclose(np.asarray(out), np.sum(np.tanh(a @ b) * 2 + 1, axis=1), rtol=1e-4, atol=1e-4)
     assert [r.info.name for r in prof.records] == names * 2
     assert all(r.end_ns >= r.start_ns and r.info.device is device for r in prof.records)
+    if getattr(device.backend, "timestamps", False):  # WebGPU: each launch's device start and end
+        stamps = [raw[3] for raw in prof._raw]
+        assert all(s is not None and 0 <= s.profile.start <= s.profile.end for s in stamps)
 
     path = prof.export_chrome_trace(str(tmp_path / "trace.json"))
     with open(path) as fh:

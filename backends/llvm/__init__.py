@@ -119,9 +119,6 @@ class LLVMBackend(Backend):
             return None
         return host.reshape(-1).view(np.uint8)
 
-    def memory_stats(self, device=None) -> dict:
-        return self.pool.stats()
-
     def empty_cache(self, device=None) -> None:
         self.pool.empty_cache()
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 
 import numpy as np
 
-from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
+from tilefuse.ir.errors import CompileError, DeviceError
 from tilefuse.runtime.hardware import DeviceInfo, check_fits
+from tilefuse.runtime import profiler
 from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 from tilefuse.runtime.tiled import register_gemm, register_kernels
 
@@ -40,18 +42,38 @@ class Launch:
 
     def __call__(self, buffers):
         if not all(self.groups):
-            return
+            return None
         be = self._be
         entries = [{"binding": i, "resource": {"buffer": b.mem, "offset": 0, "size": _ceil4(b.nbytes)}}
                    for i, b in enumerate(buffers)]
         group = be.device.create_bind_group(layout=self._layout, entries=entries)
         enc = be.device.create_command_encoder()
-        cp = enc.begin_compute_pass()
+        stamps = Stamps(be) if profiler.active is not None and be.timestamps else None
+        cp = enc.begin_compute_pass(timestamp_writes=stamps and stamps.writes)
         cp.set_pipeline(self._pipeline)
         cp.set_bind_group(0, group)
         cp.dispatch_workgroups(*self.groups)
         cp.end()
+        if stamps:
+            enc.resolve_query_set(stamps.queries, 0, 2, stamps.buffer, 0)
         be.device.queue.submit([enc.finish()])
+        return stamps
+
+
+class Stamps:
+    """A launch's start and end on the device (timestamp queries, in ns) for the profiler, which
+    reads `profile` as it reads an OpenCL event's."""
+
+    def __init__(self, be):
+        wgpu, self._queue = be._wgpu, be.device.queue
+        self.queries = be.device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+        self.buffer = be.device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+        self.writes = {"query_set": self.queries, "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}
+
+    @property
+    def profile(self):
+        start, end = (int(t) for t in np.frombuffer(self._queue.read_buffer(self.buffer), np.uint64))
+        return types.SimpleNamespace(queued=start, start=start, end=end)
 
 
 class WebGPUBackend(Backend):
@@ -72,10 +94,9 @@ class WebGPUBackend(Backend):
         try:
             adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
             lim = adapter.limits
-            want = ("max-storage-buffers-per-shader-stage", "max-storage-buffer-binding-size", "max-buffer-size",
-                    "max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
-                    "max-compute-workgroup-size-x", "max-bindings-per-bind-group")
-            self.device = adapter.request_device_sync(required_limits={k: lim[k] for k in want if k in lim})
+            self.timestamps = "timestamp-query" in adapter.features  # (the profiler's device times)
+            self.device = adapter.request_device_sync(required_limits=dict(lim),  # all the adapter has
+                                                      required_features=["timestamp-query"] * self.timestamps)
         except Exception as e:  # no adapter, no driver
             raise DeviceError(f"no WebGPU adapter ({type(e).__name__}: {e}); {INSTALL_HINT}") from None
         self._wgpu, info = wgpu, adapter.info
@@ -92,6 +113,7 @@ class WebGPUBackend(Backend):
                    "max_loop_trips": 65535 if "llvmpipe" in info.get("device", "") else None})
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.pool = PoolAllocator(lambda n: self._raw_alloc(n, usage), lambda b: b.destroy(), name="webgpu")
+        self._sync = self.alloc(4)
         return [self.info]
 
     def _raw_alloc(self, nbytes: int, usage):
@@ -110,8 +132,7 @@ class WebGPUBackend(Backend):
             hit = self._pipelines.get(p.source)
             if hit is None:
                 hit = self._pipelines[p.source] = self._pipeline(tk, p)
-        pipeline, layout = hit
-        return Launch(self, tk, p, pipeline, layout)
+        return Launch(self, tk, p, *hit)
 
     def _pipeline(self, tk, p):
         wgpu = self._wgpu
@@ -132,10 +153,7 @@ class WebGPUBackend(Backend):
 
     # ---- memory ----
     def alloc(self, nbytes: int, device=None) -> PoolBuffer:
-        try:
-            return PoolBuffer(self.pool.alloc(nbytes), int(nbytes), self.pool)
-        except MemoryError as e:
-            raise OutOfMemoryError(str(e)) from None
+        return PoolBuffer(self.pool.alloc(nbytes), int(nbytes), self.pool)
 
     def view(self, buffer, offset: int, nbytes: int) -> PoolBuffer:
         return self.alloc(nbytes)  # (see the module docstring)
@@ -143,27 +161,18 @@ class WebGPUBackend(Backend):
     def put(self, host: np.ndarray, device=None) -> PoolBuffer:
         host = np.ascontiguousarray(host)
         buf = self.alloc(host.nbytes)
-        if host.nbytes:
-            data = np.zeros(_ceil4(host.nbytes), np.uint8)  # (whole words)
-            data[:host.nbytes] = host.reshape(-1).view(np.uint8)
-            self.device.queue.write_buffer(buf.mem, 0, data)
+        if host.nbytes:  # (whole words)
+            self.device.queue.write_buffer(buf.mem, 0, np.pad(host.reshape(-1).view(np.uint8), (0, -host.nbytes % 4)))
         return buf
 
     def to_host(self, buf: PoolBuffer, aval, device=None) -> np.ndarray:
         dtype = np.dtype(aval.dtype)
         n = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
-        if n == 0:
-            return np.zeros(aval.shape, dtype)
-        raw = np.frombuffer(self.device.queue.read_buffer(buf.mem, 0, _ceil4(n)), np.uint8)
-        return raw[:n].view(dtype).reshape(aval.shape)
+        raw = self.device.queue.read_buffer(buf.mem, 0, _ceil4(n)) if n else b""
+        return np.frombuffer(raw, np.uint8)[:n].view(dtype).reshape(aval.shape)
 
     def synchronize(self, device=None) -> None:
-        if self._sync is None:
-            self._sync = self.alloc(4)
         self.device.queue.read_buffer(self._sync.mem, 0, 4)  # (it waits for the work submitted before)
-
-    def memory_stats(self, device=None) -> dict:
-        return self.pool.stats()
 
 
 def create() -> WebGPUBackend:

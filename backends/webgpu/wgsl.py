@@ -94,11 +94,7 @@ class WGSLPrinter(_Printer):
         """(the 32-bit word holding element `off` of a buffer, the element's bit shift, its size)."""
         size = np.dtype(self.k.buffers[target].dtype).itemsize
         per = 4 // size
-        w = f"b{target}[u32({off}) / {per}u]"
-        return (f"atomicLoad(&{w})" if target in self.atomic else w), f"((u32({off}) % {per}u) * {8 * size}u)", size
-
-    def scalar_load(self, ptr: str, sd, off: str) -> str:
-        return self.load_at(int(ptr[1:]), sd, off) if ptr.startswith("b") and ptr[1:].isdigit() else f"{ptr}[{off}]"
+        return f"b{target}[u32({off}) / {per}u]", f"((u32({off}) % {per}u) * {8 * size}u)", size
 
     def load_at(self, target: int, sd, off: str) -> str:
         if sd.itemsize == 4:
@@ -107,6 +103,7 @@ class WGSLPrinter(_Printer):
                 return x
             return f"bitcast<f32>(atomicLoad(&{x}))" if sd == F32 else f"atomicLoad(&{x})"
         word, shift, size = self.word(target, off)
+        word = f"atomicLoad(&{word})" if target in self.atomic else word
         raw = f"(({word} >> {shift}) & {hex((1 << 8 * size) - 1)}u)"
         if sd == BOOL:
             return f"({raw} != 0u)"
@@ -124,8 +121,6 @@ class WGSLPrinter(_Printer):
         if op == "select":
             c, a, b = (self.val(x, depth) for x in n.src)
             return f"select({b}, {a}, {c})"
-        if op in ("vload", "iota", "broadcast", "hsum", "hmax", "hmin"):
-            raise CompileError(f"webgpu: a vector op ({op}) in kernel {self.k.name}", backend="webgpu")
         if op == "load" and n.arg in self.whole:
             return n.arg
         if op == "load":
@@ -153,21 +148,18 @@ class WGSLPrinter(_Printer):
             elif sd.itemsize < 4:
                 self.subword_store(s.target, sd, off, v, depth)
             elif s.target in self.atomic:
-                self.line(f"atomicStore(&{p}, {self.bits(v, sd)});", depth)
+                self.line(f"atomicStore(&{p}, {f'bitcast<u32>({v})' if sd == F32 else v});", depth)  # (atomic<u32>)
             else:
                 self.line(f"{p} = {v};", depth)
         self.forget(s.target)
-
-    def bits(self, v: str, sd) -> str:
-        return f"bitcast<u32>({v})" if sd == F32 else v  # (an atomic<i32> or atomic<u32> takes its own)
 
     def bf16_bits(self, v: str) -> str:  # rounded to nearest even; a NaN stays one (its payload could carry)
         b = f"bitcast<u32>({v})"
         return f"select((({b} + 0x7fffu + (({b} >> 16u) & 1u)) >> 16u), (({b} >> 16u) | 0x40u), tf_isnan({v}))"
 
     def subword_store(self, target: int, sd, off: str, v: str, depth: int) -> None:
-        size = sd.itemsize
-        per, mask = 4 // size, (1 << 8 * size) - 1
+        w, sh, size = self.word(target, off)
+        mask = (1 << 8 * size) - 1
         if sd == BOOL:
             bits = f"select(0u, 1u, {v})"
         elif sd == F16:
@@ -176,7 +168,6 @@ class WGSLPrinter(_Printer):
             bits = self.bf16_bits(v)
         else:
             bits = f"(u32({v}) & {hex(mask)}u)"
-        w, sh = f"b{target}[u32({off}) / {per}u]", f"((u32({off}) % {per}u) * {8 * size}u)"
         self.line(f"atomicAnd(&{w}, ~({hex(mask)}u << {sh})); atomicOr(&{w}, {bits} << {sh});", depth)
 
     # -- ops ---------------------------------------------------------------------------------------
