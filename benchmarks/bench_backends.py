@@ -1,6 +1,6 @@
 """Kernel by kernel, the same program on two devices: the training step of
 examples/train_transformer.py (the benchmark's model, bench_train.py) profiled on `cpu` and on
-another device (default: the first OpenCL device), the launches matched by name (the front end is
+each other device (default: every device but cpu and ref, a table each), the launches matched by name (the front end is
 device-independent, so both run the same kernels), median time per kernel over the profiled
 steps, and the ratio other / cpu. The issue's target for PoCL (both run on the same cores):
 every kernel within 2x.
@@ -46,18 +46,8 @@ def kernel_times(device: str, steps: int) -> dict[str, tuple[str, float]]:
     return {n: (what[n], statistics.median(t)) for n, t in times.items()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default=None, help="the device compared with cpu (default: opencl:0)")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--top", type=int, default=25, help="rows shown (the slowest on the other device)")
-    args = ap.parse_args()
-    import tilefuse as tx
-    other = args.device or next((str(d) for d in tx.devices() if d.kind == "opencl"), None)
-    if other is None:
-        print("no OpenCL device: nothing to compare (pass --device)")
-        return 0
-    cpu, dev = kernel_times("cpu", args.steps), kernel_times(other, args.steps)
+def compare(cpu: dict, other: str, dev: dict, args) -> None:
+    """One device's kernel times against cpu's: the slowest kernels, totals and ratios."""
     names = [n for n in dev if n in cpu]
     ratios = {n: dev[n][1] / cpu[n][1] for n in names if cpu[n][1] > 0}
     rows = [(n, dev[n][0][:40], f"{cpu[n][1] * 1e6:.0f}", f"{dev[n][1] * 1e6:.0f}", f"{ratios[n]:.2f}x")
@@ -72,6 +62,22 @@ def main() -> int:
           f"{other} {total_dev * 1e3:.1f} ms ({total_dev / total_cpu:.2f}x)")
     worst = sorted(ratios.items(), key=lambda kv: -kv[1])[:8]
     print("slowest relative to cpu:", ", ".join(f"{n} {r:.1f}x" for n, r in worst))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=None, help="the device compared with cpu (default: all but cpu, ref)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25, help="rows shown (the slowest on the other device)")
+    args = ap.parse_args()
+    import tilefuse as tx
+    others = [args.device] if args.device else [str(d) for d in tx.devices() if d.kind not in ("cpu", "ref")]
+    if not others:
+        print("no device besides cpu: nothing to compare (pass --device)")
+        return 0
+    cpu = kernel_times("cpu", args.steps)
+    for other in others:
+        compare(cpu, other, kernel_times(other, args.steps), args)
     return 0
 
 
