@@ -1,8 +1,8 @@
 """Kernel by kernel, the same program on two devices: the training step of
 examples/train_transformer.py (the benchmark's model, bench_train.py) profiled on `cpu` and on
-each other device (default: every device but cpu and ref, a table each), the launches matched by name (the front end is
-device-independent, so both run the same kernels), median time per kernel over the profiled
-steps, and the ratio other / cpu. The issue's target for PoCL (both run on the same cores):
+each other device (default: every device but cpu and ref, a table each), the launches matched
+by name (the front end is device-independent, so both run the same kernels), median time per
+kernel over the profiled steps, and the ratio other / cpu. The issue's target for PoCL (both run on the same cores):
 every kernel within 2x.
 
     python benchmarks/bench_backends.py [--device opencl:0] [--steps 5] [--top 25]"""
