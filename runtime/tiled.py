@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from tilefuse.ir.kernel import gemm
+from tilefuse.ir import primitives as P
+from tilefuse.ir.errors import TilefuseError
+from tilefuse.ir.kernel import attention, gemm
 from tilefuse.ir.kernel.schedule import Schedule, default_schedule
 
 from . import dispatch, tuner
-from .hardware import target_of
+from .hardware import check_fits, target_of
 
 MIN_FLOPS = 1 << 18  # smaller products: the generic kernel is as fast and needs no tile padding
 _gemm_kinds: list[str] = []
@@ -65,6 +67,38 @@ def register_gemm(device_kind: str, priority: int) -> None:
         _key, gemm_applies))
 
 
+def _attention_kernel(kernel, device):
+    """The forward FlashAttention tile kernel of a fused_attention kernel, or None where the
+    builder does not apply (a feature axis that is not the last, empty operands, no schedule
+    that fits, a kernel past the device's limits)."""
+    eqns = kernel.meta.get("eqns", ())
+    if len(eqns) != 1 or eqns[0].prim is not P.fused_attention:
+        return None
+    e = eqns[0]
+    if not all(a.aval.size > 0 for a in e.inputs) or \
+            any(d[-1] != a.aval.ndim - 1 for d, a in zip(e.params["dims"], e.inputs[:3])):
+        return None
+    sp = attention.spec_of(e)
+    sched = attention.default_attention_schedule(sp, _target(device))
+    if sched is None:
+        return None
+    tk = attention.build_forward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)
+    try:
+        check_fits(tk, device.info)
+    except TilefuseError:
+        return None
+    return tk
+
+
+def register_attention(device_kind: str, priority: int) -> None:
+    """The shared FlashAttention (ir/kernel/attention.py) runs fused_attention on `device_kind`;
+    its backward runs as the kernels of its decomposition (runtime/composite.py)."""
+    dispatch.register(dispatch.Implementation(
+        "tile_attention", "fused_attention",
+        lambda kernel, device, backend: backend.compile_tile(_attention_kernel(kernel, device), device),
+        (device_kind,), lambda kernel, device: _attention_kernel(kernel, device) is not None, priority))
+
+
 GROUPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -96,4 +130,4 @@ def register_kernels(device_kind: str) -> None:
 
 _kernel_kinds: list[str] = []
 
-__all__ = ["gemm_applies", "gemm_build", "register_gemm", "register_kernels"]
+__all__ = ["gemm_applies", "gemm_build", "register_attention", "register_gemm", "register_kernels"]

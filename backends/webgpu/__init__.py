@@ -18,7 +18,7 @@ from tilefuse.ir.errors import CompileError, DeviceError
 from tilefuse.runtime.hardware import DeviceInfo, check_fits
 from tilefuse.runtime import profiler
 from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
-from tilefuse.runtime.tiled import register_gemm, register_kernels
+from tilefuse.runtime.tiled import register_attention, register_gemm, register_kernels
 
 from ..base import Backend
 from .wgsl import print_wgsl
@@ -180,4 +180,5 @@ def create() -> WebGPUBackend:
 
 
 register_gemm("webgpu", priority=20)
+register_attention("webgpu", priority=10)
 register_kernels("webgpu")

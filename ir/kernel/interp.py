@@ -123,7 +123,10 @@ class _Eval:
 
     def reduce(self, n: KExpr):
         axes = tuple(range(self.np_, self.rank))
-        v = np.broadcast_to(self(n.src[0]), self.full)
+        if 0 in self.k.reduce_shape:  # an empty reduction reads nothing (a device's loop runs no trip)
+            v = np.zeros(self.full, n.src[0].dtype)
+        else:
+            v = np.broadcast_to(self(n.src[0]), self.full)
         if n.arg in REDUCE:
             kw = {"dtype": n.dtype} if n.arg in _ACCUMULATE else {}
             if n.arg in ("max", "min") and v.size == 0:  # bool sum lowers to max: empty is False

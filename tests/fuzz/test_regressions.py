@@ -63,6 +63,15 @@ CASES = {
          ("c", "integer_pow", ["b"], {"y": 0})],
         ["c"],
         [np.array([[5]], np.int32)]),
+    # a sum over an empty slice (a[3:3] of 3 elements, reshaped (0, 1)): the kernel interpreter
+    # evaluated the load at offset 3 although the reduction reads nothing (devices were right)
+    "sum_over_an_empty_slice_reads_nothing": (
+        [("a", F32, (3,))],
+        [("g", "slice", ["a"], {"start_indices": (3,), "limit_indices": (3,), "strides": (1,)}),
+         ("h", "reshape", ["g"], {"new_sizes": (0, 1)}),
+         ("i", "reduce_sum", ["h"], {"axes": (0,)})],
+        ["i"],
+        [np.array([1.0, 2.0, 3.0], np.float32)]),
 }
 
 
