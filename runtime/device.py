@@ -1,8 +1,10 @@
 """The device registry, device objects, executables and eager dispatch."""
 from __future__ import annotations
 
+import gc
 import importlib
 import threading
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -84,6 +86,15 @@ class Device:
 
     def memory_stats(self) -> dict:
         return self.backend.memory_stats(self)
+
+    def empty_cache(self) -> None:
+        """Hand the pool's cached (free) blocks back to the device."""
+        empty = getattr(self.backend, "empty_cache", None)
+        pool = getattr(self.backend, "pool", None)
+        if empty is not None:
+            empty(self)
+        elif hasattr(pool, "empty_cache"):  # a backend with one pool and no method of its own
+            pool.empty_cache()
 
     def buffer_of(self, x, aval: ShapedArray):
         """The device buffer for one argument leaf (moving it here if it is elsewhere)."""
@@ -253,9 +264,22 @@ def device_put(x, device=None):
     return pytree.tree_map(put, x)
 
 
+def clear_caches() -> None:
+    """The eager operations' executables dropped, then every device's cached pool blocks handed
+    back (after a collection: a dropped program's constants return to the pool when collected)."""
+    with _eager_lock:
+        _eager_cache.clear()
+    gc.collect()
+    for devs in list(_devices.values()):
+        for d in devs:
+            d.empty_cache()
+
+
 # ---- eager execution: one primitive at a time, compiled once per signature ----------------
 
-_eager_cache: dict = {}
+# key -> Executable, the least recently used dropped past config.jit_cache_size
+_eager_cache: OrderedDict = OrderedDict()
+_eager_lock = threading.Lock()
 
 
 def apply_primitive(prim, values, params) -> list:
@@ -288,7 +312,15 @@ def _apply_primitive(prim, values, params) -> list:
     if exe is None:
         exe = dev.compile(one_equation_graph(prim, avals, params))
         if key is not None:
-            _eager_cache[key] = exe
+            with _eager_lock:
+                _eager_cache[key] = exe
+                while 0 < config.jit_cache_size < len(_eager_cache):
+                    _eager_cache.popitem(last=False)
+    else:
+        try:
+            _eager_cache.move_to_end(key)
+        except KeyError:  # evicted meanwhile by another thread: this call still runs it
+            pass
     return exe(values)
 
 
