@@ -123,10 +123,15 @@ class Executable:
         self.out_avals = [v.aval for v in graph.outvars]
 
     def __call__(self, leaves: Sequence) -> list[Array]:
+        # every jitted call's hit path: an Array already here is its buffer, without a call
+        # (loops, not comprehensions: a comprehension is a function call of its own)
         dev = self.device
-        bufs = [dev.buffer_of(x, a) for x, a in zip(leaves, self.in_avals)]
-        outs = self.program(bufs)
-        result = [Array(b, a, dev) for b, a in zip(outs, self.out_avals)]
+        bufs = []
+        for x, a in zip(leaves, self.in_avals):
+            bufs.append(x._buf if type(x) is Array and x.device is dev else dev.buffer_of(x, a))
+        result = []
+        for b, a in zip(self.program(bufs), self.out_avals):
+            result.append(Array(b, a, dev))
         if config.debug_nans:
             check_nans(self.graph, [np.asarray(x) for x in leaves], result)
         return result

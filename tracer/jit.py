@@ -171,13 +171,27 @@ class JitFunction:
 
     # ---- the call path ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        # The cache-hit path for plain positional arrays: one cheap key, one dict lookup.
+        # The cache-hit path for plain positional arrays: a key made inline (no call per
+        # argument), one dict lookup, the launch. Every argument a numpy array, an Array or a
+        # Python scalar; anything else goes down the general path.
         # A TilefuseError leaves with our frames cut from its traceback (this one boundary stays).
         try:
             if kwargs or self._general_only:
                 return self._call(args, kwargs, None)
-            key = self._fast_key(args)
-            entry = self._fast.get(key) if key is not None else None
+            sig = []
+            array_type = hooks.array_type
+            for a in args:
+                t = type(a)
+                if t is array_type:  # an uncommitted Array follows the others: a different key
+                    sig.append((a.aval, a.device, a.committed))
+                elif t is np.ndarray:
+                    sig.append((a.shape, a.dtype))
+                elif t is float or t is bool or (t is int and -2**31 <= a < 2**31):
+                    sig.append(t)
+                else:
+                    return self._call(args, kwargs, None)
+            key = (*sig, hooks.config.cache_key())
+            entry = self._fast.get(key)
             if entry is None:
                 return self._call(args, kwargs, key)
             entry.used = next(_clock)
@@ -185,23 +199,6 @@ class JitFunction:
             return outs[0] if entry.single else pytree.tree_unflatten(entry.out_tree, outs)
         except TilefuseError as e:
             raise e.with_traceback(filter_traceback(e.__traceback__)) from None
-
-    def _fast_key(self, args):
-        """A cheap key for the common call: every argument a numpy array, an Array or a Python
-        scalar. None sends the call down the general path."""
-        sig = []
-        array_type = hooks.array_type
-        for a in args:
-            t = type(a)
-            if t is array_type:  # an uncommitted Array follows the others: a different key
-                sig.append((a.aval, a.device, a.committed))
-            elif t is np.ndarray:
-                sig.append((a.shape, a.dtype))
-            elif t is float or t is bool or (t is int and -2**31 <= a < 2**31):
-                sig.append(t)
-            else:
-                return None
-        return tuple(sig), hooks.config.cache_key()
 
     def _run(self, entry, leaves):
         outs = entry.executable(leaves)
