@@ -156,14 +156,15 @@ def tree_unflatten(treedef: PyTreeDef, leaves) -> Any:
     leaves = list(leaves)
     if len(leaves) != treedef.n_leaves:
         raise TilefuseError(f"tree_unflatten: {treedef} has {treedef.n_leaves} leaves, got {len(leaves)}")
-    it = iter(leaves)
+    return _build(treedef, iter(leaves))
 
-    def rec(td):
-        if td.node_type is None:
-            return next(it)
-        return _registry[td.node_type].from_iterable(td.aux, [rec(c) for c in td.children])
 
-    return rec(treedef)
+def _build(td: PyTreeDef, it):
+    # (a module function, not a closure calling itself: that would be a reference cycle holding
+    # the leaves, a jitted call's outputs, until the garbage collector runs)
+    if td.node_type is None:
+        return next(it)
+    return _registry[td.node_type].from_iterable(td.aux, [_build(c, it) for c in td.children])
 
 
 def tree_leaves(x, is_leaf: Callable | None = None) -> list:
