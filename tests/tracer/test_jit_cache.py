@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -138,3 +139,19 @@ def test_eviction_beside_a_concurrent_call(device, bound):
         t.join()
     assert not errors, errors
     assert answers and all(np.array_equal(a, x * 3) for a in answers)
+
+
+def test_outputs_are_freed_without_the_garbage_collector(device):
+    """A call's outputs (and their device blocks) go when the caller drops them: nothing on the
+    call path keeps them in a reference cycle."""
+    f = tx.jit(lambda a, b: (a + 1, {"b": b * 2}))
+    x = _ones(4)
+    f(x, x)
+    gc.disable()
+    try:
+        out = f(x, b=x)  # (keyword: the general path too)
+        first, second = weakref.ref(out[0]), weakref.ref(out[1]["b"])
+        del out
+        assert first() is None and second() is None
+    finally:
+        gc.enable()
