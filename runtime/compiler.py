@@ -278,10 +278,11 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
     arena_bytes = max(plan.arena_bytes, 1)
     alloc, free, view = backend.alloc, backend.free, getattr(backend, "view", None)
 
+    tail = template[n_in:]  # the inputs took the first slots (_compile_front)
+
     # the hot path of every call: keep it lean
     def run(buffers):
-        slots = template.copy()
-        slots[:n_in] = buffers
+        slots = [*buffers, *tail]
         outs = []
         arena = alloc(arena_bytes, device) if views else None
         try:

@@ -27,6 +27,9 @@ class Config:
         # bit-for-bit repeatable results where a device would add floats in a racy order
         # (scatter-add with atomics on OpenCL/CUDA): those kernels then run serially
         self.deterministic: bool = _env_bool("TILEFUSE_DETERMINISTIC")
+        # compiled programs kept per jitted function (and of eager operations), the least
+        # recently used dropped first: each holds kernels and device constants; 0: no bound
+        self.jit_cache_size: int = int(os.environ.get("TILEFUSE_JIT_CACHE_SIZE", "256") or 0)
         # a simulated hardware description (runtime/hardware.py): a dict, or a JSON file's path;
         # None reads TILEFUSE_HDI. Read when a device is first used.
         self.hdi = None

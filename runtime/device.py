@@ -1,8 +1,10 @@
 """The device registry, device objects, executables and eager dispatch."""
 from __future__ import annotations
 
+import gc
 import importlib
 import threading
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -85,6 +87,15 @@ class Device:
     def memory_stats(self) -> dict:
         return self.backend.memory_stats(self)
 
+    def empty_cache(self) -> None:
+        """Hand the pool's cached (free) blocks back to the device."""
+        empty = getattr(self.backend, "empty_cache", None)
+        pool = getattr(self.backend, "pool", None)
+        if empty is not None:
+            empty(self)
+        elif hasattr(pool, "empty_cache"):  # a backend with one pool and no method of its own
+            pool.empty_cache()
+
     def buffer_of(self, x, aval: ShapedArray):
         """The device buffer for one argument leaf (moving it here if it is elsewhere)."""
         if isinstance(x, Array):
@@ -112,10 +123,15 @@ class Executable:
         self.out_avals = [v.aval for v in graph.outvars]
 
     def __call__(self, leaves: Sequence) -> list[Array]:
+        # every jitted call's hit path: an Array already here is its buffer, without a call
+        # (loops, not comprehensions: a comprehension is a function call of its own)
         dev = self.device
-        bufs = [dev.buffer_of(x, a) for x, a in zip(leaves, self.in_avals)]
-        outs = self.program(bufs)
-        result = [Array(b, a, dev) for b, a in zip(outs, self.out_avals)]
+        bufs = []
+        for x, a in zip(leaves, self.in_avals):
+            bufs.append(x._buf if type(x) is Array and x.device is dev else dev.buffer_of(x, a))
+        result = []
+        for b, a in zip(self.program(bufs), self.out_avals):
+            result.append(Array(b, a, dev))
         if config.debug_nans:
             check_nans(self.graph, [np.asarray(x) for x in leaves], result)
         return result
@@ -253,9 +269,22 @@ def device_put(x, device=None):
     return pytree.tree_map(put, x)
 
 
+def clear_caches() -> None:
+    """The eager operations' executables dropped, then every device's cached pool blocks handed
+    back (after a collection: a dropped program's constants return to the pool when collected)."""
+    with _eager_lock:
+        _eager_cache.clear()
+    gc.collect()
+    for devs in list(_devices.values()):
+        for d in devs:
+            d.empty_cache()
+
+
 # ---- eager execution: one primitive at a time, compiled once per signature ----------------
 
-_eager_cache: dict = {}
+# key -> Executable, the least recently used dropped past config.jit_cache_size
+_eager_cache: OrderedDict = OrderedDict()
+_eager_lock = threading.Lock()
 
 
 def apply_primitive(prim, values, params) -> list:
@@ -288,7 +317,15 @@ def _apply_primitive(prim, values, params) -> list:
     if exe is None:
         exe = dev.compile(one_equation_graph(prim, avals, params))
         if key is not None:
-            _eager_cache[key] = exe
+            with _eager_lock:
+                _eager_cache[key] = exe
+                while 0 < config.jit_cache_size < len(_eager_cache):
+                    _eager_cache.popitem(last=False)
+    else:
+        try:
+            _eager_cache.move_to_end(key)
+        except KeyError:  # evicted meanwhile by another thread: this call still runs it
+            pass
     return exe(values)
 
 

@@ -47,3 +47,11 @@ int32, int64, uint32, bool_ = _dtypes.int32, _dtypes.int64, _dtypes.uint32, _dty
 def memory_stats(device=None) -> dict:
     """Pool statistics of a device: bytes in use, peak, allocations, cache hits."""
     return (get_device(device) if device is not None else default_device()).memory_stats()
+
+
+def clear_caches() -> None:
+    """Drop every compiled program in memory (each jitted function's, eager operations') and hand
+    the devices' cached pool blocks back; the next calls trace and compile again (from the disk
+    cache where it holds them)."""
+    _jit.clear_all()
+    _device.clear_caches()

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -87,12 +89,33 @@ class Lowered:
 
 
 class _Entry:
-    """A cache entry: the compiled executable and how to rebuild the output pytree."""
-    __slots__ = ("executable", "out_tree", "graph", "single")
+    """A cache entry: the compiled executable and how to rebuild the output pytree; for eviction,
+    its keys (in _cache, _graphs and the fast keys that lead to it) and when it was last used."""
+    __slots__ = ("executable", "out_tree", "single", "key", "gkey", "fast_keys", "used")
 
-    def __init__(self, executable, out_tree, graph):
-        self.executable, self.out_tree, self.graph = executable, out_tree, graph
+    def __init__(self, executable, out_tree, key, gkey):
+        self.executable, self.out_tree, self.key, self.gkey = executable, out_tree, key, gkey
         self.single = out_tree is pytree.LEAF
+        self.fast_keys: list = []
+        self.used = next(_clock)
+
+
+# A hit stamps its entry from this clock (cheaper per call than reordering a dict); the entry
+# with the oldest stamp is evicted when a function's cache passes config.jit_cache_size.
+_clock = itertools.count()
+_live: weakref.WeakSet = weakref.WeakSet()  # every JitFunction, for clear_all
+
+
+def _cache_limit() -> int:
+    """Entries one jitted function keeps: config.jit_cache_size, or no bound when it is 0."""
+    limit = getattr(hooks.config, "jit_cache_size", 0)
+    return limit if limit and limit > 0 else 1 << 62
+
+
+def clear_all() -> None:
+    """Every jitted function's compiled entries and traced graphs dropped (tx.clear_caches)."""
+    for fn in list(_live):
+        fn.clear_cache()
 
 
 class JitFunction:
@@ -135,6 +158,7 @@ class JitFunction:
         self._track_code = True
         # threads that miss the cache at once: one traces and compiles, the others wait and hit
         self._lock = threading.RLock()
+        _live.add(self)
 
     def __repr__(self):
         return f"<jit {getattr(self.fun, '__qualname__', self.fun)}>"
@@ -147,36 +171,34 @@ class JitFunction:
 
     # ---- the call path ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        # The cache-hit path for plain positional arrays: one cheap key, one dict lookup.
+        # The cache-hit path for plain positional arrays: a key made inline (no call per
+        # argument), one dict lookup, the launch. Every argument a numpy array, an Array or a
+        # Python scalar; anything else goes down the general path.
         # A TilefuseError leaves with our frames cut from its traceback (this one boundary stays).
         try:
             if kwargs or self._general_only:
                 return self._call(args, kwargs, None)
-            key = self._fast_key(args)
-            entry = self._fast.get(key) if key is not None else None
+            sig = []
+            array_type = hooks.array_type
+            for a in args:
+                t = type(a)
+                if t is array_type:  # an uncommitted Array follows the others: a different key
+                    sig.append((a.aval, a.device, a.committed))
+                elif t is np.ndarray:
+                    sig.append((a.shape, a.dtype))
+                elif t is float or t is bool or (t is int and -2**31 <= a < 2**31):
+                    sig.append(t)
+                else:
+                    return self._call(args, kwargs, None)
+            key = (*sig, hooks.config.cache_key())
+            entry = self._fast.get(key)
             if entry is None:
                 return self._call(args, kwargs, key)
+            entry.used = next(_clock)
             outs = entry.executable(args)
             return outs[0] if entry.single else pytree.tree_unflatten(entry.out_tree, outs)
         except TilefuseError as e:
             raise e.with_traceback(filter_traceback(e.__traceback__)) from None
-
-    def _fast_key(self, args):
-        """A cheap key for the common call: every argument a numpy array, an Array or a Python
-        scalar. None sends the call down the general path."""
-        sig = []
-        array_type = hooks.array_type
-        for a in args:
-            t = type(a)
-            if t is array_type:  # an uncommitted Array follows the others: a different key
-                sig.append((a.aval, a.device, a.committed))
-            elif t is np.ndarray:
-                sig.append((a.shape, a.dtype))
-            elif t is float or t is bool or (t is int and -2**31 <= a < 2**31):
-                sig.append(t)
-            else:
-                return None
-        return tuple(sig), hooks.config.cache_key()
 
     def _run(self, entry, leaves):
         outs = entry.executable(leaves)
@@ -205,8 +227,12 @@ class JitFunction:
                 entry = self._cache.get(key) or self._compile(key, static, avals, in_tree, device)
             if entry is None:  # it closes over tracers: no staging possible
                 return self.fun(*args, **kwargs)
+        entry.used = next(_clock)
         if fast_key is not None:
-            self._fast[fast_key] = entry
+            with self._lock:  # (not for an entry another thread evicted meanwhile)
+                if self._cache.get(key) is entry and fast_key not in self._fast:
+                    self._fast[fast_key] = entry
+                    entry.fast_keys.append(fast_key)
         return self._run(entry, leaves)
 
     def _split(self, args, kwargs):
@@ -304,6 +330,8 @@ class JitFunction:
 
         graph, out_tree = trace_to_graph(flat_fun, list(avals))
         result = (None, None) if any(isinstance(c, Tracer) for c in graph.consts) else (graph, out_tree)
+        if len(self._graphs) >= _cache_limit():  # (graphs traced under grad or vmap have no entry)
+            del self._graphs[next(iter(self._graphs))]
         self._graphs[gkey] = result
         return result
 
@@ -312,9 +340,23 @@ class JitFunction:
         if graph is None:
             return None
         executable = hooks.compile(graph, device)
-        entry = _Entry(executable, out_tree, graph)
+        entry = _Entry(executable, out_tree, key, (in_tree, avals, static))
         self._cache[key] = entry
+        limit = _cache_limit()
+        while len(self._cache) > limit:
+            self._evict(min(self._cache.values(), key=lambda e: e.used))
         return entry
+
+    def _evict(self, entry: _Entry) -> None:
+        """Drop one entry (under the lock), with the fast keys that lead to it and its graph
+        unless another entry (another device or configuration) shares it. A call running it
+        meanwhile holds it and finishes; its kernels and buffers go when the last holder does."""
+        del self._cache[entry.key]
+        for k in entry.fast_keys:
+            if self._fast.get(k) is entry:
+                del self._fast[k]
+        if not any(e.gkey == entry.gkey for e in self._cache.values()):
+            self._graphs.pop(entry.gkey, None)
 
     def _explain(self, key, in_tree, static, seen_before):
         """Log why this call traces (explain_retrace), as JAX's explain_cache_misses does."""
@@ -359,9 +401,12 @@ class JitFunction:
         return len(self._cache)
 
     def clear_cache(self) -> None:
-        self._cache.clear()
-        self._fast.clear()
-        self._graphs.clear()
+        """Drop every compiled entry and traced graph: their kernels and device buffers (constants)
+        go once nothing else holds them; the next call traces again."""
+        with self._lock:
+            self._cache.clear()
+            self._fast.clear()
+            self._graphs.clear()
 
 
 class _BoundJit:

@@ -137,33 +137,35 @@ MAX_DEPTH = 200  # nested containers: deeper is a container that holds itself, o
 def tree_flatten(x, is_leaf: Callable | None = None) -> tuple[list, PyTreeDef]:
     """Leaves in a fixed order (dicts by sorted key) and the tree's definition."""
     leaves: list = []
+    return leaves, _flatten(x, 0, leaves, is_leaf)
 
-    def rec(x, depth):
-        nt = None if is_leaf is not None and is_leaf(x) else _node_type(x)
-        if nt is None:
-            leaves.append(x)
-            return LEAF
-        if depth == MAX_DEPTH:  # (before Python's recursion limit, wherever the caller is)
-            raise TilefuseError(f"a pytree nests containers more than {MAX_DEPTH} deep (here a "
-                                f"{type(x).__name__}): does a list or dict contain itself?")
-        children, aux = nt.to_iterable(x)
-        return PyTreeDef(type(x), aux, tuple(rec(c, depth + 1) for c in children))
 
-    return leaves, rec(x, 0)
+def _flatten(x, depth: int, leaves: list, is_leaf) -> PyTreeDef:
+    # (a module function for the reason _build is one: no cycle holding the leaves)
+    nt = None if is_leaf is not None and is_leaf(x) else _node_type(x)
+    if nt is None:
+        leaves.append(x)
+        return LEAF
+    if depth == MAX_DEPTH:  # (before Python's recursion limit, wherever the caller is)
+        raise TilefuseError(f"a pytree nests containers more than {MAX_DEPTH} deep (here a "
+                            f"{type(x).__name__}): does a list or dict contain itself?")
+    children, aux = nt.to_iterable(x)
+    return PyTreeDef(type(x), aux, tuple(_flatten(c, depth + 1, leaves, is_leaf) for c in children))
 
 
 def tree_unflatten(treedef: PyTreeDef, leaves) -> Any:
     leaves = list(leaves)
     if len(leaves) != treedef.n_leaves:
         raise TilefuseError(f"tree_unflatten: {treedef} has {treedef.n_leaves} leaves, got {len(leaves)}")
-    it = iter(leaves)
+    return _build(treedef, iter(leaves))
 
-    def rec(td):
-        if td.node_type is None:
-            return next(it)
-        return _registry[td.node_type].from_iterable(td.aux, [rec(c) for c in td.children])
 
-    return rec(treedef)
+def _build(td: PyTreeDef, it):
+    # (a module function, not a closure calling itself: that would be a reference cycle holding
+    # the leaves, a jitted call's outputs, until the garbage collector runs)
+    if td.node_type is None:
+        return next(it)
+    return _registry[td.node_type].from_iterable(td.aux, [_build(c, it) for c in td.children])
 
 
 def tree_leaves(x, is_leaf: Callable | None = None) -> list:
