@@ -84,7 +84,7 @@ class Backend:
     def synchronize(self, device) -> None:
         pass
 
-    def memory_stats(self, device) -> dict:
+    def memory_stats(self, device=None) -> dict:
         pool = getattr(self, "pool", None)  # (a backend with one caching pool)
         return pool.stats() if isinstance(pool, PoolAllocator) else {}
 
