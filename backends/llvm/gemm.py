@@ -656,16 +656,12 @@ class GemmKernel:
             for i in places:
                 ptrs[i] = buf.ctypes.data
         ptrs[PTR_C] = buffers[-1].ctypes.data
-        work = self.backend.alloc(self.work_bytes)
-        try:
-            ptrs[PTR_WORK] = (work.ctypes.data + 63) // 64 * 64
-            arr = self._ptrs_t(*ptrs)
-            if self._launch is None:
-                self._fn(arr, *self.bounds[0])
-            else:
-                self._launch(arr)
-        finally:
-            self.backend.free(work)
+        ptrs[PTR_WORK] = self.backend.scratch(self.work_bytes).ctypes.data  # (64-byte aligned)
+        arr = self._ptrs_t(*ptrs)
+        if self._launch is None:
+            self._fn(arr, *self.bounds[0])
+        else:
+            self._launch(arr)
 
     def __repr__(self):
         pr = self.prob
