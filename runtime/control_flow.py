@@ -5,7 +5,9 @@ Each body is compiled once (compile_graph, so passes and fusion run inside it) w
 graph compiles; the loop itself runs on the host over device buffers, without tracing or compiling
 again and without allocating per iteration: the carry lives in two sets of buffers used in turn
 (the step's own output buffers and one set of temporaries made per call), each body's temporaries
-in one arena made per call. A while_loop reads its predicate back from the device each iteration
+in one arena made per call. Each call binds a loop's launches to those buffers once, one list
+per place the carry can be read from, so an iteration only launches (backends.base.bind_launch).
+A while_loop reads its predicate back from the device each iteration
 and a cond its branch index. A scan runs a step program made from its body, which reads row i of
 each xs in place (dynamic_slice) and advances i on the device; one more kernel per ys writes the
 step's row into the stacked result (the window kernel of dynamic_update_slice)."""
