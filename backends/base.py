@@ -52,6 +52,11 @@ class Backend:
         backends a buffer is a 1-D uint8 numpy array and a view is a slice of it."""
         raise NotImplementedError
 
+    def batch(self, launches: list) -> list:
+        """Launches of no arguments (bind_launch) that a loop repeats in this order, as the device
+        runs them best: as they are, unless it can submit several as one (WebGPU)."""
+        return launches
+
     def compile(self, graph: Graph, device):
         """The shared pipeline (runtime/compiler.py): passes, fusion, lowering, this backend's
         kernels, a planned arena; a backend that runs graphs otherwise (`ref`) replaces it."""

@@ -149,8 +149,8 @@ def _build_while(eqn: Eqn, device, backend):
             cond_run, body_run = st.bind(cond, owned), st.bind(body, owned)
             # the carry's three homes: the operands, then X and Y in turn (never the buffers read)
             homes, after = [ins[nc + nb:], X, Y], [1, 2, 1]
-            tests = [_launches(cond_run, cc + h, [pred]) for h in homes]
-            steps = [_launches(body_run, bc + h, homes[n]) for h, n in zip(homes, after)]
+            tests = [backend.batch(_launches(cond_run, cc + h, [pred])) for h in homes]
+            steps = [backend.batch(_launches(body_run, bc + h, homes[n])) for h, n in zip(homes, after)]
             k = 0
             while True:
                 _run(tests[k])
@@ -265,8 +265,9 @@ def _build_scan(eqn: Eqn, device, backend):
             step_run = st.bind(step, owned)
 
             def launches(cur, cur_i, nxt, nxt_i):  # one step from (cur, cur_i) into (nxt, nxt_i)
-                return _launches(step_run, [cur_i, *consts, *cur, *xs], [nxt_i, *nxt, *row_bufs]) + \
-                    [w(rb, cur_i, yb) for w, rb, yb in zip(writers, row_bufs, ys) if w is not None]
+                return backend.batch(
+                    _launches(step_run, [cur_i, *consts, *cur, *xs], [nxt_i, *nxt, *row_bufs]) +
+                    [w(rb, cur_i, yb) for w, rb, yb in zip(writers, row_bufs, ys) if w is not None])
             # the carry alternates between Y and the outputs X, and the last step writes X
             into_x, into_y = launches(Y, ib, X, ia), launches(X, ia, Y, ib)
             _run(launches(init, i0, X, ia) if length % 2 else launches(init, i0, Y, ib))
