@@ -324,7 +324,8 @@ def _cell(h, x):
 
 def test_the_loop_allocates_nothing_per_iteration(device):
     """A call's allocations (outputs, the second set of carry buffers, the bodies' arenas, the
-    kernels' workspaces) do not grow with the trip count, for elementwise and GEMM bodies."""
+    kernels' workspaces) do not grow with the trip count: scans with elementwise and GEMM bodies,
+    and a while_loop."""
     if device.kind == "ref":
         pytest.skip("the reference interpreter has no memory pool")
     for f, c in [(lambda c, xs: lax.scan(lambda c, x: (tnp.tanh(c + x), c), c, xs), C0[None]),
@@ -337,6 +338,14 @@ def test_the_loop_allocates_nothing_per_iteration(device):
             out = f(c, xs)
             calls[n] = device.memory_stats()["alloc_calls"] - before
         assert calls[100] == calls[1000], calls
+    f, calls = tx.jit(lambda c, n: lax.while_loop(lambda s: s[1] < n, lambda s: (tnp.tanh(s[0] + 0.1), s[1] + 1),
+                                                   (c, 0))), {}
+    for n in (10, 100):  # a trip count read from the device: one program for both
+        f(C0, n)
+        before = device.memory_stats()["alloc_calls"]
+        f(C0, n)
+        calls[n] = device.memory_stats()["alloc_calls"] - before
+    assert calls[10] == calls[100] and f.trace_count == 1, calls
     h, rows = H0, []
     for x in xs:
         h = np.tanh(np.concatenate([h, x], 1) @ W1) @ W2
