@@ -1,12 +1,21 @@
 """The backend interface: a backend is small — devices, memory, and graph → program."""
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
 
 from tilefuse.ir.core import Graph, ShapedArray
 from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
+
+
+def bind_launch(launch, buffers):
+    """launch(buffers) as a callable of no arguments, for a loop that repeats it over the same
+    buffers: a compiled kernel's own `bind(buffers)` resolves its arguments once (addresses, a
+    bind group, an OpenCL kernel's arguments); any other launch is called as it is."""
+    own = getattr(launch, "bind", None)
+    return own(buffers) if own is not None else functools.partial(launch, buffers)
 
 
 class Backend:
@@ -42,6 +51,11 @@ class Backend:
         """A sub-buffer of `buf` (an arena): `nbytes` from byte `offset`, aligned to 64. On host
         backends a buffer is a 1-D uint8 numpy array and a view is a slice of it."""
         raise NotImplementedError
+
+    def batch(self, launches: list) -> list:
+        """Launches of no arguments (bind_launch) that a loop repeats in this order, as the device
+        runs them best: as they are, unless it can submit several as one (WebGPU)."""
+        return launches
 
     def compile(self, graph: Graph, device):
         """The shared pipeline (runtime/compiler.py): passes, fusion, lowering, this backend's

@@ -6,8 +6,9 @@ tilefuse's jit, and JAX's lax.scan where installed, each in its own subprocess.
     python benchmarks/bench_scan.py --steps 200 --only scan:cpu,unrolled:cpu,jax
 
 One table: the first call (tracing, compiling and running once; tilefuse with an empty compile
-cache), a call of all the steps (median after warm-up), the time per step, and the size of the
-traced graph. The unrolled version's graph and compile grow with the steps; the scan's do not."""
+cache), a call of all the steps (median after warm-up), the time per step, the size of the traced
+graph and the memory pool's allocations in one call. The unrolled version's graph and compile grow
+with the steps; the scan's graph, compile and allocations do not."""
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,14 @@ def worker(name: str, steps: int, repeat: int) -> None:
     first = time.perf_counter() - t0
     err = float(np.abs(out - reference(params, h0, xs)).max())
     t = time_median(lambda: read(fn(params, h0, xs)), warmup=1, repeat=repeat, max_seconds=30)
+    allocs = None  # the pool's allocations in one call: as many for 10 steps as for 10,000
+    if name != "jax" and tx.get_device(device).kind != "ref":
+        stats = tx.get_device(device).memory_stats
+        before = stats()["alloc_calls"]
+        read(fn(params, h0, xs))
+        allocs = stats()["alloc_calls"] - before
     emit({"first call": first, "call": t.median, "per step": t.median / steps, "graph eqns": graph_size,
-          "max error": err})
+          "allocs/call": allocs, "max error": err})
 
 
 # ---- driver -------------------------------------------------------------------------------------
@@ -120,7 +127,7 @@ def main(argv=None):
             print(f"{name}: {res['error']}", file=sys.stderr)
     fmt = {m: fmt_seconds for m in ("first call", "call", "per step")}
     print(side_by_side({k: v for k, v in results.items() if "error" not in v},
-                       ["first call", "call", "per step", "graph eqns", "max error"],
+                       ["first call", "call", "per step", "graph eqns", "allocs/call", "max error"],
                        baseline=next((k for k in results if k.startswith("scan:")), None), formats=fmt,
                        title=f"scan of {args.steps} steps of an MLP cell (batch {B}, state {D}, hidden {H})"))
 

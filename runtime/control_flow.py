@@ -5,14 +5,19 @@ Each body is compiled once (compile_graph, so passes and fusion run inside it) w
 graph compiles; the loop itself runs on the host over device buffers, without tracing or compiling
 again and without allocating per iteration: the carry lives in two sets of buffers used in turn
 (the step's own output buffers and one set of temporaries made per call), each body's temporaries
-in one arena made per call. A while_loop reads its predicate back from the device each iteration
+in one arena made per call. Each call binds a loop's launches to those buffers once, one list
+per place the carry can be read from, so an iteration only launches (backends.base.bind_launch).
+A while_loop reads its predicate back from the device each iteration
 and a cond its branch index. A scan runs a step program made from its body, which reads row i of
 each xs in place (dynamic_slice) and advances i on the device; one more kernel per ys writes the
 step's row into the stacked result (the window kernel of dynamic_update_slice)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from tilefuse.backends.base import bind_launch
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Eqn, Graph, Literal, ShapedArray, Var
 from tilefuse.ir.kernel import lower_region
@@ -93,6 +98,17 @@ def _identity(avals) -> Graph:
     return Graph((), vs, (), vs)
 
 
+def _launches(body_run, ins: list, outs: list) -> list:
+    """A body's program over fixed buffers, as launches of no arguments (prepared once per loop).
+    (One launch of the whole program: Program.runner binds no single kernel yet.)"""
+    return [functools.partial(body_run, ins, outs)]
+
+
+def _run(launches: list) -> None:
+    for f in launches:
+        f()
+
+
 # ---- cond ------------------------------------------------------------------------------------------
 
 def _build_cond(eqn: Eqn, device, backend):
@@ -125,21 +141,25 @@ def _build_while(eqn: Eqn, device, backend):
 
     def run(buffers):
         ins, X = st.split(buffers)
-        cc, bc, cur = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
+        cc, bc = ins[:nc], ins[nc:nc + nb]
         owned: list = []
         try:
             Y = st.alloc(carry_avals, owned)
             (pred,) = st.alloc([BOOL], owned)
             cond_run, body_run = st.bind(cond, owned), st.bind(body, owned)
+            # the carry's three homes: the operands, then X and Y in turn (never the buffers read)
+            homes, after = [ins[nc + nb:], X, Y], [1, 2, 1]
+            tests = [backend.batch(_launches(cond_run, cc + h, [pred])) for h in homes]
+            steps = [backend.batch(_launches(body_run, bc + h, homes[n])) for h, n in zip(homes, after)]
+            k = 0
             while True:
-                cond_run(cc + cur, [pred])
+                _run(tests[k])
                 if not st.read(pred, BOOL):
                     break
-                nxt = Y if cur is X else X  # never the buffers it reads
-                body_run(bc + cur, nxt)
-                cur = nxt
-            if cur is not X:
-                st.bind(copy, owned)(cur, X)
+                _run(steps[k])
+                k = after[k]
+            if k != 1:
+                st.bind(copy, owned)(homes[k], X)
         finally:
             st.free(owned)
     return run, st.sources
@@ -193,15 +213,15 @@ def scan_step_graph(eqn: Eqn) -> tuple[Graph, list[Var], Var]:
 
 
 def _row_writer(st: _Step, row: Var, i: Var, ys_aval, name: str):
-    """run(row buffer, i buffer, ys buffer): row i of ys = row, in place (a kernel that writes only
-    that window)."""
+    """launch(row buffer, i buffer, ys buffer) -> a launch of no arguments that writes row i of
+    ys, in place (a kernel that writes only that window), or None for an empty row."""
     ys = Var(ys_aval)
     out = Var(ys_aval)
     zero = Literal(np.int32(0), I32)
     e = Eqn(P.dynamic_update_slice, (ys, row, i, *[zero] * (ys_aval.ndim - 1)), (out,), {})
     lowered = lower_region(Region((e,), (ys, row, i), (out,), "dynamic_update_slice"))[1:]
     if not lowered:  # an empty row: nothing to write
-        return lambda row_buf, i_buf, ys_buf: None
+        return None
     (lk,) = lowered
     _, kernel = dispatch.compile_kernel(lk.kernel, st.device, st.backend)
     st.sources[name] = lk.kernel
@@ -211,10 +231,10 @@ def _row_writer(st: _Step, row: Var, i: Var, ys_aval, name: str):
     where = {row.id: 0, i.id: 1, out.id: 2}
     order = [where[v.id] for v in lk.args]
 
-    def write(row_buf, i_buf, ys_buf):
+    def launch(row_buf, i_buf, ys_buf):
         bufs = (row_buf, i_buf, ys_buf)
-        kernel(tuple(bufs[k] for k in order))
-    return write
+        return bind_launch(kernel, tuple(bufs[k] for k in order))
+    return launch
 
 
 def _build_scan(eqn: Eqn, device, backend):
@@ -231,26 +251,30 @@ def _build_scan(eqn: Eqn, device, backend):
 
     def run(buffers):
         ins, outs = st.split(buffers)
-        consts, cur, xs = ins[:nk], ins[nk:nk + nc], ins[nk + nc:]
+        consts, init, xs = ins[:nk], ins[nk:nk + nc], ins[nk + nc:]
         X, ys = outs[:nc], outs[nc:]
         owned: list = []
         try:
             if length == 0:
                 if nc:
-                    st.bind(copy, owned)(cur, X)
+                    st.bind(copy, owned)(init, X)
                 return
             Y = st.alloc(carry_avals, owned)
             ia, ib = st.alloc([I32, I32], owned)
             row_bufs = st.alloc([r.aval for r in rows], owned)
             step_run = st.bind(step, owned)
-            cur_i = i0
-            for k in range(length):
-                last_parity = (length - 1 - k) % 2 == 0  # the last step writes the outputs
-                nxt, nxt_i = (X, ia) if last_parity else (Y, ib)
-                step_run([cur_i, *consts, *cur, *xs], [nxt_i, *nxt, *row_bufs])
-                for w, rb, yb in zip(writers, row_bufs, ys):
-                    w(rb, cur_i, yb)
-                cur, cur_i = nxt, nxt_i
+
+            def launches(cur, cur_i, nxt, nxt_i):  # one step from (cur, cur_i) into (nxt, nxt_i)
+                return backend.batch(
+                    _launches(step_run, [cur_i, *consts, *cur, *xs], [nxt_i, *nxt, *row_bufs]) +
+                    [w(rb, cur_i, yb) for w, rb, yb in zip(writers, row_bufs, ys) if w is not None])
+            # the carry alternates between Y and the outputs X, and the last step writes X
+            into_x, into_y = launches(Y, ib, X, ia), launches(X, ia, Y, ib)
+            _run(launches(init, i0, X, ia) if length % 2 else launches(init, i0, Y, ib))
+            by_parity = (into_x, into_y) if length % 2 else (into_y, into_x)  # step k: by_parity[k % 2]
+            for k in range(1, length):
+                for f in by_parity[k & 1]:
+                    f()
         finally:
             st.free(owned)
     return run, st.sources

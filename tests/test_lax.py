@@ -298,18 +298,60 @@ def test_scan_of_10000_steps_compiles_as_fast_as_one_of_10(device):
     close(c, want, 1e-3)
 
 
+def test_a_scan_of_10000_steps_matches_a_python_loop(device):
+    """The carry and every step's rows of two ys, 10,000 steps, against numpy step by step."""
+    def step(c, x):
+        c = tnp.tanh(c @ W + x)
+        return c, (c * 2.0, tnp.sum(c))
+    xs = (np.random.default_rng(1).standard_normal((10_000, 4)) * 0.5).astype(np.float32)
+    c, (ys, sums) = tx.jit(lambda c, xs: lax.scan(step, c, xs))(C0, xs)
+    rc, rys = rnn_numpy(W, C0, xs)
+    close(c, rc, 1e-4)
+    close(ys, rys, 1e-4)
+    close(sums, rys.sum(1) / 2.0, 1e-4)
+
+
+# h' = tanh([h, x] W1) W2 (batch 8, state 32, hidden 64): GEMMs big enough for the CPU's template (its workspace)
+W1 = (R.standard_normal((64, 64)) * 0.1).astype(np.float32)
+W2 = (R.standard_normal((64, 32)) * 0.1).astype(np.float32)
+H0 = R.standard_normal((8, 32)).astype(np.float32)
+
+
+def _cell(h, x):
+    h = tnp.tanh(tnp.concatenate([h, x], axis=1) @ W1) @ W2
+    return h, h[0]
+
+
 def test_the_loop_allocates_nothing_per_iteration(device):
+    """A call's allocations (outputs, the second set of carry buffers, the bodies' arenas, the
+    kernels' workspaces) do not grow with the trip count: scans with elementwise and GEMM bodies,
+    and a while_loop."""
     if device.kind == "ref":
         pytest.skip("the reference interpreter has no memory pool")
-    f = tx.jit(lambda c, xs: lax.scan(lambda c, x: (tnp.tanh(c + x), c), c, xs))
-    calls = {}
-    for n in (4, 64):
-        xs = np.ones((n, 4), np.float32)
-        f(C0, xs)  # compiles
+    for f, c in [(lambda c, xs: lax.scan(lambda c, x: (tnp.tanh(c + x), c), c, xs), C0[None]),
+                 (lambda c, xs: lax.scan(_cell, c, xs), H0)]:
+        f, calls = tx.jit(f), {}
+        for n in (100, 1000):
+            xs = (np.random.default_rng(n).standard_normal((n, *c.shape)) * 0.1).astype(np.float32)
+            f(c, xs)  # compiles
+            before = device.memory_stats()["alloc_calls"]
+            out = f(c, xs)
+            calls[n] = device.memory_stats()["alloc_calls"] - before
+        assert calls[100] == calls[1000], calls
+    f, calls = tx.jit(lambda c, n: lax.while_loop(lambda s: s[1] < n, lambda s: (tnp.tanh(s[0] + 0.1), s[1] + 1),
+                                                   (c, 0))), {}
+    for n in (10, 100):  # a trip count read from the device: one program for both
+        f(C0, n)
         before = device.memory_stats()["alloc_calls"]
-        f(C0, xs)
+        f(C0, n)
         calls[n] = device.memory_stats()["alloc_calls"] - before
-    assert calls[4] == calls[64], calls
+    assert calls[10] == calls[100] and f.trace_count == 1, calls
+    h, rows = H0, []
+    for x in xs:
+        h = np.tanh(np.concatenate([h, x], 1) @ W1) @ W2
+        rows.append(h[0])
+    close(out[0], h, 1e-4)
+    close(out[1], np.stack(rows), 1e-4)
 
 
 # ---- the lax operations beside control flow --------------------------------------------------------------

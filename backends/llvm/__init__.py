@@ -3,6 +3,8 @@ for the host CPU, linked with ORC LLJIT/JITLink and called via ctypes on a threa
 (compile.py); buffers come from the caching pool (runtime/memory.py)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from tilefuse.runtime.hardware import host_info
@@ -52,6 +54,16 @@ class LLVMBackend(Backend):
 
     def __init__(self):
         self.pool = PoolAllocator(_raw_alloc, lambda block: None, name="cpu")
+        self._scratch = threading.local()
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """A kernel's workspace for one call on this thread (GEMM packing, attention): one block
+        per thread, grown to the largest request and kept, so a loop of such kernels allocates
+        nothing per call. Outside the pool: a call holds it only while it runs."""
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._scratch.buf = _raw_alloc(nbytes)[0]
+        return buf
 
     def discover(self):
         import llvmlite.binding as llvm

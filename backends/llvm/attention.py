@@ -651,15 +651,10 @@ def build(kernel, device, backend, params: AttentionParams | None = None):
     ptrs_t = ctypes.c_void_p * (len(kernel.buffers) + sp.bwd)
 
     def run(buffers):
-        ws = backend.alloc(ws_bytes, device) if ws_bytes else None
-        try:
-            addrs = [buf.ctypes.data for buf in buffers] + ([ws.ctypes.data] if ws is not None else [])
-            ptrs = ptrs_t(*addrs)
-            if launch is None:
-                fn(ptrs, 0, tasks)
-            else:
-                launch(ptrs)
-        finally:
-            if ws is not None:
-                backend.free(ws, device)
+        addrs = [buf.ctypes.data for buf in buffers] + ([backend.scratch(ws_bytes).ctypes.data] if ws_bytes else [])
+        ptrs = ptrs_t(*addrs)
+        if launch is None:
+            fn(ptrs, 0, tasks)
+        else:
+            launch(ptrs)
     return run

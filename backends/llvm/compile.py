@@ -10,6 +10,7 @@ model is safe. Under MCJIT only the large model is, and it reloads every constan
 from __future__ import annotations
 
 import ctypes
+import functools
 import dataclasses
 import hashlib
 import itertools
@@ -225,6 +226,16 @@ class CompiledKernel:
         except (TypeError, ValueError, BufferError):  # read-only, empty or bad: check one by one
             addrs = [self._address(i, b) for i, b in enumerate(buffers)]
         self.call_addresses(addrs)
+
+    def bind(self, buffers):
+        """A launch of no arguments on these buffers: their addresses checked and resolved once."""
+        if len(buffers) != len(self._nbytes) or self._size == 0:
+            return functools.partial(self, buffers)  # (raises, or launches nothing)
+        ptrs = self._ptrs_t(*[self._address(i, b) for i, b in enumerate(buffers)])
+        f = functools.partial(self._fn, ptrs, 0, self._size) if self._launch is None else \
+            functools.partial(self._launch, ptrs)
+        f.buffers = buffers  # alive while the launch is
+        return f
 
     def _address(self, i, b) -> int:
         need = self._nbytes[i]

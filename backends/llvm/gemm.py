@@ -23,6 +23,7 @@ Kernels of kind "dot_general" (a dot_general or fused_gemm equation) are describ
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -651,21 +652,23 @@ class GemmKernel:
                         for roles in prob.roles]
 
     def __call__(self, buffers) -> None:
+        self.bind(buffers)()
+
+    def bind(self, buffers):
+        """A launch of no arguments on these buffers (their addresses and this thread's workspace
+        resolved once; call it on this thread)."""
         ptrs = list(self._ptrs)
         for places, buf in zip(self._places, buffers):
             for i in places:
                 ptrs[i] = buf.ctypes.data
         ptrs[PTR_C] = buffers[-1].ctypes.data
-        work = self.backend.alloc(self.work_bytes)
-        try:
-            ptrs[PTR_WORK] = (work.ctypes.data + 63) // 64 * 64
-            arr = self._ptrs_t(*ptrs)
-            if self._launch is None:
-                self._fn(arr, *self.bounds[0])
-            else:
-                self._launch(arr)
-        finally:
-            self.backend.free(work)
+        work = self.backend.scratch(self.work_bytes)
+        ptrs[PTR_WORK] = work.ctypes.data  # (64-byte aligned)
+        arr = self._ptrs_t(*ptrs)
+        f = functools.partial(self._fn, arr, *self.bounds[0]) if self._launch is None else \
+            functools.partial(self._launch, arr)
+        f.buffers = (buffers, work)  # alive while the launch is
+        return f
 
     def __repr__(self):
         pr = self.prob

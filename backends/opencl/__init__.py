@@ -80,23 +80,43 @@ class TileLaunch:
         self.last_event = None
 
     def __call__(self, buffers):
-        st, p = self._state, self._p
+        st = self._state
         if not all(self.global_size):
             return None  # an empty index space: nothing to launch
+        try:
+            with st.launch_lock:
+                self._knl.set_args(*self._args(buffers))
+                ev = st.cl.enqueue_nd_range_kernel(st.queue, self._knl, self.global_size, self.local_size)
+        except st.cl.Error as e:
+            raise translate(e, f"launch kernel {self.name}", st.info.name) from None
+        self.last_event = st.last_event = ev
+        return ev
+
+    def bind(self, buffers):
+        """A launch of no arguments on these buffers: a clone of the kernel holds them, set once."""
+        st = self._state
+        if not all(self.global_size):
+            return lambda: None
+        knl = self._knl.clone()
+        knl.set_args(*self._args(buffers))
+        enqueue, queue, sizes = st.cl.enqueue_nd_range_kernel, st.queue, (self.global_size, self.local_size)
+
+        def launch():
+            try:
+                st.last_event = enqueue(queue, knl, *sizes)
+            except st.cl.Error as e:
+                raise translate(e, f"launch kernel {self.name}", st.info.name) from None
+        return launch
+
+    def _args(self, buffers) -> list:
+        st, p = self._state, self._p
         args = [getattr(b, "mem", b) for b in buffers]
         if p.scratch_elems:
             if self._ws is None:
                 n = int(np.prod(p.groups)) * p.scratch_elems * np.dtype(p.scratch_dtype).itemsize
                 self._ws = PoolBuffer(st.pool.alloc(n), n, st.pool)
             args.append(self._ws.mem)
-        try:
-            with st.launch_lock:
-                self._knl.set_args(*args)
-                ev = st.cl.enqueue_nd_range_kernel(st.queue, self._knl, self.global_size, self.local_size)
-        except st.cl.Error as e:
-            raise translate(e, f"launch kernel {self.name}", st.info.name) from None
-        self.last_event = st.last_event = ev
-        return ev
+        return args
 
     def times(self) -> tuple[int, int]:
         """(start, end) of the last launch in device nanoseconds (waits for it)."""

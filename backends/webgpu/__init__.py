@@ -8,6 +8,7 @@ WebGPU binds a buffer once per dispatch: a view of an arena would share its buff
 arena's other views, so every view is a block of its own from the pool."""
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import types
@@ -43,12 +44,24 @@ class Launch:
     def __call__(self, buffers):
         if not all(self.groups):
             return None
-        be = self._be
+        stamps = Stamps(self._be) if profiler.active is not None and self._be.timestamps else None
+        self._dispatch(self._group(buffers), stamps)
+        return stamps
+
+    def bind(self, buffers):
+        """A launch of no arguments on these buffers: their bind group made once."""
+        if not all(self.groups):
+            return lambda: None
+        return _Bound(self, self._group(buffers))
+
+    def _group(self, buffers):
         entries = [{"binding": i, "resource": {"buffer": b.mem, "offset": 0, "size": _ceil4(b.nbytes)}}
                    for i, b in enumerate(buffers)]
-        group = be.device.create_bind_group(layout=self._layout, entries=entries)
+        return self._be.device.create_bind_group(layout=self._layout, entries=entries)
+
+    def _dispatch(self, group, stamps) -> None:
+        be = self._be
         enc = be.device.create_command_encoder()
-        stamps = Stamps(be) if profiler.active is not None and be.timestamps else None
         cp = enc.begin_compute_pass(timestamp_writes=stamps and stamps.writes)
         cp.set_pipeline(self._pipeline)
         cp.set_bind_group(0, group)
@@ -57,7 +70,22 @@ class Launch:
         if stamps:
             enc.resolve_query_set(stamps.queries, 0, 2, stamps.buffer, 0)
         be.device.queue.submit([enc.finish()])
-        return stamps
+
+
+class _Bound:
+    """A launch bound to its buffers: call it, or encode it into a pass among others (batch)."""
+    __slots__ = ("launch", "group")
+
+    def __init__(self, launch, group):
+        self.launch, self.group = launch, group
+
+    def __call__(self):
+        self.launch._dispatch(self.group, None)
+
+    def encode(self, cp):
+        cp.set_pipeline(self.launch._pipeline)
+        cp.set_bind_group(0, self.group)
+        cp.dispatch_workgroups(*self.launch.groups)
 
 
 class Stamps:
@@ -85,6 +113,29 @@ class WebGPUBackend(Backend):
         self.device, self.info, self.pool, self._sync = None, None, None, None
         self._pipelines: dict = {}
         self._lock = threading.Lock()
+
+    def batch(self, launches: list) -> list:
+        """Bound launches in a row as one: one pass, one command buffer, one submit (each
+        dispatch in a pass sees the writes of those before it)."""
+        out, run = [], []
+        for f in [*launches, None]:
+            if isinstance(f, _Bound):
+                run.append(f)
+                continue
+            if run:
+                out.append(functools.partial(self._submit, tuple(run)) if len(run) > 1 else run[0])
+                run = []
+            if f is not None:
+                out.append(f)
+        return out
+
+    def _submit(self, launches) -> None:
+        enc = self.device.create_command_encoder()
+        cp = enc.begin_compute_pass()
+        for f in launches:
+            f.encode(cp)
+        cp.end()
+        self.device.queue.submit([enc.finish()])
 
     def discover(self) -> list[DeviceInfo]:
         try:
