@@ -52,10 +52,23 @@ class Backend:
         backends a buffer is a 1-D uint8 numpy array and a view is a slice of it."""
         raise NotImplementedError
 
+    # A command-buffer device (WebGPU) binds a launch as partial(self.submit, work), `work` a
+    # tuple it can submit together with another's: bound launches in a row join into one submit.
+    submit = None
+
     def batch(self, launches: list) -> list:
         """Launches of no arguments (bind_launch) that a loop repeats in this order, as the device
-        runs them best: as they are, unless it can submit several as one (WebGPU)."""
-        return launches
+        runs them best: those bound to this backend's `submit` in a row joined."""
+        out = []
+        for f in launches:
+            if out and self._submits(out[-1]) and self._submits(f):
+                out[-1] = functools.partial(self.submit, out[-1].args[0] + f.args[0])
+            else:
+                out.append(f)
+        return out
+
+    def _submits(self, f) -> bool:
+        return self.submit is not None and isinstance(f, functools.partial) and f.func == self.submit
 
     def compile(self, graph: Graph, device):
         """The shared pipeline (runtime/compiler.py): passes, fusion, lowering, this backend's

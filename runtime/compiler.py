@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tilefuse.backends.base import Program
+from tilefuse.backends.base import Program, bind_launch
 from tilefuse.ir.core import Graph, Literal, Var
 from tilefuse.ir.kernel import copy_kernel, lower_region
 from tilefuse.ir.kernel.ir import Kernel
@@ -319,6 +319,15 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
                 slots[s] = buf
             for fn, gather in steps:
                 fn(gather(slots))
+
+        def bind(buffers, outs) -> list:
+            """run_into(buffers, outs) as launches of no arguments, each kernel bound once."""
+            slots = base.copy()
+            slots[:n_in] = buffers
+            for s, buf in zip(out_at, outs):
+                slots[s] = buf
+            return [bind_launch(fn, gather(slots)) for fn, gather in steps]
+        run_into.bind = bind
         return run_into
 
     prog = Program(g, run, _Sources(b.sources), tuple(b.launches))

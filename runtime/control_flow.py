@@ -13,7 +13,6 @@ each xs in place (dynamic_slice) and advances i on the device; one more kernel p
 step's row into the stacked result (the window kernel of dynamic_update_slice)."""
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 
@@ -99,9 +98,9 @@ def _identity(avals) -> Graph:
 
 
 def _launches(body_run, ins: list, outs: list) -> list:
-    """A body's program over fixed buffers, as launches of no arguments (prepared once per loop).
-    (One launch of the whole program: Program.runner binds no single kernel yet.)"""
-    return [functools.partial(body_run, ins, outs)]
+    """A body's program over fixed buffers, as launches of no arguments (prepared once per loop:
+    each kernel's arguments resolved once, Program.runner's bind)."""
+    return body_run.bind(ins, outs)
 
 
 def _run(launches: list) -> None:

@@ -24,9 +24,8 @@ from tilefuse.runtime.tiled import register_attention, register_gemm, register_k
 from ..base import Backend
 from .wgsl import print_wgsl
 
-INSTALL_HINT = ("install wgpu (`pip install wgpu`, or tilefuse[webgpu]) and a WebGPU-capable driver: Metal "
-                "(macOS), DX12 or Vulkan (Windows), Vulkan (Linux; no GPU: `apt-get install mesa-vulkan-drivers "
-                "libvulkan1`)")
+INSTALL_HINT = ("install wgpu (`pip install wgpu`, or tilefuse[webgpu]) and a WebGPU driver: Metal (macOS), "
+                "DX12 or Vulkan (Windows), Vulkan (Linux; no GPU: `apt-get install mesa-vulkan-drivers libvulkan1`)")
 UNSUPPORTED = ("float64", "int64", "uint64")
 
 
@@ -39,58 +38,23 @@ class Launch:
 
     def __init__(self, be, tk, printed, pipeline, layout):
         self.kernel, self.name, self.source = tk, printed.name, printed.source
-        self.groups, self._be, self._pipeline, self._layout = printed.groups, be, pipeline, layout
+        self.groups, self._be, self.pipeline, self._layout = printed.groups, be, pipeline, layout
 
     def __call__(self, buffers):
-        if not all(self.groups):
-            return None
         stamps = Stamps(self._be) if profiler.active is not None and self._be.timestamps else None
-        self._dispatch(self._group(buffers), stamps)
+        self._be.submit(self.bind(buffers).args[0], stamps)
         return stamps
 
     def bind(self, buffers):
-        """A launch of no arguments on these buffers: their bind group made once."""
-        if not all(self.groups):
-            return lambda: None
-        return _Bound(self, self._group(buffers))
-
-    def _group(self, buffers):
+        """A launch of no arguments on these buffers, their bind group made once (batch joins them)."""
         entries = [{"binding": i, "resource": {"buffer": b.mem, "offset": 0, "size": _ceil4(b.nbytes)}}
                    for i, b in enumerate(buffers)]
-        return self._be.device.create_bind_group(layout=self._layout, entries=entries)
-
-    def _dispatch(self, group, stamps) -> None:
-        be = self._be
-        enc = be.device.create_command_encoder()
-        cp = enc.begin_compute_pass(timestamp_writes=stamps and stamps.writes)
-        cp.set_pipeline(self._pipeline)
-        cp.set_bind_group(0, group)
-        cp.dispatch_workgroups(*self.groups)
-        cp.end()
-        if stamps:
-            enc.resolve_query_set(stamps.queries, 0, 2, stamps.buffer, 0)
-        be.device.queue.submit([enc.finish()])
-
-
-class _Bound:
-    """A launch bound to its buffers: call it, or encode it into a pass among others (batch)."""
-    __slots__ = ("launch", "group")
-
-    def __init__(self, launch, group):
-        self.launch, self.group = launch, group
-
-    def __call__(self):
-        self.launch._dispatch(self.group, None)
-
-    def encode(self, cp):
-        cp.set_pipeline(self.launch._pipeline)
-        cp.set_bind_group(0, self.group)
-        cp.dispatch_workgroups(*self.launch.groups)
+        work = ((self, self._be.device.create_bind_group(layout=self._layout, entries=entries)),)
+        return functools.partial(self._be.submit, work)  # (zero work-groups dispatch nothing)
 
 
 class Stamps:
-    """A launch's start and end on the device (timestamp queries, in ns) for the profiler, which
-    reads `profile` as it reads an OpenCL event's."""
+    """A launch's start and end on the device in ns (timestamp queries), read as an OpenCL event's."""
 
     def __init__(self, be):
         wgpu, self._queue = be._wgpu, be.device.queue
@@ -111,30 +75,19 @@ class WebGPUBackend(Backend):
 
     def __init__(self):
         self.device, self.info, self.pool, self._sync = None, None, None, None
-        self._pipelines: dict = {}
-        self._lock = threading.Lock()
+        self._pipelines, self._lock = {}, threading.Lock()
 
-    def batch(self, launches: list) -> list:
-        """Bound launches in a row as one: one pass, one command buffer, one submit (each
-        dispatch in a pass sees the writes of those before it)."""
-        out, run = [], []
-        for f in [*launches, None]:
-            if isinstance(f, _Bound):
-                run.append(f)
-                continue
-            if run:
-                out.append(functools.partial(self._submit, tuple(run)) if len(run) > 1 else run[0])
-                run = []
-            if f is not None:
-                out.append(f)
-        return out
-
-    def _submit(self, launches) -> None:
+    def submit(self, work, stamps=None) -> None:
+        """(Launch, bind group) pairs as one pass and one submit (each sees the writes before it)."""
         enc = self.device.create_command_encoder()
-        cp = enc.begin_compute_pass()
-        for f in launches:
-            f.encode(cp)
+        cp = enc.begin_compute_pass(timestamp_writes=stamps and stamps.writes)
+        for launch, group in work:
+            cp.set_pipeline(launch.pipeline)
+            cp.set_bind_group(0, group)
+            cp.dispatch_workgroups(*launch.groups)
         cp.end()
+        if stamps:
+            enc.resolve_query_set(stamps.queries, 0, 2, stamps.buffer, 0)
         self.device.queue.submit([enc.finish()])
 
     def discover(self) -> list[DeviceInfo]:
@@ -151,10 +104,9 @@ class WebGPUBackend(Backend):
         except Exception as e:  # no adapter, no driver
             raise DeviceError(f"no WebGPU adapter ({type(e).__name__}: {e}); {INSTALL_HINT}") from None
         self._wgpu, info = wgpu, adapter.info
-        cpu = info.get("adapter_type") == "CPU"
         self.info = DeviceInfo(
             kind="webgpu", name=f"{info.get('device', 'webgpu')} ({info.get('backend_type', '')})",
-            compute_units=os.cpu_count() or 1 if cpu else 1, simd_lanes_f32=1,
+            compute_units=(os.cpu_count() or 1) if info.get("adapter_type") == "CPU" else 1, simd_lanes_f32=1,
             local_mem_bytes=lim["max-compute-workgroup-storage-size"],
             max_work_group=min(lim["max-compute-invocations-per-workgroup"], lim["max-compute-workgroup-size-x"]),
             features=tuple(sorted(adapter.features)),
