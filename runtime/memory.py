@@ -38,7 +38,9 @@ def env_limit() -> int | None:
 
 def size_class(nbytes: int) -> int:
     """The block size that serves a request of nbytes."""
-    n = max(int(nbytes), MIN_BLOCK)
+    n = int(nbytes)
+    if n <= MIN_BLOCK:
+        return MIN_BLOCK
     if n <= SMALL_LIMIT:
         return 1 << (n - 1).bit_length()
     step = (1 << (n.bit_length() - 1)) >> 2
@@ -83,8 +85,9 @@ class PoolAllocator:
             else:
                 block = self._system_alloc(cls, nbytes)
             self._live[id(block)] = (block, cls, nbytes)
-            s["bytes_in_use"] += nbytes
-            s["peak_bytes_in_use"] = max(s["peak_bytes_in_use"], s["bytes_in_use"])
+            in_use = s["bytes_in_use"] = s["bytes_in_use"] + nbytes
+            if in_use > s["peak_bytes_in_use"]:
+                s["peak_bytes_in_use"] = in_use
             return block
 
     def _system_alloc(self, cls: int, nbytes: int):
@@ -118,9 +121,13 @@ class PoolAllocator:
                 raise ValueError(f"{self.name}: free of a block the pool did not hand out "
                                  "(or freed twice)")
             _, cls, nbytes = entry
-            self._free.setdefault(cls, []).append(block)
-            self._s["bytes_in_use"] -= nbytes
-            self._s["frees"] += 1
+            cached = self._free.get(cls)
+            if cached is None:
+                cached = self._free[cls] = []
+            cached.append(block)
+            s = self._s
+            s["bytes_in_use"] -= nbytes
+            s["frees"] += 1
 
     def _release_cached(self) -> None:
         cached, self._free = self._free, {}
