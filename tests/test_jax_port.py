@@ -60,7 +60,7 @@ def test_concretization_error_is_a_type_error(device):
 # ---- dtype names -----------------------------------------------------------------------------
 
 SCALAR_TYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
-                "uint16", "uint32", "bool_", "bool", "half", "single", "double", "float_", "int_"]
+                "uint16", "uint32", "uint64", "bool_", "bool", "half", "single", "double", "float_", "int_", "uint"]
 
 
 @pytest.mark.parametrize("name", SCALAR_TYPES)
@@ -320,7 +320,7 @@ def test_stax_layers_shapes_and_values(device):
 
 # ---- integer dtypes keep their width through jit (issue 23.4) -----------------------------------
 
-NARROW = [np.int8, np.uint8, np.int16, np.uint16, np.uint32, np.int64]
+NARROW = [np.int8, np.uint8, np.int16, np.uint16, np.uint32, np.int64, np.uint64]
 
 
 @pytest.mark.parametrize("dtype", NARROW, ids=lambda d: np.dtype(d).name)
