@@ -17,7 +17,7 @@ import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
 
-from tilefuse.ir.kernel.ir import INDEX, SUM_BLOCK, SUM_FAN, Kernel, KExpr, affine_forms, blocked_sums, \
+from tilefuse.ir.kernel.ir import SUM_BLOCK, SUM_FAN, Kernel, KExpr, affine_forms, blocked_sums, \
     load, reads_ridx, reduce_levels, row_stashes, sum_levels
 
 from . import vecmath
