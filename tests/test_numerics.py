@@ -157,6 +157,8 @@ def test_uint64_scalars_keep_their_dtype(device):
     np.testing.assert_array_equal(np.asarray(tnp.arange(2**63, 2**63 + 3, dtype=tnp.uint64)),
                                   np.arange(2**63, 2**63 + 3, dtype=U64))
     assert tnp.iinfo(tnp.uint64).max == 2**64 - 1 and tnp.full(2, 2**64 - 1, tnp.uint64).dtype == U64
+    # (numpy alone makes [2**64 - 1, 0] float64, and 2**64 - 1 became 0)
+    np.testing.assert_array_equal(np.asarray(tnp.asarray([2**64 - 1, 0], tnp.uint64)), np.array([2**64 - 1, 0], U64))
     small = tx.jit(lambda v: v * 2)(np.array([200], np.uint8))
     assert small.dtype == np.uint8 and int(small[0]) == 144
     assert (x + np.int64(1)).dtype == np.float64  # uint64 with a signed int: JAX's float64

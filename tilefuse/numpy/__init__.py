@@ -1211,6 +1211,11 @@ def asarray(x, dtype=None):
             return stack([asarray(v, dtype) for v in x])
         try:
             arr = np.asarray(x)
+            if arr.dtype.kind in "fO" and dtype is not None and _dt.is_int(_dt.canonicalize(dtype)):
+                try:  # ints numpy could only hold as floats or objects ([2**64 - 1, 0]): exact, as the dtype
+                    arr = np.asarray(x, _dt.canonicalize(dtype))
+                except (OverflowError, TypeError):
+                    pass
         except ValueError:
             raise TilefuseError(with_user_line(
                 f"{_api_argument(x)}a ragged nested list (rows of different lengths, "
