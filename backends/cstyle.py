@@ -24,8 +24,8 @@ from tilefuse.ir.kernel.ir import INDEX, KExpr
 from tilefuse.ir.kernel.tile import Alloc, Barrier, If, PrintedValues, Range, Store, TileKernel, lanes_of, pp_tile
 
 F16, BF16, F32, F64 = dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64
-BOOL, I32, I64, U32 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32
-VALUE_T = {BOOL: "uchar", I32: "int", U32: "uint", I64: "long", F16: "float", BF16: "float",
+BOOL, I32, I64, U32, U64 = dtypes.bool_, dtypes.int32, dtypes.int64, dtypes.uint32, dtypes.uint64
+VALUE_T = {BOOL: "uchar", I32: "int", U32: "uint", I64: "long", U64: "ulong", F16: "float", BF16: "float",
            F32: "float", F64: "double", dtypes.int8: "char", dtypes.uint8: "uchar", dtypes.int16: "short",
            dtypes.uint16: "ushort"}  # 8/16-bit ints are only loaded, stored and cast (computed as int)
 STORE_T = {**VALUE_T, F16: "half", BF16: "ushort"}
@@ -82,6 +82,8 @@ def literal(value, dtype) -> str:
     v, bits = int(value), d.itemsize * 8
     if d == U32:
         return f"((uint){v & 0xFFFFFFFF}u)"
+    if d == U64:
+        return f"((ulong){v & 0xFFFFFFFFFFFFFFFF}UL)"
     t, suffix = ("long", "L") if bits == 64 else ("int", "")
     if v == -(1 << (bits - 1)):
         return f"(({t})(-{(1 << (bits - 1)) - 1}{suffix}-1{suffix}))"
@@ -338,7 +340,7 @@ class _Printer(PrintedValues):
             vt = self.ty(d, w)
             sh = f"({a} << {b})" if op == "shift_left" else f"as_{vt}(as_{ut}({a}) >> as_{ut}({b}))"
             zero, bits = literal(0, d), literal(d.itemsize * 8, d)
-            bad = f"({b} >= {bits})" if d == U32 else f"(({b} < {zero}) | ({b} >= {bits}))"
+            bad = f"({b} >= {bits})" if d.kind == "u" else f"(({b} < {zero}) | ({b} >= {bits}))"
             if w == 1:  # numpy: shifting by the width or more (or by < 0) gives 0
                 return f"({bad} ? {zero} : {sh})"
             return f"select({sh}, ({vt})({zero}), {bad})"
@@ -348,8 +350,8 @@ class _Printer(PrintedValues):
         """C division with numpy's answers at the edges (never a trap): x/0 = 0, x%0 = x, and
         MIN/-1 wraps (the lowering guards zero where the primitive defines it; this guards any)."""
         zero, one, sym = literal(0, d), literal(1, d), "/" if op == "div" else "%"
-        signed = d != U32
-        ut = ("ulong" if d == I64 else "uint") + ("" if w == 1 else str(w))
+        signed = d.kind != "u"
+        ut = ("ulong" if d.itemsize == 8 else "uint") + ("" if w == 1 else str(w))
         if w == 1:
             neg = f"({self.ty(d)})(({ut})0 - ({ut}){a})"
             edge = (f"({b} == -{one}) ? {neg if op == 'div' else zero} : " if signed else "")
@@ -367,6 +369,13 @@ class _Printer(PrintedValues):
         if dst == BOOL:
             return self._to_bool(f"{x} != {literal(0, src)}", w)
         conv = x if vs == vd else (f"(({vd}){x})" if w == 1 else f"convert_{vd}{w}({x})")
+        if dst == U64 and dtypes.is_float(src):  # C leaves a negative float → ulong undefined:
+            # below 2**63 go through long, so negatives wrap as numpy's do
+            if w == 1:
+                return f"(({x}) >= 0x1p63 ? {conv} : (ulong)(long)({x}))"
+            big = f"({x} >= ({vs}{w})(0x1p63))"  # (a select's mask must be as wide as the lanes)
+            mask = big if vs == "double" else f"convert_long{w}({big})"
+            return f"select(as_ulong{w}(convert_long{w}({x})), {conv}, {mask})"
         if dst == F16:  # round to half and back: a float holding a half's value
             self.n += 1
             t = f"h{self.n}"
@@ -433,8 +442,8 @@ class _Printer(PrintedValues):
         p = f"{ptr} + {off}"
         if sd in (I32, U32):
             self.line(f"atomic_add((volatile __global {VALUE_T[sd]}*)({p}), {v});", depth)
-        elif sd == I64:
-            self.line(f"atom_add((volatile __global long*)({p}), {v});", depth)
+        elif sd in (I64, U64):
+            self.line(f"atom_add((volatile __global {VALUE_T[sd]}*)({p}), {v});", depth)
         elif sd in (F32, F64):
             ut, cas = ("uint", "atomic_cmpxchg") if sd == F32 else ("ulong", "atom_cmpxchg")
             self.n += 1

@@ -95,7 +95,7 @@ def _dims(shape) -> tuple:
 
 
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
-          "int32": "i32", "int64": "i64", "uint32": "u32", "bool": "bool"}
+          "int32": "i32", "int64": "i64", "uint32": "u32", "uint64": "u64", "bool": "bool"}
 
 
 @functools.lru_cache(maxsize=None)  # printing a graph asks once per variable

@@ -13,6 +13,7 @@ float64 = np.dtype(np.float64)
 int32 = np.dtype(np.int32)
 int64 = np.dtype(np.int64)
 uint32 = np.dtype(np.uint32)
+uint64 = np.dtype(np.uint64)
 bool_ = np.dtype(np.bool_)
 int8, int16 = np.dtype(np.int8), np.dtype(np.int16)
 uint8, uint16 = np.dtype(np.uint8), np.dtype(np.uint16)
@@ -20,14 +21,14 @@ uint8, uint16 = np.dtype(np.uint8), np.dtype(np.uint16)
 # after every operation that can leave it (as 16-bit floats are computed in float32)
 NARROW_INTS = (int8, int16, uint8, uint16)
 
-SUPPORTED = (bool_, int8, int16, int32, int64, uint8, uint16, uint32, float16, bfloat16, float32, float64)
+SUPPORTED = (bool_, int8, int16, int32, int64, uint8, uint16, uint32, uint64, float16, bfloat16, float32, float64)
 FLOATS = (float16, bfloat16, float32, float64)
-INTS = (int8, int16, int32, int64, uint8, uint16, uint32)
+INTS = (int8, int16, int32, int64, uint8, uint16, uint32, uint64)
 DEFAULT_FLOAT, DEFAULT_INT = float32, int32
 
 _NAMES = {"float16": float16, "half": float16, "bfloat16": bfloat16, "float32": float32,
           "float": float32, "float64": float64, "double": float64, "int32": int32,
-          "int64": int64, "int": int32, "uint32": uint32, "bool": bool_, "int8": int8, "int16": int16,
+          "int64": int64, "int": int32, "uint32": uint32, "uint64": uint64, "bool": bool_, "int8": int8, "int16": int16,
           "uint8": uint8, "uint16": uint16}
 
 
@@ -50,9 +51,6 @@ def canonicalize(dtype) -> np.dtype:
     if d.kind == "c":
         raise DTypeError(f"tilefuse does not support the dtype {d}: it has no complex dtypes (keep real "
                          "and imaginary parts as two float arrays)")
-    if d == np.dtype(np.uint64):
-        raise DTypeError("tilefuse does not support uint64 (no backend computes it yet): use int64, "
-                         "or uint32 for bit patterns")
     raise DTypeError(f"tilefuse does not support the dtype {d}; supported: "
                      + ", ".join(str(s) for s in SUPPORTED))
 
@@ -80,12 +78,13 @@ def _join(a: np.dtype, b: np.dtype) -> np.dtype:
     if ka != kb:
         return a if ka > kb else b
     if ka == 1:  # ints on JAX's lattice: the wider of one signedness; signed with unsigned: the
-        # smallest signed int holding both (uint8 + int8: int16, uint32 + int32: int64)
+        # smallest signed int holding both (uint8 + int8: int16, uint32 + int32: int64); no signed
+        # int holds uint64, so uint64 with a signed int meets at JAX's f* (float64, as x64 JAX)
         sa, sb = a.kind == "i", b.kind == "i"
         if sa == sb:
             return a if a.itemsize >= b.itemsize else b
         s, u = (a, b) if sa else (b, a)
-        return np.dtype(f"int{8 * max(s.itemsize, 2 * u.itemsize)}")
+        return float64 if u == uint64 else np.dtype(f"int{8 * max(s.itemsize, 2 * u.itemsize)}")
     # floats: f16 and bf16 meet at f32; anything meets f64 at f64
     return float64 if float64 in (a, b) else float32
 

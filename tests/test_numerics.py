@@ -35,12 +35,12 @@ def test_long_row_and_column_sums(device, shape, axis):
     np.testing.assert_allclose(got, shape[axis] * TENTH, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64])
 def test_integer_overflow_wraps(device, dtype):
     """(x + 1) > x at the largest integer is False in numpy (it wraps); OpenCL C left it
-    undefined and PoCL said True."""
+    undefined and PoCL said True. (WebGPU refuses uint64: a skip there.)"""
     info = np.iinfo(dtype)
-    x = np.array([info.max, info.min, 5, -1], dtype)
+    x = np.array([info.max, info.min, 5, -1 if info.min else info.max - 1], dtype)
 
     def f(a):
         return (a + 1) > a, a + 1, a * 3, -a, a - 2, tnp.sum(tnp.stack([a, a]), axis=0)
@@ -90,3 +90,75 @@ def test_narrowing_keeps_every_nan(device, dtype):
     np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
     empty = np.zeros((2, 0), tnp.dtype(dtype))
     assert np.isnan(np.asarray(tx.jit(tnp.mean)(empty), np.float32)).all()
+
+
+U64 = np.uint64
+U64_EDGE = np.array([0, 1, 2**63 + 5, 2**64 - 1], U64)
+
+
+def _uint64_ops(a, b, s, f):
+    """uint64 through arithmetic, comparisons, shifts, casts and reductions (numpy or tilefuse)."""
+    m = tnp if not isinstance(a, np.ndarray) else np
+    return dict(
+        add=a + b, sub=a - b, mul=a * b, floordiv=a // b, mod=a % b, lt=a < b, le=a <= b, eq=a == b, gt=a > b,
+        max=m.maximum(a, b), min=m.minimum(a, b), shr=a >> s, shr3=a >> U64(3), add1=a + 1, neg=-a,
+        f32=a.astype(np.float32), f64=a.astype(np.float64), i64=a.astype(np.int64), u32=a.astype(np.uint32),
+        # back: int64 and uint32 keep (or zero-extend) the bits; floats below 2**64 come back exact
+        i64_back=a.astype(np.int64).astype(U64), u32_back=a.astype(np.uint32).astype(U64),
+        i8_back=a.astype(np.int8).astype(U64), f64_back=f.astype(U64), f32_back=f.astype(np.float32).astype(U64),
+        sum=m.sum(a), prod=m.prod(b), argmax=m.argmax(a), argmin=m.argmin(b), amax=m.max(a), amin=m.min(a),
+        cumsum=m.cumsum(a))
+
+
+def test_uint64_computes_unsigned(device):
+    """uint64 keeps its dtype through jit and computes unsigned: 2**63 + 5 and 2**64 - 1 are large,
+    never negative, in division, comparisons, max/min, right shifts, casts and reductions (bit for
+    bit with numpy). WebGPU has no 64-bit ints: there it is a DTypeError."""
+    a, b = U64_EDGE, np.array([3, 7, 2**63 + 7, 2], U64)
+    s = np.array([0, 1, 63, 5], U64)
+    f = np.array([0.0, 1.0, 2.0**63 + 2**12, 2.0**64 - 2**40], np.float64)  # exact in float32 too
+    if device.kind == "webgpu":
+        with pytest.raises(tx.DTypeError, match="uint64"):
+            tx.jit(_uint64_ops)(a, b, s, f)
+        pytest.skip("webgpu: no 64-bit integers (WGSL); uint64 is refused with a DTypeError")
+    got = tx.jit(_uint64_ops)(a, b, s, f)
+    with np.errstate(over="ignore"):
+        want = _uint64_ops(a, b, s, f)
+    want["argmax"], want["argmin"] = np.int32(want["argmax"]), np.int32(want["argmin"])  # JAX's index dtype
+    for k, w in want.items():
+        g = np.asarray(got[k])
+        assert g.dtype == np.asarray(w).dtype, (k, g.dtype, np.asarray(w).dtype)
+        np.testing.assert_array_equal(g, w, err_msg=k)
+    # division by zero: x // 0 is 0 (numpy's); x % 0 is x (JAX's lax.rem, as for every int dtype here)
+    q, r = tx.jit(lambda x, y: (x // y, x % y))(a, np.zeros(4, U64))
+    np.testing.assert_array_equal(np.asarray(q), np.zeros(4, U64))
+    np.testing.assert_array_equal(np.asarray(r), a)
+    # a scatter-add (atomics where the device has them) wraps too
+    idx = np.array([0, 2, 2, 3], np.int32)
+    got = tx.jit(lambda x: tnp.zeros(4, U64).at[idx].add(x))(a)
+    want = np.zeros(4, U64)
+    np.add.at(want, idx, a)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_uint64_scalars_keep_their_dtype(device):
+    """A uint64 from Python stays uint64 (it became int64: 2**63 turned negative); a weak Python int
+    takes uint64 as it takes uint8 (uint8 200 * 2 is 144, uint8)."""
+    if device.kind == "webgpu":
+        pytest.skip("webgpu: no 64-bit integers (WGSL); uint64 is refused with a DTypeError")
+    big = tx.jit(lambda x: x + 1)(np.uint64(2**64 - 2))
+    assert big.dtype == U64 and int(big) == 2**64 - 1
+    assert tnp.uint64(2**64 - 1).dtype == U64 and int(tnp.uint64(2**64 - 1)) == 2**64 - 1
+    x = tnp.asarray(np.array([2**63 + 5], U64))
+    assert int(tnp.asarray(np.uint64(2**63 + 5))) == 2**63 + 5
+    for y in (x * 2, x & 0xFFFFFFFFFFFF, x >> 1, tnp.where(x > 0, x, 2**63)):
+        assert y.dtype == U64
+    np.testing.assert_array_equal(np.asarray(tx.jit(lambda v: v & 0xFFFFFFFFFFFF)(x)), [(2**63 + 5) & 0xFFFFFFFFFFFF])
+    np.testing.assert_array_equal(np.asarray(tnp.arange(2**63, 2**63 + 3, dtype=tnp.uint64)),
+                                  np.arange(2**63, 2**63 + 3, dtype=U64))
+    assert tnp.iinfo(tnp.uint64).max == 2**64 - 1 and tnp.full(2, 2**64 - 1, tnp.uint64).dtype == U64
+    # (numpy alone makes [2**64 - 1, 0] float64, and 2**64 - 1 became 0)
+    np.testing.assert_array_equal(np.asarray(tnp.asarray([2**64 - 1, 0], tnp.uint64)), np.array([2**64 - 1, 0], U64))
+    small = tx.jit(lambda v: v * 2)(np.array([200], np.uint8))
+    assert small.dtype == np.uint8 and int(small[0]) == 144
+    assert (x + np.int64(1)).dtype == np.float64  # uint64 with a signed int: JAX's float64

@@ -22,6 +22,7 @@ from conftest import assert_close
 
 F32, F64, F16, BF16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 I32, I64, BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
+U64 = np.dtype(np.uint64)  # _rand's small negatives wrap to near 2**64: unsigned compares and divides
 LOW = (F16, BF16)
 
 
@@ -118,12 +119,12 @@ FNS = [
     # ---- elementwise, binary, broadcasting
     bi("add", (F32, I32, F64, BF16, BOOL)), bi("subtract", (F32, I32, F16)), bi("multiply", (F32, I32, BOOL, BF16)),
     bi("divide", (F32, I32, F64), _nonzero), bi("true_divide", (F32,), _nonzero),
-    bi("floor_divide", (F32, I32), _nonzero), bi("remainder", (F32, I32), _nonzero),
+    bi("floor_divide", (F32, I32, U64), _nonzero), bi("remainder", (F32, I32, U64), _nonzero),
     bi("mod", (F32, I32), _nonzero), bi("fmod", (F32, I32), _nonzero),
     bi("power", (F32, F64), _pos), Fn("power_int", lambda m, x, y: m.power(x, y), B, (I32,),
                                       (_rand, lambda r, s, d: _rand(r, s, d, 0, 3))),
-    bi("maximum", (F32, I32, BOOL, BF16)), bi("minimum", (F32, I32, BOOL)),
-    *[bi(n, (F32, I32, BOOL), _small_ints) for n in
+    bi("maximum", (F32, I32, BOOL, BF16, U64)), bi("minimum", (F32, I32, BOOL, U64)),
+    *[bi(n, (F32, I32, BOOL, U64), _small_ints) for n in
       ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")],
     *[bi(n, (BOOL, F32, I32), _small_ints) for n in ("logical_and", "logical_or", "logical_xor")],
     *[bi(n, (BOOL, I32, I64)) for n in ("bitwise_and", "bitwise_or", "bitwise_xor")],
@@ -264,7 +265,7 @@ FNS = [
        [((3, 4), (3, 4)), ((2, 1), (3,)), ((), ())], (F32,), (_pos, _nonzero), methods=True),
     Fn("int_operators", lambda m, x, y: (x + y, x - y, x * y, x // y, x % y, x & y, x | y, x ^ y, ~x, -x, x + 1,
                                          x * 3, 10 - x, x ** 2),
-       [((3, 4), (3, 4)), ((2, 1), (3,)), ((), ())], (I32, I64), (_rand, _nonzero), methods=True),
+       [((3, 4), (3, 4)), ((2, 1), (3,)), ((), ())], (I32, I64, U64), (_rand, _nonzero), methods=True),
     Fn("bool_operators", lambda m, x, y: (x & y, x | y, x ^ y, ~x, x == y, x != y), [((3,), (3,)), ((), (2,))],
        (BOOL,), methods=True),
 ]

@@ -435,7 +435,7 @@ def _names(file):
 
 
 # Names tilefuse defines only to raise a clear error (complex numbers), not counted as covered.
-UNSUPPORTED = {"sort_complex", "complex64", "complex128", "complex_", "csingle", "cdouble", "uint64", "uint"}
+UNSUPPORTED = {"sort_complex", "complex64", "complex128", "complex_", "csingle", "cdouble"}
 
 
 def coverage(names, module):

@@ -23,6 +23,7 @@ from tilefuse.backends.llvm.render import TYPES, Renderer, is_float
 from tilefuse.backends.llvm.vecmath import F32, F64, I32, I64, Emit
 from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel.ir import SUM_BLOCK, Kernel
+from tilefuse.ir.kernel.schedule import ATOMIC
 
 TRIPLE = "nvptx64-nvidia-cuda"
 # float64 functions computed through float32 (≈1e-7 relative, not float64 accuracy)
@@ -158,10 +159,9 @@ class PTXRenderer(Renderer):
             return super()._store(st, value)
         b = self.b
         d = np.dtype(self.k.buffers[st.buffer].dtype)
-        if d not in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32),
-                     np.dtype(np.uint32), np.dtype(np.int64)):
+        if d.name not in ATOMIC:
             raise CompileError(f"scatter-add into {d} has no atomic on the GPU yet "
-                               "(float32/float64/int32/uint32/int64 do)", kernel=str(self.k))
+                               f"({'/'.join(ATOMIC)} do)", kernel=str(self.k))
         mt = TYPES[d][1]
         ptr = b.gep(self.ptrs[st.buffer], [self._index(self.value(st.offset), st.offset.dtype)],
                     inbounds=True, source_etype=mt)

@@ -17,7 +17,7 @@ import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
 
-from tilefuse.ir.kernel.ir import INDEX, SUM_BLOCK, SUM_FAN, Kernel, KExpr, affine_forms, blocked_sums, \
+from tilefuse.ir.kernel.ir import SUM_BLOCK, SUM_FAN, Kernel, KExpr, affine_forms, blocked_sums, \
     load, reads_ridx, reduce_levels, row_stashes, sum_levels
 
 from . import vecmath
@@ -29,10 +29,10 @@ HALF = ir.HalfType()
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 BOOL = np.dtype(np.bool_)
-UINT32 = np.dtype(np.uint32)
+UINT32, UINT64 = np.dtype(np.uint32), np.dtype(np.uint64)
 # register type and memory type of each dtype (bfloat16 is kept as its 16 bits)
 TYPES = {np.dtype(np.bool_): (I1, I8), np.dtype(np.int32): (I32, I32), UINT32: (I32, I32),
-         np.dtype(np.int64): (I64, I64), F16: (HALF, HALF), BF16: (I16, I16),
+         np.dtype(np.int64): (I64, I64), UINT64: (I64, I64), F16: (HALF, HALF), BF16: (I16, I16),
          np.dtype(np.float32): (F32, F32), np.dtype(np.float64): (F64, F64),
          # 8/16-bit ints: loaded and stored narrow, computed in int32 (ir/kernel/lower.py wraps them)
          np.dtype(np.int8): (I8, I8), np.dtype(np.uint8): (I8, I8), np.dtype(np.int16): (I16, I16),
@@ -518,7 +518,7 @@ class Renderer:
 
     def _index(self, v, dtype):
         d = np.dtype(dtype)
-        if d == INDEX:
+        if d.itemsize == 8:  # int64, or uint64 (its bits: in range it is the same number)
             return v
         return (self.b.zext if is_unsigned(d) else self.b.sext)(v, I64)
 
@@ -603,7 +603,7 @@ class Renderer:
                 return self.b.fcmp_unordered("!=", x, y) if op == "ne" else \
                     self.b.fcmp_ordered(CMP[op], x, y)
             return (self.b.icmp_unsigned if is_unsigned(d) else self.b.icmp_signed)(CMP[op], x, y)
-        kind = "f" if is_float(d) else "b" if d == BOOL else "u" if d == UINT32 else "i"
+        kind = "f" if is_float(d) else "b" if d == BOOL else "u" if is_unsigned(d) else "i"
         return BINARY_OPS[op](self, kind, x, y)
 
     # -- conversions ---------------------------------------------------------------------------
@@ -638,6 +638,9 @@ def convert(b: ir.IRBuilder, v, src, dst):
     if is_float(src):  # float → int truncates (C); uint32 wraps like numpy via int64
         if dst == UINT32:
             return b.trunc(b.fptosi(v, like(I64)), rt)
+        if dst == UINT64:  # 2**63 and up need fptoui; negatives wrap as numpy's (through int64)
+            big = b.fcmp_ordered(">=", v, splat(v.type, 2.0 ** 63))
+            return b.select(big, b.fptoui(v, rt), b.fptosi(v, rt))
         return b.fptosi(v, rt)
     w, rw = TYPES[src][0].width, TYPES[dst][0].width
     if w == rw:

@@ -32,7 +32,7 @@ from .target import Target
 from .tile import (Alloc, Barrier, If, Range, Store, TileKernel, broadcast, hmax, hmin, hsum, iota, lanes_of, tload, var,
                    vload)
 
-ATOMIC = ("int32", "uint32", "float32", "int64", "float64")
+ATOMIC = ("int32", "uint32", "float32", "int64", "uint64", "float64")
 
 
 @dataclass(frozen=True)

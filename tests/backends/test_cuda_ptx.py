@@ -56,6 +56,10 @@ def i(*shape):
     return R.integers(-5, 6, shape).astype(I32)
 
 
+def u64(*shape):  # uint64 from both halves of the range (2**63 and up too)
+    return R.integers(0, 2**64 - 1, shape, dtype=np.uint64, endpoint=True)
+
+
 def un(prim, **kw):
     return lambda x: bind1(prim, x, **kw)
 
@@ -83,6 +87,14 @@ TABLE = {
     **{f"{p}_i32": (bi(getattr(P, p)), (i(3, 5), i(3, 5)))
        for p in ("add", "mul", "div", "rem", "max_", "min_", "and_", "or_", "xor", "shift_left",
                  "shift_right_logical")},
+    **{f"{p}_u64": (bi(getattr(P, p)), (u64(3, 5), u64(3, 5)))
+       for p in ("add", "mul", "div", "rem", "max_", "min_", "lt", "shift_right_logical")},
+    "convert_u64": (lambda x, f: (bind1(P.convert_element_type, x, new_dtype=np.dtype(F64)),
+                                  bind1(P.convert_element_type, f, new_dtype=np.dtype(np.uint64))),
+                    (u64(3, 5), u(3, 5, dtype=F64))),
+    "reduce_sum_u64": (un(P.reduce_sum, axes=(1,)), (u64(2, 7),)),
+    "argmax_u64": (un(P.argmax, axis=1, index_dtype=np.dtype(I32)), (u64(3, 5),)),
+    "scatter_add_u64": (lambda x, upd: bind1(P.scatter_add, x, IDX, upd, axis=0), (u64(5, 2), u64(4, 2))),
     "not_": (un(P.not_), (i(3, 5) > 0,)),
     "is_finite": (un(P.is_finite), (u(3, 5),)),
     "integer_pow": (un(P.integer_pow, y=3), (u(3, 5),)),
@@ -161,7 +173,7 @@ INLINED = {"tile_call", "custom_vjp_call", "custom_jvp_call"}  # replaced by its
 
 def test_the_table_covers_every_primitive():
     prims = {n for n in dir(P) if isinstance(getattr(P, n), P.Primitive)} - {"debug_print"} - COMPOSITES - INLINED
-    names = {k.removesuffix("_f64").removesuffix("_i32").removesuffix("_col").removesuffix("_batched")
+    names = {k.removesuffix("_f64").removesuffix("_i32").removesuffix("_u64").removesuffix("_col").removesuffix("_batched")
              for k in ALL}
     assert prims <= names | {"stop_gradient"}, sorted(prims - names)
 
@@ -198,6 +210,8 @@ def test_ptx_uses_thread_indices_and_atomics():
     text = "\n".join(ptx.values())
     assert "%ctaid.x" in text and "%ntid.x" in text and "%tid.x" in text and "%nctaid.x" in text
     assert "atom.global.add.f32" in text or "red.global.add.f32" in text
+    u64 = "\n".join(ptx_for(*TABLE["scatter_add_u64"][:1], *TABLE["scatter_add_u64"][1]).values())
+    assert "atom.global.add.u64" in u64 or "red.global.add.u64" in u64
     # a reduction runs its loop per thread: no call to anything external
     red = "\n".join(ptx_for(softmax, u(4, 33)).values())
     assert "call" not in red and ".extern" not in red

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var
 
@@ -154,26 +155,37 @@ def test_reductions_over_edge_values(device):
 
 
 I32 = np.dtype(np.int32)
-INT_EDGE = np.array([-2**31, -2**31 + 1, -7, -1, 0, 1, 7, 31, 32, 33, 2**31 - 1], I32)
+INT_EDGE = {
+    "int32": np.array([-2**31, -2**31 + 1, -7, -1, 0, 1, 7, 31, 32, 33, 2**31 - 1], I32),
+    # uint64: shift amounts around the width, the 32-bit boundary, and both sides of 2**63 (the
+    # values a signed path would take for negative)
+    "uint64": np.array([0, 1, 7, 31, 32, 33, 63, 64, 65, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**63 + 5,
+                        2**64 - 2, 2**64 - 1], np.uint64),
+}
 INT_BINARY = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor", "shift_left",
               "shift_right_logical", "eq", "lt", "ge")
 
 
-def test_int32_edges_wrap_as_numpy_does(device):
-    """Overflow wraps, INT_MIN / -1 is INT_MIN, x / 0 is 0, shifts by 32 or more give 0 (our
-    definitions of what C leaves undefined), on every pair of edge values; unary ops and
-    reductions that overflow wrap too."""
-    a, b = (v.reshape(-1) for v in np.meshgrid(INT_EDGE, INT_EDGE, indexing="ij"))
-    g = _graph([ShapedArray(a.shape, I32)] * 2, lambda emit, x, y: [emit(n, [x, y]) for n in INT_BINARY])
+@pytest.mark.parametrize("dtype", list(INT_EDGE))
+def test_int_edges_wrap_as_numpy_does(device, dtype):
+    """Overflow wraps, INT_MIN / -1 is INT_MIN, x / 0 is 0, shifts by the width or more give 0
+    (our definitions of what C leaves undefined), on every pair of edge values; unary ops and
+    reductions that overflow wrap too. uint64 compares, divides, shifts and reduces unsigned.
+    (WebGPU has no 64-bit ints: the device refuses uint64, reported as a skip.)"""
+    edge = INT_EDGE[dtype]
+    d = edge.dtype
+    a, b = (v.reshape(-1) for v in np.meshgrid(edge, edge, indexing="ij"))
+    g = _graph([ShapedArray(a.shape, d)] * 2, lambda emit, x, y: [emit(n, [x, y]) for n in INT_BINARY])
     for name, got in zip(INT_BINARY, device.compile(g)([a, b]), strict=True):
         want = P.PRIMITIVES[name].impl(a, b)[0]
         bad = np.asarray(got) != want
         seen = list(zip(a[bad], b[bad], np.asarray(got)[bad], want[bad]))[:5]
         assert not bad.any(), f"{name} on {device}: (a, b, got, numpy) {seen}"
-    m = INT_EDGE.reshape(1, -1)
+    m = edge.reshape(1, -1)
     ops = [("neg", {}), ("abs", {}), ("sign", {}), ("not", {}), ("reduce_sum", {"axes": (1,)}),
-           ("reduce_prod", {"axes": (1,)}), ("reduce_max", {"axes": (1,)}), ("reduce_min", {"axes": (1,)})]
-    g = _graph([ShapedArray(m.shape, I32)], lambda emit, x: [emit(n, [x], **p) for n, p in ops])
+           ("reduce_prod", {"axes": (1,)}), ("reduce_max", {"axes": (1,)}), ("reduce_min", {"axes": (1,)}),
+           ("argmax", {"axis": 1, "index_dtype": I32}), ("argmin", {"axis": 1, "index_dtype": I32})]
+    g = _graph([ShapedArray(m.shape, d)], lambda emit, x: [emit(n, [x], **p) for n, p in ops])
     for (name, p), got in zip(ops, device.compile(g)([m]), strict=True):
         np.testing.assert_array_equal(np.asarray(got), P.PRIMITIVES[name].impl(m, **p)[0],
                                       err_msg=f"{name} on {device}")

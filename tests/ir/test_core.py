@@ -13,7 +13,7 @@ from tilefuse.ir.core import (Eqn, Graph, Literal, ShapedArray, Var, aval_of_val
 from tilefuse.ir.errors import DTypeError
 
 F32, F16, BF16, F64 = D.float32, D.float16, D.bfloat16, D.float64
-I32, I64, U32, B = D.int32, D.int64, D.uint32, D.bool_
+I32, I64, U32, U64, B = D.int32, D.int64, D.uint32, D.uint64, D.bool_
 
 
 def test_shaped_array():
@@ -42,8 +42,8 @@ def test_canonicalize():
     assert D.canonicalize("bfloat16") == BF16 and D.canonicalize("half") == F16
     assert D.canonicalize(np.float64) == F64 and D.canonicalize("int64") == I64
     assert D.canonicalize(np.uint8) == np.uint8 and D.canonicalize("int16") == np.int16
-    with pytest.raises(DTypeError, match="uint64"):  # was silently int64: 2**63 turned negative
-        D.canonicalize(np.uint64)
+    assert D.canonicalize(np.uint64) == U64 and D.canonicalize("uint64") == U64  # was refused (and before
+    # that silently int64: 2**63 turned negative)
     with pytest.raises(DTypeError, match="complex64"):
         D.canonicalize(np.complex64)
     with pytest.raises(DTypeError):
@@ -54,6 +54,10 @@ def test_canonicalize():
     (F32, F32, F32), (F32, F16, F32), (F16, BF16, F32), (BF16, BF16, BF16), (F32, F64, F64), (F16, F64, F64),
     (I32, I64, I64), (I32, U32, I64), (I32, F16, F16), (I64, F32, F32), (B, I32, I32), (B, F16, F16),
     (B, B, B), (U32, U32, U32),
+    # uint64 on JAX's lattice: the wider unsigned, and no signed int holds it: with one it meets at
+    # f* (float64), with a float it is that float
+    (U64, U32, U64), (U64, np.dtype(np.uint8), U64), (U64, I64, F64), (U64, I32, F64), (U64, np.dtype(np.int8), F64),
+    (U64, F32, F32), (U64, F16, F16), (U64, BF16, BF16), (B, U64, U64), (U64, U64, U64),
 ])
 def test_promotion_lattice(a, b, want):
     assert D.result_type((a, False), (b, False)) == (want, False)
@@ -63,6 +67,7 @@ def test_promotion_lattice(a, b, want):
 @pytest.mark.parametrize("strong,weak,want", [
     (F32, F32, F32), (F16, F32, F16), (BF16, F32, BF16), (I32, I32, I32), (I64, I32, I64),
     (I32, F32, F32), (I64, F32, F32), (B, I32, I32), (B, F32, F32), (B, B, B), (F16, I32, F16), (U32, I32, U32),
+    (U64, I32, U64), (U64, F32, F32),
 ])
 def test_weak_python_scalars(strong, weak, want):
     """x * 2.0 keeps x's float dtype; int32 + 1 stays int32; a float scalar lifts ints to float32."""

@@ -57,7 +57,7 @@ bool = _ScalarType("bool", np.bool_)  # jnp.bool (shadows the builtin here: use 
 half, single, double, float_ = (_ScalarType(n, d) for n, d in (("half", np.float16), ("single", np.float32),
                                                                ("double", np.float64), ("float_", np.float64)))
 int_, uint = _ScalarType("int_", np.int64), _ScalarType("uint", np.uint64)
-# complex and uint64 names exist so ported code reads; using them is a DTypeError (not computed)
+# complex names exist so ported code reads; using them is a DTypeError (not computed)
 complex64, complex128 = _ScalarType("complex64", np.complex64), _ScalarType("complex128", np.complex128)
 complex_, csingle, cdouble = (_ScalarType(n, d) for n, d in (("complex_", np.complex128), ("csingle", np.complex64),
                                                               ("cdouble", np.complex128)))
@@ -96,12 +96,31 @@ def result_type(*xs):
     """The dtype numpy-style promotion gives these operands (weak Python scalars respected);
     dtypes count as strong operands of their type."""
     return _dt.result_type(*((_dt.canonicalize(x), False) if _is_dtype_like(x) else
+                             (_dt.DEFAULT_INT, True) if _is_big_int(x) else
                              (_aval(x).dtype, _aval(x).weak_type) for x in xs))[0]
+
+
+def _is_big_int(x) -> builtins.bool:
+    """A Python int past int32: weak, it takes the other operand's dtype if that holds it (JAX's
+    rule: uint64 & 0xFFFFFFFFFFFF stays uint64), and an explicit dtype (tnp.uint64(2**64 - 1))."""
+    return isinstance(x, int) and not isinstance(x, (builtins.bool, np.generic)) and not -2**31 <= x < 2**31
+
+
+def _big_int(x: int, dtype):
+    if _dt.is_float(dtype):
+        return np.asarray(float(x), dtype)
+    info = np.iinfo(dtype) if _dt.is_int(dtype) else None
+    if info is None or not info.min <= x <= info.max:
+        raise DTypeError(with_user_line(f"the Python int {x} does not fit {dtype}: pass an array of a dtype "
+                                        "that holds it (np.int64(...), np.uint64(...))"))
+    return np.asarray(x, dtype)
 
 
 def _convert(x, dtype):
     x = _operand(x)
     dtype = _dt.canonicalize(dtype)
+    if _is_big_int(x):
+        return _big_int(x, dtype)
     a = _aval(x)
     if a.dtype == dtype:
         return x
@@ -264,7 +283,7 @@ def power(x, y):
     x, y = _promote(x, y)
     if not _dt.is_float(_aval(x).dtype):  # integer ** integer array: compute in float, cast back
         d = _aval(x).dtype
-        return astype(power(astype(x, _dt.float64 if d == _dt.int64 else _dt.float32), astype(y, _dt.float32)), d)
+        return astype(power(astype(x, _dt.float64 if d.itemsize == 8 else _dt.float32), astype(y, _dt.float32)), d)
     x, y = _broadcast_all(x, y, op="power")
     return bind1(P.pow_, x, y)
 
@@ -1192,6 +1211,11 @@ def asarray(x, dtype=None):
             return stack([asarray(v, dtype) for v in x])
         try:
             arr = np.asarray(x)
+            if arr.dtype.kind in "fO" and dtype is not None and _dt.is_int(_dt.canonicalize(dtype)):
+                try:  # ints numpy could only hold as floats or objects ([2**64 - 1, 0]): exact, as the dtype
+                    arr = np.asarray(x, _dt.canonicalize(dtype))
+                except (OverflowError, TypeError):
+                    pass
         except ValueError:
             raise TilefuseError(with_user_line(
                 f"{_api_argument(x)}a ragged nested list (rows of different lengths, "
@@ -1204,6 +1228,8 @@ def asarray(x, dtype=None):
                 raise DTypeError(with_user_line(
                     f"a Python int in the list does not fit int32 (max {arr.max()}, min {arr.min()}): "
                     "pass an int64 array, or dtype=tnp.int64"))
+    elif _is_big_int(x) and dtype is not None:
+        arr = _big_int(x, _dt.canonicalize(dtype))
     elif _is_python_scalar(x):
         arr = np.asarray(x, _dt.python_scalar_dtype(x))
     else:
