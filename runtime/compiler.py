@@ -23,7 +23,7 @@ from tilefuse.ir.passes import Dump, partition, run_passes
 from tilefuse.ir.passes.inline import inline_calls
 from tilefuse.ir.primitives import CONTROL_FLOW
 
-from . import dispatch, frontend_cache, profiler
+from . import dispatch, frontend_cache, profiler, tiered
 from .config import config
 from .planner import Interval, plan_buffers
 
@@ -104,6 +104,7 @@ class _Builder:
         return name if n == 0 else f"{name}_{n}"
 
     def add_kernel(self, lk, step: int) -> None:
+        tiered.check()  # (a background build stops here at exit)
         k = lk.kernel
         impl, run = dispatch.compile_kernel(k, self.device, self.backend)
         name = self.unique(k.name)

@@ -30,6 +30,9 @@ class Config:
         # compiled programs kept per jitted function (and of eager operations), the least
         # recently used dropped first: each holds kernels and device constants; 0: no bound
         self.jit_cache_size: int = int(os.environ.get("TILEFUSE_JIT_CACHE_SIZE", "256") or 0)
+        # a jitted graph's first calls run on the reference interpreter while its kernels compile
+        # in the background (runtime/tiered.py; CPU devices)
+        self.tiered: bool = _env_bool("TILEFUSE_TIERED")
         # a simulated hardware description (runtime/hardware.py): a dict, or a JSON file's path;
         # None reads TILEFUSE_HDI. Read when a device is first used.
         self.hdi = None

@@ -26,7 +26,17 @@ from tilefuse.tracer.pytree import (register_dataclass, register_pytree_node, tr
 
 _core.set_eager_apply(_device.apply_primitive)
 _jit.hooks.resolve_device = _device.resolve_device
-_jit.hooks.compile = lambda graph, device: device.compile(graph)
+
+
+def _compile(graph, device, tiered: bool = False):
+    """jit's compile: tiered (runtime/tiered.py) where a call asks and the device takes it."""
+    from tilefuse.runtime import tiered as _tiered
+    if tiered and _tiered.applies(device):
+        return _tiered.TieredExecutable(graph, device, lambda: device.compile(graph))
+    return device.compile(graph)
+
+
+_jit.hooks.compile = _compile
 _jit.hooks.config = config
 
 from tilefuse import numpy  # noqa: E402  (installs the array operators)

@@ -339,7 +339,7 @@ class JitFunction:
         graph, out_tree = self._graph(static, avals, in_tree, key)
         if graph is None:
             return None
-        executable = hooks.compile(graph, device)
+        executable = hooks.compile(graph, device, tiered=True)
         entry = _Entry(executable, out_tree, key, (in_tree, avals, static))
         self._cache[key] = entry
         limit = _cache_limit()

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import threading
 
+from tilefuse.runtime import tiered
+
 MIN_KERNELS = 4  # below this, starting workers costs more than it saves
 _built: dict[str, bytes] = {}  # cache key -> object code, taken once by compile_kernel
 _workers: list = []
@@ -78,6 +80,7 @@ class _Worker:
 @atexit.register
 def _stop_workers() -> None:
     """Close the workers' pipes (they exit on end of input) and reap them."""
+    tiered.abandon()  # (background builds first: none may be waiting on a worker)
     for w in _workers:
         try:
             w.proc.stdin.close()
@@ -117,7 +120,7 @@ def build_objects(todo: dict, local) -> None:
         jobs.put((key, job))
 
     def drain(build):
-        while True:
+        while not tiered.exiting():
             try:
                 key, job = jobs.get_nowait()
             except queue.Empty:

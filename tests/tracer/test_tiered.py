@@ -1,0 +1,95 @@
+"""Tiered execution (runtime/tiered.py, tx.config.tiered): first calls on the reference
+interpreter while the kernels compile in the background, then the compiled program; the same
+numbers either way, compile errors raised, and a process that exits mid-compile exits cleanly."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import tilefuse as tx
+import tilefuse.numpy as tnp
+from tilefuse import nn
+from tilefuse.ir.errors import CompileError
+from tilefuse.runtime import tiered
+
+
+@pytest.fixture
+def tiering():
+    old = tx.config.tiered
+    tx.config.tiered = True
+    yield
+    tx.config.tiered = old
+
+
+def _model(w, x):
+    return [nn.softmax(x @ w), tnp.sum(tnp.tanh(x @ w) ** 2, axis=0)]
+
+
+def test_first_calls_interpret_then_the_compiled_program_runs(tiering, rng):
+    w, x = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((32, 16)).astype(np.float32)
+    want = tx.jit(_model, device="ref")(w, x)
+    f = tx.jit(_model, device="cpu")
+    first = f(w, x)  # the interpreter's (or the compiled one's, had the build been that quick)
+    (entry,) = f._cache.values()
+    exe = entry.executable
+    assert isinstance(exe, tiered.TieredExecutable)
+    compiled = exe.wait()
+    assert compiled is not None and exe.compiled is compiled
+    later = f(w, x)
+    for a, b, c in zip(first, later, want):
+        assert a.device.name == "cpu" and b.device.name == "cpu"
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(c), rtol=1e-5, atol=1e-6)
+    assert exe.sources() == compiled.sources()  # attributes are the compiled one's
+
+
+def test_off_where_results_must_repeat_bit_for_bit(tiering, rng):
+    tx.config.deterministic = True
+    try:
+        f = tx.jit(lambda a: a * 2.0, device="cpu")
+        f(np.ones(3, np.float32))
+        assert not isinstance(next(iter(f._cache.values())).executable, tiered.TieredExecutable)
+    finally:
+        tx.config.deterministic = False
+    g = tx.jit(lambda a: a * 2.0, device="ref")  # and never for the interpreter itself
+    g(np.ones(3, np.float32))
+    assert not isinstance(next(iter(g._cache.values())).executable, tiered.TieredExecutable)
+
+
+def test_a_compile_error_is_raised_by_the_next_call(tiering, monkeypatch):
+    dev = tx.get_device("cpu")
+
+    def fail(graph):
+        time.sleep(0.5)  # (a build that fails at once is raised by the first call itself)
+        raise CompileError("cpu: this build fails (test)")
+    monkeypatch.setattr(dev, "compile", fail)  # (this device only: the interpreter still compiles)
+    f = tx.jit(lambda a: a + 1.0, device="cpu")
+    np.testing.assert_array_equal(np.asarray(f(np.ones(2, np.float32))), [2.0, 2.0])  # interpreted
+    next(iter(f._cache.values())).executable._thread.join()
+    with pytest.raises(CompileError, match="this build fails"):
+        f(np.ones(2, np.float32))
+
+
+@pytest.mark.parametrize("linger", [0.0, 0.3])
+def test_exiting_mid_compile_exits_cleanly(tmp_path, linger):
+    """LLVM left running on a thread during Python's teardown crashed the process (SIGSEGV);
+    the build stops at its next kernel and is waited for."""
+    script = textwrap.dedent(f"""
+        import time, numpy as np, tilefuse as tx
+        from tilefuse import nn
+        tx.config.tiered = True
+        x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+        f = tx.jit(lambda x: [nn.softmax(x @ x.T * (i + 1.0)).sum() for i in range(6)], device="cpu")
+        print(float(f(x)[0]))
+        time.sleep({linger})
+    """)
+    env = dict(os.environ, TILEFUSE_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.split()[-1]) == pytest.approx(64.0)
