@@ -269,11 +269,19 @@ def estimate_ns(kernel: Kernel) -> float:
 
 
 def _estimate_ns(kernel: Kernel) -> float:
+    """Ops inside a reduction run at every reduction point, the others (a GEMM's epilogue, a
+    softmax's division) once a point: counting those per reduction point too sent 2 us kernels to
+    the thread pool (estimated 22 us)."""
     nodes = {n for st in kernel.stores for root in (st.offset, st.value) for n in root.toposort()}
-    units = len(kernel.stores) + sum(OP_COST.get(n.op, 1) for n in nodes
-                                     if n.op not in ("const", "idx", "ridx"))
-    work = kernel.size * max(1, int(np.prod(kernel.reduce_shape, dtype=np.int64)))
-    return work * units * NS_PER_OP
+    inner = {n for r in nodes if r.op == "reduce" for s in r.src for n in s.toposort()}
+    if kernel.row_stores:  # (stores that write whole rows run at every reduction point)
+        inner = nodes
+
+    def units(ns):
+        return sum(OP_COST.get(n.op, 1) for n in ns if n.op not in ("const", "idx", "ridx"))
+    reduce_points = max(1, int(np.prod(kernel.reduce_shape, dtype=np.int64)))
+    per_point = len(kernel.stores) + units(nodes - inner) + units(inner) * reduce_points
+    return kernel.size * per_point * NS_PER_OP
 
 
 def _chunks(size: int, threads: int, est_ns: float, per_thread: int = 4) -> list:
