@@ -67,36 +67,52 @@ def register_gemm(device_kind: str, priority: int) -> None:
         _key, gemm_applies))
 
 
-def _attention_kernel(kernel, device):
-    """The forward FlashAttention tile kernel of a fused_attention kernel, or None where the
-    builder does not apply (a feature axis that is not the last, empty operands, no schedule
-    that fits, a kernel past the device's limits)."""
+def _attention_kernels(kernel, device):
+    """The FlashAttention tile kernels of a fused_attention (one) or fused_attention_bwd (three,
+    run in order) kernel, or None where the builders do not apply: a feature axis that is not the
+    last, empty operands, a backward in 16 bits (its row statistics wait in the result), no
+    schedule that fits, a kernel past the device's limits."""
     eqns = kernel.meta.get("eqns", ())
-    if len(eqns) != 1 or eqns[0].prim is not P.fused_attention:
+    if len(eqns) != 1 or eqns[0].prim not in (P.fused_attention, P.fused_attention_bwd):
         return None
     e = eqns[0]
     if not all(a.aval.size > 0 for a in e.inputs) or \
             any(d[-1] != a.aval.ndim - 1 for d, a in zip(e.params["dims"], e.inputs[:3])):
         return None
     sp = attention.spec_of(e)
+    if sp.bwd and e.inputs[0].aval.dtype.itemsize < 4:
+        return None
     sched = attention.default_attention_schedule(sp, _target(device))
     if sched is None:
         return None
-    tk = attention.build_forward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)
+    build = attention.build_backward if sp.bwd else attention.build_forward
+    tks = build(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)
+    tks = tks if sp.bwd else [tks]
     try:
-        check_fits(tk, device.info)
+        for tk in tks:
+            check_fits(tk, device.info)
     except TilefuseError:
         return None
-    return tk
+    return tks
+
+
+def _attention_build(kernel, device, backend):
+    runs = [backend.compile_tile(tk, device) for tk in _attention_kernels(kernel, device)]
+    if len(runs) == 1:
+        return runs[0]
+
+    def run(buffers):
+        for r in runs:
+            r(buffers)
+    return run
 
 
 def register_attention(device_kind: str, priority: int) -> None:
-    """The shared FlashAttention (ir/kernel/attention.py) runs fused_attention on `device_kind`;
-    its backward runs as the kernels of its decomposition (runtime/composite.py)."""
-    dispatch.register(dispatch.Implementation(
-        "tile_attention", "fused_attention",
-        lambda kernel, device, backend: backend.compile_tile(_attention_kernel(kernel, device), device),
-        (device_kind,), lambda kernel, device: _attention_kernel(kernel, device) is not None, priority))
+    """The shared FlashAttention (ir/kernel/attention.py), forward and backward, on `device_kind`."""
+    for kind in ("fused_attention", "fused_attention_bwd"):
+        dispatch.register(dispatch.Implementation(
+            "tile_attention", kind, _attention_build, (device_kind,),
+            lambda kernel, device: _attention_kernels(kernel, device) is not None, priority))
 
 
 GROUPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

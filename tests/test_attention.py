@@ -380,3 +380,21 @@ def test_the_tile_attention_builder_matches_the_primitive(rng, case):
         tol = 2e-3 if dtype == np.float16 else 2e-6
         np.testing.assert_allclose(got.reshape(out_aval.shape).astype(np.float32), want.astype(np.float32),
                                    rtol=tol, atol=tol, err_msg=f"{name} bq={bq} bk={bk}")
+    if dtype != np.float32:
+        return
+    # the backward: stats, dkdv and dq kernels in order over one packed result
+    from tilefuse.ir.kernel.attention import build_backward
+    dout = rng.standard_normal(want.shape).astype(dtype)
+    bargs = args + [want, dout]
+    (bwant,) = P.fused_attention_bwd.impl(*bargs, **params)
+    bavals = [ShapedArray(a.shape, a.dtype) for a in bargs]
+    (res_aval,) = P.fused_attention_bwd.abstract_eval(*bavals, **params)
+    bsp = spec_of(types.SimpleNamespace(prim=P.fused_attention_bwd, params=params,
+                                        inputs=[types.SimpleNamespace(aval=a) for a in bavals]))
+    bbufs = tuple(Buffer(f"b{i}", a.dtype, a.size) for i, a in enumerate(bavals + [res_aval]))
+    for bq, bk in ((4, 8), (8, 4)):
+        got = np.full(res_aval.size, np.nan, dtype)
+        for tk in build_backward(bsp, AttentionSchedule(bq, bk), "attn_bwd", bbufs, len(bargs)):
+            check_tile(tk)
+            run_tile(tk, [a.reshape(-1) for a in bargs] + [got])
+        np.testing.assert_allclose(got, bwant, rtol=2e-5, atol=2e-5, err_msg=f"{name} backward bq={bq} bk={bk}")
