@@ -93,3 +93,45 @@ def test_group_reductions_match_the_reference(device, case, group):
     want = np.asarray(f(x.astype(np.float64)) if case != "softmax rows" else
                       np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
     np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-5, atol=1e-6, err_msg=f"{case}, groups of {group}")
+
+
+# ---- FlashAttention's tile kernels (ir/kernel/attention.py) on every printer with shared memory --
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_tile_kernels_match_the_primitive(device, causal):
+    """The forward and the three backward kernels printed and run by each backend (OpenCL CPU
+    devices too: PoCL has local memory), a ragged schedule, a broadcast bias with -inf entries."""
+    import types
+
+    from tilefuse.ir import primitives as P
+    from tilefuse.ir.kernel.attention import AttentionSchedule, build_backward, build_forward, spec_of
+    from tilefuse.ir.kernel.ir import Buffer
+    if not device.backend.tile_kernels or "shared" not in device.backend.tile_prints:
+        pytest.skip(f"{device.kind} prints no tile kernels with shared memory")
+    if not device.info.local_mem_bytes:
+        pytest.skip(f"{device.name} has no shared memory")
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 3, s, f)).astype(np.float32) for s, f in ((7, 4), (9, 4), (9, 5)))
+    bias = rng.standard_normal((1, 3, 1, 9)).astype(np.float32)
+    bias[0, 1, 0, 2] = -np.inf
+    params = dict(scale=0.5, causal=causal, dims=((0, 1, 2, 3),) * 3)
+    (out,) = P.fused_attention.impl(q, k, v, bias, **params)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    (grads,) = P.fused_attention_bwd.impl(q, k, v, bias, out, dout, **params)
+    sched = AttentionSchedule(4, 4)
+    for fwd, args, want in ((True, [q, k, v, bias], out), (False, [q, k, v, bias, out, dout], grads)):
+        avals = [ShapedArray(a.shape, a.dtype) for a in args]
+        prim = P.fused_attention if fwd else P.fused_attention_bwd
+        sp = spec_of(types.SimpleNamespace(prim=prim, params=params,
+                                           inputs=[types.SimpleNamespace(aval=a) for a in avals]))
+        bufs = tuple(Buffer(f"b{i}", np.float32, a.size) for i, a in enumerate(args)) + \
+            (Buffer("res", np.float32, want.size),)
+        tks = [build_forward(sp, sched, "attn", bufs, len(args))] if fwd else \
+            build_backward(sp, sched, "attn_bwd", bufs, len(args))
+        dev_bufs = [device.backend.put(np.ascontiguousarray(a).reshape(-1), device) for a in args]
+        res = device.backend.put(np.zeros(want.size, np.float32), device)
+        for tk in tks:
+            device.backend.compile_tile(tk, device)(dev_bufs + [res])
+        got = device.backend.to_host(res, ShapedArray((want.size,), np.float32), device)
+        np.testing.assert_allclose(got, want.reshape(-1), rtol=2e-5, atol=2e-5,
+                                   err_msg="forward" if fwd else "backward")
