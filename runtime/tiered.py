@@ -7,12 +7,16 @@ Measured cold, end to end (benchmarks/bench_compile.py): the interpreter's first
 training loop's first steps, no longer waits for LLVM. Results are the interpreter's until the
 switch: the same numbers within float rounding (numpy's pairwise sums, its exp), not bit for bit.
 
-A compile that fails is raised by the call that finds it finished, as a compile error would be.
-At exit an unfinished compile is abandoned: the persistent cache writes whole entries only, so
-the next run finds each kernel built or absent."""
+One background thread builds the graphs in the order they were first called (one thread per
+graph made many builds and the interpreted calls fight over the cores); a caller that needs a
+graph built now (Lowered.compile, wait) takes it from the queue and builds it itself. A compile
+that fails is raised by the call that finds it finished, as a compile error would be. At exit
+the build under way stops at its next kernel and the queue is dropped: the persistent cache
+writes whole entries only, so the next run finds each kernel built or absent."""
 from __future__ import annotations
 
 import atexit
+import collections
 import threading
 
 import numpy as np
@@ -24,7 +28,9 @@ from .config import config
 
 TIERED_KINDS = ("cpu",)  # where compiling costs seconds and the interpreter runs the same numbers
 _exiting = threading.Event()
-_compiling: set = set()  # the background builds' threads
+_queue: collections.deque = collections.deque()  # TieredExecutables waiting for their build
+_wake = threading.Condition()
+_worker: list = []  # the compile thread, once started
 
 
 def exiting() -> bool:
@@ -32,23 +38,47 @@ def exiting() -> bool:
 
 
 class Abandoned(Exception):
-    """Raised inside a background build at interpreter exit (see check)."""
+    """Raised inside the background build at interpreter exit (see check)."""
 
 
 def check() -> None:
-    """A point where a background build stops when the interpreter exits (the compiler calls it
+    """A point where the background build stops when the interpreter exits (the compiler calls it
     between kernels): LLVM running on a thread during Python's teardown crashed the process."""
-    if _exiting.is_set() and threading.current_thread() in _compiling:
+    if _exiting.is_set() and _worker and threading.current_thread() is _worker[0]:
         raise Abandoned()
+
+
+def _serve() -> None:
+    while True:
+        with _wake:
+            while not _queue and not _exiting.is_set():
+                _wake.wait()
+            if _exiting.is_set():
+                return
+            exe = _queue.popleft()
+        exe._build()
+
+
+def _submit(exe) -> None:
+    with _wake:
+        _queue.append(exe)
+        if not _worker:
+            _worker.append(threading.Thread(target=_serve, daemon=True, name="tilefuse-compile"))
+            _worker[0].start()
+        _wake.notify()
 
 
 @atexit.register
 def abandon() -> None:
-    """At exit: background builds stop at their next check and are waited for (idempotent; the
-    LLVM workers' own exit handler calls it first, so no build is left waiting on a worker)."""
-    _exiting.set()
-    for t in list(_compiling):
-        t.join(timeout=10)
+    """At exit: the build under way stops at its next check and is waited for, the queue is
+    dropped (idempotent; the LLVM workers' own exit handler calls it first, so no build is left
+    waiting on a worker)."""
+    with _wake:
+        _exiting.set()
+        _queue.clear()
+        _wake.notify_all()
+    if _worker:
+        _worker[0].join(timeout=10)
 
 
 def applies(device) -> bool:
@@ -64,29 +94,36 @@ class TieredExecutable:
         self.graph, self.device = graph, device
         self.in_avals = [v.aval for v in graph.invars]
         self.out_avals = [v.aval for v in graph.outvars]
-        self.compiled, self._error = None, None
+        self.compiled, self._error, self._build_fn = None, None, build
+        self._started, self._done = False, threading.Event()
         self._ref = get_device("ref").compile(graph)
-        self._thread = threading.Thread(target=self._build, args=(build,), daemon=True,
-                                        name=f"tilefuse-compile-{device.name}")
-        _compiling.add(self._thread)
-        self._thread.start()
+        _submit(self)
 
-    def _build(self, build) -> None:
+    def _build(self) -> None:
+        """Build once: on the compile thread, or on a caller that cannot wait (wait)."""
+        with _wake:
+            if self._started:
+                return
+            self._started = True
         try:
-            self.compiled = build()
+            self.compiled = self._build_fn()
         except Abandoned:
             pass
         except BaseException as e:  # (raised by the next call)
             self._error = e
         finally:
-            _compiling.discard(threading.current_thread())
+            self._done.set()
 
     def wait(self):
-        """The compiled executable, waiting for its build (Lowered.compile, tests)."""
-        self._thread.join()
-        return self._done()
+        """The compiled executable: built here if still queued, else waited for."""
+        with _wake:
+            if not self._started and self in _queue:
+                _queue.remove(self)
+        self._build()
+        self._done.wait()
+        return self._result()
 
-    def _done(self):
+    def _result(self):
         if self._error is not None:
             e, self._error = self._error, None
             if isinstance(e, TilefuseError):
@@ -95,8 +132,8 @@ class TieredExecutable:
         return self.compiled
 
     def __call__(self, leaves):
-        if self.compiled is not None or not self._thread.is_alive():
-            return self._done()(leaves)
+        if self._done.is_set():
+            return self._result()(leaves)
         host = [np.asarray(x) if isinstance(x, Array) else x for x in leaves]
         return [self.device.put(np.asarray(o)) for o in self._ref(host)]
 
