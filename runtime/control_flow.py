@@ -35,6 +35,7 @@ from tilefuse.ir.passes.fusion import Region
 from . import dispatch
 
 log = logging.getLogger("tilefuse")
+loop_kernels = True  # False: every scan steps through its launch list (to measure the difference)
 LAUNCHES: Counter = Counter()  # "scan_loop": loop kernels launched; "scan_step": step-path launches
 I32 = ShapedArray((), np.dtype(np.int32))
 BOOL = ShapedArray((), np.dtype(np.bool_))
@@ -256,7 +257,7 @@ def _loop_form(st: _Step, eqn: Eqn):
     from .hardware import check_fits, target_of
     backend, device, p = st.backend, st.device, eqn.params
     nk, nc, length = p["n_consts"], p["n_carry"], p["length"]
-    if type(backend).compile_tile is Backend.compile_tile or length < 1:
+    if not loop_kernels or type(backend).compile_tile is Backend.compile_tile or length < 1:
         return None
     if any(v.aval.size == 0 for v in (*eqn.inputs, *eqn.outputs) if isinstance(v, Var)):
         return None
