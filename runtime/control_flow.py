@@ -296,7 +296,8 @@ def _loop_form(st: _Step, eqn: Eqn):
     ys = [buf(f"y{n}", v.aval) for n, v in enumerate(eqn.outputs[nc:])]
     info = device.info
     group = 1 if target_of(info).kind == "cpu" else max(1, min(64, info.max_work_group))
-    tk = loop_kernel("scan_loop", parts, consts, carries, xs, ys, length, p["reverse"], group)
+    lanes = max(1, info.simd_lanes_f32) if target_of(info).kind == "cpu" else 1
+    tk = loop_kernel("scan_loop", parts, consts, carries, xs, ys, length, p["reverse"], group, lanes)
     if tk is None:
         return None
     try:
