@@ -4,12 +4,12 @@ keeps it in registers and runs every step itself, so the loop costs one launch, 
 The step is given as its lowered kernels (`Part`s, in launch order), each buffer named by its role
 in the scan: ("const", j), ("carry", j), ("x", j) (row t of xs), ("temp", key) (a value one part
 passes to a later one), and for outputs a tuple of roles ("carry", j) (the next carry), ("y", j)
-(row t of ys), ("temp", key). Legal when no part reduces or adds, at most one part (the main one)
-runs over more than one point, and a point never needs another point's carry:
+(row t of ys), ("temp", key). Legal when no part reduces or adds, the parts over more than one point
+(the main ones) run over one index space, and a point never needs another point's carry:
   - a carry of one element (uniform: a fori_loop's counter), and every temp, is one element
     computed by a one-point part; every work-item computes it in its own register;
-  - any other carry has the main part's size, is written by it once at an offset that maps its
-    points one-to-one onto the carry, and is read only there (the same offset node), by it.
+  - any other carry has the main parts' size, is written by one of them once at an offset that
+    maps its points one-to-one onto the carry, and is read only there (the same offset node).
 Otherwise `loop_kernel` returns None and the caller launches the step's kernels per step.
 
 The tile kernel's buffers: consts, initial carries, xs (inputs), then final carries, ys."""
@@ -71,11 +71,10 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
     if any(p.kernel.has_reduce or any(s.mode != "set" for s in p.kernel.stores) for p in parts):
         return None
     big = [p for p in parts if p.kernel.size > 1]
-    if len(big) > 1:
+    shape = tuple(big[0].kernel.shape) if big else ()
+    if any(tuple(p.kernel.shape) != shape for p in big):
         return None
-    main = big[0] if big else None
-    shape = tuple(main.kernel.shape) if main else ()
-    N = main.kernel.size if main else 1
+    N = big[0].kernel.size if big else 1
     uniform = [c.size == 1 for c in carries]
     # each carry written exactly once; a point's carry at the offset of its store
     own: dict = {}
@@ -88,7 +87,7 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
                     j = role[1]
                     written[j] += 1
                     if not uniform[j]:
-                        if p is not main or carries[j].size != N or not _bijective(st.offset, shape):
+                        if k.size == 1 or carries[j].size != N or not _bijective(st.offset, shape):
                             return None
                         own[j] = st.offset
                     elif k.size != 1:
@@ -107,7 +106,7 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
     last = KExpr("idx", INDEX, (), len(shape) - 1)
     # a work-item holds W consecutive points of the last axis, as vectors, where every carry
     # walks that axis with stride 1
-    W = int(lanes) if main and lanes > 1 and shape[-1] % lanes == 0 and all(
+    W = int(lanes) if big and lanes > 1 and shape[-1] % lanes == 0 and all(
         affine_forms([o])[o].get(("idx", len(shape) - 1)) == 1 for o in own.values()) else 1
     units = N // W
     g, lane = var("g"), var("l")
@@ -146,7 +145,7 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
                 moved[ld] = tload(x_at + role[1], binary("add", binary("mul", T, _ic(rows[role[1]])), off), ld.dtype)
             elif role[0] == "carry":
                 j = role[1]
-                if not uniform[j] and (p is not main or off != own.get(j)):
+                if not uniform[j] and (k.size == 1 or off != own.get(j)):
                     return None  # another point's carry
                 moved[ld] = tload(f"c{j}", off if not uniform[j] else _ic(0), ld.dtype)
             elif role[0] == "temp" and role[1] in temps:
@@ -155,7 +154,7 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
                 return None
         moved = substitute(roots, moved)
         env = point_env(k)
-        vec = vector if p is main else None
+        vec = vector if k.size > 1 else None
         roots2 = [moved[r] for r in roots]
         vsub = substitute(roots2, env, vec)
         fixed = registers_at_zero([vsub[r] for r in roots2])
@@ -189,7 +188,7 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
         body += got
 
     def at(j: int) -> KExpr:  # where a point's carry starts
-        return _ic(0) if uniform[j] else substitute([own[j]], point_env(main.kernel))[own[j]]
+        return _ic(0) if uniform[j] else substitute([own[j]], point_env(big[0].kernel))[own[j]]
 
     def reg(j: int) -> KExpr:
         return tload(f"c{j}", _ic(0), carries[j].dtype) if uniform[j] or W == 1 else \
