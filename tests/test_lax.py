@@ -563,3 +563,35 @@ def test_a_body_with_a_reduction_or_a_gemm_keeps_the_step_path(device):
         close(c, rc, 1e-5)
         if device.kind == "cpu":
             assert loops == 0 and steps >= len(xs)
+
+
+def test_the_loop_kernel_type_checks_and_runs_on_the_tile_interpreter(monkeypatch):
+    """The tile kernel the CPU compiles, checked (check_tile) and run by the reference
+    interpreter (run_tile) against numpy: vectors of points, reverse, a fori counter."""
+    from tilefuse.ir.kernel.loop import loop_kernel
+    from tilefuse.ir.kernel.tile import check_tile, run_tile
+    a = np.linspace(-1, 1, 32).astype(np.float32)
+    h0 = np.random.default_rng(6).standard_normal((8, 32)).astype(np.float32)
+    xs = np.random.default_rng(7).standard_normal((7, 8, 32)).astype(np.float32)
+
+    def f(a, h, xs):
+        def step(c, x):
+            i, h = c
+            h = tnp.tanh(h * a + x + i.astype(np.float32) * 0.1)
+            return (i + 1, h), h * 2.0
+        return lax.scan(step, (np.int32(0), h), xs, reverse=True)
+    from tilefuse.runtime import control_flow
+    built = []
+    monkeypatch.setattr(control_flow, "loop_kernel", lambda *a, **k: built.append(loop_kernel(*a, **k)) or built[-1])
+    tx.jit(f).lower(a, h0, xs, device="cpu").compile()
+    (tk,) = built
+    check_tile(tk)
+    i_out, h_out, ys = np.zeros(1, np.int32), np.zeros(h0.size, np.float32), np.zeros(xs.size, np.float32)
+    run_tile(tk, [a, np.zeros(1, np.int32), h0.ravel().copy(), xs.ravel(), i_out, h_out, ys])
+    h, rys = h0, [None] * len(xs)
+    for i, t in enumerate(reversed(range(len(xs)))):
+        h = np.tanh(h * a + xs[t] + np.float32(i) * np.float32(0.1))
+        rys[t] = h * 2.0
+    assert i_out[0] == len(xs)
+    close(h_out.reshape(h0.shape), h)
+    close(ys.reshape(xs.shape), np.stack(rys))
