@@ -10,20 +10,33 @@ per place the carry can be read from, so an iteration only launches (backends.ba
 A while_loop reads its predicate back from the device each iteration
 and a cond its branch index. A scan runs a step program made from its body, which reads row i of
 each xs in place (dynamic_slice) and advances i on the device; one more kernel per ys writes the
-step's row into the stacked result (the window kernel of dynamic_update_slice)."""
+step's row into the stacked result (the window kernel of dynamic_update_slice).
+
+A scan whose step is one elementwise kernel over the carry (besides one-element parts such as a
+fori_loop's counter) runs instead as one tile kernel that holds the loop (ir/kernel/loop.py):
+each work-item keeps its point of the carry in registers through every step; one launch a call.
+LAUNCHES counts, per call, the launches each form makes (for tests and benchmarks)."""
 from __future__ import annotations
 
+import logging
+from collections import Counter
 
 import numpy as np
 
-from tilefuse.backends.base import bind_launch
+from tilefuse.backends.base import Backend, bind_launch
+from tilefuse.ir.errors import CompileError, OutOfMemoryError
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Eqn, Graph, Literal, ShapedArray, Var
 from tilefuse.ir.kernel import lower_region
+from tilefuse.ir.kernel.ir import Buffer
+from tilefuse.ir.kernel.loop import Part, loop_kernel
 from tilefuse.ir.passes.fusion import Region
 
 from . import dispatch
 
+log = logging.getLogger("tilefuse")
+loop_kernels = True  # False: every scan steps through its launch list (to measure the difference)
+LAUNCHES: Counter = Counter()  # "scan_loop": loop kernels launched; "scan_step": step-path launches
 I32 = ShapedArray((), np.dtype(np.int32))
 BOOL = ShapedArray((), np.dtype(np.bool_))
 
@@ -236,8 +249,80 @@ def _row_writer(st: _Step, row: Var, i: Var, ys_aval, name: str):
     return launch
 
 
+def _loop_form(st: _Step, eqn: Eqn):
+    """run(buffers) of a scan as one tile kernel holding the loop (ir/kernel/loop.py), or None
+    where the step is not one elementwise kernel of that shape or the device cannot run it."""
+    from .compiler import CONTROL_KINDS, _front, _has_text
+    from .config import config
+    from .hardware import check_fits, target_of
+    backend, device, p = st.backend, st.device, eqn.params
+    nk, nc, length = p["n_consts"], p["n_carry"], p["length"]
+    if not loop_kernels or type(backend).compile_tile is Backend.compile_tile or length < 1:
+        return None
+    if any(v.aval.size == 0 for v in (*eqn.inputs, *eqn.outputs) if isinstance(v, Var)):
+        return None
+    (g, regions, lowered), _ = _front(p["body"], config.fusion)
+    if any(r.kind == "host" or r.kind in CONTROL_KINDS for r in regions):
+        return None
+    lks = [lk for lks in lowered for lk in lks]
+    if not lks or any(dispatch.choose(lk.kernel, device).build is not dispatch.kernel_ir for lk in lks):
+        return None
+    role = {}
+    for n, v in enumerate(g.invars):
+        role[v.id] = ("const", n) if n < nk else ("carry", n - nk) if n < nk + nc else ("x", n - nk - nc)
+    for m, v in enumerate(g.constvars):
+        role[v.id] = ("const", nk + m)
+    outs: dict = {}
+    for n, v in enumerate(g.outvars):
+        if not isinstance(v, Var) or v.id in role:
+            return None  # a literal or an operand passed through: the step path copies it
+        outs.setdefault(v.id, []).append(("carry", n) if n < nc else ("y", n - nc))
+    read_later = {a.id for lk in lks for a in lk.args[:lk.kernel.n_inputs]}
+    parts = []
+    for lk in lks:
+        k = lk.kernel
+        ins = tuple(role.get(a.id, ("temp", a.id)) for a in lk.args[:k.n_inputs])
+        o = tuple(tuple(outs.get(a.id, [])) + ((("temp", a.id),) if a.id in read_later else ())
+                  for a in lk.args[k.n_inputs:])
+        parts.append(Part(k, ins, o))
+
+    def buf(name, aval):
+        return Buffer(name, np.dtype(aval.dtype), int(aval.size))
+    ops = [a.aval for a in eqn.inputs]
+    consts = [buf(f"k{n}", a) for n, a in enumerate(ops[:nk])] + \
+        [buf(f"k{nk + m}", v.aval) for m, v in enumerate(g.constvars)]
+    carries = [buf(f"c{n}", a) for n, a in enumerate(ops[nk:nk + nc])]
+    xs = [buf(f"x{n}", a) for n, a in enumerate(ops[nk + nc:])]
+    ys = [buf(f"y{n}", v.aval) for n, v in enumerate(eqn.outputs[nc:])]
+    info = device.info
+    group = 1 if target_of(info).kind == "cpu" else max(1, min(64, info.max_work_group))
+    lanes = max(1, info.simd_lanes_f32) if target_of(info).kind == "cpu" else 1
+    tk = loop_kernel("scan_loop", parts, consts, carries, xs, ys, length, p["reverse"], group, lanes)
+    if tk is None:
+        return None
+    try:
+        check_fits(tk, info)
+    except (CompileError, OutOfMemoryError) as e:  # (webgpu: past its loop trip cap)
+        log.info("tilefuse: a scan runs step by step on %s: %s", device, e)
+        return None
+    kernel = backend.compile_tile(tk, device)
+    if _has_text(kernel):  # the backend's own text, rendered when read
+        st.sources["scan_loop"] = kernel
+    uploaded = [backend.put(np.ascontiguousarray(np.asarray(c, v.aval.dtype)), device)
+                for v, c in zip(g.constvars, g.consts)]
+
+    def run(buffers):
+        ins, outs_ = st.split(buffers)
+        bind_launch(kernel, (*ins[:nk], *uploaded, *ins[nk:], *outs_))()
+        LAUNCHES["scan_loop"] += 1
+    return run
+
+
 def _build_scan(eqn: Eqn, device, backend):
     st = _Step(eqn, device, backend)
+    loop = _loop_form(st, eqn)
+    if loop is not None:
+        return loop, st.sources
     p = eqn.params
     nk, nc, length, reverse = p["n_consts"], p["n_carry"], p["length"], p["reverse"]
     carry_avals = [v.aval for v in eqn.outputs[:nc]]
@@ -274,6 +359,7 @@ def _build_scan(eqn: Eqn, device, backend):
             for k in range(1, length):
                 for f in by_parity[k & 1]:
                     f()
+            LAUNCHES["scan_step"] += len(into_x) * length
         finally:
             st.free(owned)
     return run, st.sources

@@ -464,3 +464,134 @@ def test_python_scalar_carries_take_the_body_dtype_and_second_order(device):
     assert np.asarray(tx.jit(f)(w)).dtype == np.float64
     close(tx.jit(tx.grad(tx.grad(f)))(w), tx.grad(tx.grad(unrolled))(w), 1e-9)
     assert float(lax.fori_loop(0, 4, lambda i, x: x + i * 0.5, 0)) == 3.0  # an int start, float sums
+
+
+# ---- a loop inside one kernel ---------------------------------------------------------------------
+
+def _loop_launches(f, *args):
+    """f(*args) (compiled first), and the launches its scans made in the call: (loop kernels,
+    step-path launches)."""
+    from tilefuse.runtime import control_flow
+    f(*args)
+    control_flow.LAUNCHES.clear()
+    out = f(*args)
+    return out, control_flow.LAUNCHES["scan_loop"], control_flow.LAUNCHES["scan_step"]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_an_elementwise_scan_is_one_kernel_holding_the_loop(device, reverse):
+    """h = tanh(h * a + x_t), ys = h * 2, over carries that are vectors of points (8 x 32) and
+    not (3 x 5); on the CPU one launch a call."""
+    for shape in [(8, 32), (3, 5)]:
+        rng = np.random.default_rng(len(shape))
+        a = (rng.standard_normal(shape[-1]) * 0.5).astype(np.float32)
+        h0 = rng.standard_normal(shape).astype(np.float32)
+        xs = rng.standard_normal((37, *shape)).astype(np.float32)
+
+        def f(a, h0, xs):
+            return lax.scan(lambda h, x: (tnp.tanh(h * a + x), tnp.tanh(h * a + x) * 2.0), h0, xs, reverse=reverse)
+        (h, ys), loops, steps = _loop_launches(tx.jit(f), a, h0, xs)
+        rh, rys = h0, [None] * len(xs)
+        for t in (reversed(range(len(xs))) if reverse else range(len(xs))):
+            rh = np.tanh(rh * a + xs[t])
+            rys[t] = rh * 2.0
+        close(h, rh)
+        close(ys, np.stack(rys))
+        if device.kind == "cpu":
+            assert (loops, steps) == (1, 0)
+
+
+def test_a_fori_loop_of_10000_elementwise_steps_is_one_kernel(device):
+    """The counter (a one-element carry) is computed by every work-item beside its points."""
+    x0 = np.random.default_rng(3).standard_normal(40).astype(np.float32)
+
+    def f(x0):
+        return lax.fori_loop(0, 10_000, lambda i, x: x * 0.999 + 0.001 * tnp.sin(x + i.astype(np.float32) * 1e-3), x0)
+    out, loops, steps = _loop_launches(tx.jit(f), x0)
+    x = x0.copy()
+    for i in range(10_000):
+        x = (x * np.float32(0.999) + np.float32(0.001) * np.sin(x + np.float32(i) * np.float32(1e-3))).astype(np.float32)
+    close(out, x, 1e-4)
+    if device.kind == "cpu":
+        assert (loops, steps) == (1, 0)
+
+
+def test_a_loop_kernel_with_carries_of_several_dtypes(device):
+    """float32, int32 and bool carries beside each other, a y that is also a carry, an x of
+    another dtype; the carries read each other's old values."""
+    rng = np.random.default_rng(4)
+    f0 = rng.standard_normal(16).astype(np.float32)
+    n0 = np.arange(16, dtype=np.int32)
+    b0 = np.arange(16) % 3 == 0
+    xs = rng.integers(-3, 4, (25, 16)).astype(np.int32)
+
+    def step(c, x):
+        f, n, b = c
+        f2 = tnp.where(b, f * 0.5, f + n.astype(np.float32) * 0.01)
+        n2 = n + x
+        b2 = n % 2 == 0
+        return (f2, n2, b2), n2
+
+    def ref(f, n, b):
+        ys = []
+        for x in xs:
+            f, n, b = np.where(b, f * np.float32(0.5), f + n.astype(np.float32) * np.float32(0.01)), n + x, n % 2 == 0
+            ys.append(n)
+        return (f, n, b), np.stack(ys)
+    ((f, n, b), ys), loops, steps = _loop_launches(tx.jit(lambda *c: lax.scan(step, c, xs)), f0, n0, b0)
+    (rf, rn, rb), rys = ref(f0, n0, b0)
+    close(f, rf)
+    np.testing.assert_array_equal(np.asarray(n), rn)
+    np.testing.assert_array_equal(np.asarray(b), rb)
+    np.testing.assert_array_equal(np.asarray(ys), rys)
+    if device.kind == "cpu":
+        assert (loops, steps) == (1, 0)
+
+
+def test_a_body_with_a_reduction_or_a_gemm_keeps_the_step_path(device):
+    """A point that needs other points' carry (a sum over it, a product with a matrix) cannot
+    run alone: each step launches the body's kernels, as before."""
+    xs = (np.random.default_rng(5).standard_normal((9, 4)) * 0.5).astype(np.float32)
+    bodies = [lambda c, x: (tnp.tanh(c + tnp.sum(c) * 0.1 + x), c),
+              lambda c, x: (tnp.tanh(c @ W + x), c)]
+    refs = [lambda c, x: np.tanh(c + c.sum() * 0.1 + x), lambda c, x: np.tanh(c @ W + x)]
+    for body, ref in zip(bodies, refs):
+        (c, _), loops, steps = _loop_launches(tx.jit(lambda c, xs: lax.scan(body, c, xs)), C0, xs)
+        rc = C0
+        for x in xs:
+            rc = ref(rc, x)
+        close(c, rc, 1e-5)
+        if device.kind == "cpu":
+            assert loops == 0 and steps >= len(xs)
+
+
+def test_the_loop_kernel_type_checks_and_runs_on_the_tile_interpreter(monkeypatch):
+    """The tile kernel the CPU compiles, checked (check_tile) and run by the reference
+    interpreter (run_tile) against numpy: vectors of points, reverse, a fori counter."""
+    from tilefuse.ir.kernel.loop import loop_kernel
+    from tilefuse.ir.kernel.tile import check_tile, run_tile
+    a = np.linspace(-1, 1, 32).astype(np.float32)
+    h0 = np.random.default_rng(6).standard_normal((8, 32)).astype(np.float32)
+    xs = np.random.default_rng(7).standard_normal((7, 8, 32)).astype(np.float32)
+
+    def f(a, h, xs):
+        def step(c, x):
+            i, h = c
+            h = tnp.tanh(h * a + x + i.astype(np.float32) * 0.1)
+            return (i + 1, h), h * 2.0
+        return lax.scan(step, (np.int32(0), h), xs, reverse=True)
+    from tilefuse.runtime import control_flow
+    built = []
+    monkeypatch.setattr(control_flow, "loop_kernel", lambda *a, **k: built.append(loop_kernel(*a, **k)) or built[-1])
+    tx.jit(f).lower(a, h0, xs, device="cpu").compile()
+    (tk,) = built
+    check_tile(tk)
+    i_out, h_out, ys = np.zeros(1, np.int32), np.zeros(h0.size, np.float32), np.zeros(xs.size, np.float32)
+    run_tile(tk, [a, np.zeros(1, np.int32), h0.ravel().copy(), xs.ravel(), i_out, h_out, ys])
+    h, rys = h0, [None] * len(xs)
+    for i, t in enumerate(reversed(range(len(xs)))):
+        h = np.tanh(h * a + xs[t] + np.float32(i) * np.float32(0.1))
+        rys[t] = h * 2.0
+    assert i_out[0] == len(xs)
+    close(h_out.reshape(h0.shape), h)
+    close(ys.reshape(xs.shape), np.stack(rys))

@@ -122,7 +122,7 @@ def _mul(a: KExpr, k: int) -> KExpr:
     return a if k == 1 else _ic(0) if k == 0 else binary("mul", a, _ic(k))
 
 
-def _divmod(u: KExpr, shape) -> list:
+def divmod_index(u: KExpr, shape) -> list:
     """Row-major indices of the flat number u over `shape`."""
     out, rest = [], u
     for n in reversed(shape):
@@ -391,7 +391,7 @@ class _Builder:
 
         def steps_at(t: KExpr) -> tuple:
             f = _add(_mul(t, G), lane)
-            env = {**I_env, **{KExpr("ridx", INDEX, (), a): i for a, i in enumerate(_divmod(f, R))}}
+            env = {**I_env, **{KExpr("ridx", INDEX, (), a): i for a, i in enumerate(divmod_index(f, R))}}
             out = []
             for r in reds:
                 body = substitute(list(r.src), env)
@@ -454,7 +454,7 @@ class _Builder:
             if row:
                 n, qt = math.prod(R), var("qt")
                 f = _add(_mul(qt, G), var("l"))
-                renv = {**env, **{KExpr("ridx", INDEX, (), a): i for a, i in enumerate(_divmod(f, R))}}
+                renv = {**env, **{KExpr("ridx", INDEX, (), a): i for a, i in enumerate(divmod_index(f, R))}}
                 out.append(Range("qt", -(-n // G), "serial", (If(binary("lt", f, _ic(n)), tuple(
                     self.store(st, renv, None) for st in row)),)))
             return tuple(out)
@@ -508,14 +508,14 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
     shape = tuple(k.shape)
     if s.serial:
         u = var("u")
-        I = _divmod(u, shape)
+        I = divmod_index(u, shape)
         body = (Range("g", 1, "grid", (Range("u", max(1, math.prod(shape)), "serial", b.point(I, None)),)),)
         return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
     if s.owner:
         return _owner(k, s, b)
     if s.reduce_group > 1:
         points = max(1, math.prod(shape))
-        body = (Range("g", points, "grid", (Range("l", s.reduce_group, "lane", b.point(_divmod(var("g"), shape), None)),)),)
+        body = (Range("g", points, "grid", (Range("l", s.reduce_group, "lane", b.point(divmod_index(var("g"), shape), None)),)),)
         return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
     W = s.lanes
     if W > 1:
@@ -528,7 +528,7 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
     g, lane = var("g"), var("l")
     u = _add(_mul(g, G), lane) if G > 1 else g
     if W > 1:
-        outer = _divmod(binary("div", u, _ic(per_row)), shape[:-1])
+        outer = divmod_index(binary("div", u, _ic(per_row)), shape[:-1])
         base = _mul(binary("rem", u, _ic(per_row)), W)
         axis = KExpr("idx", INDEX, (), len(shape) - 1)
         whole = binary("le", _add(base, _ic(W)), _ic(last))
@@ -538,7 +538,7 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
                                             b.point(outer + [_add(base, l_)], None)),)),)
         inner = (If(whole, vec_body), If(unary("not", whole), tail))
     else:
-        inner = b.point(_divmod(u, shape), None)
+        inner = b.point(divmod_index(u, shape), None)
     if G > 1:
         inner = (If(binary("lt", u, _ic(units)), inner),)
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
@@ -558,7 +558,7 @@ def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
     G = max(1, min(s.group, units))
     g, lane, u = var("g"), var("l"), var("u")
     unit = _add(_mul(g, G), lane) if G > 1 else g
-    rest = _divmod(u, [shape[i] for i in others])
+    rest = divmod_index(u, [shape[i] for i in others])
 
     def index(at_a):
         I = [None] * len(shape)
@@ -586,4 +586,4 @@ def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
     return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
 
 
-__all__ = ["Schedule", "default_schedule", "schedule", "substitute"]
+__all__ = ["Schedule", "default_schedule", "divmod_index", "schedule", "substitute"]
