@@ -21,8 +21,6 @@ import threading
 
 import numpy as np
 
-from tilefuse.ir.errors import TilefuseError
-
 from .array import Array
 from .config import config
 
@@ -124,11 +122,8 @@ class TieredExecutable:
         return self._result()
 
     def _result(self):
-        if self._error is not None:
-            e, self._error = self._error, None
-            if isinstance(e, TilefuseError):
-                raise e.with_traceback(None)
-            raise e
+        if self._error is not None:  # (every later call raises it, as a failed compile would)
+            raise self._error.with_traceback(None)
         return self.compiled
 
     def __call__(self, leaves):
