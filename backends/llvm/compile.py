@@ -27,6 +27,7 @@ from tilefuse.runtime import compile_cache
 from tilefuse.runtime.hardware import DeviceInfo
 
 from . import parallel
+from .buffer import Owner
 from .pool import get_pool
 from .render import INTERLEAVE, REDUCE_TILE, Renderer, render
 
@@ -221,11 +222,27 @@ class CompiledKernel:
         if len(buffers) != len(self._nbytes):
             raise DeviceError(f"kernel {self.kernel.name} takes {len(self._nbytes)} buffers, "
                               f"got {len(buffers)}")
-        try:  # one C call per buffer checks writable, contiguous and large enough (the fast path)
-            addrs = [_addressof(t.from_buffer(b)) for t, b in zip(self._views, buffers)]
+        # the fast path: a pool buffer's owner carries its address (buffer.py)
+        addrs = []
+        for b, need in zip(buffers, self._nbytes):
+            o = b.base if type(b) is np.ndarray else None
+            if type(o) is not Owner or o.nbytes < need or o.buffer() is not b:
+                addrs = self._addresses(buffers)
+                break
+            addrs.append(o.addr)
+        if self._size == 0:
+            return
+        ptrs = self._ptrs_t(*addrs)
+        if self._launch is None:
+            self._fn(ptrs, 0, self._size)
+        else:
+            self._launch(ptrs)
+
+    def _addresses(self, buffers) -> list:
+        try:  # one C call per buffer checks writable, contiguous and large enough
+            return [_addressof(t.from_buffer(b)) for t, b in zip(self._views, buffers)]
         except (TypeError, ValueError, BufferError):  # read-only, empty or bad: check one by one
-            addrs = [self._address(i, b) for i, b in enumerate(buffers)]
-        self.call_addresses(addrs)
+            return [self._address(i, b) for i, b in enumerate(buffers)]
 
     def bind(self, buffers):
         """A launch of no arguments on these buffers: their addresses checked and resolved once."""
