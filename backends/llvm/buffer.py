@@ -11,11 +11,12 @@ ALIGN = 64
 
 
 def raw_alloc(nbytes: int):
-    """An aligned block: (1-D uint8 view, its address); numpy frees it with the last reference."""
+    """An aligned block: (1-D uint8 view, its address, its array interfaces by size); numpy frees
+    it with the last reference."""
     raw = np.empty(nbytes + ALIGN, np.uint8)
     addr = raw.ctypes.data
     off = (-addr) % ALIGN
-    return raw[off:off + nbytes], addr + off
+    return raw[off:off + nbytes], addr + off, {}
 
 
 class Owner:
@@ -30,19 +31,27 @@ class Owner:
         if block is not None:
             self.pool.free(block)
 
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown: the pool may be gone already
-            pass
+    def __del__(self):  # (release() inlined: this runs once per jitted call's output)
+        block = self.block
+        if block is not None:
+            self.block = None
+            try:
+                self.pool.free(block)
+            except Exception:  # interpreter shutdown: the pool may be gone already
+                pass
 
 
 def new_buffer(pool, nbytes: int) -> np.ndarray:
     """A 1-D uint8 array of nbytes over a block from `pool`, owned by a new Owner."""
+    block = pool.alloc(nbytes)
     o = Owner()
-    o.block = block = pool.alloc(nbytes)
+    o.block = block
     o.pool, o.addr, o.nbytes = pool, block[1], nbytes
-    o.__array_interface__ = {"data": (block[1], False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+    iface = block[2].get(nbytes)  # made once per block and size: numpy only reads it
+    if iface is None:
+        iface = block[2][nbytes] = {"data": (block[1], False), "shape": (nbytes,), "typestr": "|u1",
+                                    "version": 3}
+    o.__array_interface__ = iface
     buf = np.asarray(o)
     o.buffer = weakref.ref(buf)
     return buf
