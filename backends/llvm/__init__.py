@@ -4,6 +4,7 @@ for the host CPU, linked with ORC LLJIT/JITLink and called via ctypes on a threa
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from ..base import Backend
 from . import gemm  # noqa: F401  (registers the GEMM candidates: the template and numpy's BLAS)
 from .compile import CompiledKernel, compile_kernel, compile_kernels, memory_cache_stats
 from . import tuning  # noqa: F401  (registers the CPU templates with the auto-tuner)
-from .buffer import ALIGN, Owner, new_buffer, raw_alloc
+from .buffer import ALIGN, Owner, interface, raw_alloc
 
 
 class LLVMBackend(Backend):
@@ -63,7 +64,13 @@ class LLVMBackend(Backend):
     def alloc(self, nbytes: int, device=None) -> np.ndarray:
         """A 64-byte aligned 1-D uint8 buffer of nbytes from the pool; it returns to the pool at
         free() or when the last view of it is gone."""
-        return new_buffer(self.pool, int(nbytes))
+        block = self.pool.alloc(nbytes)
+        o = Owner()  # (buffer.py; made here, not in a helper: every jitted call's outputs come here)
+        o.block, o.pool, o.addr, o.nbytes = block, self.pool, block[1], nbytes
+        o.__array_interface__ = block[2].get(nbytes) or interface(block, nbytes)
+        buf = np.asarray(o)
+        o.buffer = weakref.ref(buf)
+        return buf
 
     def free(self, buffer, device=None) -> None:
         """Give a buffer back to the pool now (the caller promises no view of it is used again).
