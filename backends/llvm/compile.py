@@ -192,6 +192,7 @@ def canonical(kernel: Kernel) -> Kernel:
 
 KernelFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 _addressof = ctypes.addressof
+_ndarray = np.ndarray
 
 
 class CompiledKernel:
@@ -206,6 +207,7 @@ class CompiledKernel:
         self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in kernel.buffers]
         self._views = [ctypes.c_char * max(n, 1) for n in self._nbytes]
         self._ptrs_t = ctypes.c_void_p * len(self._nbytes)
+        self._last = (None, None)  # (addresses, their argument array) of the last call
         self.est_ns = estimate_ns(kernel)
         self.threads = 1 if kernel.serial or self._size < 2 else params.threads
         self._bounds = _chunks(self._size, self.threads, self.est_ns, params.chunks_per_thread) \
@@ -225,14 +227,19 @@ class CompiledKernel:
         # the fast path: a pool buffer's owner carries its address (buffer.py)
         addrs = []
         for b, need in zip(buffers, self._nbytes):
-            o = b.base if type(b) is np.ndarray else None
+            o = b.base if type(b) is _ndarray else None
             if type(o) is not Owner or o.nbytes < need or o.buffer() is not b:
                 addrs = self._addresses(buffers)
                 break
             addrs.append(o.addr)
         if self._size == 0:
             return
-        ptrs = self._ptrs_t(*addrs)
+        last = self._last  # a loop calls again on the same addresses (the pool hands back the
+        if last[0] == addrs:  # block just freed): its argument array, never written, serves again
+            ptrs = last[1]
+        else:
+            ptrs = self._ptrs_t(*addrs)
+            self._last = (addrs, ptrs)
         if self._launch is None:
             self._fn(ptrs, 0, self._size)
         else:
