@@ -21,7 +21,8 @@ class Owner:
     """Owns one pool block while any view of its buffer lives (every view's numpy base), and
     hands it back to the pool when the last goes or at an explicit release. `buffer` is a weak
     reference to the one array the backend's alloc made: that array, and only it, starts at
-    `addr` and holds `nbytes`."""
+    `addr` and holds `nbytes` (numpy makes the buffer, not its owner, the base of a view today;
+    the reference keeps a view at an offset off the fast path whatever numpy does)."""
     __slots__ = ("__array_interface__", "block", "pool", "addr", "nbytes", "buffer")
 
     def release(self):
