@@ -125,7 +125,7 @@ class PoolAllocator:
             if entry is None:
                 raise ValueError(f"{self.name}: free of a block the pool did not hand out "
                                  "(or freed twice)")
-            cls, nbytes = entry[1], entry[2]
+            _, cls, nbytes = entry
             cached = self._free.get(cls)
             if cached is None:
                 cached = self._free[cls] = []

@@ -234,8 +234,10 @@ class CompiledKernel:
             addrs.append(o.addr)
         if self._size == 0:
             return
-        last = self._last  # a loop calls again on the same addresses (the pool hands back the
-        if last[0] == addrs:  # block just freed): its argument array, never written, serves again
+        # a loop calls again on the same addresses (the pool hands back the block just freed):
+        # the last call's argument array, never written to, serves again
+        last = self._last
+        if last[0] == addrs:
             ptrs = last[1]
         else:
             ptrs = self._ptrs_t(*addrs)
