@@ -41,7 +41,11 @@ class Owner:
 
 
 def interface(block, nbytes: int) -> dict:
-    """The numpy array interface of a block's first nbytes, made once per block and size."""
-    iface = block[2][nbytes] = {"data": (block[1], False), "shape": (nbytes,), "typestr": "|u1",
-                                "version": 3}
+    """The numpy array interface of a block's first nbytes, made once per block and size (a few
+    sizes kept per block: requests of ever new sizes do not grow it)."""
+    cache = block[2]
+    if len(cache) >= 8:
+        cache.clear()
+    iface = cache[nbytes] = {"data": (block[1], False), "shape": (nbytes,), "typestr": "|u1",
+                             "version": 3}
     return iface
