@@ -18,7 +18,11 @@ class Array:
     def __init__(self, buf, aval: ShapedArray, device, committed: bool = True):
         # committed: placed on its device on purpose (device_put, or computed from committed
         # Arrays); uncommitted Arrays (tnp.asarray, tnp.zeros, ...) follow the data they meet
-        self._buf, self.aval, self.device, self.committed = buf, aval, device, committed
+        # (one statement each: a four-way tuple assignment builds and unpacks a tuple per Array)
+        self._buf = buf
+        self.aval = aval
+        self.device = device
+        self.committed = committed
 
     shape = property(lambda self: self.aval.shape)
     dtype = property(lambda self: self.aval.dtype)

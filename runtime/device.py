@@ -121,6 +121,7 @@ class Executable:
         self.graph, self.device, self.program = graph, device, program
         self.in_avals = [v.aval for v in graph.invars]
         self.out_avals = [v.aval for v in graph.outvars]
+        self._run = getattr(program, "_run", program)  # a Program's __call__ is its _run: one frame less
 
     def __call__(self, leaves: Sequence) -> list[Array]:
         # every jitted call's hit path: an Array already here is its buffer, without a call
@@ -130,7 +131,7 @@ class Executable:
         for x, a in zip(leaves, self.in_avals):
             bufs.append(x._buf if type(x) is Array and x.device is dev else dev.buffer_of(x, a))
         result = []
-        for b, a in zip(self.program(bufs), self.out_avals):
+        for b, a in zip(self._run(bufs), self.out_avals):
             result.append(Array(b, a, dev))
         if config.debug_nans:
             check_nans(self.graph, [np.asarray(x) for x in leaves], result)

@@ -4,6 +4,7 @@ for the host CPU, linked with ORC LLJIT/JITLink and called via ctypes on a threa
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 
@@ -14,38 +15,7 @@ from ..base import Backend
 from . import gemm  # noqa: F401  (registers the GEMM candidates: the template and numpy's BLAS)
 from .compile import CompiledKernel, compile_kernel, compile_kernels, memory_cache_stats
 from . import tuning  # noqa: F401  (registers the CPU templates with the auto-tuner)
-
-ALIGN = 64
-
-
-def _raw_alloc(nbytes: int):
-    """An aligned block: (1-D uint8 view, its address); numpy frees it with the last reference."""
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    addr = raw.ctypes.data
-    off = (-addr) % ALIGN
-    return raw[off:off + nbytes], addr + off
-
-
-class _Owner:
-    """Owns one pool block while any view of its buffer lives, and hands it back to the pool
-    when the last view goes (or at an explicit free)."""
-    __slots__ = ("__array_interface__", "block", "pool")
-
-    def __init__(self, pool: PoolAllocator, block, nbytes: int):
-        self.block, self.pool = block, pool
-        self.__array_interface__ = {"data": (block[1], False), "shape": (nbytes,), "typestr": "|u1",
-                                    "version": 3}
-
-    def release(self):
-        block, self.block = self.block, None
-        if block is not None:
-            self.pool.free(block)
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown: the pool may be gone already
-            pass
+from .buffer import ALIGN, Owner, interface, raw_alloc
 
 
 class LLVMBackend(Backend):
@@ -53,7 +23,7 @@ class LLVMBackend(Backend):
     kind = "cpu"
 
     def __init__(self):
-        self.pool = PoolAllocator(_raw_alloc, lambda block: None, name="cpu")
+        self.pool = PoolAllocator(raw_alloc, lambda block: None, name="cpu")
         self._scratch = threading.local()
 
     def scratch(self, nbytes: int) -> np.ndarray:
@@ -62,7 +32,7 @@ class LLVMBackend(Backend):
         nothing per call. Outside the pool: a call holds it only while it runs."""
         buf = getattr(self._scratch, "buf", None)
         if buf is None or buf.nbytes < nbytes:
-            buf = self._scratch.buf = _raw_alloc(nbytes)[0]
+            buf = self._scratch.buf = raw_alloc(nbytes)[0]
         return buf
 
     def discover(self):
@@ -94,13 +64,19 @@ class LLVMBackend(Backend):
     def alloc(self, nbytes: int, device=None) -> np.ndarray:
         """A 64-byte aligned 1-D uint8 buffer of nbytes from the pool; it returns to the pool at
         free() or when the last view of it is gone."""
-        return np.asarray(_Owner(self.pool, self.pool.alloc(nbytes), int(nbytes)))
+        block = self.pool.alloc(nbytes)
+        o = Owner()  # (buffer.py; made here, not in a helper: every jitted call's outputs come here)
+        o.block, o.pool, o.addr, o.nbytes = block, self.pool, block[1], nbytes
+        o.__array_interface__ = block[2].get(nbytes) or interface(block, nbytes)
+        buf = np.asarray(o)
+        o.buffer = weakref.ref(buf)
+        return buf
 
     def free(self, buffer, device=None) -> None:
         """Give a buffer back to the pool now (the caller promises no view of it is used again).
         Buffers that did not come from alloc are left alone."""
         owner = buffer.base if isinstance(buffer, np.ndarray) else None
-        if isinstance(owner, _Owner):
+        if isinstance(owner, Owner):
             owner.release()
 
     def view(self, buf, offset: int, nbytes: int) -> np.ndarray:
