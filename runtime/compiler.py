@@ -282,6 +282,21 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
     tail = template[n_in:]  # the inputs took the first slots (_compile_front)
 
     # the hot path of every call: keep it lean
+    if not views and len(outs_spec) == 1:  # no temporaries, one output: most calls of small programs
+        ((out_slot, out_bytes),) = outs_spec
+
+        def run_one(buffers):
+            slots = [*buffers, *tail]
+            slots[out_slot] = buf = alloc(out_bytes, device)
+            try:
+                prof = profiler.active
+                for fn, gather in steps if prof is None else prof.steps(steps, launches, device):
+                    fn(gather(slots))
+            except BaseException:
+                free(buf, device)
+                raise
+            return [buf]
+
     def run(buffers):
         slots = [*buffers, *tail]
         outs = []
@@ -331,7 +346,8 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
         run_into.bind = bind
         return run_into
 
-    prog = Program(g, run, _Sources(b.sources), tuple(b.launches))
+    prog = Program(g, run_one if not views and len(outs_spec) == 1 else run, _Sources(b.sources),
+                   tuple(b.launches))
     prog.runner = runner
     prog.arena_bytes = arena_bytes if views else 0
     prog.plan = plan
