@@ -17,7 +17,7 @@ from tilefuse.runtime.config import config
 from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo, host_info
 from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
-from tilefuse.runtime.tiled import register_gemm, register_kernels
+from tilefuse.runtime.tiled import register_attention, register_gemm, register_kernels
 
 from ..base import Backend
 
@@ -367,4 +367,7 @@ def create() -> OpenCLBackend:
 
 # GEMM: the shared tile builder (ir/kernel/gemm.py), ahead of gemm_then_epilogue
 register_gemm("opencl", priority=20)
+# the shared FlashAttention where the OpenCL template (priority 10) does not apply, on devices with
+# a GPU schedule (16-bit inputs); PoCL's CPU devices keep the template (the tile form is 7x slower there)
+register_attention("opencl", priority=5)
 register_kernels("opencl")  # every kernel through the shared scheduler; the tuner searches its work-groups
