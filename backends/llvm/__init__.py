@@ -40,25 +40,24 @@ class LLVMBackend(Backend):
         llvm.check_jit_execution()  # OSError where executable memory is forbidden
         return [host_info()]
 
-    @staticmethod
-    def _info(device):
+    def info_of(self, device=None):
         return getattr(device, "info", None) or host_info()
 
     # -- kernels ---------------------------------------------------------------------------
     def compile_kernel(self, kernel, device=None, params=None) -> CompiledKernel:
         """One kernel with KernelParams `params` (default: compile.default_params)."""
-        return compile_kernel(kernel, self._info(device), params)
+        return compile_kernel(kernel, self.info_of(device), params)
 
     def compile_kernels(self, kernels, device=None) -> None:
         """A graph's kernels, built in parallel processes where no cache holds them."""
-        compile_kernels(kernels, self._info(device))
+        compile_kernels(kernels, self.info_of(device))
 
     tile_kernels = True
 
     def compile_tile(self, kernel, device=None):
         """A tile kernel printed as LLVM IR (tile.py), compiled through the caches, on the pool."""
         from .tile import compile_tile
-        return compile_tile(kernel, self._info(device))
+        return compile_tile(kernel, self.info_of(device))
 
     # -- memory ----------------------------------------------------------------------------
     def alloc(self, nbytes: int, device=None) -> np.ndarray:

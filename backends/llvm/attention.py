@@ -636,7 +636,7 @@ def build(kernel, device, backend, params: AttentionParams | None = None):
     if why:
         raise CompileError(f"attention parameters {p} cannot build {kernel.name}: {why}",
                            kernel=str(kernel))
-    info = backend._info(device)
+    info = backend.info_of(device)
     target = get_target(info)
     key = compile_cache.make_key(repr(sp), repr(p), target.fingerprint + ("attention", _DIGEST))
     fn_name = "tf_attn_" + key[:24]

@@ -677,7 +677,7 @@ class GemmKernel:
 
 def build_gemm(kernel, device, backend, params: GemmParams | None = None) -> GemmKernel:
     """Compile a dot_general kind kernel with the template (explicit params for the tuner)."""
-    info = backend._info(device)
+    info = backend.info_of(device)
     prob = gemm_problem(kernel)
     if prob is None:
         raise CompileError(f"kernel {kernel.name} is not a GEMM the template can read",

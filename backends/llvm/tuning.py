@@ -116,7 +116,7 @@ def gemm_key(kernel) -> tuple[str, str]:
 
 
 def gemm_build(kernel, device, backend, params: dict):
-    return build_gemm(kernel, device, backend, _gemm_params(params, backend._info(device)))
+    return build_gemm(kernel, device, backend, _gemm_params(params, backend.info_of(device)))
 
 
 tuner.register(tuner.Template("cpu_gemm", "generated_gemm", ("cpu",), gemm_space, gemm_default, gemm_build,
