@@ -195,7 +195,7 @@ def threshold():
         ck = be.compile_kernel(k)
         xs, ys = np.ones(n, np.float32), np.empty(n, np.float32)
         ptrs = (ctypes.c_void_p * 2)(xs.ctypes.data, ys.ctypes.data)
-        pool = C.get_pool(be._info(None).compute_units)
+        pool = C.get_pool(be.info_of(None).compute_units)
         bounds = C._chunks(n, pool.n, max(C.estimate_ns(k), 2 * C.PARALLEL_MIN_NS))  # as if parallel
         one = median_ms(lambda _: ck._fn(ptrs, 0, n), None, 200)[0] * 1e3
         launch = pool.launcher(ck._fn, bounds)
