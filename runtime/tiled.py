@@ -71,7 +71,16 @@ def _attention_kernels(kernel, device):
     """The FlashAttention tile kernels of a fused_attention (one) or fused_attention_bwd (three,
     run in order) kernel, or None where the builders do not apply: a feature axis that is not the
     last, empty operands, a backward in 16 bits (its row statistics wait in the result), no
-    schedule that fits, a kernel past the device's limits."""
+    schedule that fits, a kernel past the device's limits. Built once per device: the dispatcher
+    asks whether it applies, then builds."""
+    memo = kernel.meta.setdefault("tile_attention", {})
+    where = getattr(device, "name", device)
+    if where not in memo:
+        memo[where] = _attention_tiles(kernel, device)
+    return memo[where]
+
+
+def _attention_tiles(kernel, device):
     eqns = kernel.meta.get("eqns", ())
     if len(eqns) != 1 or eqns[0].prim not in (P.fused_attention, P.fused_attention_bwd):
         return None

@@ -15,7 +15,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes, primitives as P
 
-from .gemm import _add, _and, _ceil, _fp, _i, _lt, _min, _mul
+from .gemm import _add, _and, _ceil, _fp, _i, _lt, _min, _mul, _x
 from .ir import KExpr, binary, cast, const, select, unary
 from .lower import strides
 from .tile import Alloc, Barrier, If, Range, Store, TileKernel, tload, var
@@ -219,10 +219,6 @@ class _Tiles:
         t = _add(*(_mul(z, int(np.prod(sp.batch[i + 1:], dtype=np.int64))) for i, z in enumerate(self.zs))) \
             if self.zs else _i(0)
         return _add(_mul(t, sp.sq * 3), _mul(row, 3), which)
-
-
-def _x(v) -> KExpr:
-    return v if isinstance(v, KExpr) else _i(v)
 
 
 def build_forward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> TileKernel:
