@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 from llvmlite import ir
-from tilefuse.backends.llvm.irutil import counted_loop
+from tilefuse.backends.llvmir.irutil import counted_loop
 from tilefuse.backends.opencl.attention import tuning_key
 from tilefuse.ir.kernel.attention import Spec, spec_of
 from tilefuse.ir import primitives as P

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 from tilefuse.backends.llvm.gemm import GemmProblem, apply_epilogue, gemm_problem
-from tilefuse.backends.llvm.irutil import bf16_to_f32, counted_loop, f32_to_bf16
+from tilefuse.backends.llvmir.irutil import bf16_to_f32, counted_loop, f32_to_bf16
 from tilefuse.ir.errors import CompileError
 from tilefuse.runtime import tuner
 

@@ -1,6 +1,6 @@
 """Kernel IR → LLVM IR for NVPTX, and LLVM IR → PTX through llvmlite's NVPTX target.
 
-The CPU renderer (backends/llvm/render.py) does the expression rendering, the per-point fused
+The shared LLVM IR renderer (backends/llvmir/render.py) does the expression rendering, the per-point fused
 reduce loop and the conversions; this subclass changes only what differs on a GPU:
 - the signature: `ptx_kernel void f(ptr buf0, ptr buf1, ...)` (one pointer per buffer);
 - the parallel loop: point p = blockIdx.x·blockDim.x + threadIdx.x, stepping by
@@ -18,9 +18,9 @@ import llvmlite.binding as llvm
 import llvmlite.ir as ir
 import numpy as np
 
-from tilefuse.backends.llvm import vecmath
-from tilefuse.backends.llvm.render import TYPES, Renderer, is_float
-from tilefuse.backends.llvm.vecmath import F32, F64, I32, I64, Emit
+from tilefuse.backends.llvmir import vecmath
+from tilefuse.backends.llvmir.render import TYPES, Renderer, is_float
+from tilefuse.backends.llvmir.vecmath import F32, F64, I32, I64, Emit
 from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel.ir import SUM_BLOCK, Kernel
 from tilefuse.ir.kernel.schedule import ATOMIC

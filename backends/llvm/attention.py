@@ -33,10 +33,10 @@ from tilefuse.ir.kernel.attention import Spec, spec_of
 from tilefuse.ir.errors import CompileError
 from tilefuse.runtime import compile_cache, tuner
 
-from . import vecmath
-from .irutil import counted_loop
+from tilefuse.backends.llvmir import vecmath
+from tilefuse.backends.llvmir.irutil import counted_loop
 from .compile import code_digest, KernelFn, get_pool, get_target
-from .vecmath import F32, I32, I64, Emit
+from tilefuse.backends.llvmir.vecmath import F32, I32, I64, Emit
 
 LANES = 16  # float32 lanes of one AVX-512 register
 MAX_HEAD_DIM = 256  # the tiles live on the stack: ~0.6 MiB at this width with the default blocks

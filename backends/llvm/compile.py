@@ -29,7 +29,7 @@ from tilefuse.runtime.hardware import DeviceInfo
 from . import parallel
 from .buffer import Owner
 from .pool import get_pool
-from .render import INTERLEAVE, REDUCE_TILE, Renderer, render
+from tilefuse.backends.llvmir.render import INTERLEAVE, REDUCE_TILE, Renderer, render
 
 BACKEND_VERSION = "llvm-1"
 OPT_LEVEL = 3
@@ -74,13 +74,19 @@ def interchanges(kernel: Kernel) -> bool:
     return bool(kernel.reduce_shape) and Renderer(kernel, "k").interchange
 
 
+PRINTER_FILES = ("render.py", "vecmath.py", "irutil.py", "tile.py")  # in backends/llvmir
+
+
 def code_digest(*files: str) -> str:
-    """A hash of code generators (files of this folder or absolute paths, with the IR helpers
-    every generator uses), so that changed code never reuses old objects from the disk cache."""
+    """A hash of code generators (files of this folder, of the shared LLVM IR printer
+    backends/llvmir, or absolute paths; with the IR helpers every generator uses), so that changed
+    code never reuses old objects from the disk cache."""
     h = hashlib.sha256(BACKEND_VERSION.encode())
     here = os.path.dirname(os.path.abspath(__file__))
+    printer = os.path.join(os.path.dirname(here), "llvmir")
     for name in ("vecmath.py", "irutil.py", "compile.py") + files:
-        with open(os.path.join(here, name), "rb") as f:
+        folder = printer if name in PRINTER_FILES else here
+        with open(os.path.join(folder, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
 

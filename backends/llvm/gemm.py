@@ -35,10 +35,12 @@ from tilefuse.ir.kernel.matmul import matmul_layout
 from tilefuse.runtime import compile_cache, dispatch, tuner
 from tilefuse.runtime.hardware import DeviceInfo
 
-from . import blas, vecmath
-from .irutil import bf16_to_f32, counted_loop, f32_to_bf16, splat
+from tilefuse.backends.llvmir import vecmath
+
+from . import blas
+from tilefuse.backends.llvmir.irutil import bf16_to_f32, counted_loop, f32_to_bf16, splat
 from .compile import code_digest, KernelFn, get_pool, get_target
-from .render import emit_pointwise
+from tilefuse.backends.llvmir.render import emit_pointwise
 
 F32, I1, I16, I32, I64 = ir.FloatType(), ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 HALF = ir.HalfType()

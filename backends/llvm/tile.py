@@ -1,240 +1,25 @@
-"""Tile kernels (ir/kernel/tile.py) printed as LLVM IR for the host CPU, and run on the pool.
-
-The function is the backend's usual `void f(i8** buffers, i64 start, i64 end)`: it runs the grid
-points [start, end) (the grid Ranges flattened, the first outermost), so the thread pool splits a
-launch as it splits any kernel. Allocs are allocas in the entry block, made once per call:
-registers (unrolled code reads them at constant offsets, which SROA turns into SSA vectors) and
-scratch (a task's packed panel, on the stack). A CPU schedule has no work-items and no shared
-memory; lanes would run as serial loops, so a kernel with a barrier is refused. Expressions go
-through the kernel renderer's op tables (render.emit_pointwise's), over scalars or vectors."""
+"""Tile kernels on the host CPU: printed by backends/llvmir/tile.py, compiled through the caches,
+run over the thread pool."""
 from __future__ import annotations
 
 import ctypes
-import math
 
-import llvmlite.ir as ir
 import numpy as np
 
+from tilefuse.backends.llvmir.tile import print_tile, tasks
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.ir import INDEX, KExpr
-from tilefuse.ir.kernel.tile import Barrier, If, PrintedValues, Range, Store, TileKernel, lanes_of, pp_tile
+from tilefuse.ir.kernel.tile import TileKernel, pp_tile
+from tilefuse.runtime import compile_cache
 
-from .irutil import _like, counted_loop, splat
-from .render import (BF16, BINARY_OPS, BOOL, CMP, F16, I8, TYPES, UNARY_OPS, _constant, _Ops, convert,
-                     is_float, is_unsigned)
-from .vecmath import I64
+from .compile import KernelFn, code_digest, get_target
+from .pool import get_pool
 
-I8P = ir.IntType(8).as_pointer()
-FN_T = ir.FunctionType(ir.VoidType(), [I8P.as_pointer(), I64, I64])
-CONTRACT = ("contract",)
-
-
-def _i(v: int):
-    return ir.Constant(I64, v)
-
-
-class _Printer(PrintedValues):
-    def __init__(self, k: TileKernel, fn_name: str):
-        self.k = k
-        if any(isinstance(s, Barrier) for s in _walk(k.body)) or \
-                any(a.scope == "shared" for a in k.allocs()):
-            raise CompileError(f"{k.name}: the CPU runs work-groups of one work-item (no barriers, no "
-                               "shared memory); schedule it for a CPU target", backend="llvm", kernel=str(k))
-        self.mod = ir.Module(name=fn_name)
-        self.fn = ir.Function(self.mod, FN_T, name=fn_name)
-        self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
-        self.ops = _Ops(self.b)
-        self.width: dict = {}
-        self.memo: list[dict] = [{}]
-        self.env: dict = {}  # variable name -> i64 value (unrolled: a constant)
-        self.ptrs: dict = {}  # target -> (pointer to elements, storage dtype)
-
-    # -- types --------------------------------------------------------------------------------
-    def lanes(self, n: KExpr) -> int:
-        return lanes_of(n, self.width)
-
-    def vt(self, d, w: int):
-        t = TYPES[np.dtype(d)][0]
-        return t if w == 1 else ir.VectorType(t, w)
-
-    # -- memory -------------------------------------------------------------------------------
-    def pointer(self, target):
-        return self.ptrs[target]
-
-    def elem_ptr(self, target, off, w: int):
-        base, sd = self.pointer(target)
-        p = self.b.gep(base, [off], inbounds=True)
-        if w == 1:
-            return p, sd
-        return self.b.bitcast(p, ir.VectorType(TYPES[sd][1], w).as_pointer()), sd
-
-    def load(self, target, off, d, w: int):
-        """Values in their dtype's register type (as render.TYPES: bfloat16 as its bits, half,
-        i1); a cast node widens 16-bit floats where the expression says so."""
-        p, sd = self.elem_ptr(target, off, w)
-        raw = self.b.load(p, align=sd.itemsize)
-        return self.b.icmp_unsigned("!=", raw, splat(raw.type, 0)) if sd == BOOL else raw
-
-    def store(self, target, off, v, w: int) -> None:
-        p, sd = self.elem_ptr(target, off, w)
-        if sd == BOOL:
-            v = self.b.zext(v, _like(v, I8))
-        self.b.store(v, p, align=sd.itemsize)
-
-    # -- expressions ----------------------------------------------------------------------------
-    def val(self, n: KExpr, w: int | None = None):
-        """n's value; a scalar is splatted when a vector of width w is wanted."""
-        v = self._val(n)
-        if w is not None and w > 1 and not isinstance(v.type, ir.VectorType):
-            v = self.splat(v, w)
-        return v
-
-    def splat(self, x, w: int):
-        vt = ir.VectorType(x.type, w)
-        v = self.b.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
-        return self.b.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
-                                     ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w))
-
-    def _val(self, n: KExpr):
-        if n.op == "var":
-            return self.env[n.arg]
-        got = self.lookup(n)
-        if got is not None:
-            return got
-        v = self.expr(n)
-        self.memo[-1][n] = v
-        return v
-
-    def expr(self, n: KExpr):
-        op, d, b = n.op, np.dtype(n.dtype), self.b
-        w = self.lanes(n)
-        if op == "const":
-            return _constant(n.arg, d)
-        if op in ("load", "vload"):
-            target, lanes = (n.arg, 1) if op == "load" else n.arg
-            return self.load(target, self._val(n.src[0]), d, lanes)
-        if op == "broadcast":
-            return self.splat(self._val(n.src[0]), w)
-        if op in ("hsum", "hmax", "hmin"):
-            x = self._val(n.src[0])
-            parts = [b.extract_element(x, ir.Constant(ir.IntType(32), i)) for i in range(x.type.count)]
-            bop = {"hsum": "add", "hmax": "max", "hmin": "min"}[op]
-            while len(parts) > 1:  # a tree: pairwise sums
-                parts = [self.arith(bop, d, parts[i:i + 2]) if i + 1 < len(parts) else parts[i]
-                         for i in range(0, len(parts), 2)]
-            return parts[0]
-        xs = [self.val(s, w) for s in n.src]
-        if op == "select":
-            return b.select(*xs)
-        if op == "cast":
-            return convert(b, xs[0], n.src[0].dtype, d)
-        sd = np.dtype(n.src[0].dtype)
-        if sd in (F16, BF16):  # 16-bit values compute in float32, as in kernels
-            f32 = np.dtype(np.float32)
-            r = self.arith(op, f32, [convert(b, x, sd, f32) for x in xs])
-            return r if d == BOOL else convert(b, r, f32, d)
-        return self.arith(op, sd, xs)
-
-    def arith(self, op: str, sd, xs):
-        """An elementwise op on operands of dtype sd (scalars or vectors of one width)."""
-        b = self.b
-        if op in UNARY_OPS:
-            return UNARY_OPS[op](self.ops, sd, xs[0])
-        x, y = xs
-        if op in CMP:
-            if is_float(sd):
-                return b.fcmp_unordered("!=", x, y) if op == "ne" else b.fcmp_ordered(CMP[op], x, y)
-            return (b.icmp_unsigned if is_unsigned(sd) else b.icmp_signed)(CMP[op], x, y)
-        kind = "f" if is_float(sd) else "b" if sd == BOOL else "u" if is_unsigned(sd) else "i"
-        return BINARY_OPS[op](self.ops, kind, x, y)
-
-    # -- statements -----------------------------------------------------------------------------
-    def block(self, body) -> None:
-        self.memo.append({})
-        for s in body:
-            if isinstance(s, Range):
-                if s.kind == "unroll":
-                    for i in range(int(s.extent)):
-                        self.env[s.var] = _i(i)
-                        self.block(s.body)
-                    continue
-                hi = self._val(s.extent) if isinstance(s.extent, KExpr) else _i(int(s.extent))
-
-                def body_fn(i, _, s=s):
-                    self.env[s.var] = i
-                    self.block(s.body)
-                counted_loop(self.b, _i(0), hi, body_fn, name=s.var)
-            elif isinstance(s, Store):
-                w = self.lanes(s.value)
-                self.store(s.target, self._val(s.offset), self.val(s.value, w), w)
-                self.forget(s.target)
-            elif isinstance(s, If):
-                with self.b.if_then(self._val(s.cond)):
-                    self.block(s.body)
-            # Allocs are made in the entry block (print); Barriers are refused
-        self.memo.pop()
-
-    def print(self) -> str:
-        k, b = self.k, self.b
-        ptrs = self.fn.args[0]
-        for i, buf in enumerate(k.buffers):
-            mt = TYPES[np.dtype(buf.dtype)][1]
-            raw = b.load(b.gep(ptrs, [_i(i)]))
-            self.ptrs[i] = (b.bitcast(raw, mt.as_pointer()), np.dtype(buf.dtype))
-        for a in k.allocs():
-            mt = TYPES[np.dtype(a.dtype)][1]
-            arr = b.alloca(ir.ArrayType(mt, a.size), name=a.name)
-            arr.align = 64
-            self.ptrs[a.name] = (b.bitcast(arr, mt.as_pointer()), np.dtype(a.dtype))
-        grid, lanes = k.grid(), k.lanes()
-        start, end = self.fn.args[1], self.fn.args[2]
-
-        def task(t, _):
-            rest = t
-            for r in reversed(grid):  # the last grid Range varies fastest
-                self.env[r.var] = b.srem(rest, _i(int(r.extent)))
-                rest = b.sdiv(rest, _i(int(r.extent)))
-            inner = k.inner()
-            for r in reversed(lanes):  # work-groups of one: lanes run one after another
-                inner = (Range(r.var, r.extent, "serial", inner),)
-            self.block(inner)
-        counted_loop(b, start, end, task, name="task")
-        b.ret_void()
-        return str(self.mod)
-
-
-def _walk(body):
-    for s in body:
-        yield s
-        if isinstance(s, (Range, If)):
-            yield from _walk(s.body)
-
-
-def tasks(k: TileKernel) -> int:
-    return math.prod(int(r.extent) for r in k.grid())
-
-
-def print_tile(k: TileKernel, fn_name: str) -> str:
-    """LLVM IR of a tile kernel: fn_name(i8** buffers, i64 start, i64 end) over grid points."""
-    try:
-        return _Printer(k, fn_name).print()
-    except (KeyError, AssertionError, TypeError, ValueError) as e:
-        raise CompileError(f"the llvm backend cannot print tile kernel {k.name}: {type(e).__name__}: {e}",
-                           backend="llvm", kernel=pp_tile(k)) from e
-
-
-__all__ = ["INDEX", "print_tile", "tasks"]
-
-
-# ---- compiling and running ----------------------------------------------------------------------
 
 class TileRun:
     """A tile kernel's machine code: run(buffers) runs its grid points, split over the pool's
     threads in contiguous chunks of tasks."""
 
     def __init__(self, k: TileKernel, fn_name: str, address: int, threads: int):
-        from .compile import KernelFn
-        from .pool import get_pool
         self.kernel, self.name, self.address = k, fn_name, address
         self._fn = KernelFn(address)
         self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in k.buffers]
@@ -269,12 +54,9 @@ class TileRun:
 
 def compile_tile(k: TileKernel, info) -> TileRun:
     """Print, compile (through the caches) and load a tile kernel for the host CPU."""
-    from tilefuse.runtime import compile_cache
-
-    from .compile import code_digest, get_target
     target = get_target(info)
     text = pp_tile(k).replace(k.name, "k", 1)  # equal code, one cache entry
-    key = compile_cache.make_key("tile", code_digest("tile.py", "render.py"), text, target.fingerprint)
+    key = compile_cache.make_key("tile", code_digest("tile.py", "render.py", __file__), text, target.fingerprint)
     fn_name = "tf_tile_" + key[:24]
     address = target.module(key, fn_name, lambda: print_tile(k, fn_name), f"tile kernel {k.name}")
     return TileRun(k, fn_name, address, info.compute_units)

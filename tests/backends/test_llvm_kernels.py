@@ -437,7 +437,7 @@ def test_math_is_vectorised():
     """The float32 functions compile to SIMD code with no calls (what makes them fast)."""
     import llvmlite.binding as llvm
 
-    from tilefuse.backends.llvm.render import render
+    from tilefuse.backends.llvmir.render import render
     t = get_target(host_info())
     v = K.load(0, K.idx(0), F32)
     e = v

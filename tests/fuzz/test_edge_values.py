@@ -3,7 +3,7 @@ primitive and reduction, on every device, against numpy.
 
 Special results must match exactly: NaN where numpy gives NaN, the same infinities, the sign of
 zero, denormal results kept (no flush to zero). Finite results of the approximated functions
-(the CPU's vector math in backends/llvm/vecmath.py, OpenCL's built-ins) are bounded in ulps
+(the CPU's vector math in backends/llvmir/vecmath.py, OpenCL's built-ins) are bounded in ulps
 against the float64 result rounded to float32: ULP_BOUND documents the bound per function; every
 other op is exact. One graph per test holds every op, so each device compiles once."""
 from __future__ import annotations
