@@ -29,7 +29,7 @@ from tilefuse.runtime.hardware import DeviceInfo
 from . import parallel
 from .buffer import Owner
 from .pool import get_pool
-from tilefuse.backends.llvmir.render import INTERLEAVE, REDUCE_TILE, Renderer, render
+from tilefuse.backends.llvmir.render import INTERLEAVE, REDUCE_TILE, Renderer, leading_free, leading_free_text, render
 
 BACKEND_VERSION = "llvm-1"
 OPT_LEVEL = 3
@@ -345,7 +345,8 @@ def cache_key(kernel: Kernel, params: KernelParams, target: Target) -> tuple[str
     """(cache key, symbol name) of a kernel's object code: equal code, one entry."""
     text = kernel.meta.get("llvm_canonical")  # computed once per kernel: a graph asks twice
     if text is None:
-        text = kernel.meta["llvm_canonical"] = str(canonical(kernel))
+        text = str(canonical(kernel))
+        text = kernel.meta["llvm_canonical"] = leading_free_text(kernel, text) if leading_free(kernel) else text
     key = compile_cache.make_key(f"{text}\n{params.code_key()}", target.fingerprint)
     return key, "tf_" + key[:24]
 

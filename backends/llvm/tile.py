@@ -6,9 +6,9 @@ import ctypes
 
 import numpy as np
 
-from tilefuse.backends.llvmir.tile import print_tile, tasks
+from tilefuse.backends.llvmir.tile import key_text, print_tile, tasks
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.tile import TileKernel, pp_tile
+from tilefuse.ir.kernel.tile import TileKernel
 from tilefuse.runtime import compile_cache
 
 from .compile import KernelFn, code_digest, get_target
@@ -55,7 +55,7 @@ class TileRun:
 def compile_tile(k: TileKernel, info) -> TileRun:
     """Print, compile (through the caches) and load a tile kernel for the host CPU."""
     target = get_target(info)
-    text = pp_tile(k).replace(k.name, "k", 1)  # equal code, one cache entry
+    text = key_text(k)  # equal code, one cache entry
     key = compile_cache.make_key("tile", code_digest("tile.py", "render.py", __file__), text, target.fingerprint)
     fn_name = "tf_tile_" + key[:24]
     address = target.module(key, fn_name, lambda: print_tile(k, fn_name), f"tile kernel {k.name}")

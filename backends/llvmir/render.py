@@ -94,6 +94,27 @@ def merge_axes(shape, kind: str, forms) -> Groups:
     return Groups(out, {a: g for g, (_, axes) in enumerate(out) for a in axes})
 
 
+def leading_free(kernel: Kernel) -> bool:
+    """Whether the code render() prints is the same for every extent (> 1) of the kernel's first
+    parallel axis, the others and the expression DAG equal: points arrive as [start, end) and the
+    first axis's counter is what remains of a point after the inner groups' sizes (no division by
+    its own extent), its stride in every index form is a product of inner extents, and the only
+    decision that reads it, interchanging a reduction (the innermost group's size), is part of the
+    key (leading_free_text). A new batch size then reuses compiled code."""
+    return len(kernel.shape) > 0 and kernel.shape[0] > 1
+
+
+def leading_free_text(kernel: Kernel, canonical_text: str) -> str:
+    """A leading_free kernel's cache text: its canonical text with the first extent and the buffer
+    sizes (which the code never reads) erased, and the interchange decision added."""
+    lines = canonical_text.split("\n")
+    dtypes = ", ".join(np.dtype(b.dtype).name for b in kernel.buffers)
+    rest = ("?",) + tuple(kernel.shape[1:])
+    head = [f"kernel k({dtypes}) inputs {kernel.n_inputs}", f"  parallel {rest}  reduce {tuple(kernel.reduce_shape)}"
+            f"  interchange {bool(kernel.reduce_shape) and Renderer(kernel, 'k').interchange}"]
+    return "\n".join(head + lines[2:])
+
+
 # ---- the renderer -----------------------------------------------------------------------------
 
 class Renderer:
@@ -205,6 +226,12 @@ class Renderer:
         if not groups:  # one point (all axes of size 1)
             with b.if_then(b.icmp_signed("<", start, end)):
                 self._point_scope()
+            return
+        if len(groups) == 1:  # one counter: the points themselves (no size in the code, see leading_free)
+            if self.interchange:
+                self._tiled(start, end)
+            else:
+                self._loop(start, end, "i", self._point_at, interleave=self.interleave)
             return
         n = groups[-1][0]
         row_lo = b.sdiv(start, c(n))

@@ -191,9 +191,11 @@ class _Printer(PrintedValues):
 
         def task(t, _):
             rest = t
-            for r in reversed(grid):  # the last grid Range varies fastest
+            for r in reversed(grid[1:]):  # the last grid Range varies fastest
                 self.env[r.var] = b.srem(rest, _i(int(r.extent)))
                 rest = b.sdiv(rest, _i(int(r.extent)))
+            if grid:  # what remains: the first grid Range's extent is not in the code (key_text)
+                self.env[grid[0].var] = rest
             inner = k.inner()
             for r in reversed(lanes):  # work-groups of one: lanes run one after another
                 inner = (Range(r.var, r.extent, "serial", inner),)
@@ -214,6 +216,19 @@ def tasks(k: TileKernel) -> int:
     return math.prod(int(r.extent) for r in k.grid())
 
 
+def key_text(k: TileKernel) -> str:
+    """The text that decides print_tile's code: the kernel without its name, its buffers' sizes
+    and its first grid Range's extent, none of which the printer reads (tasks arrive as
+    [start, end)), so a new batch size reuses compiled code."""
+    lines = pp_tile(k).split("\n")
+    lines[0] = "tile kernel (" + ", ".join(np.dtype(b.dtype).name for b in k.buffers) + f") inputs {k.n_inputs}"
+    grid = k.grid()
+    if grid:
+        assert lines[1] == f"  grid {grid[0].var} < {grid[0].extent}:", lines[1]
+        lines[1] = f"  grid {grid[0].var} < ?:"
+    return "\n".join(lines)
+
+
 def print_tile(k: TileKernel, fn_name: str) -> str:
     """LLVM IR of a tile kernel: fn_name(i8** buffers, i64 start, i64 end) over grid points."""
     try:
@@ -223,4 +238,4 @@ def print_tile(k: TileKernel, fn_name: str) -> str:
                            backend="llvm", kernel=pp_tile(k)) from e
 
 
-__all__ = ["INDEX", "print_tile", "tasks"]
+__all__ = ["INDEX", "key_text", "print_tile", "tasks"]
