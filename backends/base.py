@@ -30,6 +30,10 @@ class Backend:
         """DeviceInfo for each device present; raise DeviceError naming why none is."""
         raise NotImplementedError
 
+    def alloc(self, nbytes: int, device):
+        """An uninitialised device buffer of `nbytes` (from the backend's pool)."""
+        raise NotImplementedError
+
     def put(self, host: np.ndarray, device):
         raise NotImplementedError
 
@@ -70,6 +74,10 @@ class Backend:
     def _submits(self, f) -> bool:
         return self.submit is not None and isinstance(f, functools.partial) and f.func == self.submit
 
+    # A backend that runs eager operations itself (ref: numpy) sets apply_primitive(prim, params,
+    # buffers, device) -> output buffers; the others compile a one-operation graph.
+    apply_primitive = None
+
     def compile(self, graph: Graph, device):
         """The shared pipeline (runtime/compiler.py): passes, fusion, lowering, this backend's
         kernels, a planned arena; a backend that runs graphs otherwise (`ref`) replaces it."""
@@ -108,12 +116,22 @@ class Backend:
         """A tile-printing backend's kernel: scheduled (tile_of), then compile_tile."""
         return self.compile_tile(self.tile_of(kernel, device, sched), device)
 
+    def compile_kernels(self, kernels, device) -> None:
+        """Build many kernels at once where that is faster than one by one (one OpenCL program;
+        LLVM object code in worker processes); compile_kernel then finds them built."""
+
     def synchronize(self, device) -> None:
         pass
 
+    pool: PoolAllocator | None = None  # a backend with one caching pool sets it
+
     def memory_stats(self, device=None) -> dict:
-        pool = getattr(self, "pool", None)  # (a backend with one caching pool)
-        return pool.stats() if isinstance(pool, PoolAllocator) else {}
+        return self.pool.stats() if self.pool is not None else {}
+
+    def empty_cache(self, device=None) -> None:
+        """Hand the pool's cached (free) blocks back to the device."""
+        if self.pool is not None:
+            self.pool.empty_cache()
 
 
 class Program:

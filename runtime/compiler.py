@@ -239,13 +239,10 @@ def precompile(graphs, device) -> None:
 def _precompile(kernels: list[Kernel], device, backend) -> None:
     """Build, all at once, the kernels the dispatcher will give to the backend's own renderer:
     a backend that can build many faster than one by one (one OpenCL program for a graph; LLVM
-    object code in parallel processes) offers `compile_kernels`. add_kernel then finds them built."""
-    batch = getattr(backend, "compile_kernels", None)
-    if batch is None:
-        return
+    object code in parallel processes) in compile_kernels. add_kernel then finds them built."""
     mine = [k for k in kernels if dispatch.choose(k, device).build is dispatch.kernel_ir]
     if len(mine) > 1:
-        batch(mine, device)
+        backend.compile_kernels(mine, device)
 
 
 def _gather(args: tuple):
@@ -277,7 +274,7 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
     steps = [(fn, _gather(args)) for fn, args, _ in b.steps]
     launches = b.launches  # launches[i] describes steps[i] (for the profiler)
     arena_bytes = max(plan.arena_bytes, 1)
-    alloc, free, view = backend.alloc, backend.free, getattr(backend, "view", None)
+    alloc, free, view = backend.alloc, backend.free, backend.view
 
     tail = template[n_in:]  # the inputs took the first slots (_compile_front)
 

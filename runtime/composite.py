@@ -58,7 +58,7 @@ def run_graph(g, slot: dict, device, backend):
     # every intermediate lives through the whole call: the arena is their sum (aligned)
     plan = plan_buffers([Interval(s, n, 0, 0) for s, n in temps.items()])
     views = [(s, plan.offsets[s], n) for s, n in temps.items()]
-    alloc, free, view = backend.alloc, backend.free, getattr(backend, "view", None)
+    alloc, free, view = backend.alloc, backend.free, backend.view
 
     def run(buffers):
         slots = list(buffers) + [None] * len(temps)

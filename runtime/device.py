@@ -89,12 +89,7 @@ class Device:
 
     def empty_cache(self) -> None:
         """Hand the pool's cached (free) blocks back to the device."""
-        empty = getattr(self.backend, "empty_cache", None)
-        pool = getattr(self.backend, "pool", None)
-        if empty is not None:
-            empty(self)
-        elif hasattr(pool, "empty_cache"):  # a backend with one pool and no method of its own
-            pool.empty_cache()
+        self.backend.empty_cache(self)
 
     def buffer_of(self, x, aval: ShapedArray):
         """The device buffer for one argument leaf (moving it here if it is elsewhere)."""
@@ -299,7 +294,7 @@ def apply_primitive(prim, values, params) -> list:
 def _apply_primitive(prim, values, params) -> list:
     dev = resolve_device(None, values)
     avals = tuple(aval_of_value(v) for v in values)
-    backend_apply = getattr(dev.backend, "apply_primitive", None)
+    backend_apply = dev.backend.apply_primitive
     if backend_apply is not None:
         out_avals = prim.abstract_eval(*avals, **params)  # first: the shape rule names mistakes
         bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]

@@ -106,9 +106,6 @@ class LLVMBackend(Backend):
             return None
         return host.reshape(-1).view(np.uint8)
 
-    def empty_cache(self, device=None) -> None:
-        self.pool.empty_cache()
-
     def compile_stats(self) -> dict:
         from tilefuse.runtime import compile_cache
         return {**compile_cache.stats(), **memory_cache_stats()}

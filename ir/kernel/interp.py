@@ -185,6 +185,9 @@ class InterpBackend:
             run_kernel(kernel, [typed(b, kb.dtype, kb.size) for b, kb in zip(buffers, kernel.buffers)])
         return run
 
+    def compile_kernels(self, kernels, device) -> None:
+        pass  # each is interpreted when run
+
     def alloc(self, nbytes: int, device):
         self.allocations += 1
         self.live_bytes += nbytes
