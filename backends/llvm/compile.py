@@ -29,7 +29,7 @@ from tilefuse.runtime.hardware import DeviceInfo
 from . import parallel
 from .buffer import Owner
 from .pool import get_pool
-from tilefuse.backends.llvmir.render import INTERLEAVE, REDUCE_TILE, Renderer, leading_free, leading_free_text, render
+from tilefuse.backends.llvmir.render import INTERLEAVE, REDUCE_TILE, Renderer, cache_text, render
 
 BACKEND_VERSION = "llvm-1"
 OPT_LEVEL = 3
@@ -188,12 +188,6 @@ def get_target(info: DeviceInfo) -> Target:
     return t
 
 
-def canonical(kernel: Kernel) -> Kernel:
-    """The kernel with its name and buffer names erased: equal code gets one cache entry."""
-    bufs = tuple(dataclasses.replace(b, name=f"b{i}") for i, b in enumerate(kernel.buffers))
-    return dataclasses.replace(kernel, name="k", buffers=bufs)
-
-
 # ---- launching ----------------------------------------------------------------------------------
 
 KernelFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
@@ -328,7 +322,7 @@ def _chunks(size: int, threads: int, est_ns: float, per_thread: int = 4) -> list
 
 # ---- the entry point ------------------------------------------------------------------------------
 
-_memory: dict = {}  # canonical key → (fn_name, address)
+_memory: dict = {}  # cache key → (fn_name, address)
 _counts = {"memory_hits": 0}
 
 
@@ -343,10 +337,9 @@ def render_ir(kernel: Kernel, fn_name: str, params: KernelParams) -> str:
 
 def cache_key(kernel: Kernel, params: KernelParams, target: Target) -> tuple[str, str]:
     """(cache key, symbol name) of a kernel's object code: equal code, one entry."""
-    text = kernel.meta.get("llvm_canonical")  # computed once per kernel: a graph asks twice
+    text = kernel.meta.get("llvm_text")  # computed once per kernel: a graph asks twice
     if text is None:
-        text = str(canonical(kernel))
-        text = kernel.meta["llvm_canonical"] = leading_free_text(kernel, text) if leading_free(kernel) else text
+        text = kernel.meta["llvm_text"] = cache_text(kernel)
     key = compile_cache.make_key(f"{text}\n{params.code_key()}", target.fingerprint)
     return key, "tf_" + key[:24]
 
@@ -373,6 +366,8 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, params: KernelParams | None
     target = get_target(info)
     params = params or default_params(kernel, info)
     key, fn_name = cache_key(kernel, params, target)
+    if not kernel.size:  # nothing to run (and no code: its key may be an equal kernel's of any size)
+        return CompiledKernel(kernel, fn_name, 0, target, params)
     hit = _memory.get(key)
     if hit is None:
         with target.lock:
@@ -388,7 +383,7 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, params: KernelParams | None
                         obj = target.compile_ir(ir_text, fn_name, str(kernel))
                     return obj
                 address = target.cache.get_or_build(key, build, lambda obj: target.load(
-                    obj, fn_name, ir_text, str(kernel))) if kernel.size else 0
+                    obj, fn_name, ir_text, str(kernel)))
                 hit = _memory[key] = (fn_name, address)
     else:
         _counts["memory_hits"] += 1
@@ -400,5 +395,4 @@ def memory_cache_stats() -> dict:
     return {"kernels": len(_memory), **_counts}
 
 
-__all__ = ["compile_kernel", "CompiledKernel", "KernelParams", "default_params", "Target", "get_target",
-           "canonical"]
+__all__ = ["compile_kernel", "CompiledKernel", "KernelParams", "default_params", "Target", "get_target"]

@@ -94,25 +94,35 @@ def merge_axes(shape, kind: str, forms) -> Groups:
     return Groups(out, {a: g for g, (_, axes) in enumerate(out) for a in axes})
 
 
-def leading_free(kernel: Kernel) -> bool:
-    """Whether the code render() prints is the same for every extent (> 1) of the kernel's first
-    parallel axis, the others and the expression DAG equal: points arrive as [start, end) and the
-    first axis's counter is what remains of a point after the inner groups' sizes (no division by
-    its own extent), its stride in every index form is a product of inner extents, and the only
-    decision that reads it, interchanging a reduction (the innermost group's size), is part of the
-    key (leading_free_text). A new batch size then reuses compiled code."""
-    return len(kernel.shape) > 0 and kernel.shape[0] > 1
+def cache_text(kernel: Kernel) -> str:
+    """What render() reads of a kernel, as text: equal text, equal code (tests/backends/
+    test_shape_generic.py holds the renderer to it). Left out, because the code never reads them:
+    the name, buffer sizes, the first parallel group's extent (points arrive as [start, end); the
+    first counter is what remains of a point) and how axes make up a group (an index is printed as
+    the form over the groups' counters that _affine emits). So a new batch size, or a kernel over
+    (n, 128) beside one over (n, 384), reuses compiled code."""
+    r = Renderer(kernel, "k")
+    sizes = r.par.sizes
+    lines = ["k(" + ", ".join(np.dtype(b.dtype).name for b in kernel.buffers) + f") inputs {kernel.n_inputs}",
+             f"groups {len(sizes)} {sizes[1:]} reduce {tuple(kernel.reduce_shape)} {r.red.groups} "
+             f"interchange {r.interchange}"]
+    names: dict = {}
+    ridx_memo: dict = {}
 
-
-def leading_free_text(kernel: Kernel, canonical_text: str) -> str:
-    """A leading_free kernel's cache text: its canonical text with the first extent and the buffer
-    sizes (which the code never reads) erased, and the interchange decision added."""
-    lines = canonical_text.split("\n")
-    dtypes = ", ".join(np.dtype(b.dtype).name for b in kernel.buffers)
-    rest = ("?",) + tuple(kernel.shape[1:])
-    head = [f"kernel k({dtypes}) inputs {kernel.n_inputs}", f"  parallel {rest}  reduce {tuple(kernel.reduce_shape)}"
-            f"  interchange {bool(kernel.reduce_shape) and Renderer(kernel, 'k').interchange}"]
-    return "\n".join(head + lines[2:])
+    def name(n: KExpr) -> str:
+        if n in names:
+            return names[n]
+        f = r.forms.get(n)
+        if f is not None and any(k != "c" for k in f):
+            body = f"affine {f.get('c', 0)} {sorted(r.group_terms(f).items())} ridx {reads_ridx(n, ridx_memo)}"
+        else:
+            body = f"{n.op} {n.arg!r} " + " ".join(name(x) for x in n.src)
+        names[n] = f"%{len(names)}"
+        lines.append(f"{names[n]}:{np.dtype(n.dtype).name} = {body}")
+        return names[n]
+    for st in kernel.stores:
+        lines.append(f"store{st.mode} {st.buffer} {name(st.offset)} {name(st.value)}")
+    return "\n".join(lines)
 
 
 # ---- the renderer -----------------------------------------------------------------------------
@@ -593,10 +603,8 @@ class Renderer:
             return r if n.dtype == BOOL else self._convert(r, np.float32, d)
         return self._op(op, d, xs)
 
-    def _affine(self, f):
-        """c + Σ coefficient·counter over the loop groups (merged axes share a counter)."""
-        b = self.b
-        acc = ir.Constant(I64, f.get("c", 0))
+    def group_terms(self, f) -> dict:
+        """An affine form over the axes as {(kind, group): coefficient} over the loop groups."""
         terms = {}
         for key, coef in f.items():
             if key == "c" or coef == 0:
@@ -609,7 +617,13 @@ class Renderer:
             last = groups.groups[g][1][-1]
             coefs = terms.setdefault((kind, g), f.get((kind, last), 0))
             assert coefs == f.get((kind, last), 0)
-        for (kind, g), coef in terms.items():
+        return terms
+
+    def _affine(self, f):
+        """c + Σ coefficient·counter over the loop groups (merged axes share a counter)."""
+        b = self.b
+        acc = ir.Constant(I64, f.get("c", 0))
+        for (kind, g), coef in self.group_terms(f).items():
             v = self.env[(kind, g)]
             acc = b.add(acc, v if coef == 1 else b.mul(v, ir.Constant(I64, coef)))
         return acc
