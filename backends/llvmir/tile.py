@@ -9,7 +9,6 @@ memory; lanes would run as serial loops, so a kernel with a barrier is refused. 
 through the kernel renderer's op tables (render.emit_pointwise's), over scalars or vectors."""
 from __future__ import annotations
 
-import ctypes
 import math
 
 import llvmlite.ir as ir

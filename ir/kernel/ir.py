@@ -187,6 +187,42 @@ def as_expr(v, dtype) -> KExpr:
     return v if isinstance(v, KExpr) else const(v, dtype)
 
 
+# ---- index arithmetic (int64), constants folded ---------------------------------------------
+
+def ic(v: int) -> KExpr:
+    """An index (int64) constant."""
+    return const(int(v), INDEX)
+
+
+def is_const(a: KExpr, v=None) -> bool:
+    return a.op == "const" and (v is None or a.arg == v)
+
+
+def iadd(a: KExpr, b: KExpr) -> KExpr:
+    """Index arithmetic with constants folded (kernels stay small and readable)."""
+    if is_const(a) and is_const(b):
+        return ic(a.arg + b.arg)
+    if is_const(a, 0):
+        return b
+    if is_const(b, 0):
+        return a
+    return binary("add", a, b)
+
+
+def imul(a: KExpr, k: int) -> KExpr:
+    if k == 0:
+        return ic(0)
+    if k == 1:
+        return a
+    return ic(a.arg * k) if is_const(a) else binary("mul", a, ic(k))
+
+
+def idiv(a: KExpr, k: int) -> KExpr:
+    if k == 1:
+        return a
+    return ic(a.arg // k) if is_const(a) else binary("div", a, ic(k))
+
+
 def affine(strides, base: int = 0, reduce_strides=()) -> KExpr:
     """offset = base + Σ strides[k]·idx(k) + Σ reduce_strides[k]·ridx(k) (zero strides skipped)."""
     out = const(base, INDEX)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ir import INDEX, Buffer, KExpr, Kernel, affine_forms, binary, cast, const
+from .ir import INDEX, Buffer, KExpr, Kernel, affine_forms, binary, cast, ic
 from .schedule import divmod_index, substitute
 from .tile import Alloc, If, Range, Store, TileKernel, broadcast, lanes_of, tload, var, vload
 
@@ -31,9 +31,6 @@ class Part:
     ins: tuple   # per input buffer: a role
     outs: tuple  # per output buffer: a tuple of roles
 
-
-def _ic(v: int) -> KExpr:
-    return const(int(v), INDEX)
 
 
 def _bijective(off: KExpr, shape) -> bool:
@@ -111,22 +108,22 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
     units = N // W
     g, lane = var("g"), var("l")
     G = max(1, min(int(group), units))
-    u = binary("add", binary("mul", g, _ic(G)), lane) if G > 1 else g
+    u = binary("add", binary("mul", g, ic(G)), lane) if G > 1 else g
     I = divmod_index(u, (*shape[:-1], shape[-1] // W) if W > 1 else shape)
     if W > 1:
-        I[-1] = binary("mul", I[-1], _ic(W))
+        I[-1] = binary("mul", I[-1], ic(W))
     vector = (last, I[-1], W) if W > 1 else None
-    trow = binary("sub", _ic(length - 1), t) if reverse else t
+    trow = binary("sub", ic(length - 1), t) if reverse else t
     regs = {f"c{j}" for j in range(nc)}
     temps: dict = {}  # temp key -> its register's name and dtype
 
     def point_env(k: Kernel) -> dict:
-        at = I if k.size > 1 else [_ic(0)] * len(k.shape)
+        at = I if k.size > 1 else [ic(0)] * len(k.shape)
         return {T: trow, **{KExpr("idx", INDEX, (), a): at[a] for a in range(len(k.shape))}}
 
     def registers_at_zero(roots) -> dict:
         """A carry's register is read at its start (vload/load offsets said where the point is)."""
-        env = {n: KExpr(n.op, n.dtype, (_ic(0),), n.arg) for r in roots for n in r.toposort()
+        env = {n: KExpr(n.op, n.dtype, (ic(0),), n.arg) for r in roots for n in r.toposort()
                if n.op in ("load", "vload") and (n.arg[0] if n.op == "vload" else n.arg) in regs}
         return substitute(roots, env)
 
@@ -142,14 +139,14 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
             if role[0] == "const":
                 moved[ld] = tload(role[1], off, ld.dtype)
             elif role[0] == "x":
-                moved[ld] = tload(x_at + role[1], binary("add", binary("mul", T, _ic(rows[role[1]])), off), ld.dtype)
+                moved[ld] = tload(x_at + role[1], binary("add", binary("mul", T, ic(rows[role[1]])), off), ld.dtype)
             elif role[0] == "carry":
                 j = role[1]
                 if not uniform[j] and (k.size == 1 or off != own.get(j)):
                     return None  # another point's carry
-                moved[ld] = tload(f"c{j}", off if not uniform[j] else _ic(0), ld.dtype)
+                moved[ld] = tload(f"c{j}", off if not uniform[j] else ic(0), ld.dtype)
             elif role[0] == "temp" and role[1] in temps:
-                moved[ld] = tload(temps[role[1]][0], _ic(0), ld.dtype)
+                moved[ld] = tload(temps[role[1]][0], ic(0), ld.dtype)
             else:
                 return None
         moved = substitute(roots, moved)
@@ -165,17 +162,17 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
             wide = broadcast(val, W) if vec and lanes_of(val) == 1 else val
             for role in p.outs[st.buffer - k.n_inputs]:
                 if role[0] == "carry":
-                    out.append(Store(f"n{role[1]}", _ic(0), wide))
+                    out.append(Store(f"n{role[1]}", ic(0), wide))
                 elif role[0] == "y":
                     j = role[1]
-                    off = binary("add", binary("mul", T, _ic(yrows[j])), moved[st.offset])
+                    off = binary("add", binary("mul", T, ic(yrows[j])), moved[st.offset])
                     if vec and (affine_forms([off]).get(off) or {}).get(("idx", last.arg)) == 1:
                         out.append(Store(ys_at + j, substitute([off], {**env, last: I[-1]})[off], wide))
                     else:  # a scalar, or a scatter lane by lane
                         out.append(Store(ys_at + j, substitute([off], env, vec)[off], val))
                 elif role[0] == "temp":
                     reg = temps.setdefault(role[1], (f"v{len(temps)}", d))[0]
-                    out.append(Store(reg, _ic(0), val))
+                    out.append(Store(reg, ic(0), val))
                 else:
                     return None
         return out
@@ -188,21 +185,21 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
         body += got
 
     def at(j: int) -> KExpr:  # where a point's carry starts
-        return _ic(0) if uniform[j] else substitute([own[j]], point_env(big[0].kernel))[own[j]]
+        return ic(0) if uniform[j] else substitute([own[j]], point_env(big[0].kernel))[own[j]]
 
     def reg(j: int) -> KExpr:
-        return tload(f"c{j}", _ic(0), carries[j].dtype) if uniform[j] or W == 1 else \
-            vload(f"c{j}", _ic(0), carries[j].dtype, W)
+        return tload(f"c{j}", ic(0), carries[j].dtype) if uniform[j] or W == 1 else \
+            vload(f"c{j}", ic(0), carries[j].dtype, W)
 
     def glob(b: int, j: int) -> KExpr:
         return tload(b, at(j), carries[j].dtype) if uniform[j] or W == 1 else vload(b, at(j), carries[j].dtype, W)
-    body += [Store(f"c{j}", _ic(0), tload(f"n{j}", _ic(0), c.dtype) if uniform[j] or W == 1 else
-                   vload(f"n{j}", _ic(0), c.dtype, W)) for j, c in enumerate(carries)]
-    first = binary("eq", u, _ic(0))
+    body += [Store(f"c{j}", ic(0), tload(f"n{j}", ic(0), c.dtype) if uniform[j] or W == 1 else
+                   vload(f"n{j}", ic(0), c.dtype, W)) for j, c in enumerate(carries)]
+    first = binary("eq", u, ic(0))
     stmts: list = [Alloc(f"{r}{j}", np.dtype(c.dtype), 1 if uniform[j] else W, "register")
                    for j, c in enumerate(carries) for r in "cn"]
     stmts += [Alloc(reg, d, 1, "register") for reg, d in temps.values()]
-    stmts += [Store(f"c{j}", _ic(0), glob(nk + j, j)) for j in range(nc)]
+    stmts += [Store(f"c{j}", ic(0), glob(nk + j, j)) for j in range(nc)]
     stmts.append(Range("t", int(length), "serial", tuple(body)))
     final = [Store(X_at + j, at(j), reg(j)) for j in range(nc)]
     stmts += [s for j, s in enumerate(final) if not uniform[j]]
@@ -212,7 +209,7 @@ def loop_kernel(name: str, parts: list, consts: list, carries: list, xs: list, y
         stmts += [s for j, s in enumerate(final) if uniform[j]]
     inner = tuple(stmts)
     if G > 1:
-        inner = (If(binary("lt", u, _ic(units)), inner),)
+        inner = (If(binary("lt", u, ic(units)), inner),)
         tree = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         tree = (Range("g", units, "grid", inner),)

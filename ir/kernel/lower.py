@@ -21,8 +21,8 @@ import numpy as np
 from .. import dtypes
 from ..core import Literal, Var
 from ..errors import CompileError
-from .ir import (INDEX, Buffer, Kernel, KExpr, Store, binary, cast, const, idx, load, reads_ridx, reduce,
-                 ridx, select, unary)
+from .ir import (INDEX, Buffer, Kernel, KExpr, Store, binary, cast, const, iadd, ic, idiv, idx, imul, is_const,
+                 load, reads_ridx, reduce, ridx, select, unary)
 
 
 @dataclass(frozen=True)
@@ -34,42 +34,10 @@ class LoweredKernel:
 
 # ---- index arithmetic that folds constants (kernels stay small and readable) -----------------
 
-def _ic(v: int) -> KExpr:
-    return const(int(v), INDEX)
-
-
-def _is_const(a: KExpr, v=None) -> bool:
-    return a.op == "const" and (v is None or a.arg == v)
-
-
-def iadd(a: KExpr, b: KExpr) -> KExpr:
-    if _is_const(a) and _is_const(b):
-        return _ic(a.arg + b.arg)
-    if _is_const(a, 0):
-        return b
-    if _is_const(b, 0):
-        return a
-    return binary("add", a, b)
-
-
-def imul(a: KExpr, k: int) -> KExpr:
-    if k == 0:
-        return _ic(0)
-    if k == 1:
-        return a
-    return _ic(a.arg * k) if _is_const(a) else binary("mul", a, _ic(k))
-
-
-def idiv(a: KExpr, k: int) -> KExpr:
-    if k == 1:
-        return a
-    return _ic(a.arg // k) if _is_const(a) else binary("div", a, _ic(k))
-
-
 def imod(a: KExpr, k: int) -> KExpr:
     if k == 1:
-        return _ic(0)
-    return _ic(a.arg % k) if _is_const(a) else binary("rem", a, _ic(k))
+        return ic(0)
+    return ic(a.arg % k) if is_const(a) else binary("rem", a, ic(k))
 
 
 def strides(shape) -> list[int]:
@@ -82,7 +50,7 @@ def strides(shape) -> list[int]:
 
 def offset(index, shape) -> KExpr:
     """The row-major element offset of `index` in an array of `shape`."""
-    off = _ic(0)
+    off = ic(0)
     for i, s, n in zip(index, strides(shape), shape):
         if n != 1:
             off = iadd(off, imul(i, s))
@@ -94,10 +62,10 @@ def reshape_index(index, out_shape, in_shape) -> tuple:
     blocks of equal size, so adding or removing unit axes and merging or splitting axes only
     costs div/mod inside the block that changes."""
     if 0 in out_shape or 0 in in_shape:
-        return tuple(_ic(0) for _ in in_shape)
+        return tuple(ic(0) for _ in in_shape)
     outs = [k for k, n in enumerate(out_shape) if n != 1]
     ins = [k for k, n in enumerate(in_shape) if n != 1]
-    J = [_ic(0)] * len(in_shape)
+    J = [ic(0)] * len(in_shape)
     a = b = 0
     while a < len(outs):
         ob, ib = [outs[a]], [ins[b]]
@@ -281,7 +249,7 @@ def _integer_pow(b, e, I):
     acc, base = const(1, x.dtype), x
     while n:  # square and multiply
         if n & 1:
-            acc = base if _is_const(acc, 1) else binary("mul", acc, base)
+            acc = base if is_const(acc, 1) else binary("mul", acc, base)
         n >>= 1
         if n:
             base = binary("mul", base, base)
@@ -313,7 +281,7 @@ def _identity(b, e, I):
 @_rule("broadcast_in_dim")
 def _broadcast(b, e, I):
     x = e.inputs[0]
-    J = tuple(_ic(0) if x.aval.shape[i] == 1 else I[d]
+    J = tuple(ic(0) if x.aval.shape[i] == 1 else I[d]
               for i, d in enumerate(e.params["broadcast_dimensions"]))
     return b.value(x, J)
 
@@ -329,7 +297,7 @@ def _transpose(b, e, I):
 
 @_rule("slice")
 def _slice(b, e, I):
-    J = tuple(iadd(_ic(s), imul(i, st)) for i, s, st in
+    J = tuple(iadd(ic(s), imul(i, st)) for i, s, st in
               zip(I, e.params["start_indices"], e.params["strides"]))
     return b.value(e.inputs[0], J)
 
@@ -337,7 +305,7 @@ def _slice(b, e, I):
 @_rule("rev")
 def _rev(b, e, I):
     x = e.inputs[0]
-    J = tuple(binary("sub", _ic(x.aval.shape[k] - 1), i) if k in e.params["dimensions"] else i
+    J = tuple(binary("sub", ic(x.aval.shape[k] - 1), i) if k in e.params["dimensions"] else i
               for k, i in enumerate(I))
     return b.value(x, J)
 
@@ -442,7 +410,7 @@ def _fused_gemm(b, e, I):
 def _clamped_index(b, indices, I, n: int) -> KExpr:
     """A gather/scatter index read at I, clamped into [0, n) as the primitive defines."""
     i = cast(b.value(indices, I), INDEX)
-    return binary("min", binary("max", i, _ic(0)), _ic(n - 1))
+    return binary("min", binary("max", i, ic(0)), ic(n - 1))
 
 
 @_rule("gather")
@@ -462,10 +430,10 @@ def _dynamic_starts(b, starts, shape, sizes) -> list[KExpr]:
     out = []
     for s, n, k in zip(starts, shape, sizes):
         if isinstance(s, Literal):
-            out.append(_ic(min(max(int(s.val), 0), n - k)))
+            out.append(ic(min(max(int(s.val), 0), n - k)))
         else:
             i = cast(b.value(s, ()), INDEX)
-            out.append(binary("min", binary("max", i, _ic(0)), _ic(n - k)))
+            out.append(binary("min", binary("max", i, ic(0)), ic(n - k)))
     return out
 
 
@@ -553,7 +521,7 @@ def _row_index(shape, space_shape, index):
     if [n for n in shape if n != 1] != [space_shape[k] for k in live]:
         return None
     it = iter(index[k] for k in live)
-    return tuple(_ic(0) if n == 1 else next(it) for n in shape)
+    return tuple(ic(0) if n == 1 else next(it) for n in shape)
 
 
 def _lower_rows(region) -> list[LoweredKernel]:
@@ -629,7 +597,7 @@ def _lower_concatenate(region) -> list[LoweredKernel]:
         if x.aval.size:
             b = _Builder(region.eqns[:-1])
             I = _idx_space(shape)
-            J = I[:d] + (iadd(I[d], _ic(start)),) + I[d + 1:]
+            J = I[:d] + (iadd(I[d], ic(start)),) + I[d + 1:]
             v = to_storage(b.value(x, I), out.aval.dtype)
             stores = [Store(len(b.inputs), offset(J, out.aval.shape), v)]
             kernels.append(b.kernel("concatenate", [out], shape, stores, "concatenate", region.eqns))
@@ -647,7 +615,7 @@ def _lower_pad(region) -> list[LoweredKernel]:
     if x.aval.size:
         b = _Builder(region.eqns[:-1])
         I = _idx_space(x.aval.shape)
-        J = tuple(iadd(_ic(lo), imul(i, it + 1)) for i, (lo, _, it) in zip(I, e.params["padding_config"]))
+        J = tuple(iadd(ic(lo), imul(i, it + 1)) for i, (lo, _, it) in zip(I, e.params["padding_config"]))
         v = to_storage(b.value(x, I), out.aval.dtype)
         stores = [Store(len(b.inputs), offset(J, out.aval.shape), v)]
         kernels.append(b.kernel("pad", [out], x.aval.shape, stores, "pad", region.eqns))

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ir import (INDEX, Kernel, KExpr, affine_forms, binary, cast, const, reduce_levels, row_stashes, select,
-                 unary)
+from .ir import (INDEX, Kernel, KExpr, affine_forms, binary, cast, const, iadd, ic, imul, reduce_levels,
+                 row_stashes, select, unary)
 from .ir import Store as KStore
 from .target import Target
 from .tile import (Alloc, Barrier, If, Range, Store, TileKernel, broadcast, hmax, hmin, hsum, iota, lanes_of, tload, var,
@@ -106,28 +106,13 @@ def _contiguous(k: Kernel, key: tuple) -> int:
     return sum(1 for n in nodes if n.op == "load" and (forms.get(n.src[0]) or {}).get(key) == 1)
 
 
-def _ic(v: int) -> KExpr:
-    return const(int(v), INDEX)
-
-
-def _add(a: KExpr, b: KExpr) -> KExpr:
-    if a.op == "const" and a.arg == 0:
-        return b
-    if b.op == "const" and b.arg == 0:
-        return a
-    return binary("add", a, b)
-
-
-def _mul(a: KExpr, k: int) -> KExpr:
-    return a if k == 1 else _ic(0) if k == 0 else binary("mul", a, _ic(k))
-
 
 def divmod_index(u: KExpr, shape) -> list:
     """Row-major indices of the flat number u over `shape`."""
     out, rest = [], u
     for n in reversed(shape):
-        out.append(_ic(0) if n == 1 else binary("rem", rest, _ic(n)))
-        rest = binary("div", rest, _ic(n)) if n != 1 else rest
+        out.append(ic(0) if n == 1 else binary("rem", rest, ic(n)))
+        rest = binary("div", rest, ic(n)) if n != 1 else rest
     return out[::-1]
 
 
@@ -172,8 +157,8 @@ def _fold_arg(op: str, vname: str, tail: str | None, d: np.dtype, W: int) -> tup
     iname = vname + "i"
     bv, bi = vname + "f", vname + "fi"
     stmts = [Alloc(bv, d, 1, "register"), Alloc(bi, np.dtype(INDEX), 1, "register"),
-             Store(bv, _ic(0), tload(vname, _ic(0), d)), Store(bi, _ic(0), tload(iname, _ic(0), INDEX))]
-    cur_v, cur_i = tload(bv, _ic(0), d), tload(bi, _ic(0), INDEX)
+             Store(bv, ic(0), tload(vname, ic(0), d)), Store(bi, ic(0), tload(iname, ic(0), INDEX))]
+    cur_v, cur_i = tload(bv, ic(0), d), tload(bi, ic(0), INDEX)
 
     def better(v, i, earlier: bool):
         gt = binary("gt" if op == "argmax" else "lt", v, cur_v)
@@ -184,13 +169,13 @@ def _fold_arg(op: str, vname: str, tail: str | None, d: np.dtype, W: int) -> tup
             if d.kind == "f":
                 tie = binary("or", tie, binary("and", binary("ne", v, v), binary("ne", cur_v, cur_v)))
             gt = binary("or", gt, binary("and", tie, binary("lt", i, cur_i)))
-        return binary("and", binary("ge", i, _ic(0)), gt)
+        return binary("and", binary("ge", i, ic(0)), gt)
     for lane in range(1, W):
-        v, i = tload(vname, _ic(lane), d), tload(iname, _ic(lane), INDEX)
-        stmts.append(If(better(v, i, True), (Store(bv, _ic(0), v), Store(bi, _ic(0), i))))
+        v, i = tload(vname, ic(lane), d), tload(iname, ic(lane), INDEX)
+        stmts.append(If(better(v, i, True), (Store(bv, ic(0), v), Store(bi, ic(0), i))))
     if tail:
-        v, i = tload(tail, _ic(0), d), tload(tail + "i", _ic(0), INDEX)
-        stmts.append(If(better(v, i, False), (Store(bv, _ic(0), v), Store(bi, _ic(0), i))))
+        v, i = tload(tail, ic(0), d), tload(tail + "i", ic(0), INDEX)
+        stmts.append(If(better(v, i, False), (Store(bv, ic(0), v), Store(bi, ic(0), i))))
     return stmts, cur_i
 
 
@@ -206,7 +191,7 @@ def _halve(op: str, d: np.dtype, name: str, at: KExpr, other: KExpr) -> tuple:
     if d.kind == "f":
         gt = binary("or", gt, binary("and", binary("ne", vb, vb), binary("eq", va, va)))
         tie = binary("or", tie, binary("and", binary("ne", vb, vb), binary("ne", va, va)))
-    take = binary("and", binary("ge", ib, _ic(0)), binary("or", binary("lt", ia, _ic(0)), binary(
+    take = binary("and", binary("ge", ib, ic(0)), binary("or", binary("lt", ia, ic(0)), binary(
         "or", gt, binary("and", tie, binary("lt", ib, ia)))))
     return (If(take, (Store(name, at, vb), Store(name + "i", at, ib))),)
 
@@ -264,12 +249,12 @@ class _Builder:
         d = np.dtype(r.src[0].dtype)
         name = f"acc{self.n_acc}"
         self.n_acc += 1
-        ld = (lambda n, t: tload(n, _ic(0), t)) if w == 1 else (lambda n, t: vload(n, _ic(0), t, w))
+        ld = (lambda n, t: tload(n, ic(0), t)) if w == 1 else (lambda n, t: vload(n, ic(0), t, w))
         acc = {"name": name, "w": w, "cur": ld(name, d),
-               "decl": [Alloc(name, d, w, "register"), Store(name, _ic(0), broadcast(const(_identity(r.arg, d), d), w))]}
+               "decl": [Alloc(name, d, w, "register"), Store(name, ic(0), broadcast(const(_identity(r.arg, d), d), w))]}
         acc["result"] = acc["cur"]
         if r.arg in ("argmax", "argmin"):
-            acc["decl"] += [Alloc(name + "i", np.dtype(INDEX), w, "register"), Store(name + "i", _ic(0), broadcast(_ic(-1), w)),
+            acc["decl"] += [Alloc(name + "i", np.dtype(INDEX), w, "register"), Store(name + "i", ic(0), broadcast(ic(-1), w)),
                             Alloc(name + "b", np.dtype(np.bool_), w, "register")]
             acc["idx"] = acc["result"] = ld(name + "i", INDEX)
             acc["took"] = ld(name + "b", np.bool_)
@@ -280,16 +265,16 @@ class _Builder:
         w, name, cur = acc["w"], acc["name"], acc["cur"]
         v = broadcast(v, w) if lanes_of(v) < w else v  # (a value the vector's steps share)
         if r.arg not in ("argmax", "argmin"):
-            return [Store(name, _ic(0), _combine(r.arg, cur, v))]
+            return [Store(name, ic(0), _combine(r.arg, cur, v))]
         d = np.dtype(r.src[0].dtype)
         ix = broadcast(ix, w) if lanes_of(ix) < w else ix
         better = binary("gt" if r.arg == "argmax" else "lt", v, cur)
         if d.kind == "f":  # a NaN is the extreme (numpy); the first one stays
             better = binary("or", better, binary("and", binary("ne", v, v), binary("eq", cur, cur)))
-        better = binary("or", binary("lt", acc["idx"], broadcast(_ic(0), w)), better)
+        better = binary("or", binary("lt", acc["idx"], broadcast(ic(0), w)), better)
         # decided once, before either accumulator changes
-        return [Store(name + "b", _ic(0), better), Store(name, _ic(0), select(acc["took"], v, cur)),
-                Store(name + "i", _ic(0), select(acc["took"], ix, acc["idx"]))]
+        return [Store(name + "b", ic(0), better), Store(name, ic(0), select(acc["took"], v, cur)),
+                Store(name + "i", ic(0), select(acc["took"], ix, acc["idx"]))]
 
     def _axis_reduction(self, reds: list, I_env: dict, W: int, stash=()) -> tuple[list, dict]:
         """The last reduction axis walked W steps at a time (vector accumulators, W > 1) in blocks of
@@ -335,12 +320,12 @@ class _Builder:
         rb, rv, rr, rt = var("rb"), var("rv"), var("rr"), var("rt")
         body = ()
         if nb:
-            body += (Range("rb", nb, "serial", (Range("rv", S, "serial", steps_at(_mul(_add(_mul(rb, S), rv), W))),)
+            body += (Range("rb", nb, "serial", (Range("rv", S, "serial", steps_at(imul(iadd(imul(rb, S), rv), W))),)
                            + flush),)
         if rem:
-            body += (Range("rr", rem, "serial", steps_at(_mul(_add(_ic(nb * S), rr), W))),)
+            body += (Range("rr", rem, "serial", steps_at(imul(iadd(ic(nb * S), rr), W))),)
         if tail:
-            e = {**env, axis: _add(_ic(steps * W), rt)}
+            e = {**env, axis: iadd(ic(steps * W), rt)}
             sl = []
             for r in reds:
                 b = substitute(list(r.src), e)
@@ -373,9 +358,9 @@ class _Builder:
         block's accumulator restarts at 0."""
         t, c, nxt = total
         y = binary("sub", partial, c["cur"])
-        return (Store(nxt["name"], _ic(0), binary("add", t["cur"], y)),
-                Store(c["name"], _ic(0), binary("sub", binary("sub", nxt["cur"], t["cur"]), y)),
-                Store(t["name"], _ic(0), nxt["cur"]), Store(acc["name"], _ic(0), broadcast(const(0, acc["cur"].dtype), W)))
+        return (Store(nxt["name"], ic(0), binary("add", t["cur"], y)),
+                Store(c["name"], ic(0), binary("sub", binary("sub", nxt["cur"], t["cur"]), y)),
+                Store(t["name"], ic(0), nxt["cur"]), Store(acc["name"], ic(0), broadcast(const(0, acc["cur"].dtype), W)))
 
     def _group_reduction(self, reds: list, I_env: dict, stash=()) -> tuple[list, dict]:
         """The work-group's G lanes reduce one point together: lane l takes the flat reduction
@@ -390,21 +375,21 @@ class _Builder:
         decls = [d for a in accs.values() for d in a["decl"]] + decls
 
         def steps_at(t: KExpr) -> tuple:
-            f = _add(_mul(t, G), lane)
+            f = iadd(imul(t, G), lane)
             env = {**I_env, **{KExpr("ridx", INDEX, (), a): i for a, i in enumerate(divmod_index(f, R))}}
             out = []
             for r in reds:
                 body = substitute(list(r.src), env)
                 out += self._update(r, accs[r], body[r.src[0]], body[r.src[1]] if len(r.src) > 1 else None)
-            return (If(binary("lt", f, _ic(n)), tuple(out) + tuple(self.store(st, env, None) for st in stash)),)
+            return (If(binary("lt", f, ic(n)), tuple(out) + tuple(self.store(st, env, None) for st in stash)),)
         rb, rv, rr = var("rb"), var("rv"), var("rr")
         body: list = []
         if nb:
             flush = tuple(st for r in totals for st in self._kahan(totals[r], accs[r]["cur"], accs[r], 1))
             body.append(Range("rb", nb, "serial", (Range("rv", LANE_BLOCK, "serial",
-                                                         steps_at(_add(_mul(rb, LANE_BLOCK), rv))),) + flush))
+                                                         steps_at(iadd(imul(rb, LANE_BLOCK), rv))),) + flush))
         if rem:
-            body.append(Range("rr", rem, "serial", steps_at(_add(_ic(nb * LANE_BLOCK), rr))))
+            body.append(Range("rr", rem, "serial", steps_at(iadd(ic(nb * LANE_BLOCK), rr))))
         tree, results, halve = [], {}, {}
         for r in reds:
             d, name = np.dtype(r.src[0].dtype), accs[r]["name"] + "s"
@@ -412,16 +397,16 @@ class _Builder:
             if r in totals:
                 v = binary("add", totals[r][0]["cur"], binary("sub", v, totals[r][1]["cur"]))
             tree += [Alloc(name, d, G, "shared"), Store(name, lane, v)]
-            results[r] = tload(name, _ic(0), d)
+            results[r] = tload(name, ic(0), d)
             if r.arg in ("argmax", "argmin"):
                 tree += [Alloc(name + "i", np.dtype(INDEX), G, "shared"), Store(name + "i", lane, accs[r]["idx"])]
-                results[r] = tload(name + "i", _ic(0), INDEX)
+                results[r] = tload(name + "i", ic(0), INDEX)
             halve[r] = (d, name)
         tree.append(Barrier())
         step = G // 2
         while step:
-            tree.append(If(binary("lt", lane, _ic(step)), tuple(
-                st for r in reds for st in _halve(r.arg, *halve[r], lane, _add(lane, _ic(step))))))
+            tree.append(If(binary("lt", lane, ic(step)), tuple(
+                st for r in reds for st in _halve(r.arg, *halve[r], lane, iadd(lane, ic(step))))))
             tree.append(Barrier())
             step //= 2
         return decls + body + tree, results
@@ -450,12 +435,12 @@ class _Builder:
         G = self.s.reduce_group
         if G > 1:  # lane 0 stores the point; the lanes store the row strided, as they reduced it
             if plain:
-                out.append(If(binary("eq", var("l"), _ic(0)), tuple(self.store(st, env, None) for st in plain)))
+                out.append(If(binary("eq", var("l"), ic(0)), tuple(self.store(st, env, None) for st in plain)))
             if row:
                 n, qt = math.prod(R), var("qt")
-                f = _add(_mul(qt, G), var("l"))
+                f = iadd(imul(qt, G), var("l"))
                 renv = {**env, **{KExpr("ridx", INDEX, (), a): i for a, i in enumerate(divmod_index(f, R))}}
-                out.append(Range("qt", -(-n // G), "serial", (If(binary("lt", f, _ic(n)), tuple(
+                out.append(Range("qt", -(-n // G), "serial", (If(binary("lt", f, ic(n)), tuple(
                     self.store(st, renv, None) for st in row)),)))
             return tuple(out)
         for st in plain:
@@ -468,9 +453,9 @@ class _Builder:
             if vector is None and W > 1 and R[last] >= W:  # the row walked W elements at a time
                 axis, qv, qt = KExpr("ridx", INDEX, (), last), var("qv"), var("qt")
                 nv, tail = R[last] // W, R[last] % W
-                body = (Range("qv", nv, "serial", tuple(self.store(st, renv, (axis, _mul(qv, W), W)) for st in row)),)
+                body = (Range("qv", nv, "serial", tuple(self.store(st, renv, (axis, imul(qv, W), W)) for st in row)),)
                 if tail:
-                    tenv = {**renv, axis: _add(_ic(nv * W), qt)}
+                    tenv = {**renv, axis: iadd(ic(nv * W), qt)}
                     body += (Range("qt", tail, "serial", tuple(self.store(st, tenv, None) for st in row)),)
                 outer = last
             else:
@@ -526,21 +511,21 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
         units = max(1, math.prod(shape))
     G = max(1, min(s.group, units))
     g, lane = var("g"), var("l")
-    u = _add(_mul(g, G), lane) if G > 1 else g
+    u = iadd(imul(g, G), lane) if G > 1 else g
     if W > 1:
-        outer = divmod_index(binary("div", u, _ic(per_row)), shape[:-1])
-        base = _mul(binary("rem", u, _ic(per_row)), W)
+        outer = divmod_index(binary("div", u, ic(per_row)), shape[:-1])
+        base = imul(binary("rem", u, ic(per_row)), W)
         axis = KExpr("idx", INDEX, (), len(shape) - 1)
-        whole = binary("le", _add(base, _ic(W)), _ic(last))
+        whole = binary("le", iadd(base, ic(W)), ic(last))
         vec_body = b.point(outer + [base], (axis, base, W))
         l_ = var("t")
-        tail = (Range("t", W, "unroll", (If(binary("lt", _add(base, l_), _ic(last)),
-                                            b.point(outer + [_add(base, l_)], None)),)),)
+        tail = (Range("t", W, "unroll", (If(binary("lt", iadd(base, l_), ic(last)),
+                                            b.point(outer + [iadd(base, l_)], None)),)),)
         inner = (If(whole, vec_body), If(unary("not", whole), tail))
     else:
         inner = b.point(divmod_index(u, shape), None)
     if G > 1:
-        inner = (If(binary("lt", u, _ic(units)), inner),)
+        inner = (If(binary("lt", u, ic(units)), inner),)
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         body = (Range("g", units, "grid", inner),)
@@ -557,7 +542,7 @@ def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
     units = -(-n // W)
     G = max(1, min(s.group, units))
     g, lane, u = var("g"), var("l"), var("u")
-    unit = _add(_mul(g, G), lane) if G > 1 else g
+    unit = iadd(imul(g, G), lane) if G > 1 else g
     rest = divmod_index(u, [shape[i] for i in others])
 
     def index(at_a):
@@ -568,18 +553,18 @@ def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
         return I
     count = max(1, math.prod(shape[i] for i in others))
     if W > 1:
-        base = _mul(unit, W)
+        base = imul(unit, W)
         axis = KExpr("idx", INDEX, (), a)
-        whole = binary("le", _add(base, _ic(W)), _ic(n))
+        whole = binary("le", iadd(base, ic(W)), ic(n))
         t = var("t")
-        tail = (Range("t", W, "unroll", (If(binary("lt", _add(base, t), _ic(n)),
-                                            b.point(index(_add(base, t)), None)),)),)
+        tail = (Range("t", W, "unroll", (If(binary("lt", iadd(base, t), ic(n)),
+                                            b.point(index(iadd(base, t)), None)),)),)
         inner = (Range("u", count, "serial", (If(whole, b.point(index(base), (axis, base, W))),
                                                If(unary("not", whole), tail))),)
     else:
         inner = (Range("u", count, "serial", b.point(index(unit), None)),)
     if G > 1:
-        inner = (If(binary("lt", unit, _ic(units)), inner),)
+        inner = (If(binary("lt", unit, ic(units)), inner),)
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         body = (Range("g", units, "grid", inner),)
