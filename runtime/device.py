@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import threading
 from collections import OrderedDict
 from typing import Sequence
@@ -18,18 +19,27 @@ from .config import config
 from .hardware import DeviceInfo
 
 # kind -> module that provides `create() -> Backend`, imported lazily, on first use: every
-# package in tilefuse/backends is a device kind named after it (the llvm package is the cpu),
-# found without importing it, so a new backend is a new package and nothing else.
+# package in tilefuse/backends that defines create() is a device kind named after it (the llvm
+# package is the cpu; llvmir, a printer two backends share, is none), found without importing
+# it, so a new backend is a new package and nothing else.
 def _backend_modules() -> dict:
     import pkgutil
 
     import tilefuse.backends as pkg
     found = {"cpu": "tilefuse.backends.llvm"}
     for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
-        if m.ispkg and m.name != "llvm":
+        if m.ispkg and m.name != "llvm" and _defines_create(os.path.join(m.module_finder.path, m.name)):
             found[m.name] = f"tilefuse.backends.{m.name}"
     found["ref"] = "tilefuse.backends.ref"
     return found
+
+
+def _defines_create(package: str) -> bool:
+    try:
+        with open(os.path.join(package, "__init__.py"), encoding="utf-8") as f:
+            return "\ndef create(" in f.read()
+    except OSError:
+        return False
 
 
 BACKEND_MODULES = _backend_modules()
