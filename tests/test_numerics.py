@@ -28,7 +28,8 @@ def test_sum_of_many_tenths(device, n):
         assert abs(y / (n * (2 * TENTH + 1) / 3) - 1) < 1e-5
 
 
-@pytest.mark.parametrize("shape,axis", [((3, 2_000_000), 1), ((2_000_000, 3), 0)])
+# 16 and 32 columns: a vector of columns per work-item on 16-wide devices (it summed in order: 1e-5 off)
+@pytest.mark.parametrize("shape,axis", [((3, 2_000_000), 1), ((2_000_000, 3), 0), ((250_000, 16), 0), ((125_000, 32), 0)])
 def test_long_row_and_column_sums(device, shape, axis):
     x = np.full(shape, 0.1, np.float32)
     got = np.asarray(tx.jit(lambda a: tnp.sum(a, axis=axis))(x), np.float64)

@@ -25,12 +25,41 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ir import (INDEX, Kernel, KExpr, affine_forms, binary, cast, const, iadd, ic, imul, reduce_levels,
-                 row_stashes, select, unary)
+from .ir import (
+    INDEX,
+    Kernel,
+    KExpr,
+    affine_forms,
+    binary,
+    cast,
+    const,
+    iadd,
+    ic,
+    imul,
+    reduce_levels,
+    row_stashes,
+    select,
+    unary,
+)
 from .ir import Store as KStore
 from .target import Target
-from .tile import (Alloc, Barrier, If, Range, Store, TileKernel, broadcast, hmax, hmin, hsum, iota, lanes_of, tload, var,
-                   vload)
+from .tile import (
+    Alloc,
+    Barrier,
+    If,
+    Range,
+    Store,
+    TileKernel,
+    broadcast,
+    hmax,
+    hmin,
+    hsum,
+    iota,
+    lanes_of,
+    tload,
+    var,
+    vload,
+)
 
 ATOMIC = ("int32", "uint32", "float32", "int64", "uint64", "float64")
 
@@ -230,17 +259,45 @@ class _Builder:
             return self._axis_reduction(reds, I_env, W, stash)
         env = dict(I_env)
         env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(len(R))})
-        decls, updates, results = [], [], {}
+        last = len(R) - 1
+        split = R[last] > 2 * BLOCK  # the last axis in blocks of BLOCK steps
+        if split:
+            rb, rv = var("rb"), var("rv")
+            env[KExpr("ridx", INDEX, (), last)] = iadd(imul(rb, BLOCK), rv)
+        decls, updates, results, accs = [], [], {}, {}
         for r in reds:
             body = substitute(list(r.src), env, vector)
-            acc = self._declare(r, lanes_of(body[r.src[0]]))
+            acc = accs[r] = self._declare(r, lanes_of(body[r.src[0]]))
             decls += acc["decl"]
             updates += self._update(r, acc, body[r.src[0]], body[r.src[1]] if len(r.src) > 1 else None)
             results[r] = acc["result"]
         updates += [self.store(st, env, vector) for st in stash]
+        # float sums longer than 2 BLOCK flushed into a total after each block of at most BLOCK
+        # steps (blocked summation, as _axis_reduction): a block is the last axis's split, or the
+        # innermost axes that fit in one
+        totals = {r: tuple(self._declare(r, accs[r]["w"]) for _ in range(3)) for r in reds
+                  if r.arg == "sum" and r.dtype.kind == "f" and math.prod(R) > 2 * BLOCK}
+        decls += [d for x in totals.values() for acc in x for d in acc["decl"]]
+        flush = tuple(st for r in totals for st in self._kahan(totals[r], accs[r]["cur"], accs[r], accs[r]["w"]))
+        flush_at = last if split else min(a for a in range(len(R)) if math.prod(R[a + 1:]) <= BLOCK)
         loops = tuple(updates)
         for a in reversed(range(len(R))):
+            if a == last and split:
+                loops = (Range("rb", R[a] // BLOCK, "serial", (Range("rv", BLOCK, "serial", loops),) + flush),)
+                if R[a] % BLOCK:
+                    tail = {**env, KExpr("ridx", INDEX, (), last): iadd(ic(R[a] // BLOCK * BLOCK), var("rt"))}
+                    steps = []
+                    for r in reds:
+                        b = substitute(list(r.src), tail, vector)
+                        steps += self._update(r, accs[r], b[r.src[0]], b[r.src[1]] if len(r.src) > 1 else None)
+                    steps += [self.store(st, tail, vector) for st in stash]
+                    loops += (Range("rt", R[a] % BLOCK, "serial", tuple(steps)),)
+                continue
+            if a == flush_at and totals:
+                loops += flush
             loops = (Range(f"r{a}", R[a], "serial", loops),)
+        for r, (t, c, _) in totals.items():
+            results[r] = binary("add", t["cur"], binary("sub", accs[r]["cur"], c["cur"]))
         return decls + list(loops), results
 
     def _declare(self, r: KExpr, w: int) -> dict:
