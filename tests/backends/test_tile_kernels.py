@@ -92,7 +92,8 @@ def test_group_reductions_match_the_reference(device, case, group):
     got = device.backend.to_host(bufs[1], ShapedArray((out.size,), out.dtype), device)
     want = np.asarray(f(x.astype(np.float64)) if case != "softmax rows" else
                       np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
-    np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-5, atol=1e-6, err_msg=f"{case}, groups of {group}")
+    # atol: float32 rounding of outputs near 0 whose inputs are near 1 (4-wide vectors: 1.2e-6)
+    np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-5, atol=2e-6, err_msg=f"{case}, groups of {group}")
 
 
 # ---- FlashAttention's tile kernels (ir/kernel/attention.py) on every printer with shared memory --
