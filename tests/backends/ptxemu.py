@@ -1,11 +1,12 @@
-"""A small PTX interpreter for the CUDA GEMM template's kernels, so that their numbers are checked
-where no GPU is (tests/backends/test_cuda_gemm.py). It covers the instructions the template emits;
+"""A small PTX interpreter for the CUDA backend's kernels, so that their numbers are checked where no
+GPU is (tests/backends/test_cuda_*.py). It covers the instructions those kernels emit;
 threads run one by one between barriers, and warp collectives (ldmatrix, mma.sync) run for the
 whole warp at once, with the lane layouts the PTX ISA gives for the m16n8k16 fragments. Slow (a
 Python loop per instruction): small problems only."""
 import re
 import struct
 
+import ml_dtypes
 import numpy as np
 
 M = {8: 0xFF, 16: 0xFFFF, 32: 0xFFFFFFFF, 64: 0xFFFFFFFFFFFFFFFF}
@@ -17,6 +18,17 @@ def f32(bits):
 
 def b32(x):
     return struct.unpack("<I", struct.pack("<f", np.float32(x)))[0]
+
+
+def f64(bits):
+    return struct.unpack("<d", struct.pack("<Q", bits & M[64]))[0]
+
+
+def b64(x):
+    return struct.unpack("<Q", struct.pack("<d", np.float64(x)))[0]
+
+
+FLOAT = {"f32": (f32, b32, np.float32), "f64": (f64, b64, np.float64)}  # bits -> value, value -> bits
 
 
 def f16v(bits):
@@ -206,6 +218,20 @@ class Emu:
                 w = width(ty)
                 self.store(space, a, w // 8, self.val(t, ops[1], w))
             return
+        if head in ("red", "atom"):  # red/atom.global.add.T [a], v (atom also returns the old value)
+            a = self.addr(t, ops[-2])
+            nb = width(ty) // 8
+            old = self.load(parts[1], a, nb)
+            v = self.val(t, ops[-1], width(ty))
+            if ty in FLOAT:
+                get, put, np_t = FLOAT[ty]
+                new = put(np_t(get(old)) + np_t(get(v)))
+            else:
+                new = old + v
+            self.store(parts[1], a, nb, new)
+            if head == "atom":
+                R[ops[0]] = old
+            return
         if head == "cvta":
             R[ops[0]] = self.val(t, ops[1])
             return
@@ -230,8 +256,8 @@ class Emu:
             cmp, ct = parts[1], parts[2]
             cw = width(ct)
             a, b = self.val(t, ops[1], cw), self.val(t, ops[2], cw)
-            if ct == "f32":
-                a, b = f32(a), f32(b)
+            if ct in FLOAT:
+                a, b = FLOAT[ct][0](a), FLOAT[ct][0](b)
                 if cmp in ("nan", "num"):  # unordered (either is NaN), ordered (neither)
                     R[ops[0]] = int((a != a or b != b) == (cmp == "nan"))
                     return
@@ -251,9 +277,9 @@ class Emu:
             b = t.regs[ops[2]]
             R[ops[0]] = {"and": a & b, "or": a | b, "xor": a ^ b}[head]
             return
-        if ty == "f32" and head not in ("cvt",):
-            x = [f32(V(i)) for i in range(1, len(ops))]
-            x = [np.float32(v) for v in x]
+        if ty in FLOAT and head not in ("cvt",):
+            get, put, np_t = FLOAT[ty]
+            x = [np_t(get(V(i))) for i in range(1, len(ops))]
             if head == "add":
                 r = x[0] + x[1]
             elif head == "sub":
@@ -261,11 +287,15 @@ class Emu:
             elif head == "mul":
                 r = x[0] * x[1]
             elif head == "fma":
-                r = np.float32(np.float64(x[0]) * np.float64(x[1]) + np.float64(x[2]))
+                r = np_t(np.longdouble(x[0]) * np.longdouble(x[1]) + np.longdouble(x[2]))
             elif head == "div":
                 r = x[0] / x[1]
             elif head == "rcp":
-                r = np.float32(1) / x[0]
+                r = np_t(1) / x[0]
+            elif head == "sqrt":
+                r = np.sqrt(x[0])
+            elif head == "rsqrt":
+                r = np_t(1) / np.sqrt(x[0])
             elif head == "abs":
                 r = abs(x[0])
             elif head == "neg":
@@ -277,27 +307,41 @@ class Emu:
             elif head == "copysign":  # sign of a onto b
                 r = np.copysign(x[1], x[0])
             elif head == "ex2":
-                r = np.float32(2.0 ** float(x[0]))
+                r = np_t(2.0 ** float(x[0]))
+            elif head == "lg2":
+                r = np_t(np.log2(float(x[0]))) if x[0] > 0 else np_t(-np.inf if x[0] == 0 else np.nan)
+            elif head == "testp":  # testp.finite / .infinite / .nan / .notanumber / .number
+                v = float(x[0])
+                R[ops[0]] = int({"finite": np.isfinite(v), "infinite": np.isinf(v), "nan": np.isnan(v),
+                                 "notanumber": np.isnan(v), "number": not np.isnan(v)}[parts[1]])
+                return
             else:
                 raise NotImplementedError(op)
-            R[ops[0]] = b32(r)
+            R[ops[0]] = put(r)
             return
         if head == "cvt":
             dt, st = [p for p in parts[1:] if p not in ("rn", "rni", "rzi", "rmi", "rpi", "rz", "sat", "ftz")][:2]
             x = self.val(t, ops[1], width(st))
-            if st == "f32" and dt == "f32":
-                v = f32(x)
+            if st == dt and st in FLOAT:
+                v = FLOAT[st][0](x)
                 rnd = np.rint if "rni" in parts else np.floor if "rmi" in parts else np.ceil if "rpi" in parts \
                     else np.trunc
-                R[ops[0]] = b32(rnd(v))
-            elif dt == "f32" and st[0] in "su":
-                R[ops[0]] = b32(np.float32(sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]))
+                R[ops[0]] = FLOAT[dt][1](rnd(v))
+            elif st in FLOAT and dt in FLOAT:
+                R[ops[0]] = FLOAT[dt][1](FLOAT[dt][2](FLOAT[st][0](x)))
+            elif dt in FLOAT and st[0] in "su":
+                R[ops[0]] = FLOAT[dt][1](FLOAT[dt][2](sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]))
             elif st == "f16" and dt == "f32":
                 R[ops[0]] = b32(f16v(x))
+            elif st == "bf16" and dt == "f32":
+                R[ops[0]] = (x & 0xFFFF) << 16
             elif st == "f32" and dt == "f16":
                 R[ops[0]] = b16f(np.float32(f32(x)))
-            elif st == "f32" and dt[0] in "su":
-                v = int(np.trunc(f32(x)))
+            elif st == "f32" and dt == "bf16":
+                R[ops[0]] = int(np.array([f32(x)], np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)[0])
+            elif st in FLOAT and dt[0] in "su":
+                v = FLOAT[st][0](x)
+                v = 0 if v != v else int(np.trunc(v)) if abs(v) < 2.0 ** 64 else 0
                 R[ops[0]] = v & M[width(dt)]
             else:  # integer conversions
                 v = sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]
@@ -401,7 +445,7 @@ class Emu:
 
 
 def run(ptx, buffers, grid, block):
-    """buffers: numpy arrays (inputs then output); returns the output array."""
+    """buffers: numpy arrays (inputs then outputs), written back in place; returns the last."""
     k = Kernel(ptx)
     addrs, total = [], 4096
     for b in buffers:
@@ -411,7 +455,9 @@ def run(ptx, buffers, grid, block):
     for a, b in zip(addrs, buffers):
         g[a:a + b.nbytes] = np.frombuffer(np.ascontiguousarray(b).tobytes(), np.uint8)
     emu = Emu(k, g, dict(zip(k.params, addrs)))
-    for c in range(grid):
-        emu.run_block(c, block, grid)
-    out = buffers[-1]
-    return np.frombuffer(g[addrs[-1]:addrs[-1] + out.nbytes].tobytes(), out.dtype).reshape(out.shape)
+    with np.errstate(all="ignore"):  # IEEE results (inf, NaN) as the GPU gives them
+        for c in range(grid):
+            emu.run_block(c, block, grid)
+    for a, b in zip(addrs, buffers):
+        b[...] = np.frombuffer(g[a:a + b.nbytes].tobytes(), b.dtype).reshape(b.shape)
+    return buffers[-1]

@@ -18,7 +18,7 @@ import tilefuse as tx
 import tilefuse.numpy as tnp
 from tilefuse import lax
 from tilefuse.backends import cuda
-from tilefuse.backends.cuda import device_info, launch_config, offline_device, ptx_for, sm_target
+from tilefuse.backends.cuda import device_info, offline_device, ptx_for, sm_target
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import DeviceError
 from tilefuse.tracer.core import bind1
@@ -163,7 +163,7 @@ PROGRAMS = {
 ALL = {**TABLE, **PROGRAMS}
 
 
-# whole primitives: the FlashAttention template's PTX is checked in test_cuda_attention.py, and
+# whole primitives: the shared FlashAttention's PTX is checked in test_cuda_attention.py, and
 # where it does not apply they run as the kernels of their decomposition (covered above)
 COMPOSITES = {"fused_attention", "fused_attention_bwd"}
 # numpy on the host on every device (runtime/host.py): no kernel to render; tests/test_linalg.py
@@ -208,7 +208,7 @@ def test_every_kernel_assembles_with_ptxas(arch):
 def test_ptx_uses_thread_indices_and_atomics():
     ptx = ptx_for(*TABLE["scatter_add"][:1], *TABLE["scatter_add"][1])
     text = "\n".join(ptx.values())
-    assert "%ctaid.x" in text and "%ntid.x" in text and "%tid.x" in text and "%nctaid.x" in text
+    assert "%ctaid.x" in text and "%tid.x" in text
     assert "atom.global.add.f32" in text or "red.global.add.f32" in text
     u64 = "\n".join(ptx_for(*TABLE["scatter_add_u64"][:1], *TABLE["scatter_add_u64"][1]).values())
     assert "atom.global.add.u64" in u64 or "red.global.add.u64" in u64
@@ -238,37 +238,49 @@ def test_cuda_is_absent_with_the_reason_when_there_is_no_driver():
     assert "cuda" in why and "CUDA" in why["cuda"]
 
 
-# ---- launch configuration -----------------------------------------------------------------
+# ---- launches and numbers -------------------------------------------------------------------
 
-H100 = device_info("H100", (9, 0), 132)
-A100 = device_info("A100", (8, 0), 108)
-
-
-def test_large_spaces_fill_one_wave_of_resident_blocks():
-    assert launch_config(10**8, H100) == (132 * 8, 256)  # 2048 threads/SM ÷ 256 = 8 blocks per SM
-    assert launch_config(10**8, A100) == (108 * 8, 256)
-    few = device_info("small", (8, 6), 4, max_threads_per_sm=1536)
-    assert launch_config(10**6, few) == (4 * 6, 256)
-
-
-def test_medium_spaces_get_one_thread_per_point():
-    assert launch_config(132 * 256, H100) == (132, 256)
-    assert launch_config(100_000, H100) == (391, 256)  # ceil(100000 / 256) < one wave
+def _kernels(fn, args):
+    """The kernels fn(*args) lowers to, each with the graph variables of its buffers, the graph's
+    inputs by variable id, and its outputs."""
+    from tilefuse.ir.kernel import lower_region
+    from tilefuse.ir.passes import partition, run_passes
+    g = run_passes(tx.make_graph(fn)(*args))
+    env = {v.id: np.ascontiguousarray(a).reshape(-1) for v, a in zip(g.invars, args)}
+    return [lk for r in partition(g) for lk in lower_region(r)], env, g.outvars
 
 
-def test_small_spaces_shrink_the_block_to_reach_every_sm():
-    assert launch_config(1000, H100) == (32, 32)  # 256 → 128 → 64 → 32: 32 blocks of a warp
-    assert launch_config(132 * 64, H100) == (132, 64)
-    assert launch_config(1, H100) == (1, 32)
-    assert launch_config(0, H100) == (0, 256)  # nothing to launch
+def test_a_launch_is_a_block_per_grid_point_and_a_thread_per_lane():
+    """Ordinary kernels go through the shared scheduler (ir/kernel/schedule.py) as tile kernels."""
+    dev = offline_device("sm_90")
+    ((lk,), _, _) = _kernels(lambda x: (x * 2 + 1).sum(axis=1), (u(1000, 300),))
+    k = lk.kernel
+    run = dev.backend.compile_kernel(k, dev)
+    assert run.grid == int(np.prod([r.extent for r in run.kernel.grid()]))
+    assert run.block == int(np.prod([r.extent for r in run.kernel.lanes()]))
+    assert 32 <= run.block <= 1024 and ".target sm_90" in run.source
 
 
-def test_block_respects_the_device_limits():
-    tiny = device_info("tiny", (9, 0), 1, max_threads_per_block=96)
-    assert launch_config(10**6, tiny) == (2048 // 96, 96)
-    wide_warp = device_info("w64", (9, 0), 1, warp=64, max_threads_per_block=200)
-    grid, block = launch_config(10**6, wide_warp)
-    assert block == 192 and block % 64 == 0 and grid == 2048 // 192
+@pytest.mark.parametrize("name", ["reduce_sum_col", "scatter_add", "argmax", "reduce_max", "exp_f64",
+                                  "bf16_tanh"])
+def test_ordinary_kernels_compute_their_numbers_in_a_ptx_interpreter(name):
+    """The scheduled PTX of a few kernels (a column reduction, atomics, index and max reductions,
+    float64 math, bfloat16) run in the PTX interpreter against the ref backend."""
+    import ptxemu
+    fn, args = ALL[name]
+    if name == "scatter_add":  # the indices as an argument (a constant has no buffer here)
+        fn, args = (lambda x, i, upd: bind1(P.scatter_add, x, i, upd, axis=0)), (args[0], IDX, args[1])
+    dev = offline_device("sm_80")
+    lks, env, outvars = _kernels(fn, args)
+    for lk in lks:  # in order; an output a kernel adds into (scatter_add's) is the one made before
+        k = lk.kernel
+        bufs = [env.get(v.id, np.zeros(b.size, b.dtype)) for v, b in zip(lk.args, k.buffers)]
+        run = dev.backend.compile_kernel(k, dev)
+        ptxemu.run(run.source, bufs, run.grid, run.block)
+        env.update({v.id: b for v, b in zip(lk.args, bufs)})
+    got = env[outvars[0].id]
+    want = np.asarray(tx.jit(fn, device="ref")(*args)).reshape(-1)
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-5, atol=1e-6)
 
 
 def test_device_info_and_targets_from_driver_attributes():

@@ -1,0 +1,81 @@
+"""Tile kernels (ir/kernel/tile.py) as NVPTX kernels: the shared LLVM tile printer
+(backends/llvmir/tile.py) with what differs on a GPU. The grid Ranges are the blocks
+(blockIdx.x, flattened, the last Range fastest), the lane Ranges the threads of a block
+(threadIdx.x, likewise), "shared" Allocs are addrspace(3) globals, Barrier is bar.sync 0 and an
+"add" Store an atomicrmw; the signature is `ptx_kernel void f(ptr buf0, ptr buf1, ...)`."""
+from __future__ import annotations
+
+import math
+
+import llvmlite.ir as ir
+import numpy as np
+
+from tilefuse.backends.llvmir.render import TYPES, is_float
+from tilefuse.backends.llvmir.tile import TilePrinter
+from tilefuse.backends.llvmir.vecmath import I32, I64
+from tilefuse.ir.kernel.schedule import ATOMIC
+
+from .render import TRIPLE, NVEmit, sreg
+
+
+class PTXTilePrinter(TilePrinter):
+    """One tile kernel as an NVPTX kernel function (see the module docstring)."""
+
+    def __init__(self, k, fn_name: str):
+        super().__init__(k, fn_name)
+        self.mod.triple = TRIPLE
+        self.ops.em = NVEmit(self.b)
+
+    def refuse(self) -> None:
+        pass  # a GPU has shared memory and barriers
+
+    def function(self, fn_name: str) -> ir.Function:
+        args = [TYPES[np.dtype(b.dtype)][1].as_pointer() for b in self.k.buffers]
+        fn = ir.Function(self.mod, ir.FunctionType(ir.VoidType(), args), name=fn_name)
+        fn.calling_convention = "ptx_kernel"
+        fn.attributes.add("nounwind")
+        return fn
+
+    def buffer(self, i: int, mt):
+        return self.fn.args[i]
+
+    def alloc(self, a, mt):
+        if a.scope != "shared":
+            return super().alloc(a, mt)
+        g = ir.GlobalVariable(self.mod, ir.ArrayType(mt, a.size), name=f"{a.name}_smem", addrspace=3)
+        g.linkage, g.align = "internal", 16
+        g.initializer = ir.Constant(g.value_type, ir.Undefined)
+        # a generic pointer; LLVM infers the shared space back for the loads and stores
+        return self.b.addrspacecast(g, mt.as_pointer())
+
+    def points(self) -> None:
+        b = self.b
+        for ranges, reg in ((self.k.grid(), "ctaid.x"), (self.k.lanes(), "tid.x")):
+            rest = sreg(b, reg)
+            for n, r in enumerate(reversed(ranges)):  # the last Range varies fastest
+                last = n == len(ranges) - 1
+                self.env[r.var] = b.zext(rest if last else b.urem(rest, ir.Constant(I32, int(r.extent))), I64)
+                rest = b.udiv(rest, ir.Constant(I32, int(r.extent)))
+        self.block(self.k.inner())
+
+    def barrier(self) -> None:
+        fn = self.mod.globals.get("llvm.nvvm.barrier0") or \
+            ir.Function(self.mod, ir.FunctionType(ir.VoidType(), []), name="llvm.nvvm.barrier0")
+        self.b.call(fn, [])
+
+    def store_add(self, target, off, v, w: int) -> None:
+        base, sd = self.pointer(target)
+        assert sd.name in ATOMIC, f"an atomic add into {sd} (the GPU has {'/'.join(ATOMIC)})"
+        for lane in range(w):
+            x = v if w == 1 else self.b.extract_element(v, ir.Constant(I32, lane))
+            o = off if w == 1 else self.b.add(off, ir.Constant(I64, lane))
+            p = self.b.gep(base, [o], inbounds=True, source_etype=x.type)
+            self.b.atomic_rmw("fadd" if is_float(sd) else "add", p, x, "monotonic")
+
+
+def launch_dims(k) -> tuple[int, int]:
+    """(blocks, threads per block) of a tile kernel's launch."""
+    return math.prod(int(r.extent) for r in k.grid()), math.prod(int(r.extent) for r in k.lanes())
+
+
+__all__ = ["PTXTilePrinter", "launch_dims"]
