@@ -43,6 +43,9 @@ def sm_target(cc: tuple[int, int]) -> str:
     return exact if exact in ok else max((t for t in ok if t.endswith("0")), key=lambda t: int(t[3:]))
 
 
+# the warp MMA instructions of sm_80 and later (ir/kernel/target.MMA's fields): mma.sync m16n8k16
+MMA = tuple(("m16n8k16", 16, 8, 16, t) for t in ("float16", "bfloat16"))
+
 def device_info(name: str, cc: tuple[int, int], sm_count: int, *, max_threads_per_block=1024,
                 shared_per_block=48 << 10, warp=32, l2_bytes=0, max_threads_per_sm=2048,
                 total_mem=0, clock_khz=0, mem_clock_khz=0, bus_bits=0) -> DeviceInfo:
@@ -57,7 +60,8 @@ def device_info(name: str, cc: tuple[int, int], sm_count: int, *, max_threads_pe
         peak_gflops=sm_count * fp32_per_sm * 2 * clock_khz / 1e6,
         peak_gbps=2 * mem_clock_khz * 1e3 * bus_bits / 8 / 1e9,
         features=(f"sm_{cc[0]}{cc[1]}",), cpu_name=sm,
-        extra={"max_threads_per_sm": max_threads_per_sm, "sm": sm, "cc": cc}), hardware.description("cuda"))
+        extra={"max_threads_per_sm": max_threads_per_sm, "sm": sm, "cc": cc, "mma": MMA if cc >= (8, 0) else ()}),
+        hardware.description("cuda"))
 
 
 # typical devices for offline compilation (A100 and H100 SXM)

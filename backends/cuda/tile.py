@@ -2,7 +2,7 @@
 (backends/llvmir/tile.py) with what differs on a GPU. The grid Ranges are the blocks
 (blockIdx.x, flattened, the last Range fastest), the lane Ranges the threads of a block
 (threadIdx.x, likewise), "shared" Allocs are addrspace(3) globals, Barrier is bar.sync 0 and an
-"add" Store an atomicrmw; the signature is `ptx_kernel void f(ptr buf0, ptr buf1, ...)`."""
+"add" Store an atomicrmw, mma an mma.sync (inline PTX); the signature is `ptx_kernel void f(ptr buf0, ptr buf1, ...)`."""
 from __future__ import annotations
 
 import math
@@ -12,7 +12,7 @@ import numpy as np
 
 from tilefuse.backends.llvmir.render import TYPES, is_float
 from tilefuse.backends.llvmir.tile import TilePrinter
-from tilefuse.backends.llvmir.vecmath import I32, I64
+from tilefuse.backends.llvmir.vecmath import F32, I32, I64
 from tilefuse.ir.kernel.schedule import ATOMIC
 
 from .render import TRIPLE, NVEmit, sreg
@@ -62,6 +62,24 @@ class PTXTilePrinter(TilePrinter):
         fn = self.mod.globals.get("llvm.nvvm.barrier0") or \
             ir.Function(self.mod, ir.FunctionType(ir.VoidType(), []), name="llvm.nvvm.barrier0")
         self.b.call(fn, [])
+
+    def expr(self, n):
+        if n.op != "mma":
+            return super().expr(n)
+        kind = {"float16": "f16", "bfloat16": "bf16"}[np.dtype(n.src[0].dtype).name]
+        b = self.b
+        a_, b_ = (b.bitcast(self._val(x), ir.VectorType(I32, self.lanes(x) // 2)) for x in n.src[:2])
+        c_ = self._val(n.src[2])
+        regs = [b.extract_element(v, ir.Constant(I32, i)) for v, k in ((a_, 4), (b_, 2), (c_, 4)) for i in range(k)]
+        ty = ir.FunctionType(ir.LiteralStructType([F32] * 4), [I32] * 6 + [F32] * 4)
+        asm = ir.InlineAsm(ty, f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                           "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                           "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4))
+        d = b.call(asm, regs)
+        out = ir.Constant(ir.VectorType(F32, 4), ir.Undefined)
+        for i in range(4):
+            out = b.insert_element(out, b.extract_value(d, i), ir.Constant(I32, i))
+        return out
 
     def store_add(self, target, off, v, w: int) -> None:
         base, sd = self.pointer(target)

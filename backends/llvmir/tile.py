@@ -124,6 +124,8 @@ class _Printer(PrintedValues):
         w = self.lanes(n)
         if op == "const":
             return _constant(n.arg, d)
+        if op == "mma":  # (a GPU printer prints it; a Target without MMA entries never gets one)
+            raise AssertionError("the CPU has no warp matrix-multiply-accumulate (mma)")
         if op in ("load", "vload"):
             target, lanes = (n.arg, 1) if op == "load" else n.arg
             return self.load(target, self._val(n.src[0]), d, lanes)

@@ -1,8 +1,10 @@
-"""GEMM on CUDA is the shared tile builder (ir/kernel/gemm.py, its shared-memory GPU form) printed
-by the NVPTX tile printer (backends/cuda/tile.py). Without a GPU: the dispatcher picks it on an
-offline device for every variant (float32, 16-bit, epilogues, batched, transposed operands), its
-PTX assembles with ptxas for sm_80 and sm_90, and small problems run in the PTX interpreter
-(ptxemu.py) to numpy's numbers. With a GPU, every variant against the `ref` backend."""
+"""GEMM on CUDA is the shared tile builder (ir/kernel/gemm.py, its shared-memory GPU form; with
+16-bit operands its warp-MMA variant, mma.sync m16n8k16) printed by the NVPTX tile printer
+(backends/cuda/tile.py). Without a GPU: the dispatcher picks it on an offline device for every
+variant (float32, 16-bit, epilogues, batched, transposed operands), its PTX assembles with ptxas for
+sm_80 and sm_90, and small problems run in the PTX interpreter (ptxemu.py, whose mma.sync follows
+the PTX ISA's fragment figures on its own) to numpy's numbers. With a GPU, every variant against
+the `ref` backend."""
 from __future__ import annotations
 
 import functools
@@ -18,7 +20,11 @@ import tilefuse as tx
 import tilefuse.numpy as tnp
 from tilefuse import nn
 from tilefuse.backends.cuda import offline_device
-from tilefuse.ir.kernel.gemm import GemmSchedule, build, gemm_spec
+from tilefuse.ir.errors import CompileError
+from tilefuse.ir.kernel.gemm import GemmSchedule, build, default_schedule, gemm_spec
+from tilefuse.ir.kernel.ir import Buffer, binary, const
+from tilefuse.ir.kernel.tile import If, Range, Store, TileKernel, check_tile, mma, run_tile, var, vload
+from tilefuse.runtime.hardware import target_of
 from test_cuda_ptx import ARCHS, _ptxas, need_ptxas  # the ptxas this machine has (one discovery)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,6 +69,12 @@ def test_the_dispatcher_chooses_the_shared_builder_for_every_variant(arch):
     for name, (impl, ptx) in compiled(arch).items():
         assert impl == "tile_gemm", name
         assert f".target {arch}" in ptx and ".shared" in ptx and "bar.sync" in ptx, name
+        dtype = np.dtype(CASES[name][1][0].dtype)
+        if dtype == np.float32:
+            assert "mma.sync" not in ptx and "fma.rn.f32" in ptx, name
+        else:
+            kind = "f16" if dtype == F16 else "bf16"
+            assert f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32" in ptx, name
 
 
 @need_ptxas
@@ -107,6 +119,86 @@ def test_the_ptx_computes_the_product_in_a_ptx_interpreter(case):
     want = np.asarray(tx.jit(f, device="ref")(*args)).astype(np.float32).reshape(-1)
     tol = 2e-2 if args[0].dtype != np.float32 else 1e-5
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+MMA = GemmSchedule(True, 1, 1, 1, tm=16, tn=16, tk=16, mma="m16n8k16")  # two warps, ragged edges
+MMA_CASES = {  # 16-bit problems: plain, bias + relu epilogue, batched with a transposed operand, K > tk
+    "f16": (lambda x, w: x @ w, [u(13, 7, dtype=F16), u(7, 19, dtype=F16)]),
+    "bf16 epilogue": SMALL["bfloat16"],
+    "f16 batched, B transposed": (lambda q, k: tnp.einsum("bqd,bkd->bqk", q, k),
+                                  [u(3, 5, 20, dtype=F16), u(3, 6, 20, dtype=F16)]),
+    "bf16 A transposed, K = 40": (lambda x, w: x.T @ w, [u(40, 18, dtype=BF16), u(40, 9, dtype=BF16)]),
+}
+
+
+def _mma_kernel(case):
+    f, args = MMA_CASES[case]
+    k, ins = gemm_kernel(f, args)
+    spec = gemm_spec(k)
+    assert MMA.check(spec, target_of(offline_device("sm_80").info)) is None
+    want = np.asarray(tx.jit(f, device="ref")(*args)).astype(np.float32).reshape(-1)
+    return build(spec, MMA, k.name, k.buffers, k.n_inputs), ins, want
+
+
+@pytest.mark.parametrize("case", MMA_CASES)
+def test_the_mma_form_computes_the_product_in_the_reference_and_in_a_ptx_interpreter(case):
+    """The tile IR's mma (run_tile gathers each warp's fragments by the layout table) and the
+    printed mma.sync (ptxemu) give numpy's product."""
+    import ptxemu
+    tk, ins, want = _mma_kernel(case)
+    check_tile(tk)
+    out = np.zeros(tk.buffers[-1].size, tk.buffers[-1].dtype)
+    run_tile(tk, [x.copy() for x in ins] + [out])
+    np.testing.assert_allclose(out.astype(np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    dev = offline_device("sm_80")
+    run = dev.backend.compile_tile(tk, dev)
+    assert "mma.sync.aligned.m16n8k16" in run.source and run.block == 64
+    got = ptxemu.run(run.source, ins + [np.zeros_like(out)], run.grid, run.block).astype(np.float32)
+    np.testing.assert_allclose(got, out.astype(np.float32), rtol=1e-6, atol=1e-6)
+
+
+@need_ptxas
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_mma_schedule_size_assembles_with_ptxas(arch):
+    """The default MMA schedules of small, medium and large products (32, 64 and 128 tiles)."""
+    dev = offline_device(arch)
+    failures = []
+    with tempfile.TemporaryDirectory() as d:
+        for n, (m, nn, kk) in enumerate(((100, 90, 40), (1024, 1024, 64), (4096, 4096, 64))):
+            k, _ = gemm_kernel(lambda x, w: x @ w, [u(m, kk, dtype=F16), u(kk, nn, dtype=F16)])
+            spec = gemm_spec(k)
+            s = default_schedule(spec, target_of(dev.info))
+            assert s.mma == "m16n8k16" and s.check(spec, target_of(dev.info)) is None
+            run = dev.backend.compile_tile(build(spec, s, k.name, k.buffers, k.n_inputs), dev)
+            r = _ptxas(run.source, arch, os.path.join(d, f"mma{n}.ptx"))
+            if r.returncode:
+                failures.append(f"{s}: {r.stderr.strip()[:400]}")
+    assert not failures, "\n".join(failures)
+
+
+def _one_mma(lanes: int, under_if: bool = False) -> TileKernel:
+    """C[0:4] = mma of fragments read at offset 0 by every work-item (a type and structure check)."""
+    zero = const(0, np.int64)
+    d = mma(vload(0, zero, F16, 8), vload(0, zero, F16, 4), vload(1, zero, np.float32, 4))
+    st = Store(1, zero, d)
+    body = (If(binary("lt", var("l"), const(16, np.int64)), (st,)),) if under_if else (st,)
+    return TileKernel("m", (Buffer("a", F16, 8), Buffer("c", np.float32, 4)), 1,
+                      (Range("g", 1, "grid", (Range("l", lanes, "lane", body),)),))
+
+
+def test_mma_is_checked_and_other_printers_refuse_it():
+    check_tile(_one_mma(32))
+    with pytest.raises(AssertionError, match="whole warps"):
+        check_tile(_one_mma(48))
+    with pytest.raises(AssertionError, match="under an If"):
+        check_tile(_one_mma(32, under_if=True))
+    tk, _, _ = _mma_kernel("f16")
+    cpu = tx.devices("cpu")[0]
+    with pytest.raises(CompileError, match="mma"):
+        cpu.backend.compile_tile(tk, cpu)
+    from tilefuse.backends.cstyle import print_tile
+    with pytest.raises(CompileError, match="mma"):
+        print_tile(tk)
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------
