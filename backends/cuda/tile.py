@@ -34,6 +34,9 @@ class PTXTilePrinter(TilePrinter):
         fn = ir.Function(self.mod, ir.FunctionType(ir.VoidType(), args), name=fn_name)
         fn.calling_convention = "ptx_kernel"
         fn.attributes.add("nounwind")
+        # the block size, so that ptxas budgets registers for it (a launch never asks for too many)
+        self.mod.add_named_metadata("nvvm.annotations", [fn, ir.MetaDataString(self.mod, "maxntidx"),
+                                                         ir.Constant(I32, launch_dims(self.k)[1])])
         return fn
 
     def buffer(self, i: int, mt):

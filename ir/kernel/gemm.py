@@ -27,6 +27,7 @@ from .tile import (MMA_LAYOUTS, WARP, Alloc, Barrier, If, Range, Store, TileKern
                    vload)
 
 F32 = np.dtype(np.float32)
+PAD = 8  # elements between the MMA form's k-contiguous panel rows (16 bytes: rows start in other banks)
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,9 @@ class GemmSchedule:
         group = self.tm // (fm * self.wm) * (self.tn // (fn * self.wn)) * WARP
         if group > target.max_group:
             return f"{group} work-items exceed the work-group limit {target.max_group}"
-        if (self.tm + self.tn) * self.tk * spec.layout.dtype.itemsize > target.shared_bytes:
-            return f"panels of {(self.tm + self.tn) * self.tk * spec.layout.dtype.itemsize} bytes exceed shared memory"
+        panels = (self.tm + self.tn) * (self.tk + PAD) * spec.layout.dtype.itemsize
+        if panels > target.shared_bytes:
+            return f"panels of {panels} bytes exceed shared memory"
         return None
 
 
@@ -323,10 +325,10 @@ class _Gemm:
                 Range("ic", _ceil(lay.m, mc), "grid", body),)),)),)
 
     # -- the GPU form -----------------------------------------------------------------------
-    def stage(self, name, rows, a_side, e, nl, k0, z, bm, bn, raw=False) -> Range:
-        """Work-item tid copies elements e = r*nl + tid of the tk x rows panel (at [k*rows + row]),
-        walking the operand's contiguous axis with consecutive work-items; zeros past the edges.
-        raw: elements in the operands' dtype (else the accumulation dtype)."""
+    def stage(self, name, rows, a_side, e, nl, k0, z, bm, bn, pitch=0) -> Range:
+        """Work-item tid copies elements e = r*nl + tid of the tk x rows panel (at [k*rows + row],
+        or with a pitch at [row*pitch + k] in the operands' dtype), walking the operand's
+        contiguous axis with consecutive work-items; zeros past the edges."""
         lay, tk, r = self.lay, self.p.tk, var("r")
         unit_k = lay.a_strides[2] == 1 if a_side else lay.b_strides[1] == 1
         if unit_k:  # consecutive work-items read consecutive k
@@ -339,15 +341,16 @@ class _Gemm:
         inside = _and(_lt(g, limit), _lt(gk, lay.k))
         gc, kc = _min(g, limit - 1), _min(gk, lay.k - 1)
         val = self.a_at(z, gc, kc) if a_side else self.b_at(z, kc, gc)
-        val = val if raw else _fp(val)
+        val = val if pitch else _fp(val)
+        at = _add(_mul(q, pitch), kq) if pitch else _add(_mul(kq, rows), q)
         return Range("r", _ceil(tk * rows, nl), "serial", (
-            If(_lt(e, tk * rows), (
-                Store(name, _add(_mul(kq, rows), q), select(inside, val, const(0, val.dtype))),)),))
+            If(_lt(e, tk * rows), (Store(name, at, select(inside, val, const(0, val.dtype))),)),))
 
     def shared_mma(self) -> tuple:
         """The shared form with a warp MMA: warps of WARP work-items, each multiplying wm x wn
         fm x fn tiles of the block's tm x tn tile, fragments gathered from the staged 16-bit
-        panels by the instruction's lane layout (m16n8k16: ir/kernel/tile.py)."""
+        panels (k-contiguous rows, PAD elements apart against bank conflicts; a fragment's pairs
+        are adjacent) by the instruction's lane layout (m16n8k16: ir/kernel/tile.py)."""
         lay, p = self.lay, self.p
         (fm, fn, fk), _, _, _ = MMA_LAYOUTS[p.mma]
         tm, tn, tk, wm, wn, dt = p.tm, p.tn, p.tk, p.wm, p.wn, lay.dtype
@@ -363,9 +366,10 @@ class _Gemm:
         a_el = [(_add(grp, 8 * ((q >> 1) & 1)), _add(_mul(quad, 2), (q & 1) + 8 * (q >> 2))) for q in range(8)]
         b_el = [(_add(_mul(quad, 2), (q & 1) + 8 * (q >> 1)), grp) for q in range(4)]
         c_el = [(_add(grp, 8 * (q >> 1)), _add(_mul(quad, 2), q & 1)) for q in range(4)]
-        loads = [Store("af", _i(i * 8 + q), tload("at", _add(_mul(_add(kbase, kk), tm), row0, i * fm, rr), dt))
+        pitch = tk + PAD
+        loads = [Store("af", _i(i * 8 + q), tload("at", _add(_mul(_add(row0, i * fm, rr), pitch), kbase, kk), dt))
                  for i in range(wm) for q, (rr, kk) in enumerate(a_el)]
-        loads += [Store("bf", _i(j * 4 + q), tload("bt", _add(_mul(_add(kbase, kk), tn), col0, j * fn, cc), dt))
+        loads += [Store("bf", _i(j * 4 + q), tload("bt", _add(_mul(_add(col0, j * fn, cc), pitch), kbase, kk), dt))
                   for j in range(wn) for q, (kk, cc) in enumerate(b_el)]
         acc = lambda i, j: _i((i * wn + j) * 4)  # noqa: E731
         products = [Store("acc", acc(i, j), mma(vload("af", _i(i * 8), dt, 8), vload("bf", _i(j * 4), dt, 4),
@@ -381,15 +385,15 @@ class _Gemm:
                         self.s.c, self.c_offset(z, row, col),
                         self.finish(tload("acc", _add(acc(i, j), q), self.acc), z, row, col, 1)),)))
         inner = (
-            Alloc("at", dt, tk * tm, "shared"),
-            Alloc("bt", dt, tk * tn, "shared"),
+            Alloc("at", dt, pitch * tm, "shared"),
+            Alloc("bt", dt, pitch * tn, "shared"),
             Alloc("af", dt, wm * 8, "register"),
             Alloc("bf", dt, wn * 4, "register"),
             Alloc("acc", self.acc, wm * wn * 4, "register"),
             Range("t", wm * wn * 4, "unroll", (Store("acc", t, const(0, self.acc)),)),
             Range("k0", _ceil(lay.k, tk), "serial", (
-                self.stage("at", tm, True, e, nl, k0, z, bm, bn, raw=True),
-                self.stage("bt", tn, False, e, nl, k0, z, bm, bn, raw=True), Barrier(),
+                self.stage("at", tm, True, e, nl, k0, z, bm, bn, pitch),
+                self.stage("bt", tn, False, e, nl, k0, z, bm, bn, pitch), Barrier(),
                 Range("ks", tk // fk, "serial", tuple(loads + products)),
                 Barrier())),
             *stores,

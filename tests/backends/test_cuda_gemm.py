@@ -100,6 +100,7 @@ def test_the_launch_is_one_block_per_tile_and_a_thread_per_register_tile():
     s = GemmSchedule(True, 4, 4, 1, tm=64, tn=64, tk=8)
     run = dev.backend.compile_tile(build(gemm_spec(k), s, k.name, k.buffers, k.n_inputs), dev)
     assert (run.grid, run.block) == (2 * 5 * 4, 16 * 16)
+    assert ".maxntid 256" in run.source  # ptxas budgets registers for the block
 
 
 # ---- numbers without a GPU: the PTX interpreter (slow: small problems, small tiles) --------------
