@@ -22,6 +22,7 @@ class PTXTilePrinter(TilePrinter):
     """One tile kernel as an NVPTX kernel function (see the module docstring)."""
 
     def __init__(self, k, fn_name: str):
+        self.shared: set = set()  # the shared Allocs (aligned to 16 bytes)
         super().__init__(k, fn_name)
         self.mod.triple = TRIPLE
         self.ops.em = NVEmit(self.b)
@@ -45,6 +46,7 @@ class PTXTilePrinter(TilePrinter):
     def alloc(self, a, mt):
         if a.scope != "shared":
             return super().alloc(a, mt)
+        self.shared.add(a.name)
         g = ir.GlobalVariable(self.mod, ir.ArrayType(mt, a.size), name=f"{a.name}_smem", addrspace=3)
         g.linkage, g.align = "internal", 16
         g.initializer = ir.Constant(g.value_type, ir.Undefined)
@@ -67,6 +69,9 @@ class PTXTilePrinter(TilePrinter):
         self.b.call(fn, [])
 
     def expr(self, n):
+        if n.op == "vload" and n.arg[0] in self.shared:  # aligned as far as its offset shows
+            (target, w), (p, sd) = n.arg, self.elem_ptr(n.arg[0], self._val(n.src[0]), n.arg[1])
+            return self.b.load(p, align=min(16, sd.itemsize * math.gcd(w, _multiple(n.src[0]))))
         if n.op != "mma":
             return super().expr(n)
         kind = {"float16": "f16", "bfloat16": "bf16"}[np.dtype(n.src[0].dtype).name]
@@ -92,6 +97,19 @@ class PTXTilePrinter(TilePrinter):
             o = off if w == 1 else self.b.add(off, ir.Constant(I64, lane))
             p = self.b.gep(base, [o], inbounds=True, source_etype=x.type)
             self.b.atomic_rmw("fadd" if is_float(sd) else "add", p, x, "monotonic")
+
+
+def _multiple(n) -> int:
+    """A number the index expression n is known to be a multiple of (a power of two, up to 16)."""
+    if n.op == "const":
+        v = abs(int(n.arg))
+    elif n.op == "mul":
+        v = _multiple(n.src[0]) * _multiple(n.src[1])
+    elif n.op == "add":
+        v = math.gcd(_multiple(n.src[0]), _multiple(n.src[1]))
+    else:
+        v = 1
+    return math.gcd(v, 16)
 
 
 def launch_dims(k) -> tuple[int, int]:

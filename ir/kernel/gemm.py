@@ -367,10 +367,11 @@ class _Gemm:
         b_el = [(_add(_mul(quad, 2), (q & 1) + 8 * (q >> 1)), grp) for q in range(4)]
         c_el = [(_add(grp, 8 * (q >> 1)), _add(_mul(quad, 2), q & 1)) for q in range(4)]
         pitch = tk + PAD
-        loads = [Store("af", _i(i * 8 + q), tload("at", _add(_mul(_add(row0, i * fm, rr), pitch), kbase, kk), dt))
-                 for i in range(wm) for q, (rr, kk) in enumerate(a_el)]
-        loads += [Store("bf", _i(j * 4 + q), tload("bt", _add(_mul(_add(col0, j * fn, cc), pitch), kbase, kk), dt))
-                  for j in range(wn) for q, (kk, cc) in enumerate(b_el)]
+        # a fragment's elements 2p and 2p+1 are neighbours along k: one 2-lane load each
+        loads = [Store("af", _i(i * 8 + q), vload("at", _add(_mul(_add(row0, i * fm, rr), pitch), kbase, kk), dt, 2))
+                 for i in range(wm) for q, (rr, kk) in enumerate(a_el) if q % 2 == 0]
+        loads += [Store("bf", _i(j * 4 + q), vload("bt", _add(_mul(_add(col0, j * fn, cc), pitch), kbase, kk), dt, 2))
+                  for j in range(wn) for q, (kk, cc) in enumerate(b_el) if q % 2 == 0]
         acc = lambda i, j: _i((i * wn + j) * 4)  # noqa: E731
         products = [Store("acc", acc(i, j), mma(vload("af", _i(i * 8), dt, 8), vload("bf", _i(j * 4), dt, 4),
                                                 vload("acc", acc(i, j), self.acc, 4), p.mma))
