@@ -256,10 +256,16 @@ class Emu:
             cmp, ct = parts[1], parts[2]
             cw = width(ct)
             a, b = self.val(t, ops[1], cw), self.val(t, ops[2], cw)
-            if ct in FLOAT:
-                a, b = FLOAT[ct][0](a), FLOAT[ct][0](b)
+            if ct in FLOAT or ct in ("f16", "bf16"):
+                get = FLOAT[ct][0] if ct in FLOAT else f16v if ct == "f16" else (lambda h: f32((h & 0xFFFF) << 16))
+                a, b = get(a), get(b)
+                unordered = a != a or b != b
                 if cmp in ("nan", "num"):  # unordered (either is NaN), ordered (neither)
-                    R[ops[0]] = int((a != a or b != b) == (cmp == "nan"))
+                    R[ops[0]] = int(unordered == (cmp == "nan"))
+                    return
+                if cmp.endswith("u"):  # ltu, equ, neu, ...: true where unordered
+                    R[ops[0]] = int(unordered or {"eq": a == b, "ne": a != b, "lt": a < b, "le": a <= b,
+                                                  "gt": a > b, "ge": a >= b}[cmp[:2]])
                     return
             elif ct[0] == "s":
                 a, b = sgn(a, cw), sgn(b, cw)
@@ -386,6 +392,8 @@ class Emu:
             r = a ^ b
         elif head == "not":
             r = ~a
+        elif head == "neg":
+            r = -a
         elif head == "shl":
             r = a << b if b < w else 0
         elif head == "shr":
