@@ -9,13 +9,14 @@ import os
 import tempfile
 import types
 
+import ml_dtypes
 import numpy as np
 import pytest
 from test_cuda_ptx import ARCHS, _ptxas, need_ptxas  # one ptxas discovery
 
 import tilefuse as tx
 from tilefuse import nn
-from tilefuse.backends.cuda import offline_device
+from tilefuse.backends.cuda import offline_device, ptx_for
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import ShapedArray
 from tilefuse.ir.errors import DeviceError
@@ -49,6 +50,19 @@ def test_the_dispatcher_chooses_the_shared_builder_on_an_offline_cuda_device():
         assert sorted(k.meta["kind"] for k in kernels) == ["fused_attention", "fused_attention_bwd"]
         for kernel in kernels:
             assert dispatch.choose(kernel, dev).name == want, (dtype, kernel.meta["kind"])
+
+
+@need_ptxas
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_bfloat16_forward_takes_the_shared_builder_and_assembles(arch):
+    q = np.random.default_rng(0).standard_normal((2, 70, 3, 32)).astype(ml_dtypes.bfloat16)
+    f = lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True)  # noqa: E731
+    prog = tx.jit(f).lower(q, q, q, device=offline_device(arch)).compile().program
+    assert [(lc.kind, lc.impl) for lc in prog.launches] == [("fused_attention", "tile_attention")]
+    (ptx,) = ptx_for(f, q, q, q, sm=arch).values()
+    with tempfile.TemporaryDirectory() as tmp:
+        r = _ptxas(ptx, arch, os.path.join(tmp, "a.ptx"))
+    assert r.returncode == 0, r.stderr[:400]
 
 
 def _problem(causal, sq=7, sk=9, d=4, dv=5, seed=1):
