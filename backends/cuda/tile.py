@@ -1,8 +1,9 @@
 """Tile kernels (ir/kernel/tile.py) as NVPTX kernels: the shared LLVM tile printer
 (backends/llvmir/tile.py) with what differs on a GPU. The grid Ranges are the blocks
 (blockIdx.x, flattened, the last Range fastest), the lane Ranges the threads of a block
-(threadIdx.x, likewise), "shared" Allocs are addrspace(3) globals, Barrier is bar.sync 0 and an
-"add" Store an atomicrmw, mma an mma.sync (inline PTX); the signature is `ptx_kernel void f(ptr buf0, ptr buf1, ...)`."""
+(threadIdx.x, likewise), "shared" Allocs are addrspace(3) globals, Barrier is bar.sync 0, an
+"add" Store an atomicrmw and mma an mma.sync (inline PTX); the signature is
+`ptx_kernel void f(ptr buf0, ptr buf1, ...)`."""
 from __future__ import annotations
 
 import math
@@ -70,10 +71,11 @@ class PTXTilePrinter(TilePrinter):
 
     def expr(self, n):
         if n.op == "vload" and n.arg[0] in self.shared:  # aligned as far as its offset shows
-            (target, w), (p, sd) = n.arg, self.elem_ptr(n.arg[0], self._val(n.src[0]), n.arg[1])
+            w, (p, sd) = n.arg[1], self.elem_ptr(n.arg[0], self._val(n.src[0]), n.arg[1])
             return self.b.load(p, align=min(16, sd.itemsize * math.gcd(w, _multiple(n.src[0]))))
         if n.op != "mma":
             return super().expr(n)
+        assert n.arg == "m16n8k16", n.arg
         kind = {"float16": "f16", "bfloat16": "bf16"}[np.dtype(n.src[0].dtype).name]
         b = self.b
         a_, b_ = (b.bitcast(self._val(x), ir.VectorType(I32, self.lanes(x) // 2)) for x in n.src[:2])
