@@ -14,7 +14,6 @@ import re
 import threading
 
 import numpy as np
-
 from tilefuse.ir.errors import DeviceError
 from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo
@@ -73,7 +72,7 @@ OFFLINE = {"sm_80": ("NVIDIA A100 (offline)", (8, 0), 108),
 
 class _Block:
     """One cuMemAlloc allocation (the pool tracks blocks by identity)."""
-    __slots__ = ("ptr", "__weakref__")
+    __slots__ = ("__weakref__", "ptr")
 
     def __init__(self, ptr: int):
         self.ptr = ptr
@@ -265,5 +264,13 @@ register_gemm("cuda", priority=20)
 register_attention("cuda", priority=10)
 register_kernels("cuda")
 
-__all__ = ["CUDABackend", "OfflineCUDABackend", "DeviceBuffer", "device_info", "sm_target", "offline_device",
-           "ptx_for", "create"]
+__all__ = [
+    "CUDABackend",
+    "DeviceBuffer",
+    "OfflineCUDABackend",
+    "create",
+    "device_info",
+    "offline_device",
+    "ptx_for",
+    "sm_target",
+]

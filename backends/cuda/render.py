@@ -7,8 +7,7 @@ import math
 import threading
 
 import llvmlite.binding as llvm
-import llvmlite.ir as ir
-
+from llvmlite import ir
 from tilefuse.backends.llvmir import vecmath
 from tilefuse.backends.llvmir.vecmath import F32, F64, I32, Emit
 from tilefuse.ir.errors import CompileError
@@ -107,4 +106,4 @@ def to_ptx(llvm_ir: str, sm: str = "sm_90") -> str:
         return tm.emit_assembly(mod)
 
 
-__all__ = ["NVEmit", "TRIPLE", "sreg", "to_ptx"]
+__all__ = ["TRIPLE", "NVEmit", "sreg", "to_ptx"]

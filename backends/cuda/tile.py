@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import math
 
-import llvmlite.ir as ir
 import numpy as np
-
+from llvmlite import ir
 from tilefuse.backends.llvmir.render import TYPES, is_float
 from tilefuse.backends.llvmir.tile import TilePrinter
 from tilefuse.backends.llvmir.vecmath import F32, I32, I64

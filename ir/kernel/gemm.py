@@ -107,7 +107,6 @@ class GemmSchedule:
             return f"a {self.wm} x {self.wn} register tile exceeds {target.vector_registers} registers"
         return None
 
-
     def _check_mma(self, spec: GemmSpec, target: Target) -> str | None:
         if _mma_for(spec, target) != self.mma or not self.shared:
             return f"{self}: the target has no {self.mma} MMA for {spec.layout.dtype} (or not in the shared form)"
@@ -140,7 +139,7 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     lay = spec.layout
     mma = _mma_for(spec, target)
     if mma:  # four or eight warps, each wm x wn MMA tiles
-        tile = 128 if lay.m * lay.n >= 128 * 128 * target.cores else 64 if lay.m * lay.n >= 64 * 64 * target.cores else 32
+        tile = next(t for t in (128, 64, 32) if lay.m * lay.n >= t * t * target.cores or t == 32)
         wm, wn = {128: (4, 4), 64: (2, 4), 32: (1, 2)}[tile]
         return GemmSchedule(True, wm, wn, 1, tm=tile, tn=tile, tk=32, mma=mma)
     if _shared_form(target):
@@ -329,7 +328,7 @@ class _Gemm:
         """Work-item tid copies elements e = r*nl + tid of the tk x rows panel (at [k*rows + row],
         or with a pitch at [row*pitch + k] in the operands' dtype), walking the operand's
         contiguous axis with consecutive work-items; zeros past the edges."""
-        lay, tk, r = self.lay, self.p.tk, var("r")
+        lay, tk = self.lay, self.p.tk
         unit_k = lay.a_strides[2] == 1 if a_side else lay.b_strides[1] == 1
         if unit_k:  # consecutive work-items read consecutive k
             q, kq = binary("div", e, _i(tk)), binary("rem", e, _i(tk))

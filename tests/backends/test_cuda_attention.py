@@ -13,20 +13,25 @@ import ml_dtypes
 import numpy as np
 import pytest
 from test_cuda_ptx import ARCHS, _ptxas, need_ptxas  # one ptxas discovery
-
-import tilefuse as tx
-from tilefuse import nn
 from tilefuse.backends.cuda import offline_device, ptx_for
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import ShapedArray
 from tilefuse.ir.errors import DeviceError
 from tilefuse.ir.kernel import lower_region
-from tilefuse.ir.kernel.attention import (AttentionSchedule, build_backward, build_forward,
-                                          default_attention_schedule, spec_of)
+from tilefuse.ir.kernel.attention import (
+    AttentionSchedule,
+    build_backward,
+    build_forward,
+    default_attention_schedule,
+    spec_of,
+)
 from tilefuse.ir.kernel.ir import Buffer
 from tilefuse.ir.passes import partition, run_passes
 from tilefuse.runtime import dispatch
 from tilefuse.runtime.hardware import target_of
+
+import tilefuse as tx
+from tilefuse import nn
 
 
 def _grad_fn(causal):
@@ -56,7 +61,7 @@ def test_the_dispatcher_chooses_the_shared_builder_on_an_offline_cuda_device():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_bfloat16_forward_takes_the_shared_builder_and_assembles(arch):
     q = np.random.default_rng(0).standard_normal((2, 70, 3, 32)).astype(ml_dtypes.bfloat16)
-    f = lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True)  # noqa: E731
+    f = lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True)
     prog = tx.jit(f).lower(q, q, q, device=offline_device(arch)).compile().program
     assert [(lc.kind, lc.impl) for lc in prog.launches] == [("fused_attention", "tile_attention")]
     (ptx,) = ptx_for(f, q, q, q, sm=arch).values()
@@ -72,7 +77,7 @@ def _problem(causal, sq=7, sk=9, d=4, dv=5, seed=1):
     q, k, v = (rng.standard_normal((2, 3, s, f)).astype(np.float32) for s, f in ((sq, d), (sk, d), (sk, dv)))
     bias = rng.standard_normal((1, 3, 1, sk)).astype(np.float32)
     bias[0, 1, 0, 2] = -np.inf
-    params = dict(scale=0.5, causal=causal, dims=((0, 1, 2, 3),) * 3)
+    params = {"scale": 0.5, "causal": causal, "dims": ((0, 1, 2, 3),) * 3}
     (out,) = P.fused_attention.impl(q, k, v, bias, **params)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     (grads,) = P.fused_attention_bwd.impl(q, k, v, bias, out, dout, **params)
@@ -143,7 +148,7 @@ def test_an_offline_device_compiles_but_does_not_run():
 def test_on_the_gpu_forward_and_backward_match_numpy(causal):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 70, 3, 32)).astype(np.float32) for _ in range(3))
-    f = lambda q, k, v: nn.dot_product_attention(q, k, v, causal=causal)  # noqa: E731
+    f = lambda q, k, v: nn.dot_product_attention(q, k, v, causal=causal)
     np.testing.assert_allclose(np.asarray(tx.jit(f, device="cuda")(q, k, v)),
                                np.asarray(tx.jit(f, device="ref")(q, k, v)), rtol=1e-4, atol=1e-5)
     g = _grad_fn(causal)

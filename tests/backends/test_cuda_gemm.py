@@ -9,26 +9,24 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import tempfile
 
 import ml_dtypes
 import numpy as np
 import pytest
-
-import tilefuse as tx
-import tilefuse.numpy as tnp
-from tilefuse import nn
+from gemm_cases import CASES as SMALL  # tests/gemm_cases.py
+from gemm_cases import gemm_kernel
+from test_cuda_ptx import ARCHS, _ptxas, need_ptxas  # the ptxas this machine has (one discovery)
 from tilefuse.backends.cuda import offline_device
 from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel.gemm import GemmSchedule, build, default_schedule, gemm_spec
 from tilefuse.ir.kernel.ir import Buffer, binary, const
 from tilefuse.ir.kernel.tile import If, Range, Store, TileKernel, check_tile, mma, run_tile, var, vload
 from tilefuse.runtime.hardware import target_of
-from test_cuda_ptx import ARCHS, _ptxas, need_ptxas  # the ptxas this machine has (one discovery)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gemm_cases import CASES as SMALL, gemm_kernel  # noqa: E402  (tests/gemm_cases.py)
+import tilefuse as tx
+import tilefuse.numpy as tnp
+from tilefuse import nn
 
 BF16 = ml_dtypes.bfloat16
 F16 = np.float16
