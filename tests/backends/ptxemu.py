@@ -1,8 +1,10 @@
 """A small PTX interpreter for the CUDA backend's kernels, so that their numbers are checked where no
-GPU is (tests/backends/test_cuda_*.py). It covers the instructions those kernels emit;
+GPU is (tests/backends/test_cuda_*.py; `emulated_device()` runs the whole backend on it). It covers
+the instructions those kernels emit;
 threads run one by one between barriers, and warp collectives (ldmatrix, mma.sync) run for the
 whole warp at once, with the lane layouts the PTX ISA gives for the m16n8k16 fragments. Slow (a
 Python loop per instruction): small problems only."""
+import ctypes
 import re
 import struct
 
@@ -10,6 +12,9 @@ import ml_dtypes
 import numpy as np
 
 M = {8: 0xFF, 16: 0xFFFF, 32: 0xFFFFFFFF, 64: 0xFFFFFFFFFFFFFFFF}
+
+
+LOCAL = 1 << 48  # where local memory's addresses start
 
 
 def f32(bits):
@@ -54,11 +59,14 @@ class Kernel:
     def __init__(self, ptx):
         self.shared = {}
         off = 0
-        for name, n in re.findall(r"\.shared \.align \d+ \.b8 (\w+)\[(\d+)\]", ptx):
+        for name, n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+(\w+)\[(\d+)\]", ptx):
             self.shared[name] = off
             off += int(n)
             off = (off + 15) // 16 * 16
         self.shared_size = off
+        # a thread's stack (register arrays indexed at run time): its own bytes of local memory
+        self.local = {name: int(n) for name, n in
+                      re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+(\w+)\[(\d+)\]", ptx)}
         self.params = re.findall(r"\.param \.u64 [^\n]*?(\w+_param_\d+)", ptx)
         body = ptx[ptx.index("{", ptx.index(".entry")) + 1: ptx.rindex("}")]
         self.code, self.labels = [], {}
@@ -121,6 +129,8 @@ class Emu:
             return t.regs[tok]
         if tok in self.k.shared:
             return self.k.shared[tok]
+        if tok in self.k.local:
+            return LOCAL + t.tid * self.local_size + self.local_at[tok]
         return imm(tok) & M[max(w, 8)] if w > 1 else imm(tok)
 
     def addr(self, t, tok):
@@ -131,16 +141,26 @@ class Emu:
             return ("param", base)
         return self.val(t, base) + off
 
+    def mem(self, space, a):
+        """(memory, address in it): local addresses (generic ones too) lie above LOCAL."""
+        if space == "local" or a >= LOCAL:
+            return self.lmem, a - LOCAL
+        return (self.smem if space == "shared" else self.g), a
+
     def load(self, space, a, nbytes):
-        mem = self.g if space != "shared" else self.smem
+        mem, a = self.mem(space, a)
         return int.from_bytes(bytes(mem[a:a + nbytes]), "little")
 
     def store(self, space, a, nbytes, v):
-        mem = self.g if space != "shared" else self.smem
+        mem, a = self.mem(space, a)
         mem[a:a + nbytes] = np.frombuffer((v & M[nbytes * 8]).to_bytes(nbytes, "little"), np.uint8)
 
     def run_block(self, ctaid, ntid, nctaid):
         self.smem = np.zeros(max(self.k.shared_size, 16), np.uint8)
+        self.local_at, self.local_size = {}, 0
+        for name, n in self.k.local.items():
+            self.local_at[name], self.local_size = self.local_size, self.local_size + (n + 15) // 16 * 16
+        self.lmem = np.zeros(max(self.local_size * ntid, 16), np.uint8)
         ts = [Thread(i, ctaid, ntid, nctaid) for i in range(ntid)]
         while any(t.state != "done" for t in ts):
             for t in ts:
@@ -469,3 +489,62 @@ def run(ptx, buffers, grid, block):
     for a, b in zip(addrs, buffers):
         b[...] = np.frombuffer(g[a:a + b.nbytes].tobytes(), b.dtype).reshape(b.shape)
     return buffers[-1]
+
+
+# ---- an emulated CUDA device: the backend whole (pool, copies, launches) over this interpreter ----
+
+class EmuContext:
+    """backends/cuda/driver.Context's interface over one emulated global memory: addresses are
+    offsets into `mem`, launches run here (slow: small programs only)."""
+
+    def __init__(self, size: int = 1 << 24):
+        self.mem, self.top = np.zeros(size, np.uint8), 4096
+
+    def mem_alloc(self, nbytes: int) -> int:
+        a, self.top = self.top, self.top + (int(nbytes) + 255) // 256 * 256 + 256
+        if self.top > self.mem.size:
+            self.mem = np.concatenate([self.mem, np.zeros(max(self.top, self.mem.size), np.uint8)])
+        return a
+
+    def mem_free(self, ptr: int) -> None:
+        pass
+
+    def htod(self, dst: int, host: int, nbytes: int) -> None:
+        ctypes.memmove(self.mem.ctypes.data + dst, host, nbytes)
+
+    def dtoh(self, host: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(host, self.mem.ctypes.data + src, nbytes)
+
+    def dtod(self, dst: int, src: int, nbytes: int) -> None:
+        self.mem[dst:dst + nbytes] = self.mem[src:src + nbytes].copy()
+
+    def synchronize(self) -> None:
+        pass
+
+    def load_module(self, ptx: str, fn_name: str):
+        assert f".entry {fn_name}(" in ptx, fn_name
+        return None, Kernel(ptx)
+
+    def launch(self, kernel, grid: int, block: int, ptrs) -> None:
+        emu = Emu(kernel, self.mem, dict(zip(kernel.params, ptrs)))
+        with np.errstate(all="ignore"):
+            for c in range(grid):
+                emu.run_block(c, block, grid)
+
+
+def emulated_device(sm: str = "sm_80"):
+    """A CUDA device of compute capability `sm` whose kernels run in this interpreter: the whole
+    backend (its pool, copies and launches) without a GPU."""
+    from tilefuse.backends.cuda import CUDABackend, OfflineCUDABackend
+    from tilefuse.runtime.device import Device
+
+    class EmulatedCUDABackend(OfflineCUDABackend):
+        put = CUDABackend.put
+
+        def context(self, device=None):
+            if not hasattr(self, "_emu"):
+                self._emu = EmuContext()
+            return self._emu
+
+    backend = EmulatedCUDABackend(sm)
+    return Device(backend, 0, backend._infos[0], True)
