@@ -33,7 +33,12 @@ def b64(x):
     return struct.unpack("<Q", struct.pack("<d", np.float64(x)))[0]
 
 
-FLOAT = {"f32": (f32, b32, np.float32), "f64": (f64, b64, np.float64)}  # bits -> value, value -> bits
+def bf16v(bits):
+    return f32((bits & 0xFFFF) << 16)
+
+
+def b16bf(x):
+    return int(np.array([x], np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)[0])
 
 
 def f16v(bits):
@@ -42,6 +47,11 @@ def f16v(bits):
 
 def b16f(x):
     return int(np.array([np.float16(x)], np.float16).view(np.uint16)[0])
+
+
+# float types: bits -> value, value -> bits, numpy type
+FLOAT = {"f32": (f32, b32, np.float32), "f64": (f64, b64, np.float64), "f16": (f16v, b16f, np.float16),
+         "bf16": (bf16v, b16bf, ml_dtypes.bfloat16)}
 
 
 def sgn(v, w):
@@ -224,7 +234,8 @@ class Emu:
                 for i, r in enumerate(regs):
                     R[r] = self.load(space, a + i * w, w)
             else:
-                R[ops[0]] = self.load(space, a, width(ty) // 8)
+                v = self.load(space, a, width(ty) // 8)
+                R[ops[0]] = sgn(v, width(ty)) & M[64] if ty[0] == "s" else v  # ld.s32 into a 64-bit register
             return
         if head == "st":
             space = parts[1]
@@ -276,17 +287,16 @@ class Emu:
             cmp, ct = parts[1], parts[2]
             cw = width(ct)
             a, b = self.val(t, ops[1], cw), self.val(t, ops[2], cw)
-            if ct in FLOAT or ct in ("f16", "bf16"):
-                get = FLOAT[ct][0] if ct in FLOAT else f16v if ct == "f16" else (lambda h: f32((h & 0xFFFF) << 16))
-                a, b = get(a), get(b)
+            if ct in FLOAT:
+                a, b = FLOAT[ct][0](a), FLOAT[ct][0](b)
                 unordered = a != a or b != b
                 if cmp in ("nan", "num"):  # unordered (either is NaN), ordered (neither)
                     R[ops[0]] = int(unordered == (cmp == "nan"))
                     return
-                if cmp.endswith("u"):  # ltu, equ, neu, ...: true where unordered
-                    R[ops[0]] = int(unordered or {"eq": a == b, "ne": a != b, "lt": a < b, "le": a <= b,
-                                                  "gt": a > b, "ge": a >= b}[cmp[:2]])
+                if unordered:  # ltu, equ, neu, ...: true; eq, ne, lt, ...: false
+                    R[ops[0]] = int(cmp.endswith("u"))
                     return
+                cmp = cmp[:2]
             elif ct[0] == "s":
                 a, b = sgn(a, cw), sgn(b, cw)
             r = {"eq": a == b, "ne": a != b, "lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b}[cmp]
@@ -354,20 +364,15 @@ class Emu:
                     else np.trunc
                 R[ops[0]] = FLOAT[dt][1](rnd(v))
             elif st in FLOAT and dt in FLOAT:
-                R[ops[0]] = FLOAT[dt][1](FLOAT[dt][2](FLOAT[st][0](x)))
+                R[ops[0]] = FLOAT[dt][1](FLOAT[dt][2](np.float64(FLOAT[st][0](x))))
             elif dt in FLOAT and st[0] in "su":
                 R[ops[0]] = FLOAT[dt][1](FLOAT[dt][2](sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]))
-            elif st == "f16" and dt == "f32":
-                R[ops[0]] = b32(f16v(x))
-            elif st == "bf16" and dt == "f32":
-                R[ops[0]] = (x & 0xFFFF) << 16
-            elif st == "f32" and dt == "f16":
-                R[ops[0]] = b16f(np.float32(f32(x)))
-            elif st == "f32" and dt == "bf16":
-                R[ops[0]] = int(np.array([f32(x)], np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)[0])
-            elif st in FLOAT and dt[0] in "su":
-                v = FLOAT[st][0](x)
-                v = 0 if v != v else int(np.trunc(v)) if abs(v) < 2.0 ** 64 else 0
+            elif st in FLOAT and dt[0] in "su":  # (rni, rmi, rpi: rounded first; saturating as PTX is)
+                v = float(FLOAT[st][0](x))
+                v = np.rint(v) if "rni" in parts else np.floor(v) if "rmi" in parts else np.ceil(v) if "rpi" in parts \
+                    else np.trunc(v)
+                lo, hi = (-(1 << (width(dt) - 1)), (1 << (width(dt) - 1)) - 1) if dt[0] == "s" else (0, M[width(dt)])
+                v = 0 if v != v else int(min(max(v, lo), hi))
                 R[ops[0]] = v & M[width(dt)]
             else:  # integer conversions
                 v = sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]
@@ -414,6 +419,13 @@ class Emu:
             r = ~a
         elif head == "neg":
             r = -a
+        elif head == "abs":
+            r = abs(sgn(a, w))
+        elif head == "shf":  # funnel shift of the pair (b:a) by c, the word that stays
+            c = V(3) & (31 if "wrap" in parts else 63)
+            c = min(c, 32)
+            pair = (b << 32) | a
+            r = ((pair << c) >> 32) if parts[1] == "l" else (pair >> c)
         elif head == "shl":
             r = a << b if b < w else 0
         elif head == "shr":
