@@ -211,6 +211,8 @@ class _Printer(PrintedValues):
             return self.lit(n.arg, d)
         if op == "var":
             return n.arg
+        if op == "mma":  # a Target without MMA entries never gets one
+            raise CompileError(f"cstyle: no warp matrix-multiply-accumulate (mma {n.arg})", backend="cstyle")
         if op == "iota":
             return f"((long{w})({', '.join(str(i) for i in range(w))}))"
         if op == "load" and self.lanes(n.src[0]) > 1:  # a gather: a load per lane

@@ -109,19 +109,16 @@ def _template(name: str, kinds, module: str, device_kind: str, priority: int) ->
                                 _lazy(module, "applies"), priority))
 
 
-# Attention: FlashAttention on CPU, OpenCL and CUDA devices (float32), and everywhere the ordinary
-# kernels of its decomposition (runtime/composite.py).
+# Attention: FlashAttention on CPU and OpenCL devices (float32; CUDA takes the shared builder), and
+# everywhere the ordinary kernels of its decomposition (runtime/composite.py).
 _template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.llvm.attention", "cpu", 10)
 _template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.opencl.attention", "opencl", 10)
-_template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.cuda.attention", "cuda", 10)
 for _kind in TEMPLATE_KINDS:
     register(Implementation("composite", _kind, _lazy("tilefuse.runtime.composite", "build")))
 
-# GEMM on CUDA devices: shared-memory tiles, tensor cores for 16-bit floats, the epilogue fused
-# (backends/cuda/gemm.py). Where no template reads a fused_gemm's operands on OpenCL and CUDA: the
-# GEMM, then the epilogue kernel (runtime/gemm_split.py). The CPU's GEMMs register in
-# backends/llvm/gemm.py; backends that print tile kernels take the shared builder (runtime/tiled.py).
-_template("cuda_gemm", ("dot_general", "fused_gemm"), "tilefuse.backends.cuda.gemm", "cuda", 20)
+# Where no template reads a fused_gemm's operands on OpenCL and CUDA: the GEMM, then the epilogue
+# kernel (runtime/gemm_split.py). The CPU's GEMMs register in backends/llvm/gemm.py; backends that
+# print tile kernels take the shared builder (runtime/tiled.py).
 for _dk in ("opencl", "cuda"):
     _template("gemm_then_epilogue", ("fused_gemm",), "tilefuse.runtime.gemm_split", _dk, 10)
 

@@ -211,7 +211,7 @@ def target_of(info: DeviceInfo):
     """The scheduler's view of a device (ir/kernel/target.Target), from its description: a CPU
     device (the host, or an OpenCL device of type CPU) runs work-groups of one work-item over
     SIMD vectors; a GPU stages tiles through shared memory."""
-    from tilefuse.ir.kernel.target import Target
+    from tilefuse.ir.kernel.target import MMA, Target
     cpu = info.kind == "cpu" or info.extra.get("device_type") == "cpu"
     # an OpenCL CPU device is this host: its caches as /sys reports them (OpenCL's cache size
     # is whatever the driver says, 480 MiB from one PoCL)
@@ -222,4 +222,5 @@ def target_of(info: DeviceInfo):
                   vector_registers=32 if "avx512f" in feats else 16, cores=max(1, info.compute_units),
                   shared_bytes=0 if cpu else info.local_mem_bytes, max_group=max(1, info.max_work_group),
                   warp=max(1, info.sub_group), l1_bytes=caches.l1_bytes, l2_bytes=caches.l2_bytes,
-                  l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)))
+                  l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)),
+                  mma=tuple(MMA(*m) for m in info.extra.get("mma", ())))  # (the backend's table: MMA's fields)

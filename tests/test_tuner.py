@@ -151,8 +151,8 @@ def test_opencl_work_group_size_is_tuned_and_used(db):
 
 
 def test_cuda_block_size_is_a_template_and_a_stored_block_is_built(db):
-    """The CUDA kernels' block size (no GPU here: an offline sm_90 device compiles, and the
-    dispatcher's build with a stored block gives a kernel that launches with it)."""
+    """The CUDA kernels' block size is the shared scheduler's work-group (no GPU here: an offline
+    sm_90 device compiles, and the dispatcher's build with a stored group launches with it)."""
     from tilefuse.backends.cuda import offline_device
     from tilefuse.runtime import dispatch
     dev = offline_device("sm_90")
@@ -160,15 +160,14 @@ def test_cuda_block_size_is_a_template_and_a_stored_block_is_built(db):
     (launch,) = tx.jit(lambda x: (x * 2 + 1).sum(axis=1), device=dev).lower(x).compile().program.launches
     kernel = launch.kernel
     t = tuner.template_for(launch.impl, kernel, dev)
-    assert t.name == "cuda_kernel"
-    assert t.default(kernel, dev) == {"block": 32}  # 1000 points over 132 SMs: a warp per block
-    assert t.space(kernel, dev) == {"block": (32, 64, 128, 256, 512, 1024)}
-    assert t.check({"block": 48}, kernel, dev) and t.check({"block": 2048}, kernel, dev)
-    run = t.build(kernel, dev, dev.backend, {"block": 256})
-    assert (run.grid, run.block) == (4, 256) and ".target sm_90" in run.source
+    assert t.name == "tile_kernel"
+    assert t.space(kernel, dev) == {"group": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)}
+    assert t.check({"group": 2048}, kernel, dev)
+    run = t.build(kernel, dev, dev.backend, {"group": 32})
+    assert (run.grid, run.block) == (32, 32) and ".target sm_90" in run.source
     sig, shape = t.key(kernel)
     assert tuner.database().put({"template": t.name, "signature": sig, "shape_class": shape,
-                                 "device": tuner.device_key(dev), "params": {"block": 128},
+                                 "device": tuner.device_key(dev), "params": {"group": 128},
                                  "seconds": 1e-5, "default_seconds": 2e-5, "trials": 4})
     run = tuner.build(dispatch.choose(kernel, dev), kernel, dev, dev.backend)
     assert (run.grid, run.block) == (8, 128)

@@ -1,5 +1,6 @@
-"""The CUDA backend: kernel IR → NVPTX LLVM IR (render.py, sharing the CPU renderer) → PTX via
-llvmlite's NVPTX target, loaded and launched through the driver API over ctypes (driver.py).
+"""The CUDA backend: tile kernels (the shared scheduler's and builders', ir/kernel/) → NVPTX LLVM IR
+(tile.py, a form of the shared LLVM tile printer) → PTX via llvmlite's NVPTX target (render.py),
+loaded and launched through the driver API over ctypes (driver.py).
 Buffers come from the caching pool (runtime/memory.py) over cuMemAlloc; copies and launches go
 on one stream per device.
 
@@ -13,42 +14,20 @@ import re
 import threading
 
 import numpy as np
-
 from tilefuse.ir.errors import DeviceError
 from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo
 from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
+from tilefuse.runtime.tiled import register_attention, register_gemm, register_kernels
 
 from ..base import Backend
+from ..llvmir.tile import print_tile
 from . import driver
-from .render import kernel_ptx
+from .render import to_ptx
+from .tile import PTXTilePrinter, launch_dims
 
-BLOCK = 256  # threads per block for large spaces (8 warps: full occupancy on sm_80/sm_90)
 # the PTX targets we emit; a newer GPU JIT-compiles the newest of them (PTX is forward-compatible)
 SM_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90")
-
-
-# ---- launch configuration (pure: unit-tested against DeviceInfo values) ------------------------
-
-def launch_config(points: int, info: DeviceInfo, block: int | None = None) -> tuple[int, int]:
-    """(grid, block) for a grid-stride kernel over `points` threads' worth of work.
-
-    Block (unless given, as the tuner does): BLOCK threads (capped by the device's max threads
-    per block, a whole number of warps), halved down to one warp while the space would not give
-    every SM a block, so small kernels spread over the SMs. Grid: enough blocks to cover the
-    space, capped at one wave of resident blocks (SM count × blocks an SM holds); the
-    grid-stride loop does the rest."""
-    warp = max(int(info.sub_group or 32), 1)
-    sms = max(int(info.compute_units), 1)
-    if block is None:
-        block = max(warp, min(BLOCK, int(info.max_work_group or BLOCK)) // warp * warp)
-        while points > 0 and block > warp and -(-points // block) < sms:
-            block = max(warp, block // 2 // warp * warp)
-    if points <= 0:
-        return 0, block
-    per_sm = max(1, int(info.extra.get("max_threads_per_sm", 2048)) // block)
-    grid = min(-(-points // block), sms * per_sm)
-    return max(grid, 1), block
 
 
 def sm_target(cc: tuple[int, int]) -> str:
@@ -62,6 +41,9 @@ def sm_target(cc: tuple[int, int]) -> str:
     exact = f"sm_{want}"
     return exact if exact in ok else max((t for t in ok if t.endswith("0")), key=lambda t: int(t[3:]))
 
+
+# the warp MMA instructions of sm_80 and later (ir/kernel/target.MMA's fields): mma.sync m16n8k16
+MMA = tuple(("m16n8k16", 16, 8, 16, t) for t in ("float16", "bfloat16"))
 
 def device_info(name: str, cc: tuple[int, int], sm_count: int, *, max_threads_per_block=1024,
                 shared_per_block=48 << 10, warp=32, l2_bytes=0, max_threads_per_sm=2048,
@@ -77,7 +59,8 @@ def device_info(name: str, cc: tuple[int, int], sm_count: int, *, max_threads_pe
         peak_gflops=sm_count * fp32_per_sm * 2 * clock_khz / 1e6,
         peak_gbps=2 * mem_clock_khz * 1e3 * bus_bits / 8 / 1e9,
         features=(f"sm_{cc[0]}{cc[1]}",), cpu_name=sm,
-        extra={"max_threads_per_sm": max_threads_per_sm, "sm": sm, "cc": cc}), hardware.description("cuda"))
+        extra={"max_threads_per_sm": max_threads_per_sm, "sm": sm, "cc": cc, "mma": MMA if cc >= (8, 0) else ()}),
+        hardware.description("cuda"))
 
 
 # typical devices for offline compilation (A100 and H100 SXM)
@@ -89,7 +72,7 @@ OFFLINE = {"sm_80": ("NVIDIA A100 (offline)", (8, 0), 108),
 
 class _Block:
     """One cuMemAlloc allocation (the pool tracks blocks by identity)."""
-    __slots__ = ("ptr", "__weakref__")
+    __slots__ = ("__weakref__", "ptr")
 
     def __init__(self, ptr: int):
         self.ptr = ptr
@@ -116,15 +99,12 @@ def _fn_name(kernel) -> str:
 
 
 class CudaKernel:
-    """A kernel compiled to PTX; calling it launches it on the device's stream (the module is
-    loaded on the first call)."""
+    """A kernel compiled to PTX, launched as `grid` blocks of `block` threads: calling it launches
+    it on the device's stream (the module is loaded on the first call)."""
 
-    def __init__(self, kernel, fn_name: str, llvm_ir: str, ptx: str, backend, device,
-                 block: int | None = None):
+    def __init__(self, kernel, fn_name: str, llvm_ir: str, ptx: str, backend, device, grid: int, block: int):
         self.kernel, self.fn_name, self.llvm_ir, self.source = kernel, fn_name, llvm_ir, ptx
-        self.backend, self.device = backend, device
-        self.points = int(np.prod(kernel.shape, dtype=np.int64))
-        self.grid, self.block = launch_config(self.points, backend.info_of(device), block)
+        self.backend, self.device, self.grid, self.block = backend, device, grid, block
         self._fn = None
 
     def __call__(self, buffers):
@@ -186,17 +166,19 @@ class CUDABackend(Backend):
                                                   lambda b: ctx.mem_free(b.ptr), name=f"cuda:{i}")
         return pool
 
-    # -- kernels ---------------------------------------------------------------------------
-    def compile_kernel(self, kernel, device=None, block: int | None = None) -> CudaKernel:
-        """The kernel's PTX (made once per kernel and target) launched with `block` threads per
-        block (None: launch_config's choice); the grid-stride PTX runs with any."""
+    # -- kernels: ir/kernel/schedule.py lays every kernel out as a tile kernel (Backend.compile_kernel)
+    tile_kernels = True
+
+    def compile_tile(self, tk, device=None) -> CudaKernel:
+        """A tile kernel (ir/kernel/tile.py) as PTX: a block per grid point, a thread per lane."""
         sm = self.info_of(device).extra.get("sm", "sm_80")
-        key = (str(kernel), sm)
+        key = (str(tk), sm)
         hit = self._ptx.get(key)
         if hit is None:
-            name = _fn_name(kernel)
-            hit = self._ptx[key] = (name, *kernel_ptx(kernel, name, sm))
-        return CudaKernel(kernel, hit[0], hit[1], hit[2], self, device, block)
+            name = _fn_name(tk)
+            text = print_tile(tk, name, PTXTilePrinter, "cuda")
+            hit = self._ptx[key] = (name, text, to_ptx(text, sm))
+        return CudaKernel(tk, *hit, self, device, *launch_dims(tk))
 
     # -- memory ----------------------------------------------------------------------------
     def alloc(self, nbytes: int, device=None) -> DeviceBuffer:
@@ -269,15 +251,26 @@ def ptx_for(fn, *args, sm: str = "sm_90") -> dict[str, str]:
     """Kernel name → PTX of every kernel `tx.jit(fn)(*args)` would launch, for `sm`."""
     import tilefuse as tx
     srcs = tx.jit(fn).lower(*args, device=offline_device(sm)).sources()
-    return {k[:-len(".cuda")]: srcs[k] for k in srcs if k.endswith(".cuda")}
+    # (a kernel's source is its kernel IR and "name.cuda" its PTX; a loop kernel's is its PTX)
+    return {k.removesuffix(".cuda"): srcs[k] for k in srcs if ".entry" in srcs[k]}
 
 
 def create() -> CUDABackend:
     return CUDABackend()
 
 
-__all__ = ["CUDABackend", "OfflineCUDABackend", "DeviceBuffer", "launch_config", "device_info",
-           "sm_target", "offline_device", "ptx_for", "create"]
+# the shared builders (ir/kernel/: GEMM, FlashAttention) and scheduler, searched by the tuner
+register_gemm("cuda", priority=20)
+register_attention("cuda", priority=10)
+register_kernels("cuda")
 
-
-from . import tuning  # noqa: E402,F401  (registers the block size with the auto-tuner)
+__all__ = [
+    "CUDABackend",
+    "DeviceBuffer",
+    "OfflineCUDABackend",
+    "create",
+    "device_info",
+    "offline_device",
+    "ptx_for",
+    "sm_target",
+]

@@ -1,29 +1,16 @@
-"""Kernel IR → LLVM IR for NVPTX, and LLVM IR → PTX through llvmlite's NVPTX target.
-
-The shared LLVM IR renderer (backends/llvmir/render.py) does the expression rendering, the per-point fused
-reduce loop and the conversions; this subclass changes only what differs on a GPU:
-- the signature: `ptx_kernel void f(ptr buf0, ptr buf1, ...)` (one pointer per buffer);
-- the parallel loop: point p = blockIdx.x·blockDim.x + threadIdx.x, stepping by
-  gridDim.x·blockDim.x (a grid-stride loop, so any grid size covers the space), with the point
-  split into the merged-axis counters by div/rem (32-bit when the space fits);
-- "add" stores: `atomicrmw fadd`/`add` (scatter-add points may collide);
-- float64 libm calls: no libdevice here, so exp/log/pow use the float64 polynomials of vecmath and
-  the others round through the float32 polynomials (see F64_VIA_F32)."""
+"""What NVPTX LLVM IR needs beyond the shared printers (backends/llvmir), and LLVM IR → PTX through
+llvmlite's NVPTX target. float64 libm calls: no libdevice here, so exp/log/pow use the float64
+polynomials of vecmath and the others round through the float32 polynomials (see F64_VIA_F32)."""
 from __future__ import annotations
 
 import math
 import threading
 
 import llvmlite.binding as llvm
-import llvmlite.ir as ir
-import numpy as np
-
+from llvmlite import ir
 from tilefuse.backends.llvmir import vecmath
-from tilefuse.backends.llvmir.render import TYPES, Renderer, is_float
-from tilefuse.backends.llvmir.vecmath import F32, F64, I32, I64, Emit
+from tilefuse.backends.llvmir.vecmath import F32, F64, I32, Emit
 from tilefuse.ir.errors import CompileError
-from tilefuse.ir.kernel.ir import SUM_BLOCK, Kernel
-from tilefuse.ir.kernel.schedule import ATOMIC
 
 TRIPLE = "nvptx64-nvidia-cuda"
 # float64 functions computed through float32 (≈1e-7 relative, not float64 accuracy)
@@ -78,95 +65,11 @@ def _pow_f64(em: Emit, x, y):
     return em.sel(em.eq(y, em.c(F64, 0.0)), one, r)
 
 
-def _sreg(b: ir.IRBuilder, name: str):
+def sreg(b: ir.IRBuilder, name: str):
     """A PTX special register (tid.x, ntid.x, ctaid.x, nctaid.x) as an i32."""
     full = f"llvm.nvvm.read.ptx.sreg.{name}"
     fn = b.module.globals.get(full) or ir.Function(b.module, ir.FunctionType(I32, []), name=full)
     return b.call(fn, [])
-
-
-class PTXRenderer(Renderer):
-    """One Kernel as an NVPTX kernel function (see the module docstring)."""
-
-    steps_per_block = SUM_BLOCK  # a thread's sum is one accumulator (no SIMD lanes to spread it)
-
-    def __init__(self, kernel: Kernel, fn_name: str):
-        super().__init__(kernel, fn_name)
-        self.interchange = False  # the tiled CPU interchange is for SIMD loops, not threads
-
-    def render(self) -> ir.Module:
-        mod = ir.Module(name=self.fn_name)
-        mod.triple = TRIPLE
-        nbuf = len(self.k.buffers)
-        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.PointerType()] * nbuf),
-                         name=self.fn_name)
-        fn.calling_convention = "ptx_kernel"
-        fn.attributes.add("nounwind")
-        self.fn = fn
-        entry = fn.append_basic_block("entry")
-        self.b = ir.IRBuilder(entry)
-        self.em = NVEmit(self.b)
-        self.allocas_at = entry
-        self.ptrs = list(fn.args)
-        self.cache, self.env = {}, {}
-        body = self.b.append_basic_block("body")
-        self.b.branch(body)
-        self.b.position_at_end(body)
-        self._grid_stride()
-        self.b.ret_void()
-        return mod
-
-    def _grid_stride(self):
-        """for (p = global thread id; p < points; p += total threads) point(p)."""
-        b = self.b
-        total = int(np.prod(self.k.shape, dtype=np.int64))
-        if total == 0:
-            return
-        # 32-bit index arithmetic when the space (plus one stride of overshoot) fits
-        it = I32 if total < (1 << 30) else I64
-        c = lambda v: ir.Constant(it, v)  # noqa: E731
-        ext = (lambda v: v) if it == I64 else (lambda v: b.zext(v, I64))
-        widen = (lambda v: b.zext(v, I64)) if it == I64 else (lambda v: v)
-        tid, ntid = widen(_sreg(b, "tid.x")), widen(_sreg(b, "ntid.x"))
-        ctaid, nctaid = widen(_sreg(b, "ctaid.x")), widen(_sreg(b, "nctaid.x"))
-        start = b.add(b.mul(ctaid, ntid, flags=("nuw",)), tid, flags=("nuw",))
-        stride = b.mul(nctaid, ntid, flags=("nuw",))
-        pre = b.block
-        head = b.append_basic_block("p.head")
-        loop = b.append_basic_block("p.body")
-        done = b.append_basic_block("p.done")
-        b.branch(head)
-        b.position_at_end(head)
-        p = b.phi(it, name="p")
-        p.add_incoming(start, pre)
-        b.cbranch(b.icmp_unsigned("<", p, c(total)), loop, done)
-        b.position_at_end(loop)
-        rest = p
-        groups = self.par.groups
-        for g in reversed(range(len(groups))):  # the counters of the merged axes, innermost last
-            size = groups[g][0]
-            self.env[("idx", g)] = ext(b.urem(rest, c(size)) if g else rest)
-            if g:
-                rest = b.udiv(rest, c(size))
-        self._point_scope()
-        nxt = b.add(p, stride, flags=("nuw",))
-        p.add_incoming(nxt, b.block)
-        b.branch(head)
-        b.position_at_end(done)
-
-    def _store(self, st, value=None):
-        if st.mode != "add":
-            return super()._store(st, value)
-        b = self.b
-        d = np.dtype(self.k.buffers[st.buffer].dtype)
-        if d.name not in ATOMIC:
-            raise CompileError(f"scatter-add into {d} has no atomic on the GPU yet "
-                               f"({'/'.join(ATOMIC)} do)", kernel=str(self.k))
-        mt = TYPES[d][1]
-        ptr = b.gep(self.ptrs[st.buffer], [self._index(self.value(st.offset), st.offset.dtype)],
-                    inbounds=True, source_etype=mt)
-        v = self._convert(self.value(st.value), st.value.dtype, d)
-        b.atomic_rmw("fadd" if is_float(d) else "add", ptr, v, "monotonic")
 
 
 # ---- LLVM IR → PTX --------------------------------------------------------------------------
@@ -186,11 +89,6 @@ def _machine(sm: str):
         return tm
 
 
-def render_llvm(kernel: Kernel, fn_name: str) -> str:
-    """The NVPTX LLVM IR text of one kernel."""
-    return str(PTXRenderer(kernel, fn_name).render())
-
-
 def to_ptx(llvm_ir: str, sm: str = "sm_90") -> str:
     """Optimise NVPTX LLVM IR (O3) and emit PTX for the compute capability `sm`."""
     tm = _machine(sm)
@@ -208,10 +106,4 @@ def to_ptx(llvm_ir: str, sm: str = "sm_90") -> str:
         return tm.emit_assembly(mod)
 
 
-def kernel_ptx(kernel: Kernel, fn_name: str, sm: str = "sm_90") -> tuple[str, str]:
-    """(LLVM IR, PTX) of one kernel."""
-    text = render_llvm(kernel, fn_name)
-    return text, to_ptx(text, sm)
-
-
-__all__ = ["PTXRenderer", "render_llvm", "to_ptx", "kernel_ptx"]
+__all__ = ["TRIPLE", "NVEmit", "sreg", "to_ptx"]

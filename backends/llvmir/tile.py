@@ -35,18 +35,32 @@ def _i(v: int):
 class _Printer(PrintedValues):
     def __init__(self, k: TileKernel, fn_name: str):
         self.k = k
-        if any(isinstance(s, Barrier) for s in _walk(k.body)) or \
-                any(a.scope == "shared" for a in k.allocs()):
-            raise CompileError(f"{k.name}: the CPU runs work-groups of one work-item (no barriers, no "
-                               "shared memory); schedule it for a CPU target", backend="llvm", kernel=str(k))
+        self.refuse()
         self.mod = ir.Module(name=fn_name)
-        self.fn = ir.Function(self.mod, FN_T, name=fn_name)
+        self.fn = self.function(fn_name)
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.ops = _Ops(self.b)
         self.width: dict = {}
         self.memo: list[dict] = [{}]
         self.env: dict = {}  # variable name -> i64 value (unrolled: a constant)
         self.ptrs: dict = {}  # target -> (pointer to elements, storage dtype)
+
+    # -- what a GPU subclass (backends/cuda/tile.py) replaces ----------------------------------
+    def refuse(self) -> None:
+        k = self.k
+        if any(isinstance(s, Barrier) for s in _walk(k.body)) or \
+                any(a.scope == "shared" for a in k.allocs()):
+            raise CompileError(f"{k.name}: the CPU runs work-groups of one work-item (no barriers, no "
+                               "shared memory); schedule it for a CPU target", backend="llvm", kernel=str(k))
+
+    def function(self, fn_name: str) -> ir.Function:
+        return ir.Function(self.mod, FN_T, name=fn_name)
+
+    def barrier(self) -> None:
+        raise AssertionError("refused: a CPU kernel has no barriers")
+
+    def store_add(self, target, off, v, w: int) -> None:
+        raise AssertionError("the CPU tile printer has no atomic adds")
 
     # -- types --------------------------------------------------------------------------------
     def lanes(self, n: KExpr) -> int:
@@ -109,6 +123,8 @@ class _Printer(PrintedValues):
         w = self.lanes(n)
         if op == "const":
             return _constant(n.arg, d)
+        if op == "mma":  # (a GPU printer prints it; a Target without MMA entries never gets one)
+            raise AssertionError("the CPU has no warp matrix-multiply-accumulate (mma)")
         if op in ("load", "vload"):
             target, lanes = (n.arg, 1) if op == "load" else n.arg
             return self.load(target, self._val(n.src[0]), d, lanes)
@@ -165,26 +181,41 @@ class _Printer(PrintedValues):
                 counted_loop(self.b, _i(0), hi, body_fn, name=s.var)
             elif isinstance(s, Store):
                 w = self.lanes(s.value)
-                self.store(s.target, self._val(s.offset), self.val(s.value, w), w)
+                if s.mode == "add":
+                    self.store_add(s.target, self._val(s.offset), self.val(s.value, w), w)
+                else:
+                    self.store(s.target, self._val(s.offset), self.val(s.value, w), w)
                 self.forget(s.target)
             elif isinstance(s, If):
                 with self.b.if_then(self._val(s.cond)):
                     self.block(s.body)
-            # Allocs are made in the entry block (print); Barriers are refused
+            elif isinstance(s, Barrier):
+                self.barrier()
+            # Allocs are made in the entry block (print)
         self.memo.pop()
 
     def print(self) -> str:
+        for i, buf in enumerate(self.k.buffers):
+            self.ptrs[i] = (self.buffer(i, TYPES[np.dtype(buf.dtype)][1]), np.dtype(buf.dtype))
+        for a in self.k.allocs():
+            self.ptrs[a.name] = (self.alloc(a, TYPES[np.dtype(a.dtype)][1]), np.dtype(a.dtype))
+        self.points()
+        self.b.ret_void()
+        return str(self.mod)
+
+    def buffer(self, i: int, mt):
+        """A pointer to global buffer i's elements (of memory type mt)."""
+        raw = self.b.load(self.b.gep(self.fn.args[0], [_i(i)]))
+        return self.b.bitcast(raw, mt.as_pointer())
+
+    def alloc(self, a, mt):
+        arr = self.b.alloca(ir.ArrayType(mt, a.size), name=a.name)
+        arr.align = 64
+        return self.b.bitcast(arr, mt.as_pointer())
+
+    def points(self) -> None:
+        """Run the grid points [start, end), each work-group's lanes one after another."""
         k, b = self.k, self.b
-        ptrs = self.fn.args[0]
-        for i, buf in enumerate(k.buffers):
-            mt = TYPES[np.dtype(buf.dtype)][1]
-            raw = b.load(b.gep(ptrs, [_i(i)]))
-            self.ptrs[i] = (b.bitcast(raw, mt.as_pointer()), np.dtype(buf.dtype))
-        for a in k.allocs():
-            mt = TYPES[np.dtype(a.dtype)][1]
-            arr = b.alloca(ir.ArrayType(mt, a.size), name=a.name)
-            arr.align = 64
-            self.ptrs[a.name] = (b.bitcast(arr, mt.as_pointer()), np.dtype(a.dtype))
         grid, lanes = k.grid(), k.lanes()
         start, end = self.fn.args[1], self.fn.args[2]
 
@@ -200,8 +231,6 @@ class _Printer(PrintedValues):
                 inner = (Range(r.var, r.extent, "serial", inner),)
             self.block(inner)
         counted_loop(b, start, end, task, name="task")
-        b.ret_void()
-        return str(self.mod)
 
 
 def _walk(body):
@@ -228,13 +257,17 @@ def key_text(k: TileKernel) -> str:
     return "\n".join(lines)
 
 
-def print_tile(k: TileKernel, fn_name: str) -> str:
-    """LLVM IR of a tile kernel: fn_name(i8** buffers, i64 start, i64 end) over grid points."""
+def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm") -> str:
+    """LLVM IR of a tile kernel: fn_name(i8** buffers, i64 start, i64 end) over grid points (or
+    the form a subclass of TilePrinter prints)."""
     try:
-        return _Printer(k, fn_name).print()
+        return (printer or _Printer)(k, fn_name).print()
     except (KeyError, AssertionError, TypeError, ValueError) as e:
-        raise CompileError(f"the llvm backend cannot print tile kernel {k.name}: {type(e).__name__}: {e}",
-                           backend="llvm", kernel=pp_tile(k)) from e
+        raise CompileError(f"the {backend} backend cannot print tile kernel {k.name}: {type(e).__name__}: {e}",
+                           backend=backend, kernel=pp_tile(k)) from e
 
 
-__all__ = ["INDEX", "key_text", "print_tile", "tasks"]
+TilePrinter = _Printer
+
+
+__all__ = ["INDEX", "TilePrinter", "key_text", "print_tile", "tasks"]

@@ -23,9 +23,11 @@ from .ir import INDEX, Buffer, KExpr, binary, cast, const, select, unary
 from .lower import epilogue_expr, iadd, imul
 from .matmul import MatmulLayout, matmul_layout
 from .target import Target
-from .tile import (Alloc, Barrier, If, Range, Store, TileKernel, broadcast, tload, var, vload)
+from .tile import (MMA_LAYOUTS, WARP, Alloc, Barrier, If, Range, Store, TileKernel, broadcast, mma, tload, var,
+                   vload)
 
 F32 = np.dtype(np.float32)
+PAD = 8  # elements between the MMA form's k-contiguous panel rows (16 bytes: rows start in other banks)
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,15 @@ class GemmSchedule:
     tk: int = 0
     mc: int = 0
     nc: int = 0
+    mma: str = ""  # shared form: a warp's MMA instruction (ir/kernel/tile.MMA_LAYOUTS) multiplies,
+    #               wm x wn of its tiles per warp (a work-item's register tile otherwise)
 
     def check(self, spec: GemmSpec, target: Target) -> str | None:
         """Why this schedule cannot run on the target, or None."""
         if min(self.wm, self.wn, self.vec) < 1:
             return f"{self}: register tiles of at least one element"
+        if self.mma:
+            return self._check_mma(spec, target)
         if self.shared:
             if target.shared_bytes == 0:
                 return "the target has no shared memory"
@@ -101,6 +107,28 @@ class GemmSchedule:
             return f"a {self.wm} x {self.wn} register tile exceeds {target.vector_registers} registers"
         return None
 
+    def _check_mma(self, spec: GemmSpec, target: Target) -> str | None:
+        if _mma_for(spec, target) != self.mma or not self.shared:
+            return f"{self}: the target has no {self.mma} MMA for {spec.layout.dtype} (or not in the shared form)"
+        (fm, fn, fk), _, _, _ = MMA_LAYOUTS[self.mma]
+        if self.tm % (fm * self.wm) or self.tn % (fn * self.wn) or self.tk % fk:
+            return f"{self}: tm, tn, tk multiples of the warp tile {fm * self.wm} x {fn * self.wn} and of k {fk}"
+        group = self.tm // (fm * self.wm) * (self.tn // (fn * self.wn)) * WARP
+        if group > target.max_group:
+            return f"{group} work-items exceed the work-group limit {target.max_group}"
+        panels = (self.tm + self.tn) * (self.tk + PAD) * spec.layout.dtype.itemsize
+        if panels > target.shared_bytes:
+            return f"panels of {panels} bytes exceed shared memory"
+        return None
+
+
+def _mma_for(spec: GemmSpec, target: Target) -> str:
+    """The target's MMA instruction for the spec's operands ("": none), in the shared form only."""
+    if not _shared_form(target) or target.warp != WARP:
+        return ""
+    return next((m.name for m in target.mma if m.name in MMA_LAYOUTS and m.in_dtype == spec.layout.dtype.name
+                 and m.acc_dtype == spec.acc_dtype.name), "")
+
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
@@ -109,6 +137,11 @@ def _ceil(a: int, b: int) -> int:
 def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     """The parameters the target's description implies (the tuner may find better ones)."""
     lay = spec.layout
+    mma = _mma_for(spec, target)
+    if mma:  # four or eight warps, each wm x wn MMA tiles
+        tile = next(t for t in (128, 64, 32) if lay.m * lay.n >= t * t * target.cores or t == 32)
+        wm, wn = {128: (4, 4), 64: (2, 4), 32: (1, 2)}[tile]
+        return GemmSchedule(True, wm, wn, 1, tm=tile, tn=tile, tk=32, mma=mma)
     if _shared_form(target):
         tile = 64 if lay.m * lay.n >= 64 * 64 * target.cores else 32
         wm = wn = 4 if tile == 64 else 2
@@ -139,6 +172,10 @@ PACKED_FIELDS = ("wm", "wn", "vec", "mc", "nc")
 
 def space(spec: GemmSpec, target: Target) -> dict:
     """The tuner's search space (schedule fields -> candidate values): the target's form's fields."""
+    mma = _mma_for(spec, target)
+    if mma:
+        return {"tm": (32, 64, 128), "tn": (32, 64, 128), "tk": (16, 32, 64), "wm": (1, 2, 4), "wn": (1, 2, 4, 8),
+                "mma": (mma,)}
     if _shared_form(target):
         return {"tm": (32, 64, 128), "tn": (32, 64, 128), "tk": (8, 16, 32), "wm": (2, 4, 8), "wn": (2, 4, 8)}
     return {"wm": (2, 4, 6, 8), "wn": (1, 2, 3, 4), "vec": (4, 8, 16), "mc": (24, 48, 96, 192),
@@ -147,7 +184,8 @@ def space(spec: GemmSpec, target: Target) -> dict:
 
 def params_of(sched: GemmSchedule) -> dict:
     """A schedule as the tuner stores it: its form's fields."""
-    return {f: getattr(sched, f) for f in (SHARED_FIELDS if sched.shared else PACKED_FIELDS)}
+    fields = (SHARED_FIELDS + (("mma",) if sched.mma else ())) if sched.shared else PACKED_FIELDS
+    return {f: getattr(sched, f) for f in fields}
 
 
 def schedule_of(params: dict, target: Target) -> GemmSchedule:
@@ -286,6 +324,85 @@ class _Gemm:
                 Range("ic", _ceil(lay.m, mc), "grid", body),)),)),)
 
     # -- the GPU form -----------------------------------------------------------------------
+    def stage(self, name, rows, a_side, e, nl, k0, z, bm, bn, pitch=0) -> Range:
+        """Work-item tid copies elements e = r*nl + tid of the tk x rows panel (at [k*rows + row],
+        or with a pitch at [row*pitch + k] in the operands' dtype), walking the operand's
+        contiguous axis with consecutive work-items; zeros past the edges."""
+        lay, tk = self.lay, self.p.tk
+        unit_k = lay.a_strides[2] == 1 if a_side else lay.b_strides[1] == 1
+        if unit_k:  # consecutive work-items read consecutive k
+            q, kq = binary("div", e, _i(tk)), binary("rem", e, _i(tk))
+        else:
+            kq, q = binary("div", e, _i(rows)), binary("rem", e, _i(rows))
+        g = _add(_mul(bm if a_side else bn, rows), q)
+        gk = _add(_mul(k0, tk), kq)
+        limit = lay.m if a_side else lay.n
+        inside = _and(_lt(g, limit), _lt(gk, lay.k))
+        gc, kc = _min(g, limit - 1), _min(gk, lay.k - 1)
+        val = self.a_at(z, gc, kc) if a_side else self.b_at(z, kc, gc)
+        val = val if pitch else _fp(val)
+        at = _add(_mul(q, pitch), kq) if pitch else _add(_mul(kq, rows), q)
+        return Range("r", _ceil(tk * rows, nl), "serial", (
+            If(_lt(e, tk * rows), (Store(name, at, select(inside, val, const(0, val.dtype))),)),))
+
+    def shared_mma(self) -> tuple:
+        """The shared form with a warp MMA: warps of WARP work-items, each multiplying wm x wn
+        fm x fn tiles of the block's tm x tn tile, fragments gathered from the staged 16-bit
+        panels (k-contiguous rows, PAD elements apart against bank conflicts; a fragment's pairs
+        are adjacent) by the instruction's lane layout (m16n8k16: ir/kernel/tile.py)."""
+        lay, p = self.lay, self.p
+        (fm, fn, fk), _, _, _ = MMA_LAYOUTS[p.mma]
+        tm, tn, tk, wm, wn, dt = p.tm, p.tn, p.tk, p.wm, p.wn, lay.dtype
+        wy, wx = tm // (fm * wm), tn // (fn * wn)
+        nl = wy * wx * WARP
+        z, bm, bn, vy, vx, ln = var("z"), var("bm"), var("bn"), var("wy"), var("wx"), var("ln")
+        k0, ks, r, t = var("k0"), var("ks"), var("r"), var("t")
+        e = _add(_mul(r, nl), _mul(_add(_mul(vy, wx), vx), WARP), ln)
+        grp, quad = binary("div", ln, _i(4)), binary("rem", ln, _i(4))  # a lane's group of 4, its place in it
+        row0, col0 = _mul(vy, fm * wm), _mul(vx, fn * wn)  # the warp's tile in the block's
+        kbase = _mul(ks, fk)
+        # the lane's fragment elements (m16n8k16): A (row, k), B (k, col), C (row, col)
+        a_el = [(_add(grp, 8 * ((q >> 1) & 1)), _add(_mul(quad, 2), (q & 1) + 8 * (q >> 2))) for q in range(8)]
+        b_el = [(_add(_mul(quad, 2), (q & 1) + 8 * (q >> 1)), grp) for q in range(4)]
+        c_el = [(_add(grp, 8 * (q >> 1)), _add(_mul(quad, 2), q & 1)) for q in range(4)]
+        pitch = tk + PAD
+        # a fragment's elements 2p and 2p+1 are neighbours along k: one 2-lane load each
+        loads = [Store("af", _i(i * 8 + q), vload("at", _add(_mul(_add(row0, i * fm, rr), pitch), kbase, kk), dt, 2))
+                 for i in range(wm) for q, (rr, kk) in enumerate(a_el) if q % 2 == 0]
+        loads += [Store("bf", _i(j * 4 + q), vload("bt", _add(_mul(_add(col0, j * fn, cc), pitch), kbase, kk), dt, 2))
+                  for j in range(wn) for q, (kk, cc) in enumerate(b_el) if q % 2 == 0]
+        acc = lambda i, j: _i((i * wn + j) * 4)  # noqa: E731
+        products = [Store("acc", acc(i, j), mma(vload("af", _i(i * 8), dt, 8), vload("bf", _i(j * 4), dt, 4),
+                                                vload("acc", acc(i, j), self.acc, 4), p.mma))
+                    for i in range(wm) for j in range(wn)]
+        stores = []
+        for i in range(wm):
+            for j in range(wn):
+                for q, (rr, cc) in enumerate(c_el):
+                    row = _add(_mul(bm, tm), row0, i * fm, rr)
+                    col = _add(_mul(bn, tn), col0, j * fn, cc)
+                    stores.append(If(_and(_lt(row, lay.m), _lt(col, lay.n)), (Store(
+                        self.s.c, self.c_offset(z, row, col),
+                        self.finish(tload("acc", _add(acc(i, j), q), self.acc), z, row, col, 1)),)))
+        inner = (
+            Alloc("at", dt, pitch * tm, "shared"),
+            Alloc("bt", dt, pitch * tn, "shared"),
+            Alloc("af", dt, wm * 8, "register"),
+            Alloc("bf", dt, wn * 4, "register"),
+            Alloc("acc", self.acc, wm * wn * 4, "register"),
+            Range("t", wm * wn * 4, "unroll", (Store("acc", t, const(0, self.acc)),)),
+            Range("k0", _ceil(lay.k, tk), "serial", (
+                self.stage("at", tm, True, e, nl, k0, z, bm, bn, pitch),
+                self.stage("bt", tn, False, e, nl, k0, z, bm, bn, pitch), Barrier(),
+                Range("ks", tk // fk, "serial", tuple(loads + products)),
+                Barrier())),
+            *stores,
+        )
+        return (Range("z", lay.batch, "grid", (
+            Range("bm", _ceil(lay.m, tm), "grid", (
+                Range("bn", _ceil(lay.n, tn), "grid", (
+                    Range("wy", wy, "lane", (Range("wx", wx, "lane", (Range("ln", WARP, "lane", inner),)),)),)),)),)),)
+
     def shared(self) -> tuple:
         lay, p = self.lay, self.p
         tm, tn, tk, wm, wn = p.tm, p.tn, p.tk, p.wm, p.wn
@@ -295,27 +412,6 @@ class _Gemm:
         k0, r, kk, i, j, t = var("k0"), var("r"), var("kk"), var("i"), var("j"), var("t")
         tid = _add(_mul(ty, lx), tx)
         e = _add(_mul(r, nl), tid)
-
-        def stage(name, rows, a_side):
-            """Work-item tid copies elements e = r*nl + tid of the tk x rows panel, walking the
-            operand's contiguous axis with consecutive work-items."""
-            if a_side:
-                unit_k = self.lay.a_strides[2] == 1
-            else:
-                unit_k = self.lay.b_strides[1] == 1
-            if unit_k:  # consecutive work-items read consecutive k
-                q, kq = binary("div", e, _i(tk)), binary("rem", e, _i(tk))
-            else:
-                kq, q = binary("div", e, _i(rows)), binary("rem", e, _i(rows))
-            g = _add(_mul(bm if a_side else bn, rows), q)
-            gk = _add(_mul(k0, tk), kq)
-            limit = lay.m if a_side else lay.n
-            inside = _and(_lt(g, limit), _lt(gk, lay.k))
-            gc, kc = _min(g, limit - 1), _min(gk, lay.k - 1)
-            val = _fp(self.a_at(z, gc, kc) if a_side else self.b_at(z, kc, gc))
-            return Range("r", _ceil(tk * rows, nl), "serial", (
-                If(_lt(e, tk * rows), (
-                    Store(name, _add(_mul(kq, rows), q), select(inside, val, const(0, self.acc))),)),))
         acc_at = _add(_mul(i, wn), j)
         a = tload("at", _add(_mul(kk, tm), ty, _mul(i, ly)), self.acc)
         b = tload("bt", _add(_mul(kk, tn), tx, _mul(j, lx)), self.acc)
@@ -327,7 +423,8 @@ class _Gemm:
             Alloc("acc", self.acc, wm * wn, "register"),
             Range("t", wm * wn, "unroll", (Store("acc", t, const(0, self.acc)),)),
             Range("k0", _ceil(lay.k, tk), "serial", (
-                stage("at", tm, True), stage("bt", tn, False), Barrier(),
+                self.stage("at", tm, True, e, nl, k0, z, bm, bn), self.stage("bt", tn, False, e, nl, k0, z, bm, bn),
+                Barrier(),
                 Range("kk", tk, "serial", (
                     Range("i", wm, "unroll", (Range("j", wn, "unroll", (
                         Store("acc", acc_at, binary("add", tload("acc", acc_at, self.acc),
@@ -347,7 +444,7 @@ class _Gemm:
 def build(spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple, n_inputs: int) -> TileKernel:
     """The tile kernel of `spec` under `sched` over the kernel's `buffers`."""
     g = _Gemm(spec, sched, buffers)
-    body = g.shared() if sched.shared else g.packed()
+    body = (g.shared_mma() if sched.mma else g.shared()) if sched.shared else g.packed()
     return TileKernel(name, tuple(buffers), n_inputs, body,
                       meta={"gemm": (spec, sched), "flops": spec.layout.flops})
 

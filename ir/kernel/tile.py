@@ -28,6 +28,12 @@ Expressions are the kernel IR's KExpr nodes, plus:
   vload(target, offset, lanes)    `lanes` consecutive elements as a vector
   broadcast(x, lanes)             a scalar in every lane;   iota(lanes)  0, 1, ..., lanes-1
   hsum / hmax / hmin (x)          across the lanes (hmax/hmin: a NaN wins, as max/min)
+  mma(a, b, c, shape)             a warp's matrix-multiply-accumulate D = A B + C (float32), each
+                                  matrix held in fragments across the warp's 32 work-items (the
+                                  flattened lane index: warp w = work-items 32w .. 32w+31); the only
+                                  shape, "m16n8k16" (float16/bfloat16 A, B), has PTX mma.sync's
+                                  layout (MMA_LAYOUTS): a per work-item 8 lanes, b 4, c and D 4.
+                                  Every work-item of the warp runs it (never under an If)
 Elementwise ops take operands of one width, or a scalar with a vector (a broadcast).
 
 `run_tile` is the reference: each work-group runs its work-items in lockstep, statement by
@@ -46,7 +52,23 @@ from .ir import INDEX, Buffer, KExpr
 
 RANGE_KINDS = ("grid", "lane", "serial", "unroll")
 SCOPES = ("register", "scratch", "shared")
-TILE_OPS = ("var", "vload", "broadcast", "iota", "hsum", "hmax", "hmin")
+TILE_OPS = ("var", "vload", "broadcast", "iota", "hsum", "hmax", "hmin", "mma")
+WARP = 32  # work-items of a warp (an mma's fragments spread over them)
+
+
+def _m16n8k16(lane: int):
+    """Per fragment element, the (row, column) it holds on work-item `lane` of the warp: A 16x16,
+    B 16x8 (k, n), C/D 16x8 (the PTX ISA's figures for mma.m16n8k16 with 16-bit inputs)."""
+    g, t = lane // 4, lane % 4
+    a = [(g + 8 * ((i >> 1) & 1), 2 * t + (i & 1) + 8 * (i >> 2)) for i in range(8)]
+    b = [(2 * t + (i & 1) + 8 * (i >> 1), g) for i in range(4)]
+    c = [(g + 8 * (i >> 1), 2 * t + (i & 1)) for i in range(4)]
+    return a, b, c
+
+
+# shape -> ((M, N, K), fragment lanes of a, b, c, input dtypes, per work-item layouts)
+MMA_LAYOUTS = {"m16n8k16": ((16, 8, 16), (8, 4, 4), ("float16", "bfloat16"),
+                            [_m16n8k16(lane) for lane in range(WARP)])}
 
 
 # ---- expressions -------------------------------------------------------------------------------
@@ -84,6 +106,11 @@ def hmin(x: KExpr) -> KExpr:
     return KExpr("hmin", x.dtype, (x,))
 
 
+def mma(a: KExpr, b: KExpr, c: KExpr, shape: str = "m16n8k16") -> KExpr:
+    """D = A B + C over a warp's fragments (see the module docstring)."""
+    return KExpr("mma", np.dtype(np.float32), (a, b, c), shape)
+
+
 def lanes_of(n: KExpr, memo: dict | None = None) -> int:
     """The vector width of a node's value (1: a scalar)."""
     memo = {} if memo is None else memo
@@ -99,6 +126,8 @@ def lanes_of(n: KExpr, memo: dict | None = None) -> int:
             memo[x] = x.arg
         elif x.op in ("hsum", "hmax", "hmin"):
             memo[x] = 1
+        elif x.op == "mma":
+            memo[x] = MMA_LAYOUTS[x.arg][1][2]
         else:
             pending = [s for s in x.src if s not in memo]
             if pending:
@@ -312,7 +341,9 @@ def check_tile(k: TileKernel) -> None:
         assert t in allocs, f"alloc {t!r} used before it is made"
         return np.dtype(allocs[t].dtype)
 
-    def check_expr(n: KExpr, scope: set):
+    group = int(np.prod([int(r.extent) for r in k.lanes()], dtype=np.int64))
+
+    def check_expr(n: KExpr, scope: set, in_if: bool = False):
         memo: dict = {}
         for x in n.toposort():
             if x.op == "var":
@@ -323,6 +354,15 @@ def check_tile(k: TileKernel) -> None:
                 assert x.op == "load" or lanes_of(x.src[0], memo) == 1, "a vload's offset is a scalar"
             elif x.op in ("idx", "ridx", "reduce"):
                 raise AssertionError(f"{x.op} belongs to the index-space kernel, not a tile kernel")
+            elif x.op == "mma":
+                assert x.arg in MMA_LAYOUTS, f"mma of unknown shape {x.arg!r}"
+                _, widths, ins, _ = MMA_LAYOUTS[x.arg]
+                got = tuple(lanes_of(s, memo) for s in x.src)
+                assert got == widths, f"mma {x.arg}: fragments of {got} lanes, not {widths}"
+                a, b, c = (np.dtype(s.dtype).name for s in x.src)
+                assert a == b and a in ins and c == "float32", f"mma {x.arg} of {a} x {b} + {c}"
+                assert not in_if, "an mma under an If: its warp may not run it whole"
+                assert group % WARP == 0, f"an mma in work-groups of {group} work-items (whole warps: {WARP})"
             elif x.op not in ("const", "broadcast", "iota", "hsum", "hmax", "hmin"):
                 widths = {lanes_of(s, memo) for s in x.src} - {1}
                 assert len(widths) <= 1, f"{x.op} of operands of widths {widths}"
@@ -348,8 +388,8 @@ def check_tile(k: TileKernel) -> None:
                 assert s.mode in ("set", "add"), s.mode
                 ow, vw = lanes_of(s.offset, {}), lanes_of(s.value, {})
                 assert ow == 1 or ow == vw, f"a store of {vw} lanes at {ow} offsets"
-                check_expr(s.offset, scope)
-                check_expr(s.value, scope)
+                check_expr(s.offset, scope, in_if)
+                check_expr(s.value, scope, in_if)
             elif isinstance(s, Barrier):
                 assert not in_if, "a barrier under an If: some work-items may never reach it"
             elif isinstance(s, If):
@@ -408,6 +448,8 @@ class _Group:
             elif op in ("hsum", "hmax", "hmin"):
                 f = {"hsum": np.sum, "hmax": np.max, "hmin": np.min}[op]  # (max/min: NaN wins)
                 v = f(memo[x.src[0]], axis=1, keepdims=True)
+            elif op == "mma":
+                v = self.mma(x.arg, *(memo[s] for s in x.src), mask)
             else:
                 xs = [memo[s] for s in x.src]
                 if op in UNARY:
@@ -424,6 +466,20 @@ class _Group:
                     raise NotImplementedError(f"run_tile: op {op}")
             memo[x] = np.asarray(v).astype(x.dtype, copy=False)
         return memo[n]
+
+    def mma(self, shape: str, a, b, c, mask) -> np.ndarray:
+        """D = A B + C per warp: its work-items' fragments gathered into matrices, D scattered back."""
+        (m, n, kk), widths, _, layout = MMA_LAYOUTS[shape]
+        assert self.L % WARP == 0 and mask.all(), f"mma: every work-item of a warp runs it ({self.L} work-items)"
+        a, b, c = (np.broadcast_to(x, (self.L, w)).astype(np.float32) for x, w in zip((a, b, c), widths))
+        at = [np.array([lay[f] for lay in layout]) for f in range(3)]  # (32, lanes, 2): row, column
+        ra, rb, rc = ((x[..., 0], x[..., 1]) for x in at)
+        d = np.empty((self.L, widths[2]), np.float32)
+        for w in range(0, self.L, WARP):
+            A, B, C = np.zeros((m, kk), np.float32), np.zeros((kk, n), np.float32), np.zeros((m, n), np.float32)
+            A[ra], B[rb], C[rc] = a[w:w + WARP], b[w:w + WARP], c[w:w + WARP]
+            d[w:w + WARP] = (A.astype(np.float64) @ B + C)[rc].astype(np.float32)
+        return d
 
     def run(self, body, mask: np.ndarray) -> None:
         if not mask.any():

@@ -1,14 +1,20 @@
-"""A small PTX interpreter for the CUDA GEMM template's kernels, so that their numbers are checked
-where no GPU is (tests/backends/test_cuda_gemm.py). It covers the instructions the template emits;
+"""A small PTX interpreter for the CUDA backend's kernels, so that their numbers are checked where no
+GPU is (tests/backends/test_cuda_*.py; `emulated_device()` runs the whole backend on it). It covers
+the instructions those kernels emit;
 threads run one by one between barriers, and warp collectives (ldmatrix, mma.sync) run for the
 whole warp at once, with the lane layouts the PTX ISA gives for the m16n8k16 fragments. Slow (a
 Python loop per instruction): small problems only."""
+import ctypes
 import re
 import struct
 
+import ml_dtypes
 import numpy as np
 
 M = {8: 0xFF, 16: 0xFFFF, 32: 0xFFFFFFFF, 64: 0xFFFFFFFFFFFFFFFF}
+
+
+LOCAL = 1 << 48  # where local memory's addresses start
 
 
 def f32(bits):
@@ -19,12 +25,33 @@ def b32(x):
     return struct.unpack("<I", struct.pack("<f", np.float32(x)))[0]
 
 
+def f64(bits):
+    return struct.unpack("<d", struct.pack("<Q", bits & M[64]))[0]
+
+
+def b64(x):
+    return struct.unpack("<Q", struct.pack("<d", np.float64(x)))[0]
+
+
+def bf16v(bits):
+    return f32((bits & 0xFFFF) << 16)
+
+
+def b16bf(x):
+    return int(np.array([x], np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)[0])
+
+
 def f16v(bits):
     return float(np.array([bits & 0xFFFF], np.uint16).view(np.float16)[0])
 
 
 def b16f(x):
     return int(np.array([np.float16(x)], np.float16).view(np.uint16)[0])
+
+
+# float types: bits -> value, value -> bits, numpy type
+FLOAT = {"f32": (f32, b32, np.float32), "f64": (f64, b64, np.float64), "f16": (f16v, b16f, np.float16),
+         "bf16": (bf16v, b16bf, ml_dtypes.bfloat16)}
 
 
 def sgn(v, w):
@@ -42,11 +69,14 @@ class Kernel:
     def __init__(self, ptx):
         self.shared = {}
         off = 0
-        for name, n in re.findall(r"\.shared \.align \d+ \.b8 (\w+)\[(\d+)\]", ptx):
+        for name, n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+(\w+)\[(\d+)\]", ptx):
             self.shared[name] = off
             off += int(n)
             off = (off + 15) // 16 * 16
         self.shared_size = off
+        # a thread's stack (register arrays indexed at run time): its own bytes of local memory
+        self.local = {name: int(n) for name, n in
+                      re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+(\w+)\[(\d+)\]", ptx)}
         self.params = re.findall(r"\.param \.u64 [^\n]*?(\w+_param_\d+)", ptx)
         body = ptx[ptx.index("{", ptx.index(".entry")) + 1: ptx.rindex("}")]
         self.code, self.labels = [], {}
@@ -109,6 +139,8 @@ class Emu:
             return t.regs[tok]
         if tok in self.k.shared:
             return self.k.shared[tok]
+        if tok in self.k.local:
+            return LOCAL + t.tid * self.local_size + self.local_at[tok]
         return imm(tok) & M[max(w, 8)] if w > 1 else imm(tok)
 
     def addr(self, t, tok):
@@ -119,16 +151,26 @@ class Emu:
             return ("param", base)
         return self.val(t, base) + off
 
+    def mem(self, space, a):
+        """(memory, address in it): local addresses (generic ones too) lie above LOCAL."""
+        if space == "local" or a >= LOCAL:
+            return self.lmem, a - LOCAL
+        return (self.smem if space == "shared" else self.g), a
+
     def load(self, space, a, nbytes):
-        mem = self.g if space != "shared" else self.smem
+        mem, a = self.mem(space, a)
         return int.from_bytes(bytes(mem[a:a + nbytes]), "little")
 
     def store(self, space, a, nbytes, v):
-        mem = self.g if space != "shared" else self.smem
+        mem, a = self.mem(space, a)
         mem[a:a + nbytes] = np.frombuffer((v & M[nbytes * 8]).to_bytes(nbytes, "little"), np.uint8)
 
     def run_block(self, ctaid, ntid, nctaid):
         self.smem = np.zeros(max(self.k.shared_size, 16), np.uint8)
+        self.local_at, self.local_size = {}, 0
+        for name, n in self.k.local.items():
+            self.local_at[name], self.local_size = self.local_size, self.local_size + (n + 15) // 16 * 16
+        self.lmem = np.zeros(max(self.local_size * ntid, 16), np.uint8)
         ts = [Thread(i, ctaid, ntid, nctaid) for i in range(ntid)]
         while any(t.state != "done" for t in ts):
             for t in ts:
@@ -192,7 +234,8 @@ class Emu:
                 for i, r in enumerate(regs):
                     R[r] = self.load(space, a + i * w, w)
             else:
-                R[ops[0]] = self.load(space, a, width(ty) // 8)
+                v = self.load(space, a, width(ty) // 8)
+                R[ops[0]] = sgn(v, width(ty)) & M[64] if ty[0] == "s" else v  # ld.s32 into a 64-bit register
             return
         if head == "st":
             space = parts[1]
@@ -205,6 +248,20 @@ class Emu:
             else:
                 w = width(ty)
                 self.store(space, a, w // 8, self.val(t, ops[1], w))
+            return
+        if head in ("red", "atom"):  # red/atom.global.add.T [a], v (atom also returns the old value)
+            a = self.addr(t, ops[-2])
+            nb = width(ty) // 8
+            old = self.load(parts[1], a, nb)
+            v = self.val(t, ops[-1], width(ty))
+            if ty in FLOAT:
+                get, put, np_t = FLOAT[ty]
+                new = put(np_t(get(old)) + np_t(get(v)))
+            else:
+                new = old + v
+            self.store(parts[1], a, nb, new)
+            if head == "atom":
+                R[ops[0]] = old
             return
         if head == "cvta":
             R[ops[0]] = self.val(t, ops[1])
@@ -230,11 +287,16 @@ class Emu:
             cmp, ct = parts[1], parts[2]
             cw = width(ct)
             a, b = self.val(t, ops[1], cw), self.val(t, ops[2], cw)
-            if ct == "f32":
-                a, b = f32(a), f32(b)
+            if ct in FLOAT:
+                a, b = FLOAT[ct][0](a), FLOAT[ct][0](b)
+                unordered = a != a or b != b
                 if cmp in ("nan", "num"):  # unordered (either is NaN), ordered (neither)
-                    R[ops[0]] = int((a != a or b != b) == (cmp == "nan"))
+                    R[ops[0]] = int(unordered == (cmp == "nan"))
                     return
+                if unordered:  # ltu, equ, neu, ...: true; eq, ne, lt, ...: false
+                    R[ops[0]] = int(cmp.endswith("u"))
+                    return
+                cmp = cmp[:2]
             elif ct[0] == "s":
                 a, b = sgn(a, cw), sgn(b, cw)
             r = {"eq": a == b, "ne": a != b, "lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b}[cmp]
@@ -251,9 +313,9 @@ class Emu:
             b = t.regs[ops[2]]
             R[ops[0]] = {"and": a & b, "or": a | b, "xor": a ^ b}[head]
             return
-        if ty == "f32" and head not in ("cvt",):
-            x = [f32(V(i)) for i in range(1, len(ops))]
-            x = [np.float32(v) for v in x]
+        if ty in FLOAT and head not in ("cvt",):
+            get, put, np_t = FLOAT[ty]
+            x = [np_t(get(V(i))) for i in range(1, len(ops))]
             if head == "add":
                 r = x[0] + x[1]
             elif head == "sub":
@@ -261,11 +323,15 @@ class Emu:
             elif head == "mul":
                 r = x[0] * x[1]
             elif head == "fma":
-                r = np.float32(np.float64(x[0]) * np.float64(x[1]) + np.float64(x[2]))
+                r = np_t(np.longdouble(x[0]) * np.longdouble(x[1]) + np.longdouble(x[2]))
             elif head == "div":
                 r = x[0] / x[1]
             elif head == "rcp":
-                r = np.float32(1) / x[0]
+                r = np_t(1) / x[0]
+            elif head == "sqrt":
+                r = np.sqrt(x[0])
+            elif head == "rsqrt":
+                r = np_t(1) / np.sqrt(x[0])
             elif head == "abs":
                 r = abs(x[0])
             elif head == "neg":
@@ -277,27 +343,36 @@ class Emu:
             elif head == "copysign":  # sign of a onto b
                 r = np.copysign(x[1], x[0])
             elif head == "ex2":
-                r = np.float32(2.0 ** float(x[0]))
+                r = np_t(2.0 ** float(x[0]))
+            elif head == "lg2":
+                r = np_t(np.log2(float(x[0]))) if x[0] > 0 else np_t(-np.inf if x[0] == 0 else np.nan)
+            elif head == "testp":  # testp.finite / .infinite / .nan / .notanumber / .number
+                v = float(x[0])
+                R[ops[0]] = int({"finite": np.isfinite(v), "infinite": np.isinf(v), "nan": np.isnan(v),
+                                 "notanumber": np.isnan(v), "number": not np.isnan(v)}[parts[1]])
+                return
             else:
                 raise NotImplementedError(op)
-            R[ops[0]] = b32(r)
+            R[ops[0]] = put(r)
             return
         if head == "cvt":
             dt, st = [p for p in parts[1:] if p not in ("rn", "rni", "rzi", "rmi", "rpi", "rz", "sat", "ftz")][:2]
             x = self.val(t, ops[1], width(st))
-            if st == "f32" and dt == "f32":
-                v = f32(x)
+            if st == dt and st in FLOAT:
+                v = FLOAT[st][0](x)
                 rnd = np.rint if "rni" in parts else np.floor if "rmi" in parts else np.ceil if "rpi" in parts \
                     else np.trunc
-                R[ops[0]] = b32(rnd(v))
-            elif dt == "f32" and st[0] in "su":
-                R[ops[0]] = b32(np.float32(sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]))
-            elif st == "f16" and dt == "f32":
-                R[ops[0]] = b32(f16v(x))
-            elif st == "f32" and dt == "f16":
-                R[ops[0]] = b16f(np.float32(f32(x)))
-            elif st == "f32" and dt[0] in "su":
-                v = int(np.trunc(f32(x)))
+                R[ops[0]] = FLOAT[dt][1](rnd(v))
+            elif st in FLOAT and dt in FLOAT:
+                R[ops[0]] = FLOAT[dt][1](FLOAT[dt][2](np.float64(FLOAT[st][0](x))))
+            elif dt in FLOAT and st[0] in "su":
+                R[ops[0]] = FLOAT[dt][1](FLOAT[dt][2](sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]))
+            elif st in FLOAT and dt[0] in "su":  # (rni, rmi, rpi: rounded first; saturating as PTX is)
+                v = float(FLOAT[st][0](x))
+                v = np.rint(v) if "rni" in parts else np.floor(v) if "rmi" in parts else np.ceil(v) if "rpi" in parts \
+                    else np.trunc(v)
+                lo, hi = (-(1 << (width(dt) - 1)), (1 << (width(dt) - 1)) - 1) if dt[0] == "s" else (0, M[width(dt)])
+                v = 0 if v != v else int(min(max(v, lo), hi))
                 R[ops[0]] = v & M[width(dt)]
             else:  # integer conversions
                 v = sgn(x, width(st)) if st[0] == "s" else x & M[width(st)]
@@ -342,6 +417,15 @@ class Emu:
             r = a ^ b
         elif head == "not":
             r = ~a
+        elif head == "neg":
+            r = -a
+        elif head == "abs":
+            r = abs(sgn(a, w))
+        elif head == "shf":  # funnel shift of the pair (b:a) by c, the word that stays
+            c = V(3) & (31 if "wrap" in parts else 63)
+            c = min(c, 32)
+            pair = (b << 32) | a
+            r = ((pair << c) >> 32) if parts[1] == "l" else (pair >> c)
         elif head == "shl":
             r = a << b if b < w else 0
         elif head == "shr":
@@ -401,7 +485,7 @@ class Emu:
 
 
 def run(ptx, buffers, grid, block):
-    """buffers: numpy arrays (inputs then output); returns the output array."""
+    """buffers: numpy arrays (inputs then outputs), written back in place; returns the last."""
     k = Kernel(ptx)
     addrs, total = [], 4096
     for b in buffers:
@@ -411,7 +495,68 @@ def run(ptx, buffers, grid, block):
     for a, b in zip(addrs, buffers):
         g[a:a + b.nbytes] = np.frombuffer(np.ascontiguousarray(b).tobytes(), np.uint8)
     emu = Emu(k, g, dict(zip(k.params, addrs)))
-    for c in range(grid):
-        emu.run_block(c, block, grid)
-    out = buffers[-1]
-    return np.frombuffer(g[addrs[-1]:addrs[-1] + out.nbytes].tobytes(), out.dtype).reshape(out.shape)
+    with np.errstate(all="ignore"):  # IEEE results (inf, NaN) as the GPU gives them
+        for c in range(grid):
+            emu.run_block(c, block, grid)
+    for a, b in zip(addrs, buffers):
+        b[...] = np.frombuffer(g[a:a + b.nbytes].tobytes(), b.dtype).reshape(b.shape)
+    return buffers[-1]
+
+
+# ---- an emulated CUDA device: the backend whole (pool, copies, launches) over this interpreter ----
+
+class EmuContext:
+    """backends/cuda/driver.Context's interface over one emulated global memory: addresses are
+    offsets into `mem`, launches run here (slow: small programs only)."""
+
+    def __init__(self, size: int = 1 << 24):
+        self.mem, self.top = np.zeros(size, np.uint8), 4096
+
+    def mem_alloc(self, nbytes: int) -> int:
+        a, self.top = self.top, self.top + (int(nbytes) + 255) // 256 * 256 + 256
+        if self.top > self.mem.size:
+            self.mem = np.concatenate([self.mem, np.zeros(max(self.top, self.mem.size), np.uint8)])
+        return a
+
+    def mem_free(self, ptr: int) -> None:
+        pass
+
+    def htod(self, dst: int, host: int, nbytes: int) -> None:
+        ctypes.memmove(self.mem.ctypes.data + dst, host, nbytes)
+
+    def dtoh(self, host: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(host, self.mem.ctypes.data + src, nbytes)
+
+    def dtod(self, dst: int, src: int, nbytes: int) -> None:
+        self.mem[dst:dst + nbytes] = self.mem[src:src + nbytes].copy()
+
+    def synchronize(self) -> None:
+        pass
+
+    def load_module(self, ptx: str, fn_name: str):
+        assert f".entry {fn_name}(" in ptx, fn_name
+        return None, Kernel(ptx)
+
+    def launch(self, kernel, grid: int, block: int, ptrs) -> None:
+        emu = Emu(kernel, self.mem, dict(zip(kernel.params, ptrs)))
+        with np.errstate(all="ignore"):
+            for c in range(grid):
+                emu.run_block(c, block, grid)
+
+
+def emulated_device(sm: str = "sm_80"):
+    """A CUDA device of compute capability `sm` whose kernels run in this interpreter: the whole
+    backend (its pool, copies and launches) without a GPU."""
+    from tilefuse.backends.cuda import CUDABackend, OfflineCUDABackend
+    from tilefuse.runtime.device import Device
+
+    class EmulatedCUDABackend(OfflineCUDABackend):
+        put = CUDABackend.put
+
+        def context(self, device=None):
+            if not hasattr(self, "_emu"):
+                self._emu = EmuContext()
+            return self._emu
+
+    backend = EmulatedCUDABackend(sm)
+    return Device(backend, 0, backend._infos[0], True)

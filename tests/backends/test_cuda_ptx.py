@@ -18,10 +18,11 @@ import tilefuse as tx
 import tilefuse.numpy as tnp
 from tilefuse import lax
 from tilefuse.backends import cuda
-from tilefuse.backends.cuda import device_info, launch_config, offline_device, ptx_for, sm_target
+from tilefuse.backends.cuda import device_info, offline_device, ptx_for, sm_target
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import DeviceError
 from tilefuse.tracer.core import bind1
+from tilefuse.tracer.pytree import tree_leaves
 from tilefuse.validate.programs import layernorm, softmax
 
 
@@ -163,7 +164,7 @@ PROGRAMS = {
 ALL = {**TABLE, **PROGRAMS}
 
 
-# whole primitives: the FlashAttention template's PTX is checked in test_cuda_attention.py, and
+# whole primitives: the shared FlashAttention's PTX is checked in test_cuda_attention.py, and
 # where it does not apply they run as the kernels of their decomposition (covered above)
 COMPOSITES = {"fused_attention", "fused_attention_bwd"}
 # numpy on the host on every device (runtime/host.py): no kernel to render; tests/test_linalg.py
@@ -208,7 +209,7 @@ def test_every_kernel_assembles_with_ptxas(arch):
 def test_ptx_uses_thread_indices_and_atomics():
     ptx = ptx_for(*TABLE["scatter_add"][:1], *TABLE["scatter_add"][1])
     text = "\n".join(ptx.values())
-    assert "%ctaid.x" in text and "%ntid.x" in text and "%tid.x" in text and "%nctaid.x" in text
+    assert "%ctaid.x" in text and "%tid.x" in text
     assert "atom.global.add.f32" in text or "red.global.add.f32" in text
     u64 = "\n".join(ptx_for(*TABLE["scatter_add_u64"][:1], *TABLE["scatter_add_u64"][1]).values())
     assert "atom.global.add.u64" in u64 or "red.global.add.u64" in u64
@@ -238,37 +239,55 @@ def test_cuda_is_absent_with_the_reason_when_there_is_no_driver():
     assert "cuda" in why and "CUDA" in why["cuda"]
 
 
-# ---- launch configuration -----------------------------------------------------------------
+# ---- launches and numbers -------------------------------------------------------------------
 
-H100 = device_info("H100", (9, 0), 132)
-A100 = device_info("A100", (8, 0), 108)
-
-
-def test_large_spaces_fill_one_wave_of_resident_blocks():
-    assert launch_config(10**8, H100) == (132 * 8, 256)  # 2048 threads/SM ÷ 256 = 8 blocks per SM
-    assert launch_config(10**8, A100) == (108 * 8, 256)
-    few = device_info("small", (8, 6), 4, max_threads_per_sm=1536)
-    assert launch_config(10**6, few) == (4 * 6, 256)
-
-
-def test_medium_spaces_get_one_thread_per_point():
-    assert launch_config(132 * 256, H100) == (132, 256)
-    assert launch_config(100_000, H100) == (391, 256)  # ceil(100000 / 256) < one wave
+def _kernels(fn, args):
+    """The kernels fn(*args) lowers to, each with the graph variables of its buffers, the graph's
+    inputs by variable id, and its outputs."""
+    from tilefuse.ir.kernel import lower_region
+    from tilefuse.ir.passes import partition, run_passes
+    g = run_passes(tx.make_graph(fn)(*args))
+    env = {v.id: np.ascontiguousarray(a).reshape(-1)
+           for v, a in zip((*g.invars, *g.constvars), (*tree_leaves(args), *g.consts))}
+    return [lk for r in partition(g) for lk in lower_region(r)], env, g.outvars
 
 
-def test_small_spaces_shrink_the_block_to_reach_every_sm():
-    assert launch_config(1000, H100) == (32, 32)  # 256 → 128 → 64 → 32: 32 blocks of a warp
-    assert launch_config(132 * 64, H100) == (132, 64)
-    assert launch_config(1, H100) == (1, 32)
-    assert launch_config(0, H100) == (0, 256)  # nothing to launch
+def test_a_launch_is_a_block_per_grid_point_and_a_thread_per_lane():
+    """Ordinary kernels go through the shared scheduler (ir/kernel/schedule.py) as tile kernels."""
+    dev = offline_device("sm_90")
+    ((lk,), _, _) = _kernels(lambda x: (x * 2 + 1).sum(axis=1), (u(1000, 300),))
+    k = lk.kernel
+    run = dev.backend.compile_kernel(k, dev)
+    assert run.grid == int(np.prod([r.extent for r in run.kernel.grid()]))
+    assert run.block == int(np.prod([r.extent for r in run.kernel.lanes()]))
+    assert 32 <= run.block <= 1024 and ".target sm_90" in run.source
 
 
-def test_block_respects_the_device_limits():
-    tiny = device_info("tiny", (9, 0), 1, max_threads_per_block=96)
-    assert launch_config(10**6, tiny) == (2048 // 96, 96)
-    wide_warp = device_info("w64", (9, 0), 1, warp=64, max_threads_per_block=200)
-    grid, block = launch_config(10**6, wide_warp)
-    assert block == 192 and block % 64 == 0 and grid == 2048 // 192
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ("scan_p", "while_p", "cond_p")])
+def test_every_kernel_computes_its_numbers_in_a_ptx_interpreter(name):
+    """The scheduled PTX of the table and the programs (control flow aside: the runtime runs it)
+    run in the PTX interpreter, kernel after kernel, against the ref backend."""
+    import ptxemu
+    fn, args = ALL[name]
+    dev = offline_device("sm_80")
+    lks, env, outvars = _kernels(fn, args)
+    for lk in lks:  # in order; an output a kernel adds into (scatter_add's) is the one made before
+        k = lk.kernel
+        bufs = [env.get(v.id, np.zeros(b.size, b.dtype)) for v, b in zip(lk.args, k.buffers)]
+        run = dev.backend.compile_kernel(k, dev)
+        ptxemu.run(run.source, bufs, run.grid, run.block)
+        env.update({v.id: b for v, b in zip(lk.args, bufs)})
+    wants = tree_leaves(tx.jit(fn, device="ref")(*args))
+    assert len(wants) == len(outvars)
+    for v, w in zip(outvars, wants):
+        w = np.asarray(w).reshape(-1)
+        got = env[v.id] if hasattr(v, "id") else np.asarray(v.val).reshape(-1)
+        if w.dtype.kind in "fV" or w.dtype == ml_dtypes.bfloat16:
+            small = w.dtype.itemsize == 2
+            np.testing.assert_allclose(got.astype(np.float64), w.astype(np.float64), rtol=1e-2 if small else 1e-5,
+                                       atol=1e-2 if small else 1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, w, err_msg=name)
 
 
 def test_device_info_and_targets_from_driver_attributes():
