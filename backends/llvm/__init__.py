@@ -9,6 +9,7 @@ import weakref
 import numpy as np
 
 from tilefuse.runtime.hardware import host_info
+from tilefuse.runtime.tiled import register_attention
 from tilefuse.runtime.memory import PoolAllocator
 
 from ..base import Backend
@@ -119,3 +120,7 @@ def create() -> LLVMBackend:
 
 
 __all__ = ["LLVMBackend", "CompiledKernel", "create"]
+
+
+# the shared FlashAttention (ir/kernel/attention.py, its CPU form) below the LLVM template (10)
+register_attention("cpu", priority=5)
