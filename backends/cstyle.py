@@ -261,15 +261,26 @@ class _Printer(PrintedValues):
             return f"(({self.ty(d, w)})({self.val(n.src[0], depth)}))"
         if op in ("hsum", "hmax", "hmin"):
             x, k = self.val(n.src[0], depth), self.lanes(n.src[0])
-            parts = [f"{x}.s{i:x}" for i in range(k)]
+            while k > 1 and k & (k - 1) == 0:  # halves, each a named vector (NaN tests repeat operands)
+                lo, hi, k = f"{x}.lo", f"{x}.hi", k // 2
+                self.n += 1
+                e = f"({lo} + {hi})" if op == "hsum" else self.binary(op[1:], lo, hi, d, k)
+                self.line(self.declare(f"h{self.n}", self.ty(d, k), e), depth)
+                x = f"h{self.n}"
+            parts = [f"{x}.s{i:x}" for i in range(k)] if k > 1 else [x]
             while len(parts) > 1:  # a tree: log2(k) dependent steps, pairwise sums
                 pairs = [parts[i:i + 2] for i in range(0, len(parts), 2)]
                 parts = [p[0] if len(p) == 1 else
                          (f"({p[0]} + {p[1]})" if op == "hsum" else self.binary(op[1:], p[0], p[1], d, 1))
                          for p in pairs]
             return parts[0]
+        srcs = n.src
+        if op == "add" and w > 1 and d in (F32, F64) and any(s.op == "mul" for s in srcs):
+            # a vector product accumulated: one fused multiply-add, as the LLVM printers contract it
+            prod, acc = (srcs[0], srcs[1]) if srcs[0].op == "mul" else (srcs[1], srcs[0])
+            op, srcs = "fma", (*prod.src, acc)
         args = []
-        for s in n.src:
+        for s in srcs:
             a = self.val(s, depth)
             if w > 1 and self.lanes(s) == 1:  # a scalar operand of a vector op
                 a = f"(({self.ty(s.dtype, w)})({a}))"
@@ -283,6 +294,8 @@ class _Printer(PrintedValues):
             return self.cast(args[0], np.dtype(n.src[0].dtype), d, w, depth)
         if op == "bitcast":
             return self.bitcast(args[0], d, w)
+        if op == "fma":
+            return f"fma({', '.join(args)})"
         if len(args) == 1:
             return self.unary(op, args[0], d, w)
         return self.binary(op, args[0], args[1], np.dtype(n.src[0].dtype), w)

@@ -8,6 +8,7 @@ CUDA compute them in the kernel) or through a table of per-batch offsets (the CP
 `batch_offsets()` into its module)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -207,11 +208,14 @@ class _Tiles:
         return Range("t", _ceil(count * width, lanes), "serial", (
             If(_lt(e, count * width), (Store(name, e, select(_lt(rr, limit), val, self.zero)),)),))
 
-    def visible(self, row, key) -> KExpr:
-        ok = _and(_lt(key, self.sp.sk), _lt(row, self.sp.sq))
-        if self.sp.causal:  # query i sees keys j <= i + (Sk - Sq)
-            ok = _and(ok, binary("le", key, _add(row, self.sp.offset)))
-        return ok
+    def visible(self, row, key) -> KExpr | None:
+        """Whether the row sees the key (None: always); the blocks' padding is tested only where
+        the blocks do not tile the sequences."""
+        sp = self.sp
+        tests = ([_lt(key, sp.sk)] if sp.sk % self.bk else []) + ([_lt(row, sp.sq)] if sp.sq % self.bq else [])
+        if sp.causal:  # query i sees keys j <= i + (Sk - Sq)
+            tests.append(binary("le", key, _add(row, sp.offset)))
+        return functools.reduce(_and, tests) if tests else None
 
     def score(self, dot: KExpr, row, key) -> KExpr:
         """scale * q·k + bias, -inf where the key is not visible to the row."""
@@ -222,7 +226,8 @@ class _Tiles:
             off = _add(*(_mul(z, st) for z, st in zip(self.zs, sp.batch_strides[4])),
                        _mul(_min(row, sp.sq - 1), bs[0]), _mul(_min(key, sp.sk - 1), bs[1]))
             s = binary("add", s, self.ld(3, off))
-        return select(self.visible(row, key), s, self.ninf)
+        ok = self.visible(row, key)
+        return s if ok is None else select(ok, s, self.ninf)
 
     def dot(self, into: str, at, a: str, a_at, b: str, b_at, n: int) -> tuple:
         """into[at] = sum_c a[a_at(c)] * b[b_at(c)]."""
