@@ -99,6 +99,7 @@ class AttentionSchedule:
     vec: int = 0
     rows: int = 1
     chunk: int = 1
+    per_head: bool = False  # CPU backward: one kernel, a task per batch index
 
     @property
     def cpu(self) -> bool:
@@ -109,6 +110,8 @@ class AttentionSchedule:
             return "the backward keeps 3 numbers per query row where dq goes: needs d >= 3"
         if self.cpu:
             return self._check_cpu(sp)
+        if self.per_head:
+            return f"{self}: the backward per batch index is a CPU form's"
         lanes = max(self.bq, self.bk) if sp.bwd else self.bq
         if target.shared_bytes == 0 or lanes > target.max_group:
             return f"{self}: needs shared memory and {lanes} work-items per work-group"
@@ -144,21 +147,26 @@ def _cpu_scratch(sp: Spec, s: AttentionSchedule) -> dict:
     dq = {**rows, "dos": bq * dvp, "vt": sp.dv * bk, "kr": bk * dp, "dp": bq * bk, "dq": bq * dp}
     dkdv = {"kr": bk * dp, "vr": bk * dvp, "qt": sp.d * bq, "dot": sp.dv * bq, "qs": bq * dp, "dos": bq * dvp,
             "ml": 3 * bq, "pt": bk * bq, "dst": bk * bq, "dk": bk * dp, "dv": bk * dvp}
+    if s.per_head:
+        return {**dkdv, "st": 3 * _pad(sp.sq, bq), "kt": sp.d * bk, "s": bq * bk, "dqs": bq * dp}
     return max(dq, dkdv, key=lambda t: sum(t.values()))
 
 
 def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
     """GPU targets: query rows per work-group up to 64 (fewer for short sequences); key blocks
     as deep as shared memory holds, up to 64; None where even 8 keys do not fit. CPU targets
-    (or none with shared memory): vectors of the target's lanes, 64 x 64 blocks (fewer rows for
-    short sequences), register blocks of 4 rows x as many vectors as the registers hold."""
+    (or none with shared memory): vectors of the target's lanes, blocks of 128 (forward) or 64
+    (backward) queries by 64 keys (fewer for short sequences), register blocks of 4 rows x as many
+    vectors as the registers hold; the backward per batch index where they fill the cores twice."""
     if target.kind == "cpu" or target.shared_bytes == 0:
         vec = target.lanes if target.lanes in (1, 2, 4, 8, 16) else 4
-        bq = max(vec, 4, min(64, 1 << max(0, (sp.sq - 1).bit_length())))
-        bk = max(vec, 64)
+        bq = max(vec, 4, min(64 if sp.bwd else 128, 1 << max(0, (sp.sq - 1).bit_length())))
         chunk = max(1, (target.vector_registers - 1) // 5)  # 4 rows x chunk accumulators, chunk loads
-        s = AttentionSchedule(bq, bk, vec, 4, chunk)
-        return s if s.check(sp, target) is None else None
+        for s in (AttentionSchedule(bq, max(vec, 64), vec, 4, chunk, sp.bwd and sp.nb >= 2 * target.cores),
+                  AttentionSchedule(bq, max(vec, 64), vec, 4, chunk), AttentionSchedule(vec, vec, vec, 4, chunk)):
+            if s.check(sp, target) is None:
+                return s
+        return None
     bq = min(64, max(1, target.max_group), 1 << max(0, (sp.sq - 1).bit_length()))
     for bk in (64, 32, 16, 8):
         s = AttentionSchedule(bq, bk)
@@ -608,42 +616,42 @@ def _forward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, 
 
 
 def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> list:
+    """The backward's CPU form: the stats, dkdv and dq kernels; per_head: one kernel, a task per
+    batch index computing its rows' statistics into scratch, then per key block dk and dv, and dq
+    added into its rows of the result (the only writer: no atomics)."""
     a = _Cpu(sp, sched, buffers, n_inputs)
     bq, bk, R, w, dp, dvp = a.bq, a.bk, a.R, a.w, a.dp, a.dvp
     o_buf, do_buf, res = n_inputs - 2, n_inputs - 1, n_inputs
     q_res, k_res = sp.sizes
-    blk, kb, ib, i = var("blk"), var("kb"), var("ib"), var("ci")
-    row0 = _mul(blk, bq)
+    blk, kb, ib, i, c = var("blk"), var("kb"), var("ib"), var("ci"), var("cc")
+    nqb = _ceil(sp.sq, bq)
+    sqp = nqb * bq
 
-    # stats: per query row m (0 where no key is visible), 1/l and D = do·o, where dq goes
-    m, l_ = a.reg("ml", i), a.reg("ml", _add(i, bq))
-    row = _add(row0, i)
-    c = var("cc")
-    d_row = a.zero
-    o_at = lambda c_: a.at(3, _min(row, sp.sq - 1), c_, sp.rows[3])  # noqa: E731
-    if sp.dv % w == 0 and w > 1:
-        cv = _mul(c, w)
-        dot = binary("mul", _fp(vload(o_buf, o_at(cv), buffers[o_buf].dtype, w)),
-                     _fp(vload(do_buf, o_at(cv), buffers[do_buf].dtype, w)))
-        d_terms = (Store("mt", _i(0), a.zero), Range("cc", sp.dv // w, "serial", (
-            Store("mt", _i(0), binary("add", a.reg("mt", 0), hsum(dot))),)))
-    else:
-        d_terms = (Store("mt", _i(0), a.zero), Range("cc", sp.dv, "serial", (
-            Store("mt", _i(0), binary("add", a.reg("mt", 0), binary("mul", a.ld(o_buf, o_at(c)),
-                                                                    a.ld(do_buf, o_at(c))))),)))
-    d_row = a.reg("mt", 0)
-    stats = TileKernel(name + "_stats", tuple(buffers), n_inputs, a.grid1(_ceil(sp.sq, bq), (
-        *a.allocs(qs=bq * dp, kt=sp.d * bk, s=bq * bk, ml=3 * bq),
-        *a.row_head(row0, False),
-        a.key_block(row0, (Range("ib", bq // R, "serial", (
-            a.scores(ib), *a.scores_softmax(row0, ib, _mul(kb, bk), False))),)),
-        Range("ci", bq, "serial", (If(_lt(row, sp.sq), (
-            *d_terms,
-            Store(res, a.stats_at(row, 0), select(binary("eq", m, a.ninf), a.zero, m)),
-            Store(res, a.stats_at(row, 1), select(binary("gt", l_, a.zero), binary("div", a.one, l_), a.zero)),
-            Store(res, a.stats_at(row, 2), d_row))),)),)))
+    def stats_sweep(row0, store, guard: bool) -> tuple:
+        """Per query row of the block m (0 where no key is visible), 1/l and D = do·o, each
+        written by store(which, row, value) (guard: rows inside the sequence only)."""
+        m, l_ = a.reg("ml", i), a.reg("ml", _add(i, bq))
+        row = _add(row0, i)
+        o_at = lambda c_: a.at(3, _min(row, sp.sq - 1), c_, sp.rows[3])  # noqa: E731
+        if sp.dv % w == 0 and w > 1:
+            term = hsum(binary("mul", _fp(vload(o_buf, o_at(_mul(c, w)), buffers[o_buf].dtype, w)),
+                               _fp(vload(do_buf, o_at(_mul(c, w)), buffers[do_buf].dtype, w))))
+        else:
+            term = binary("mul", a.ld(o_buf, o_at(c)), a.ld(do_buf, o_at(c)))
+        per_row = (Store("mt", _i(0), a.zero), Range("cc", sp.dv // w if sp.dv % w == 0 else sp.dv, "serial", (
+            Store("mt", _i(0), binary("add", a.reg("mt", 0), term)),)),
+            store(0, row, select(binary("eq", m, a.ninf), a.zero, m)),
+            store(1, row, select(binary("gt", l_, a.zero), binary("div", a.one, l_), a.zero)),
+            store(2, row, a.reg("mt", 0)))
+        return (*a.row_head(row0, False),
+                a.key_block(row0, (Range("ib", bq // R, "serial", (
+                    a.scores(ib), *a.scores_softmax(row0, ib, _mul(kb, bk), False))),)),
+                Range("ci", bq, "serial", (If(_lt(row, sp.sq), per_row),) if guard else per_row))
 
     # dq: per query block, the statistics read; per key block dS = P (dP - D), dq += dS k
+    row0 = _mul(blk, bq)
+    row = _add(row0, i)
+
     def stat(i_, which):
         return a.reg("ml", _add(_mul(_i(which), bq), i_))
     ds_rows = []
@@ -657,7 +665,7 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
                        binary("mul", unary("exp", binary("sub", x, stat(il, 0))), stat(il, 1)))
             ds_rows.append(Store("s", at, binary("mul", p, binary("sub", a.vld("dp", at), broadcast(stat(il, 2), w)))))
     dq_at = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dp), _mul(v, w))  # noqa: E731
-    dq = TileKernel(name + "_dq", tuple(buffers), n_inputs, a.grid1(_ceil(sp.sq, bq), (
+    dq = TileKernel(name + "_dq", tuple(buffers), n_inputs, a.grid1(nqb, (
         *a.allocs(qs=bq * dp, kt=sp.d * bk, s=bq * bk, ml=3 * bq, dos=bq * dvp, vt=sp.dv * bk, kr=bk * dp,
                   dp=bq * bk, dq=bq * dp),
         a.copy_rows("qs", 0, 0, row0, bq, sp.sq, sp.d, sp.rows[0]),
@@ -677,56 +685,87 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         a.store_rows(res, 0, "dq", row0, bq, sp.sq, sp.d, sp.rows[0], 0, lambda i_: const(sp.scale, a.f)),)))
 
     # dkdv: per key block, over the query blocks that see it: Pᵀ and dSᵀ with vectors along the
-    # queries, dv += Pᵀ do, dk += dSᵀ q
+    # queries, dv += Pᵀ do, dk += dSᵀ q (per_head: and dq += dS k)
     qb, jb = var("qb"), var("jb")
+
+    def key_block_body(key0, stats_of, dq_update: tuple) -> tuple:
+        if sp.causal:  # the first query block that sees key key0: query i sees key j when j <= i + offset
+            first = binary("div", binary("max", _add(key0, -sp.offset), _i(0)), _i(bq))
+            q0 = _mul(_add(first, qb), bq)
+            n_qb = binary("max", binary("sub", _i(nqb), first), _i(0))
+        else:
+            q0, n_qb = _mul(qb, bq), _i(nqb)
+        pt_rows = []
+        for r in range(R):
+            jl = _add(_mul(jb, R), r)
+            for v in range(bq // w):
+                at = _add(_mul(jl, bq), v * w)
+                x = a.score(a.vld("pt", at), a.lanes(_add(q0, v * w)), _add(key0, jl))
+                p = select(binary("eq", x, broadcast(a.ninf, w)), broadcast(a.zero, w), binary(
+                    "mul", unary("exp", binary("sub", x, a.vld("ml", v * w))), a.vld("ml", bq + v * w)))
+                pt_rows += [Store("pt", at, p),
+                            Store("dst", at, binary("mul", a.vld("pt", at),
+                                                    binary("sub", a.vld("dst", at), a.vld("ml", 2 * bq + v * w))))]
+        kv_at = lambda width: lambda r, v: _add(_mul(_add(_mul(jb, R), r), width), _mul(v, w))  # noqa: E731
+        kv_row = lambda width: lambda r, x: _add(_mul(_add(_mul(jb, R), r), width), x)  # noqa: E731
+        t_at = lambda r, x: _add(_mul(_add(_mul(jb, R), r), bq), x)  # noqa: E731
+        rows_at = lambda width: lambda x, v: _add(_mul(x, width), _mul(v, w))  # noqa: E731
+        cols_at = lambda x, v: _add(_mul(x, bq), _mul(v, w))  # noqa: E731
+        return (
+            a.copy_rows("kr", 1, 1, key0, bk, sp.sk, sp.d, sp.rows[1]),
+            a.copy_rows("vr", 2, 2, key0, bk, sp.sk, sp.dv, sp.rows[2]),
+            a.fill("dk", bk * dp, a.zero), a.fill("dv", bk * dvp, a.zero),
+            Range("qb", n_qb, "serial", (
+                a.copy_cols("qt", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                a.copy_cols("dot", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
+                a.copy_rows("qs", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                a.copy_rows("dos", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
+                Range("ci", bq, "serial", tuple(Store("ml", _add(i, which * bq), stats_of(which, _add(q0, i)))
+                                                for which in range(3))),
+                Range("jb", bk // R, "serial", (
+                    a.mm("pt", kv_at(bq), "kr", kv_row(dp), "qt", cols_at, sp.d, bq // w),
+                    a.mm("dst", kv_at(bq), "vr", kv_row(dvp), "dot", cols_at, sp.dv, bq // w),
+                    *pt_rows,
+                    a.mm("dv", kv_at(dvp), "pt", t_at, "dos", rows_at(dvp), bq, dvp // w,
+                         first=lambda r, v: a.vld("dv", kv_at(dvp)(r, v))),
+                    a.mm("dk", kv_at(dp), "dst", t_at, "qs", rows_at(dp), bq, dp // w,
+                         first=lambda r, v: a.vld("dk", kv_at(dp)(r, v))),)),
+                *dq_update(q0))),
+            a.store_rows(res, 1, "dk", key0, bk, sp.sk, sp.d, sp.rows[1], q_res, lambda i_: const(sp.scale, a.f)),
+            a.store_rows(res, 2, "dv", key0, bk, sp.sk, sp.dv, sp.rows[2], q_res + k_res, lambda i_: a.one))
+    tiles = dict(kr=bk * dp, vr=bk * dvp, qt=sp.d * bq, dot=sp.dv * bq, qs=bq * dp, dos=bq * dvp, ml=3 * bq,
+                 pt=bk * bq, dst=bk * bq, dk=bk * dp, dv=bk * dvp)
+
+    if sched.per_head:
+        def dq_update(q0):  # the query block's dq rows (kept unscaled in the result) += dS k
+            dq_at_ = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dp), _mul(v, w))  # noqa: E731
+            return (a.copy_rows("dqs", res, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                    Range("ib", bq // R, "serial", (a.mm(
+                        "dqs", dq_at_, "dst", lambda r, x: _add(_mul(x, bq), _mul(ib, R), r),
+                        "kr", lambda x, v: _add(_mul(x, dp), _mul(v, w)), bk, dp // w,
+                        first=lambda r, v: a.vld("dqs", dq_at_(r, v))),)),
+                    a.store_rows(res, 0, "dqs", q0, bq, sp.sq, sp.d, sp.rows[0], 0, lambda i_: a.one))
+        dq_all = lambda value: Range("ci", sp.sq, "serial", (Range("cc", sp.d, "serial", (  # noqa: E731
+            Store(res, a.at(0, i, c, sp.rows[0]), value(tload(res, a.at(0, i, c, sp.rows[0]), a.f))),)),))
+        inner = (
+            *a.allocs(st=3 * sqp, **tiles, kt=sp.d * bk, s=bq * bk, dqs=bq * dp),
+            Range("qb", nqb, "serial", stats_sweep(_mul(qb, bq), lambda which, r_, v: Store(
+                "st", _add(r_, which * sqp), v), False)),
+            dq_all(lambda x: a.zero),
+            Range("kb", _ceil(sp.sk, bk), "serial", key_block_body(
+                _mul(kb, bk), lambda which, r_: a.reg("st", _add(_min(r_, sqp - 1), which * sqp)), dq_update)),
+            dq_all(lambda x: binary("mul", x, const(sp.scale, a.f))))
+        body = inner
+        for z, n in reversed(list(zip(a.zs, sp.batch))):
+            body = (Range(z.arg, n, "grid", body),)
+        return [TileKernel(name + "_heads", tuple(buffers), n_inputs, body)]
+
+    stats = TileKernel(name + "_stats", tuple(buffers), n_inputs, a.grid1(nqb, (
+        *a.allocs(qs=bq * dp, kt=sp.d * bk, s=bq * bk, ml=3 * bq),
+        *stats_sweep(row0, lambda which, r_, v: Store(res, a.stats_at(r_, which), v), True))))
     key0 = _mul(blk, bk)
-    nqb = _ceil(sp.sq, bq)
-    if sp.causal:  # the first query block that sees key key0: query i sees key j when j <= i + offset
-        first = binary("div", binary("max", _add(key0, -sp.offset), _i(0)), _i(bq))
-        q0 = _mul(_add(first, qb), bq)
-        n_qb = binary("max", binary("sub", _i(nqb), first), _i(0))
-    else:
-        q0, n_qb = _mul(qb, bq), _i(nqb)
-    pt_rows = []
-    for r in range(R):
-        jl = _add(_mul(jb, R), r)
-        for v in range(bq // w):
-            at = _add(_mul(jl, bq), v * w)
-            x = a.score(a.vld("pt", at), a.lanes(_add(q0, v * w)), _add(key0, jl))
-            p = select(binary("eq", x, broadcast(a.ninf, w)), broadcast(a.zero, w), binary(
-                "mul", unary("exp", binary("sub", x, a.vld("ml", v * w))), a.vld("ml", bq + v * w)))
-            pt_rows += [Store("pt", at, p),
-                        Store("dst", at, binary("mul", a.vld("pt", at),
-                                                binary("sub", a.vld("dst", at), a.vld("ml", 2 * bq + v * w))))]
-    kv_at = lambda width: lambda r, v: _add(_mul(_add(_mul(jb, R), r), width), _mul(v, w))  # noqa: E731
-    t_at = lambda r, x: _add(_mul(_add(_mul(jb, R), r), bq), x)  # noqa: E731
-    rows_at = lambda width: lambda x, v: _add(_mul(x, width), _mul(v, w))  # noqa: E731
-    cols_at = lambda x, v: _add(_mul(x, bq), _mul(v, w))  # noqa: E731
-    qrow = _add(q0, i)
     dkdv = TileKernel(name + "_dkdv", tuple(buffers), n_inputs, a.grid1(_ceil(sp.sk, bk), (
-        *a.allocs(kr=bk * dp, vr=bk * dvp, qt=sp.d * bq, dot=sp.dv * bq, qs=bq * dp, dos=bq * dvp, ml=3 * bq,
-                  pt=bk * bq, dst=bk * bq, dk=bk * dp, dv=bk * dvp),
-        a.copy_rows("kr", 1, 1, key0, bk, sp.sk, sp.d, sp.rows[1]),
-        a.copy_rows("vr", 2, 2, key0, bk, sp.sk, sp.dv, sp.rows[2]),
-        a.fill("dk", bk * dp, a.zero), a.fill("dv", bk * dvp, a.zero),
-        Range("qb", n_qb, "serial", (
-            a.copy_cols("qt", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
-            a.copy_cols("dot", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
-            a.copy_rows("qs", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
-            a.copy_rows("dos", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
-            Range("ci", bq, "serial", tuple(
-                Store("ml", _add(i, which * bq), select(_lt(qrow, sp.sq), a.ld(
-                    res, a.stats_at(_min(qrow, sp.sq - 1), which)), a.zero)) for which in range(3))),
-            Range("jb", bk // R, "serial", (
-                a.mm("pt", kv_at(bq), "kr", lambda r, x: _add(_mul(_add(_mul(jb, R), r), dp), x),
-                     "qt", cols_at, sp.d, bq // w),
-                a.mm("dst", kv_at(bq), "vr", lambda r, x: _add(_mul(_add(_mul(jb, R), r), dvp), x),
-                     "dot", cols_at, sp.dv, bq // w),
-                *pt_rows,
-                a.mm("dv", kv_at(dvp), "pt", t_at, "dos", rows_at(dvp), bq, dvp // w,
-                     first=lambda r, v: a.vld("dv", kv_at(dvp)(r, v))),
-                a.mm("dk", kv_at(dp), "dst", t_at, "qs", rows_at(dp), bq, dp // w,
-                     first=lambda r, v: a.vld("dk", kv_at(dp)(r, v))),)),)),
-        a.store_rows(res, 1, "dk", key0, bk, sp.sk, sp.d, sp.rows[1], q_res, lambda i_: const(sp.scale, a.f)),
-        a.store_rows(res, 2, "dv", key0, bk, sp.sk, sp.dv, sp.rows[2], q_res + k_res, lambda i_: a.one),)))
+        *a.allocs(**tiles),
+        *key_block_body(key0, lambda which, qr: select(_lt(qr, sp.sq), a.ld(
+            res, a.stats_at(_min(qr, sp.sq - 1), which)), a.zero), lambda q0: ()))))
     return [stats, dkdv, dq]
