@@ -448,7 +448,8 @@ class _Cpu(_Tiles):
 
     def allocs(self, **tiles) -> tuple:
         return (*(Alloc(n, self.f, size, "scratch") for n, size in tiles.items()),
-                Alloc("acc", self.f, self.R * self.C * self.w, "register"), Alloc("mt", self.f, 2, "register"))
+                Alloc("acc", self.f, self.R * self.C * self.w, "register"), Alloc("mt", self.f, 2, "register"),
+                Alloc("xs", self.f, self.bk, "register"))
 
     def mm(self, out: str, out_at, a: str, a_at, b: str, b_at, n: int, nv: int, first=None) -> Range:
         """out[out_at(r, v)] = first(r, v) (zeros if None) + Σ_{x<n} a[a_at(r, x)] · b[b_at(x, v)] for
@@ -515,21 +516,21 @@ class _Cpu(_Tiles):
             i = _add(_mul(ib, self.R), r)
             row = _add(row0, i)
             at = [_add(_mul(i, bk), v * w) for v in range(nv)]
-            out += [Store("s", at[v], self.score(self.vld("s", at[v]), row, self.lanes(_add(key0, v * w))))
-                    for v in range(nv)]
-            mx = self.vld("s", at[0])
+            out += [Store("xs", _i(v * w), self.score(self.vld("s", at[v]), row, self.lanes(_add(key0, v * w))))
+                    for v in range(nv)]  # (in registers: one pass over the row in memory)
+            xs = [self.vld("xs", _i(v * w)) for v in range(nv)]
+            mx = xs[0]
             for v in range(1, nv):
-                mx = binary("max", mx, self.vld("s", at[v]))
+                mx = binary("max", mx, xs[v])
             m_old = self.reg("ml", i)
             mn = binary("max", m_old, self.hop(hmax, mx))
             out += [Store("mt", _i(0), mn), Store("mt", _i(1), select(binary("eq", self.reg("mt", 0), self.ninf),
                                                                      self.zero, self.reg("mt", 0)))]
             mn, ms = self.reg("mt", 0), self.reg("mt", 1)
             alpha = unary("exp", binary("sub", m_old, ms))
-            ps = [unary("exp", binary("sub", self.vld("s", at[v]), broadcast(ms, w))) for v in range(nv)]
+            ps = [unary("exp", binary("sub", xs[v], broadcast(ms, w))) for v in range(nv)]
             if write_p:
                 out += [Store("s", at[v], ps[v]) for v in range(nv)]
-                ps = [self.vld("s", at[v]) for v in range(nv)]
             total = ps[0]
             for p in ps[1:]:
                 total = binary("add", total, p)
