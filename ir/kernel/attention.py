@@ -216,16 +216,16 @@ class _Tiles:
         return Range("t", _ceil(count * width, lanes), "serial", (
             If(_lt(e, count * width), (Store(name, e, select(_lt(rr, limit), val, self.zero)),)),))
 
-    def visible(self, row, key) -> KExpr | None:
+    def visible(self, row, key, causal: bool = True) -> KExpr | None:
         """Whether the row sees the key (None: always); the blocks' padding is tested only where
-        the blocks do not tile the sequences."""
+        the blocks do not tile the sequences, the diagonal only where `causal`."""
         sp = self.sp
         tests = ([_lt(key, sp.sk)] if sp.sk % self.bk else []) + ([_lt(row, sp.sq)] if sp.sq % self.bq else [])
-        if sp.causal:  # query i sees keys j <= i + (Sk - Sq)
+        if sp.causal and causal:  # query i sees keys j <= i + (Sk - Sq)
             tests.append(binary("le", key, _add(row, sp.offset)))
         return functools.reduce(_and, tests) if tests else None
 
-    def score(self, dot: KExpr, row, key) -> KExpr:
+    def score(self, dot: KExpr, row, key, causal: bool = True) -> KExpr:
         """scale * q·k + bias, -inf where the key is not visible to the row."""
         sp = self.sp
         s = binary("mul", dot, const(sp.scale, self.f))
@@ -234,7 +234,7 @@ class _Tiles:
             off = _add(*(_mul(z, st) for z, st in zip(self.zs, sp.batch_strides[4])),
                        _mul(_min(row, sp.sq - 1), bs[0]), _mul(_min(key, sp.sk - 1), bs[1]))
             s = binary("add", s, self.ld(3, off))
-        ok = self.visible(row, key)
+        ok = self.visible(row, key, causal)
         return s if ok is None else select(ok, s, self.ninf)
 
     def dot(self, into: str, at, a: str, a_at, b: str, b_at, n: int) -> tuple:
@@ -508,7 +508,15 @@ class _Cpu(_Tiles):
     def scores_softmax(self, row0, ib, key0, write_p: bool) -> tuple:
         """The register block ib's rows of the key block's raw scores (in s) scaled, biased and
         masked, then the online softmax: running max ml[i], sum ml[bq+i], ml[2bq+i] = exp(m_old -
-        m_new); write_p: s = P = exp(s - m_new) (0 where masked)."""
+        m_new); write_p: s = P = exp(s - m_new) (0 where masked). Causal: the diagonal tested only
+        in the blocks it crosses."""
+        if not self.sp.causal:
+            return self._scores_softmax(row0, ib, key0, write_p, True)
+        below = binary("le", _add(key0, self.bk - 1), _add(row0, _mul(ib, self.R), self.sp.offset))
+        return (If(below, self._scores_softmax(row0, ib, key0, write_p, False)),
+                If(unary("not", below), self._scores_softmax(row0, ib, key0, write_p, True)))
+
+    def _scores_softmax(self, row0, ib, key0, write_p: bool, causal: bool) -> tuple:
         w, bq, bk = self.w, self.bq, self.bk
         nv = bk // w
         out = []
@@ -516,7 +524,7 @@ class _Cpu(_Tiles):
             i = _add(_mul(ib, self.R), r)
             row = _add(row0, i)
             at = [_add(_mul(i, bk), v * w) for v in range(nv)]
-            out += [Store("xs", _i(v * w), self.score(self.vld("s", at[v]), row, self.lanes(_add(key0, v * w))))
+            out += [Store("xs", _i(v * w), self.score(self.vld("s", at[v]), row, self.lanes(_add(key0, v * w)), causal))
                     for v in range(nv)]  # (in registers: one pass over the row in memory)
             xs = [self.vld("xs", _i(v * w)) for v in range(nv)]
             mx = xs[0]
