@@ -123,7 +123,7 @@ class _Printer(PrintedValues):
         as one variable (a scalar or a vector), which compilers keep in registers more surely than
         an array (PoCL keeps private arrays of multi-item work-groups in memory)."""
         regs = {n: a for n, a in self.allocs.items() if a.scope == "register"}
-        whole = set(regs)
+        whole = {n for n, a in regs.items() if a.size in (1, 2, 3, 4, 8, 16)}  # (the vector types)
         for target, off, w in self._accesses():
             if target in whole and not (off.op == "const" and off.arg == 0 and w == regs[target].size):
                 whole.discard(target)

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 from llvmlite import ir
 from tilefuse.backends.llvmir.irutil import counted_loop
-from tilefuse.backends.opencl.attention import tuning_key
+from tilefuse.runtime.tiled import attention_tuning_key as tuning_key
 from tilefuse.ir.kernel.attention import Spec, spec_of
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import CompileError

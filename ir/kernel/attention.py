@@ -158,7 +158,7 @@ def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
     (or none with shared memory): vectors of the target's lanes, blocks of 128 (forward) or 64
     (backward) queries by 64 keys (fewer for short sequences), register blocks of 4 rows x as many
     vectors as the registers hold; the backward per batch index where they fill the cores twice."""
-    if target.kind == "cpu" or target.shared_bytes == 0:
+    if _cpu_form(target):
         vec = target.lanes if target.lanes in (1, 2, 4, 8, 16) else 4
         bq = max(vec, 4, min(64 if sp.bwd else 128, 1 << max(0, (sp.sq - 1).bit_length())))
         chunk = max(1, (target.vector_registers - 1) // 5)  # 4 rows x chunk accumulators, chunk loads
@@ -173,6 +173,32 @@ def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
         if s.check(sp, target) is None:
             return s
     return None
+
+
+def _cpu_form(target) -> bool:
+    return target.kind == "cpu" or target.shared_bytes == 0
+
+
+def space(sp: Spec, target) -> dict:
+    """The tuner's search space (schedule fields -> candidate values): the target's form's fields."""
+    if _cpu_form(target):
+        return {"bq": (16, 32, 64, 128), "bk": (16, 32, 64, 128), "vec": (4, 8, 16), "rows": (1, 2, 4, 8),
+                "chunk": (1, 2, 4), "per_head": (False, True) if sp.bwd else (False,)}
+    return {"bq": (8, 16, 32, 64, 128), "bk": (8, 16, 32, 64)}
+
+
+def params_of(sched: AttentionSchedule) -> dict:
+    """A schedule as the tuner stores it: its form's fields."""
+    if not sched.cpu:
+        return {"bq": sched.bq, "bk": sched.bk}
+    return {f: getattr(sched, f) for f in ("bq", "bk", "vec", "rows", "chunk", "per_head")}
+
+
+def schedule_of(params: dict, target) -> AttentionSchedule:
+    """The schedule stored parameters describe on this target (the form is the target's)."""
+    if _cpu_form(target):
+        return AttentionSchedule(**params)
+    return AttentionSchedule(params["bq"], params["bk"])
 
 
 class _Tiles:
