@@ -109,10 +109,9 @@ def _template(name: str, kinds, module: str, device_kind: str, priority: int) ->
                                 _lazy(module, "applies"), priority))
 
 
-# Attention: FlashAttention templates on CPU and CUDA devices (float32; the shared tile builders
-# register in runtime/tiled.py), and everywhere the ordinary kernels of its decomposition
-# (runtime/composite.py).
-_template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.llvm.attention", "cpu", 10)
+# Attention: the FlashAttention template on CUDA devices (float32; the shared tile builders register
+# for the backends that print tile kernels in runtime/tiled.py), and everywhere the ordinary kernels
+# of its decomposition (runtime/composite.py).
 _template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.cuda.attention", "cuda", 10)
 for _kind in TEMPLATE_KINDS:
     register(Implementation("composite", _kind, _lazy("tilefuse.runtime.composite", "build")))

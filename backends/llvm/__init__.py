@@ -122,5 +122,4 @@ def create() -> LLVMBackend:
 __all__ = ["LLVMBackend", "CompiledKernel", "create"]
 
 
-# the shared FlashAttention (ir/kernel/attention.py, its CPU form) below the LLVM template (10)
-register_attention("cpu", priority=5)
+register_attention("cpu", priority=10)  # FlashAttention: the shared tile builders' CPU form

@@ -159,9 +159,9 @@ def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
     (backward) queries by 64 keys (fewer for short sequences), register blocks of 4 rows x as many
     vectors as the registers hold; the backward per batch index where they fill the cores twice."""
     if _cpu_form(target):
-        vec = target.lanes if target.lanes in (1, 2, 4, 8, 16) else 4
+        vec = _lanes(target)
         bq = max(vec, 4, min(64 if sp.bwd else 128, 1 << max(0, (sp.sq - 1).bit_length())))
-        chunk = max(1, (target.vector_registers - 1) // 5)  # 4 rows x chunk accumulators, chunk loads
+        chunk = 1 << (max(1, (target.vector_registers - 1) // 5).bit_length() - 1)  # 4 x chunk accumulators
         for s in (AttentionSchedule(bq, max(vec, 64), vec, 4, chunk, sp.bwd and sp.nb >= 2 * target.cores),
                   AttentionSchedule(bq, max(vec, 64), vec, 4, chunk), AttentionSchedule(vec, vec, vec, 4, chunk)):
             if s.check(sp, target) is None:
@@ -179,11 +179,16 @@ def _cpu_form(target) -> bool:
     return target.kind == "cpu" or target.shared_bytes == 0
 
 
+def _lanes(target) -> int:
+    return target.lanes if target.lanes in (1, 2, 4, 8, 16) else 4
+
+
 def space(sp: Spec, target) -> dict:
     """The tuner's search space (schedule fields -> candidate values): the target's form's fields."""
     if _cpu_form(target):
-        return {"bq": (16, 32, 64, 128), "bk": (16, 32, 64, 128), "vec": (4, 8, 16), "rows": (1, 2, 4, 8),
-                "chunk": (1, 2, 4), "per_head": (False, True) if sp.bwd else (False,)}
+        return {"bq": (4, 8, 16, 32, 64, 128), "bk": (4, 8, 16, 32, 64, 128),
+                "vec": tuple(sorted({4, 8, 16, _lanes(target)})), "rows": (1, 2, 4, 8), "chunk": (1, 2, 4),
+                "per_head": (False, True) if sp.bwd else (False,)}
     return {"bq": (8, 16, 32, 64, 128), "bk": (8, 16, 32, 64)}
 
 
