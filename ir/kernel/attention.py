@@ -1,16 +1,16 @@
-"""The strided view of a fused attention equation, shared by every backend's FlashAttention.
+"""FlashAttention written once, as tile kernels, on the strided view of a fused attention equation.
 
 `fused_attention` (and its backward) computes softmax(scale · q kᵀ + bias) v per batch index,
 over operands in any layout its `dims` name: each operand has batch axes, a sequence axis and a
 feature axis, at element strides the Spec records, so no operand is transposed or copied
-beforehand. Backends address batch index t either through the batch axes' strides (OpenCL and
-CUDA compute them in the kernel) or through a table of per-batch offsets (the CPU template bakes
-`batch_offsets()` into its module)."""
+beforehand. The builders (build_forward, build_backward) take one schedule (AttentionSchedule)
+in two forms, chosen from the Target: the GPU form (a work-item per row, tiles staged through
+shared memory) and the CPU form (a task per block of rows, tiles in scratch memory,
+register-blocked products with vectors along the keys and features); `space` is the tuner's."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -46,13 +46,6 @@ class Spec:
     @property
     def offset(self) -> int:  # Sk - Sq: query i sees keys j <= i + offset when causal
         return self.sk - self.sq
-
-    @cached_property
-    def batch_offsets(self) -> tuple:
-        """Per batch index t: the element offsets of (q, k, v, out, bias) at its first position."""
-        idx = np.indices(self.batch).reshape(len(self.batch), self.nb)
-        cols = [sum((i * s for i, s in zip(idx, st)), np.zeros(self.nb, np.int64)) for st in self.batch_strides]
-        return tuple(tuple(int(x) for x in row) for row in np.stack(cols, axis=1))
 
 
 def spec_of(eqn) -> Spec:
@@ -358,8 +351,9 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
              D = do·o, kept where dq will go;
       dkdv:  a work-item per key row, the queries staged block by block with their stats:
              P = exp(s - m)/l, dv += P do, dS = P (do·v - D), dk += dS q scale;
-      dq:    a work-item per query row, the statistics recomputed (its stats slots may hold
-             another row's: they are not read), dq += dS k scale over the key blocks."""
+      dq:    a work-item per query row, the statistics recomputed, dq += dS k scale over the
+             key blocks.
+    (The CPU form: _backward_cpu.)"""
     if sched.cpu:
         return _backward_cpu(sp, sched, name, buffers, n_inputs)
     a = _Tiles(sp, sched, buffers, n_inputs)
@@ -623,9 +617,10 @@ class _Cpu(_Tiles):
             *per_block))
 
     def scores(self, ib, out: str = "s", a: str = "qs", b: str = "kt", n: int | None = None) -> Range:
-        """out = a bᵀ for the register block ib's rows of the query block (bk keys, b transposed)."""
+        """out = a bᵀ for the register block ib's rows of the query block (bk keys, b transposed;
+        a: the queries' rows qs, or dO's dos with n = dv)."""
         R, bk, w = self.R, self.bk, self.w
-        lda = self.dp if a in ("qs",) else self.dvp
+        lda = self.dp if n is None else self.dvp
         return self.mm(out, lambda r, v: _add(_mul(_add(_mul(ib, R), r), bk), _mul(v, w)),
                        a, lambda r, x: _add(_mul(_add(_mul(ib, R), r), lda), x),
                        b, lambda x, v: _add(_mul(x, bk), _mul(v, w)), self.sp.d if n is None else n, bk // w)
