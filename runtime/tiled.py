@@ -1,8 +1,8 @@
-"""Kernels built by the shared tile-level builders (ir/kernel/: GEMM) for the backends that print
-tile kernels: the builder writes the algorithm under a schedule the scheduler picks from the
-device's Target, or the tuning database holds (one parameter space for every backend); the
-backend only prints and launches. A backend takes a builder for its device kind with
-register_gemm (it may keep a vendor library beside it)."""
+"""Kernels built by the shared tile-level builders (ir/kernel/: GEMM, FlashAttention) for the
+backends that print tile kernels: the builder writes the algorithm under a schedule the scheduler
+picks from the device's Target, or the tuning database holds (one parameter space for every
+backend); the backend only prints and launches. A backend takes a builder for its device kind
+with register_gemm or register_attention (it may keep a vendor library beside it)."""
 from __future__ import annotations
 
 import dataclasses
