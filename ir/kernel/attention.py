@@ -351,8 +351,8 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
              D = do·o, kept where dq will go;
       dkdv:  a work-item per key row, the queries staged block by block with their stats:
              P = exp(s - m)/l, dv += P do, dS = P (do·v - D), dk += dS q scale;
-      dq:    a work-item per query row, the statistics recomputed, dq += dS k scale over the
-             key blocks.
+      dq:    a work-item per query row, its statistics read, dq += dS k scale over the key
+             blocks.
     (The CPU form: _backward_cpu.)"""
     if sched.cpu:
         return _backward_cpu(sp, sched, name, buffers, n_inputs)
@@ -380,11 +380,12 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
         If(_lt(row, sp.sq), tuple(Store(res, a.stats_at(row, w), v)
                                   for w, v in enumerate((m, linv, a.reg("dd", 0))))),)))
 
-    # dq: the row's statistics again, then a second sweep over the key blocks
+    # dq: the row's statistics read (its own dq elements: only this work-item writes them, after
+    # the barriers), then a sweep over the key blocks
     kb2, j = var("kb"), var("j")
     key = _add(_mul(kb2, bk), j)
     sj = a.reg("s", j)
-    p = select(binary("eq", sj, a.ninf), a.zero, binary("mul", unary("exp", binary("sub", sj, m)), linv))
+    p = select(binary("eq", sj, a.ninf), a.zero, binary("mul", unary("exp", binary("sub", sj, m)), l_))
     dp = a.reg("dp", 0)
     sweep = Range("kb", _ceil(sp.sk, bk), "serial", (
         a.stage("ks", 1, sp.d, _mul(kb2, bk), bk, sp.sk, sp.rows[1], r, bq),
@@ -400,7 +401,8 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
     dq = TileKernel(name + "_dq", tuple(buffers), n_inputs, a.grid(_ceil(sp.sq, bq), "r", bq, (
         *row_head, Alloc("dq", f, sp.d, "register"), Alloc("dp", f, 1, "register"),
         Range("c", sp.d, a.feat, (Store("dq", c, a.zero),)),
-        *a.key_blocks(row, r, lambda j_, p_: ()), sweep,
+        *(Store("ml", _i(w_), tload(res, a.stats_at(_min(row, sp.sq - 1), w_), buffers[res].dtype)) for w_ in (0, 1)),
+        sweep,
         If(_lt(row, sp.sq), (Range("c", sp.d, a.feat, (
             Store(res, a.at(0, row, c, sp.rows[0]),
                   cast(binary("mul", a.reg("dq", c), const(sp.scale, f)), buffers[res].dtype)),)),)),)))
