@@ -112,6 +112,7 @@ class _Printer(PrintedValues):
                 total += a.size
         self.scratch = total
         self.whole = self._whole_registers()
+        self.vectors = self._vector_registers()
         sd = {np.dtype(a.dtype) for a in self.allocs.values() if a.scope == "scratch"}
         if len(sd) > 1:
             raise CompileError(f"{k.name}: scratch memory of several dtypes {sd}", backend="cstyle")
@@ -122,15 +123,34 @@ class _Printer(PrintedValues):
         as one variable (a scalar or a vector), which compilers keep in registers more surely than
         an array (PoCL keeps private arrays of multi-item work-groups in memory)."""
         regs = {n: a for n, a in self.allocs.items() if a.scope == "register"}
-        whole = set(regs)
-
-        def access(target, off, w):
+        whole = {n for n, a in regs.items() if a.size in (1, 2, 3, 4, 8, 16)}  # (the vector types)
+        for target, off, w in self._accesses():
             if target in whole and not (off.op == "const" and off.arg == 0 and w == regs[target].size):
                 whole.discard(target)
+        return whole
+
+    def _vector_registers(self) -> dict:
+        """Other register Allocs only accessed as vectors of one width w at offsets that are
+        multiples of w: printed as arrays of vectors (PoCL keeps a float array read by vloadN in
+        memory). name -> w."""
+        found: dict = {n: 0 for n, a in self.allocs.items() if a.scope == "register" and n not in self.whole}
+        for target, off, w in self._accesses():
+            if target not in found:
+                continue
+            k = off.arg if off.op == "const" else off.src[1].arg \
+                if off.op == "mul" and off.src[1].op == "const" else 1
+            if w == 1 or k % w or found[target] not in (0, w):
+                del found[target]
+            else:
+                found[target] = w
+        return {n: w for n, w in found.items() if w}
+
+    def _accesses(self):
+        """(target, offset, width) of every load and store of the kernel."""
         seen: set = set()
         for st in _all_statements(self.k.body):
             if isinstance(st, Store):
-                access(st.target, st.offset, lanes_of(st.value, self.width))
+                yield st.target, st.offset, lanes_of(st.value, self.width)
             for root in ([st.offset, st.value] if isinstance(st, Store) else [st.cond] if isinstance(st, If)
                          else [st.extent] if isinstance(st, Range) and isinstance(st.extent, KExpr) else []):
                 if root in seen:
@@ -140,10 +160,9 @@ class _Printer(PrintedValues):
                         continue
                     seen.add(n)
                     if n.op == "load":
-                        access(n.arg, n.src[0], lanes_of(n.src[0], self.width))
+                        yield n.arg, n.src[0], lanes_of(n.src[0], self.width)
                     elif n.op == "vload":
-                        access(n.arg[0], n.src[0], n.arg[1])
-        return whole
+                        yield n.arg[0], n.src[0], n.arg[1]
 
     # -- helpers ------------------------------------------------------------------------------
     def lit(self, value, dtype) -> str:
@@ -186,6 +205,9 @@ class _Printer(PrintedValues):
     def alloc_decl(self, a: Alloc) -> str | None:
         if a.name in self.whole:
             return f"{self.ty(a.dtype, a.size)} {a.name};"
+        if a.name in self.vectors:
+            w = self.vectors[a.name]
+            return f"{self.ty(a.dtype, w)} {a.name}[{a.size // w}];"
         if a.scope == "register":
             return f"{self.ty(a.dtype)} {a.name}[{a.size}];"
         if a.scope == "shared":
@@ -222,6 +244,8 @@ class _Printer(PrintedValues):
             return f"(({self.ty(d, w)})({lanes}))"
         if op in ("load", "vload") and (n.arg if op == "load" else n.arg[0]) in self.whole:
             return n.arg if op == "load" else n.arg[0]
+        if op == "vload" and n.arg[0] in self.vectors:
+            return f"{n.arg[0]}[({self.val(n.src[0], depth)}) / {n.arg[1]}]"
         if op in ("load", "vload"):
             target, lanes = (n.arg, 1) if op == "load" else n.arg
             ptr, sd = self.ptr(target)
@@ -239,15 +263,26 @@ class _Printer(PrintedValues):
             return f"(({self.ty(d, w)})({self.val(n.src[0], depth)}))"
         if op in ("hsum", "hmax", "hmin"):
             x, k = self.val(n.src[0], depth), self.lanes(n.src[0])
-            parts = [f"{x}.s{i:x}" for i in range(k)]
+            while k > 1 and k & (k - 1) == 0:  # halves, each a named vector (NaN tests repeat operands)
+                lo, hi, k = f"{x}.lo", f"{x}.hi", k // 2
+                self.n += 1
+                e = f"({lo} + {hi})" if op == "hsum" else self.binary(op[1:], lo, hi, d, k)
+                self.line(self.declare(f"h{self.n}", self.ty(d, k), e), depth)
+                x = f"h{self.n}"
+            parts = [f"{x}.s{i:x}" for i in range(k)] if k > 1 else [x]
             while len(parts) > 1:  # a tree: log2(k) dependent steps, pairwise sums
                 pairs = [parts[i:i + 2] for i in range(0, len(parts), 2)]
                 parts = [p[0] if len(p) == 1 else
                          (f"({p[0]} + {p[1]})" if op == "hsum" else self.binary(op[1:], p[0], p[1], d, 1))
                          for p in pairs]
             return parts[0]
+        srcs = n.src
+        if op == "add" and w > 1 and d in (F32, F64) and any(s.op == "mul" for s in srcs):
+            # a vector product accumulated: one fused multiply-add, as the LLVM printers contract it
+            prod, acc = (srcs[0], srcs[1]) if srcs[0].op == "mul" else (srcs[1], srcs[0])
+            op, srcs = "fma", (*prod.src, acc)
         args = []
-        for s in n.src:
+        for s in srcs:
             a = self.val(s, depth)
             if w > 1 and self.lanes(s) == 1:  # a scalar operand of a vector op
                 a = f"(({self.ty(s.dtype, w)})({a}))"
@@ -261,6 +296,8 @@ class _Printer(PrintedValues):
             return self.cast(args[0], np.dtype(n.src[0].dtype), d, w, depth)
         if op == "bitcast":
             return self.bitcast(args[0], d, w)
+        if op == "fma":
+            return f"fma({', '.join(args)})"
         if len(args) == 1:
             return self.unary(op, args[0], d, w)
         return self.binary(op, args[0], args[1], np.dtype(n.src[0].dtype), w)
@@ -399,6 +436,11 @@ class _Printer(PrintedValues):
     def store(self, s: Store, depth: int) -> None:
         if s.target in self.whole:
             self.line(f"{s.target} = {self.val(s.value, depth)};", depth)
+            self.forget(s.target)
+            return
+        if s.target in self.vectors:
+            self.line(f"{s.target}[({self.val(s.offset, depth)}) / {self.vectors[s.target]}] = "
+                      f"{self.val(s.value, depth)};", depth)
             self.forget(s.target)
             return
         ptr, sd = self.ptr(s.target)

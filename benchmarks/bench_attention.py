@@ -1,16 +1,18 @@
 """Attention, B=4 H=4 D=64, S=256 and 1024, causal and not, forward and forward+backward:
 tilefuse on `cpu` (nn.dot_product_attention, and the same attention written out with tnp and
-found by the pattern pass), on the first OpenCL device (nn.dot_product_attention with the OpenCL
-FlashAttention template, and with the composite of ordinary kernels it replaced), numpy's naive
+found by the pattern pass), on the first OpenCL device (nn.dot_product_attention through the shared
+FlashAttention tile builders, and the composite of ordinary kernels they replace), numpy's naive
 code, and PyTorch's scaled_dot_product_attention and JAX's jit where importable, in one run:
 medians, GFLOP/s and ratios against tilefuse.
 
-    python benchmarks/bench_attention.py [--seqs 256,1024] [--repeat 7] [--only fwd] [--opencl opencl:0]
+    python benchmarks/bench_attention.py [--seqs 256,1024] [--bhd 4,4,64] [--repeat 7] [--only fwd]
+        [--opencl opencl:0]
 
-FLOPs count the two matmuls of the forward (4·B·H·S²·D, halved when causal) and 2.5 times that
-for forward+backward. "extra MiB" is tilefuse's pool peak above the inputs during one call (the
-S x S scores are never stored: linear in S), and numpy's / PyTorch's growth in RSS is not
-measured here (see benchmarks/bench_train.py for whole-process peaks)."""
+(--bhd 32,4,32 --seqs 64: the char-GPT step's attention, benchmarks/bench_train.py.) FLOPs count
+the two matmuls of the forward (4·B·H·S²·D, halved when causal) and 2.5 times that for
+forward+backward. "extra MiB" is tilefuse's pool peak above the inputs during one call (the S x S
+scores are never stored: linear in S), and numpy's / PyTorch's growth in RSS is not measured here
+(see benchmarks/bench_train.py for whole-process peaks)."""
 from __future__ import annotations
 
 import argparse
@@ -75,7 +77,7 @@ def tilefuse_cases(q, k, v, g, causal, device="cpu"):
 
     cases = (("tilefuse nn.dot_product_attention", api, (qs, ks, vs), gs, False),
              ("tilefuse written out (pattern)", written, (qh, kh, vh), gh, False))
-    if device != "cpu":  # the OpenCL template, and the composite of ordinary kernels without it
+    if device != "cpu":  # the tile builders, and the composite of ordinary kernels without them
         cases = ((f"tilefuse {device} nn.dot_product_attention", api, (qs, ks, vs), gs, False),
                  (f"tilefuse {device} composite (no template)", api, (qs, ks, vs), gs, True))
     out = {}
@@ -86,7 +88,7 @@ def tilefuse_cases(q, k, v, g, causal, device="cpu"):
         run_both = lambda both=both, args=args, cot=cot: [  # noqa: E731
             x.block_until_ready() for x in both(*args, cot)]
         with _without_templates(dev.kind) if composite else contextlib.nullcontext():
-            run_fwd()  # compiled now: without the templates for the composite
+            run_fwd()  # compiled now: without the builders for the composite
             run_both()
         pool = dev.backend.pool if device == "cpu" else dev.backend._state(dev).pool
         pool.reset_peak()
@@ -99,7 +101,7 @@ def tilefuse_cases(q, k, v, g, causal, device="cpu"):
 
 @contextlib.contextmanager
 def _without_templates(device_kind):
-    """The attention templates of a device kind unregistered: the dispatcher picks the composite."""
+    """The attention builders of a device kind unregistered: the dispatcher picks the composite."""
     from tilefuse.runtime import dispatch
     impls = [i for kind in dispatch.TEMPLATE_KINDS for i in dispatch.candidates(kind, device_kind)
              if i.name != "composite"]
@@ -161,13 +163,16 @@ def _has_device(name: str) -> bool:
 
 
 def main(argv=None):
+    global B, H, D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="256,1024")
+    ap.add_argument("--bhd", default=f"{B},{H},{D}", help="batch, heads, head size")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--only", choices=("fwd", "both"), default=None)
     ap.add_argument("--opencl", default="opencl:0", help="the OpenCL device of the opencl rows "
                     "('' for none; skipped where there is none)")
     args = ap.parse_args(argv)
+    B, H, D = (int(x) for x in args.bhd.split(","))
     rng = np.random.default_rng(0)
     for s in (int(x) for x in args.seqs.split(",")):
         for causal in (False, True):

@@ -190,7 +190,7 @@ def attention_kernels(batch: int, seq: int, heads: int, dim: int) -> list:
     step(q, k, v)
     with tx.profile() as prof:
         step(q, k, v)
-    return [(r.info.kernel, r.info.device) for r in prof.records if r.info.impl == "flash_attention"]
+    return [(r.info.kernel, r.info.device) for r in prof.records if r.info.impl == "tile_attention"]
 
 
 def tune_with_bar(kernel, dev, trials: int):
@@ -210,7 +210,7 @@ def bench_attention(trials: int) -> list:
         for kernel, dev in attention_kernels(*shape):
             res = tune_with_bar(kernel, dev, trials)
             d, t = res.default_seconds, res.best_seconds
-            rows.append(("x".join(map(str, shape)), res.signature.removeprefix("attention-"),
+            rows.append(("x".join(map(str, shape)), res.signature.removeprefix("tile-attention-"),
                          f"{d * 1e3:.3f}", f"{t * 1e3:.3f}", f"{d / t:.2f}x",
                          " ".join(f"{k}={v}" for k, v in res.best.items())))
     return rows

@@ -109,10 +109,9 @@ def _template(name: str, kinds, module: str, device_kind: str, priority: int) ->
                                 _lazy(module, "applies"), priority))
 
 
-# Attention: FlashAttention on CPU and OpenCL devices (float32; CUDA takes the shared builder), and
-# everywhere the ordinary kernels of its decomposition (runtime/composite.py).
-_template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.llvm.attention", "cpu", 10)
-_template("flash_attention", TEMPLATE_KINDS, "tilefuse.backends.opencl.attention", "opencl", 10)
+# Attention: the shared FlashAttention tile builders register for the backends that print tile
+# kernels (runtime/tiled.py); everywhere the ordinary kernels of its decomposition
+# (runtime/composite.py) remain a candidate.
 for _kind in TEMPLATE_KINDS:
     register(Implementation("composite", _kind, _lazy("tilefuse.runtime.composite", "build")))
 

@@ -1,8 +1,8 @@
-"""Kernels built by the shared tile-level builders (ir/kernel/: GEMM) for the backends that print
-tile kernels: the builder writes the algorithm under a schedule the scheduler picks from the
-device's Target, or the tuning database holds (one parameter space for every backend); the
-backend only prints and launches. A backend takes a builder for its device kind with
-register_gemm (it may keep a vendor library beside it)."""
+"""Kernels built by the shared tile-level builders (ir/kernel/: GEMM, FlashAttention) for the
+backends that print tile kernels: the builder writes the algorithm under a schedule the scheduler
+picks from the device's Target, or the tuning database holds (one parameter space for every
+backend); the backend only prints and launches. A backend takes a builder for its device kind
+with register_gemm or register_attention (it may keep a vendor library beside it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -67,20 +67,9 @@ def register_gemm(device_kind: str, priority: int) -> None:
         _key, gemm_applies))
 
 
-def _attention_kernels(kernel, device):
-    """The FlashAttention tile kernels of a fused_attention (one) or fused_attention_bwd (three,
-    run in order) kernel, or None where the builders do not apply: a feature axis that is not the
-    last, empty operands, a backward in 16 bits (its row statistics wait in the result), no
-    schedule that fits, a kernel past the device's limits. Built once per device: the dispatcher
-    asks whether it applies, then builds."""
-    memo = kernel.meta.setdefault("tile_attention", {})
-    where = getattr(device, "name", device)
-    if where not in memo:
-        memo[where] = _attention_tiles(kernel, device)
-    return memo[where]
-
-
-def _attention_tiles(kernel, device):
+def _attention_spec(kernel):
+    """The Spec of a fused_attention(_bwd) kernel the builders take, or None: a feature axis that
+    is not the last, empty operands, a backward in 16 bits (its row statistics wait in the result)."""
     eqns = kernel.meta.get("eqns", ())
     if len(eqns) != 1 or eqns[0].prim not in (P.fused_attention, P.fused_attention_bwd):
         return None
@@ -89,10 +78,27 @@ def _attention_tiles(kernel, device):
             any(d[-1] != a.aval.ndim - 1 for d, a in zip(e.params["dims"], e.inputs[:3])):
         return None
     sp = attention.spec_of(e)
-    if sp.bwd and e.inputs[0].aval.dtype.itemsize < 4:
+    return None if sp.bwd and e.inputs[0].aval.dtype.itemsize < 4 else sp
+
+
+def _attention_kernels(kernel, device, params: dict | None = None):
+    """The FlashAttention tile kernels of a fused_attention (one) or fused_attention_bwd (one to
+    three, run in order) kernel under the default schedule (or `params`), or None where the
+    builders do not apply, no schedule fits, or a kernel is past the device's limits. Built once
+    per device and schedule: the dispatcher asks whether it applies, then builds."""
+    memo = kernel.meta.setdefault("tile_attention", {})
+    where = (getattr(device, "name", device), repr(params))
+    if where not in memo:
+        memo[where] = _attention_tiles(kernel, device, params)
+    return memo[where]
+
+
+def _attention_tiles(kernel, device, params):
+    sp, t = _attention_spec(kernel), _target(device)
+    if sp is None:
         return None
-    sched = attention.default_attention_schedule(sp, _target(device))
-    if sched is None:
+    sched = attention.default_attention_schedule(sp, t) if params is None else attention.schedule_of(params, t)
+    if sched is None or sched.check(sp, t) is not None:
         return None
     build = attention.build_backward if sp.bwd else attention.build_forward
     tks = build(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)
@@ -105,23 +111,48 @@ def _attention_tiles(kernel, device):
     return tks
 
 
-def _attention_build(kernel, device, backend):
-    runs = [backend.compile_tile(tk, device) for tk in _attention_kernels(kernel, device)]
+def _attention_build(kernel, device, backend, params: dict | None = None):
+    tks = _attention_kernels(kernel, device, params)
+    if tks is None:
+        raise ValueError(f"attention schedule {params}: does not fit {kernel.name} on {device}")
+    runs = [backend.compile_tile(tk, device) for tk in tks]
     if len(runs) == 1:
         return runs[0]
 
-    def run(buffers):
+    def run(buffers):  # (no event: a profiler times the kernels together, to the last one's end)
         for r in runs:
             r(buffers)
     return run
 
 
+def attention_tuning_key(kernel, backend_name: str = "tile") -> tuple[str, str]:
+    """Forward or backward, causal, with a bias: the signature; sizes by power-of-two class."""
+    sp = attention.spec_of(kernel.meta["eqns"][0])
+    sig = f"{backend_name}-attention-" + ("bwd" if sp.bwd else "fwd") + "-causal" * sp.causal \
+        + "-bias" * sp.has_bias
+    return sig, "x".join(str(tuner.size_class(n)) for n in (sp.nb, sp.sq, sp.sk)) + f"/{sp.d}x{sp.dv}"
+
+
+_attention_kinds: list[str] = []
+
+
 def register_attention(device_kind: str, priority: int) -> None:
-    """The shared FlashAttention (ir/kernel/attention.py), forward and backward, on `device_kind`."""
+    """The shared FlashAttention (ir/kernel/attention.py), forward and backward, on `device_kind`,
+    searched by the tuner in attention.space."""
     for kind in ("fused_attention", "fused_attention_bwd"):
         dispatch.register(dispatch.Implementation(
             "tile_attention", kind, _attention_build, (device_kind,),
             lambda kernel, device: _attention_kernels(kernel, device) is not None, priority))
+    _attention_kinds.append(device_kind)
+    tuner.register(tuner.Template(
+        "tile_attention", "tile_attention", tuple(_attention_kinds),
+        lambda kernel, device: attention.space(_attention_spec(kernel), _target(device)),
+        lambda kernel, device: attention.params_of(attention.default_attention_schedule(
+            _attention_spec(kernel), _target(device))),
+        _attention_build,
+        lambda params, kernel, device: None if _attention_kernels(kernel, device, params) is not None else
+        f"{params}: no such schedule fits {kernel.name} on {getattr(device, 'name', device)}",
+        attention_tuning_key, lambda kernel, device: _attention_kernels(kernel, device) is not None))
 
 
 GROUPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -155,4 +186,5 @@ def register_kernels(device_kind: str) -> None:
 
 _kernel_kinds: list[str] = []
 
-__all__ = ["gemm_applies", "gemm_build", "register_attention", "register_gemm", "register_kernels"]
+__all__ = ["attention_tuning_key", "gemm_applies", "gemm_build", "register_attention", "register_gemm",
+           "register_kernels"]

@@ -342,10 +342,23 @@ TILE_CASES = [
 ]
 
 
+
+def _tile_schedules():
+    from tilefuse.ir.kernel.attention import AttentionSchedule
+    # the GPU form (a work-item per row, shared memory); the CPU form (a task per row block, vectors
+    # along keys and features: ragged vectors, one-lane vectors, register blocks of several rows)
+    return [AttentionSchedule(4, 8), AttentionSchedule(8, 64), AttentionSchedule(4, 8, 4, 2, 2),
+            AttentionSchedule(8, 16, 8, 4, 1), AttentionSchedule(4, 4, 1, 1, 1)]
+
+
+TILE_SCHEDULES = _tile_schedules()
+
+
 @pytest.mark.parametrize("case", TILE_CASES, ids=[c[0] for c in TILE_CASES])
 def test_the_tile_attention_builder_matches_the_primitive(rng, case):
-    """FlashAttention written once in the tile IR (ir/kernel/attention.py: build_forward), run by
-    the tile IR's reference interpreter against the primitive's numpy implementation: layouts,
+    """FlashAttention written once in the tile IR (ir/kernel/attention.py: build_forward and
+    build_backward, in both forms), run by the tile IR's reference interpreter against the
+    primitive's numpy implementation: layouts,
     causal with Sq != Sk, a -inf bias that masks whole rows (zeros, never NaN), 16-bit inputs,
     key blocks past the sequence's end."""
     from tilefuse.ir.core import ShapedArray
@@ -372,14 +385,14 @@ def test_the_tile_attention_builder_matches_the_primitive(rng, case):
                                 inputs=[types.SimpleNamespace(aval=a) for a in avals])
     sp = spec_of(eqn)
     bufs = tuple(Buffer(f"b{i}", a.dtype, a.size) for i, a in enumerate(avals + [out_aval]))
-    for bq, bk in ((4, 8), (8, 64)):
-        tk = build_forward(sp, AttentionSchedule(bq, bk), "attn", bufs, len(args))
+    for sched in TILE_SCHEDULES:
+        tk = build_forward(sp, sched, "attn", bufs, len(args))
         check_tile(tk)
         got = np.full(out_aval.size, np.nan, dtype)
         run_tile(tk, [a.reshape(-1) for a in args] + [got])
         tol = 2e-3 if dtype == np.float16 else 2e-6
         np.testing.assert_allclose(got.reshape(out_aval.shape).astype(np.float32), want.astype(np.float32),
-                                   rtol=tol, atol=tol, err_msg=f"{name} bq={bq} bk={bk}")
+                                   rtol=tol, atol=tol, err_msg=f"{name} {sched}")
     if dtype != np.float32:
         return
     # the backward: stats, dkdv and dq kernels in order over one packed result
@@ -392,9 +405,9 @@ def test_the_tile_attention_builder_matches_the_primitive(rng, case):
     bsp = spec_of(types.SimpleNamespace(prim=P.fused_attention_bwd, params=params,
                                         inputs=[types.SimpleNamespace(aval=a) for a in bavals]))
     bbufs = tuple(Buffer(f"b{i}", a.dtype, a.size) for i, a in enumerate(bavals + [res_aval]))
-    for bq, bk in ((4, 8), (8, 4)):
+    for sched in TILE_SCHEDULES + [AttentionSchedule(8, 4)]:
         got = np.full(res_aval.size, np.nan, dtype)
-        for tk in build_backward(bsp, AttentionSchedule(bq, bk), "attn_bwd", bbufs, len(bargs)):
+        for tk in build_backward(bsp, sched, "attn_bwd", bbufs, len(bargs)):
             check_tile(tk)
             run_tile(tk, [a.reshape(-1) for a in bargs] + [got])
-        np.testing.assert_allclose(got, bwant, rtol=2e-5, atol=2e-5, err_msg=f"{name} backward bq={bq} bk={bk}")
+        np.testing.assert_allclose(got, bwant, rtol=2e-5, atol=2e-5, err_msg=f"{name} backward {sched}")

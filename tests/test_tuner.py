@@ -187,9 +187,10 @@ def test_the_gemm_defaults_satisfy_the_tuners_constraints():
     assert tuning.gemm_check(default, kernel, dev) is None
 
 
-# ---- FlashAttention (backends/llvm/attention.py) --------------------------------------------------
+# ---- FlashAttention: the shared tile builders (ir/kernel/attention.py, runtime/tiled.py) ---------
 
 ATTENTION_SHAPE = (2, 40, 2, 16)  # (batch, seq, heads, features): 40 is no multiple of the blocks
+SIGS = ("tile-attention-fwd-causal", "tile-attention-bwd-causal")
 
 
 def _attention_inputs():
@@ -228,17 +229,16 @@ def _assert_attention_close(got, want):
         np.testing.assert_allclose(np.asarray(x), w, rtol=1e-4, atol=1e-5)
 
 
-def _attention_kernels(step, q, k, v, device="cpu", template="cpu_attention"):
-    """The template's forward and backward kernels of the step, with their database keys."""
+def _attention_kernels(step, q, k, v, device="cpu"):
+    """The forward and backward kernels of the step, with their database keys."""
     step(q, k, v)
     with tx.profile() as prof:
         step(q, k, v)
-    dev = tx.get_device(device)
-    t = next(t for t in tuner.templates() if t.name == template)
-    kernels = [r.info.kernel for r in prof.records if r.info.impl == "flash_attention"]
+    dev = tx.get_device(device) if isinstance(device, str) else device
+    t = next(t for t in tuner.templates() if t.name == "tile_attention")
+    kernels = [r.info.kernel for r in prof.records if r.info.impl == "tile_attention"]
     assert len(kernels) == 2
-    return {t.key(kern)[0]: (kern, (template, *t.key(kern), tuner.device_key(dev)))
-            for kern in kernels}
+    return {t.key(kern)[0]: (kern, ("tile_attention", *t.key(kern), tuner.device_key(dev))) for kern in kernels}
 
 
 def _store(db_path: str, key: tuple, params: dict) -> None:
@@ -248,23 +248,32 @@ def _store(db_path: str, key: tuple, params: dict) -> None:
 
 
 def _applied_attention() -> dict:
-    return {k[1]: p for k, p in tuner.applied.items() if k[0] == "cpu_attention"}
+    return {k[1]: p for k, p in tuner.applied.items() if k[0] == "tile_attention"}
+
+
+def _other_schedules(device) -> dict:
+    """Schedules other than the defaults in the device's form, per signature."""
+    from tilefuse.runtime.hardware import target_of
+    t = target_of(tx.get_device(device).info if isinstance(device, str) else device.info)
+    if t.kind == "cpu" or not t.shared_bytes:
+        return {SIGS[0]: dict(bq=16, bk=16, vec=4, rows=2, chunk=1, per_head=False),
+                SIGS[1]: dict(bq=32, bk=16, vec=8, rows=4, chunk=2, per_head=True)}
+    return {SIGS[0]: dict(bq=16, bk=8), SIGS[1]: dict(bq=32, bk=16)}
 
 
 @needs_cpu
 def test_attention_tuning_is_stored_and_picked_by_a_fresh_process(db, tmp_path):
     q, k, v, g = _attention_inputs()
     found = _attention_kernels(_attention_step(g), q, k, v)
-    assert set(found) == {"attention-fwd-causal", "attention-bwd-causal"}
+    assert set(found) == set(SIGS)
     for sig, (kern, key) in found.items():
         res = tuner.tune_kernel(kern, "cpu", trials=3, repeat=3)
-        assert (res.template, res.signature) == ("cpu_attention", sig) and res.stored and res.trials == 3
+        assert (res.template, res.signature) == ("tile_attention", sig) and res.stored and res.trials == 3
         assert res.best_seconds <= res.default_seconds
         assert tuner.TuningDB(db).get(*key) == res.best
 
     # stored parameters other than the defaults, then a fresh process builds with them
-    chosen = {"attention-fwd-causal": {"bq": 32, "bk": 16, "r": 2, "chunk": 1},
-              "attention-bwd-causal": {"bq": 64, "bk": 32, "r": 8, "chunk": 2}}
+    chosen = _other_schedules("cpu")
     for sig, (kern, key) in found.items():
         _store(db, key, chosen[sig])
     data = str(tmp_path / "attention.npz")
@@ -280,7 +289,7 @@ def test_attention_tuning_is_stored_and_picked_by_a_fresh_process(db, tmp_path):
         f = tx.jit(tx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), device="cpu")
         (_, out), grads = f(d["q"], d["k"], d["v"])
         np.savez({data!r}, out=np.asarray(out), *[np.asarray(x) for x in grads])
-        print(json.dumps({{k[1]: p for k, p in tuner.applied.items() if k[0] == "cpu_attention"}}))
+        print(json.dumps({{k[1]: p for k, p in tuner.applied.items() if k[0] == "tile_attention"}}))
     """)
     p = _run_python(code, db)
     assert p.returncode == 0, p.stderr
@@ -290,28 +299,28 @@ def test_attention_tuning_is_stored_and_picked_by_a_fresh_process(db, tmp_path):
 
 
 @needs_cpu
-def test_attention_blocks_compute_the_same_and_invalid_ones_are_ignored(db):
-    """Non-default blocks (register blocks of 1 and 8 rows, blocks not dividing the sequence)
-    agree with numpy, forward and backward; stored blocks the template cannot build are ignored
-    (the defaults run), and the build refuses them with an error instead of running them; stored
-    blocks beyond the space (which stops at the first block past the sequence) are ignored with
-    a warning, though the template computes them right."""
-    from tilefuse.backends.llvm import attention
+def test_attention_schedules_compute_the_same_and_invalid_ones_are_ignored(db):
+    """Non-default schedules (one-lane vectors, register blocks of 1 and 8 rows, blocks not
+    dividing the sequence, both backward schemes) agree with numpy, forward and backward; stored
+    schedules beyond the space are ignored with a warning (the defaults run), and those the
+    builders cannot hold are refused by the template's check."""
+    from tilefuse.runtime import tiled
     q, k, v, g = _attention_inputs()
     want = _attention64(q, k, v, g)
     found = _attention_kernels(_attention_step(g), q, k, v)
-    choices = [({"bq": 32, "bk": 16, "r": 1, "chunk": 1}, {"bq": 32, "bk": 32, "r": 8, "chunk": 1}),
-               ({"bq": 64, "bk": 48, "r": 8, "chunk": 2}, {"bq": 128, "bk": 64, "r": 2, "chunk": 4})]
+    choices = [(dict(bq=16, bk=32, vec=4, rows=1, chunk=1, per_head=False),
+                dict(bq=32, bk=32, vec=8, rows=8, chunk=1, per_head=False)),
+               (dict(bq=64, bk=16, vec=16, rows=8, chunk=2, per_head=False),
+                dict(bq=16, bk=64, vec=16, rows=2, chunk=4, per_head=True))]
     for fwd, bwd in choices:
-        for sig, params in (("attention-fwd-causal", fwd), ("attention-bwd-causal", bwd)):
+        for sig, params in zip(SIGS, (fwd, bwd)):
             _store(db, found[sig][1], params)
         tuner.applied.clear()
         (_, out), grads = _attention_step(g)(q, k, v)
-        assert _applied_attention() == {"attention-fwd-causal": fwd, "attention-bwd-causal": bwd}
+        assert _applied_attention() == dict(zip(SIGS, (fwd, bwd)))
         _assert_attention_close([out, *grads], want)
 
-    beyond = {"bq": 256, "bk": 128, "r": 2, "chunk": 4}  # sequence 40: the space ends at bq 64, bk 64
-    cpu = tx.get_device("cpu")
+    beyond = dict(bq=256, bk=16, vec=4, rows=2, chunk=1, per_head=False)
     for kern, key in found.values():
         _store(db, key, beyond)
     tuner.applied.clear()
@@ -319,64 +328,57 @@ def test_attention_blocks_compute_the_same_and_invalid_ones_are_ignored(db):
         (_, out), grads = _attention_step(g)(q, k, v)
     assert _applied_attention() == {}
     _assert_attention_close([out, *grads], want)
-    for kern, _ in found.values():  # built directly, those blocks agree with the defaults
-        bufs = tuner.random_buffers(kern, cpu)
-        got, ref = (tuner._outputs(attention.build(kern, cpu, cpu.backend, attention.AttentionParams(**p)),
-                                   kern, bufs, cpu) for p in (beyond, {}))
-        for a, b in zip(got, ref, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
-    bad = {"bq": 48, "bk": 16, "r": 32, "chunk": 1}  # register blocks that do not tile the blocks
-    for kern, key in found.values():
-        _store(db, key, bad)
-        with pytest.raises(CompileError, match="does not divide"):
-            attention.build(kern, tx.get_device("cpu"), tx.get_device("cpu").backend,
-                            attention.AttentionParams(**bad))
-    tuner.applied.clear()
-    with pytest.warns(tuner.TuningDBWarning, match=r"r=32 is outside the choices"):
-        (_, out), grads = _attention_step(g)(q, k, v)
-    assert _applied_attention() == {}
-    _assert_attention_close([out, *grads], want)
+    cpu = tx.get_device("cpu")
+    t = next(t for t in tuner.templates() if t.name == "tile_attention")
+    bad = dict(bq=16, bk=16, vec=16, rows=32, chunk=1, per_head=False)  # register blocks past the block
+    for kern, _ in found.values():
+        assert "no such schedule" in t.check(bad, kern, cpu)
+        with pytest.raises(ValueError, match="does not fit"):
+            tiled._attention_build(kern, cpu, cpu.backend, bad)
 
 
-@needs_cpu
 def test_the_attention_defaults_satisfy_the_tuners_constraints():
-    """At the widest head the template takes, forward and backward: the defaults are today's
-    blocks and pass every constraint (else a stored default would never be used)."""
-    from types import SimpleNamespace
-
-    from tilefuse.backends.llvm import attention, tuning
-    d = attention.MAX_HEAD_DIM
-    for bwd in (False, True):
-        sp = attention.Spec(bwd, (4,), 512, 512, d, d, 0.1, True, False, ((d,),) * 4 + ((0,),), (4 * d,) * 4,
-                            (0, 0), (4 * 512 * d, 4 * 512 * d))
-        kernel = SimpleNamespace(meta={"attention_spec": sp})
-        assert tuning.attention_default(kernel, None) == {"bq": 128, "bk": 64, "r": 4, "chunk": 4}
-        assert tuning.attention_check(tuning.attention_default(kernel, None), kernel, None) is None
+    """On CPU and GPU targets, forward and backward: the default schedule lies in the space and
+    passes its checks (else a stored default would never be used)."""
+    from tilefuse.ir.kernel import attention
+    from tilefuse.ir.kernel.target import Target
+    targets = (Target("cpu", lanes=16, vector_registers=32, cores=2), Target("cpu", lanes=8, cores=16),
+               Target("gpu", lanes=1, cores=80, shared_bytes=48 << 10, max_group=1024, warp=32))
+    for t in targets:
+        for bwd in (False, True):
+            for d, s in ((64, 512), (128, 100), (16, 7)):
+                sp = attention.Spec(bwd, (4, 2), s, s, d, d, 0.1, True, False, ((2 * s * d, s * d),) * 4 + ((0, 0),),
+                                    (d,) * 4, (0, 0), (8 * s * d, 8 * s * d))
+                sched = attention.default_attention_schedule(sp, t)
+                if sched is None:  # (a GPU backward at d=128: its rows exceed shared memory)
+                    assert t.kind == "gpu" and bwd
+                    continue
+                params, space = attention.params_of(sched), attention.space(sp, t)
+                assert all(params[f] in space[f] for f in space) and set(params) == set(space), (t, sp, params)
+                assert attention.schedule_of(params, t) == sched and sched.check(sp, t) is None
 
 
 @pytest.mark.skipif(not tx.devices("opencl"), reason="no OpenCL device")
 def test_opencl_attention_is_tuned_stored_and_used(db):
-    """FlashAttention on OpenCL: both kernels tuned (each configuration a compile), stored, and
-    other stored blocks used by the next build, with the same values."""
+    """FlashAttention on OpenCL (the shared builders in the device's form): both kernels tuned
+    (each configuration a compile), stored, and other stored schedules used by the next build,
+    with the same values."""
     dev = tx.devices("opencl")[0]
     q, k, v, g = _attention_inputs()
-    found = _attention_kernels(_attention_step(g, dev), q, k, v, dev, "opencl_attention")
-    assert set(found) == {"opencl-attention-fwd-causal", "opencl-attention-bwd-causal"}
+    found = _attention_kernels(_attention_step(g, dev), q, k, v, dev)
+    assert set(found) == set(SIGS)
     for sig, (kern, key) in found.items():
         res = tuner.tune_kernel(kern, dev, trials=3, repeat=3)
-        assert (res.template, res.signature) == ("opencl_attention", sig) and res.stored
+        assert (res.template, res.signature) == ("tile_attention", sig) and res.stored
         assert res.best_seconds <= res.default_seconds
         assert tuner.TuningDB(db).get(*key) == res.best
-    cpu_device = dev.info.extra.get("device_type") == "cpu"
-    common = dict(items=1, vw=4, chunk=2) if cpu_device else dict(items=16, vw=1, chunk=16)
-    chosen = {"opencl-attention-fwd-causal": dict(bq=32, bk=16, rows=2, per_head=False, **common),
-              "opencl-attention-bwd-causal": dict(bq=32, bk=32, rows=1, per_head=cpu_device, **common)}
+    chosen = _other_schedules(dev)
     for sig, (kern, key) in found.items():
         _store(db, key, chosen[sig])
     tuner.applied.clear()
     (_, out), grads = _attention_step(g, dev)(q, k, v)
-    assert {k[1]: p for k, p in tuner.applied.items() if k[0] == "opencl_attention"} == chosen
+    assert _applied_attention() == chosen
     _assert_attention_close([out, *grads], _attention64(q, k, v, g))
 
 

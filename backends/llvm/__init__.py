@@ -9,6 +9,7 @@ import weakref
 import numpy as np
 
 from tilefuse.runtime.hardware import host_info
+from tilefuse.runtime.tiled import register_attention
 from tilefuse.runtime.memory import PoolAllocator
 
 from ..base import Backend
@@ -116,3 +117,6 @@ def create() -> LLVMBackend:
 
 
 __all__ = ["LLVMBackend", "CompiledKernel", "create"]
+
+
+register_attention("cpu", priority=10)  # FlashAttention: the shared tile builders' CPU form

@@ -3,8 +3,8 @@
 `kernel_ir`: every kernel the renderer generates (elementwise chains, reductions, gathers, ...):
 threads and chunks per thread (compile.py), SIMD width, interleaving and the reduction tile
 (render.py). `gemm`: the packed GEMM template (gemm.py): the micro-tile, the cache blocks and the
-threads, constrained by the register file and the caches of DeviceInfo. `attention`: FlashAttention
-(attention.py), forward and backward: the query and key blocks and the register blocks."""
+threads, constrained by the register file and the caches of DeviceInfo. (FlashAttention is the
+shared tile builders', tuned in their space: runtime/tiled.py.)"""
 from __future__ import annotations
 
 import hashlib
@@ -12,8 +12,6 @@ from dataclasses import asdict
 
 from tilefuse.runtime import tuner
 
-from . import attention
-from .attention import AttentionParams
 from .compile import KernelParams, default_params, interchanges
 from .gemm import (GemmParams, a_readable_in_place, build_gemm, default_gemm_params, gemm_problem,
                    reads_a_in_place)
@@ -121,57 +119,3 @@ def gemm_build(kernel, device, backend, params: dict):
 
 tuner.register(tuner.Template("cpu_gemm", "generated_gemm", ("cpu",), gemm_space, gemm_default, gemm_build,
                               gemm_check, gemm_key, lambda kernel, device: gemm_problem(kernel) is not None))
-
-
-# ---- FlashAttention ------------------------------------------------------------------------------
-# The blocks are compiled in: every configuration is a compile. The space stops at the first
-# choice that covers the sequence or the features (larger ones run the same loops); the template's
-# own rules (register blocks tiling the blocks, the stack) are AttentionParams.invalid, and the
-# register file is the constraint here.
-
-VECTOR_REGISTERS = 32  # the template's 16-lane vectors are AVX-512 registers (narrower ones split each)
-
-
-def _up_to(choices: tuple, n: int) -> tuple:
-    """The choices up to the first that reaches n."""
-    return tuple(c for i, c in enumerate(choices) if i == 0 or choices[i - 1] < n)
-
-
-def attention_space(kernel, device) -> dict:
-    sp = attention.kernel_spec(kernel)
-    vectors = -(-max(sp.d, sp.dv) // attention.LANES)
-    return {"bq": _up_to((32, 64, 128, 256), sp.sq), "bk": _up_to((16, 32, 64, 128), sp.sk),
-            "r": (1, 2, 4, 8), "chunk": _up_to((1, 2, 4, 8), vectors)}
-
-
-def attention_default(kernel, device) -> dict:
-    return asdict(AttentionParams())
-
-
-def attention_check(params: dict, kernel, device) -> str | None:
-    p = AttentionParams(**params)
-    why = p.invalid(attention.kernel_spec(kernel))
-    if why:
-        return why
-    # accumulators, the vectors loaded per step and the broadcast value, per micro-kernel
-    scores = p.bk // attention.LANES
-    for what, rows, width in (("scores", p.r, scores), ("products", p.r, p.chunk)):
-        if rows * width + width + 1 > VECTOR_REGISTERS:
-            return f"the {what}' {rows} x {width} register block needs more than {VECTOR_REGISTERS} registers"
-    return None
-
-
-def attention_key(kernel) -> tuple[str, str]:
-    """Forward or backward, causal, with a bias: the signature; sizes by power-of-two class."""
-    sp = attention.kernel_spec(kernel)
-    sig = "attention-" + ("bwd" if sp.bwd else "fwd") + "-causal" * sp.causal + "-bias" * sp.has_bias
-    return sig, "x".join(map(str, attention.shape_class(sp)))
-
-
-def attention_build(kernel, device, backend, params: dict):
-    return attention.build(kernel, device, backend, AttentionParams(**params))
-
-
-tuner.register(tuner.Template("cpu_attention", "flash_attention", ("cpu",), attention_space,
-                              attention_default, attention_build, attention_check, attention_key,
-                              attention.applies))

@@ -125,6 +125,14 @@ class _Printer(PrintedValues):
             return _constant(n.arg, d)
         if op == "mma":  # (a GPU printer prints it; a Target without MMA entries never gets one)
             raise AssertionError("the CPU has no warp matrix-multiply-accumulate (mma)")
+        if op == "iota":
+            return ir.Constant(ir.VectorType(I64, w), list(range(w)))
+        if op == "load" and w > 1:  # a gather: a load per lane
+            offs, v = self._val(n.src[0]), ir.Constant(self.vt(d, w), ir.Undefined)
+            for i in range(w):
+                lane = ir.Constant(ir.IntType(32), i)
+                v = b.insert_element(v, self.load(n.arg, b.extract_element(offs, lane), d, 1), lane)
+            return v
         if op in ("load", "vload"):
             target, lanes = (n.arg, 1) if op == "load" else n.arg
             return self.load(target, self._val(n.src[0]), d, lanes)

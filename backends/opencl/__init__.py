@@ -367,7 +367,6 @@ def create() -> OpenCLBackend:
 
 # GEMM: the shared tile builder (ir/kernel/gemm.py), ahead of gemm_then_epilogue
 register_gemm("opencl", priority=20)
-# the shared FlashAttention where the OpenCL template (priority 10) does not apply, on devices with
-# a GPU schedule (16-bit inputs); PoCL's CPU devices keep the template (the tile form is 7x slower there)
-register_attention("opencl", priority=5)
+# FlashAttention: the shared tile builders (ir/kernel/attention.py), the CPU form on CPU devices
+register_attention("opencl", priority=10)
 register_kernels("opencl")  # every kernel through the shared scheduler; the tuner searches its work-groups

@@ -1,15 +1,16 @@
-"""The strided view of a fused attention equation, shared by every backend's FlashAttention.
+"""FlashAttention written once, as tile kernels, on the strided view of a fused attention equation.
 
 `fused_attention` (and its backward) computes softmax(scale · q kᵀ + bias) v per batch index,
 over operands in any layout its `dims` name: each operand has batch axes, a sequence axis and a
 feature axis, at element strides the Spec records, so no operand is transposed or copied
-beforehand. Backends address batch index t either through the batch axes' strides (OpenCL and
-CUDA compute them in the kernel) or through a table of per-batch offsets (the CPU template bakes
-`batch_offsets()` into its module)."""
+beforehand. The builders (build_forward, build_backward) take one schedule (AttentionSchedule)
+in two forms, chosen from the Target: the GPU form (a work-item per row, tiles staged through
+shared memory) and the CPU form (a task per block of rows, tiles in scratch memory,
+register-blocked products with vectors along the keys and features); `space` is the tuner's."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from tilefuse.ir import dtypes, primitives as P
 from .gemm import _add, _and, _ceil, _fp, _i, _lt, _min, _mul, _x
 from .ir import KExpr, binary, cast, const, select, unary
 from .lower import strides
-from .tile import Alloc, Barrier, If, Range, Store, TileKernel, tload, var
+from .tile import Alloc, Barrier, If, Range, Store, TileKernel, broadcast, hmax, hsum, iota, tload, var, vload
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,6 @@ class Spec:
     @property
     def offset(self) -> int:  # Sk - Sq: query i sees keys j <= i + offset when causal
         return self.sk - self.sq
-
-    @cached_property
-    def batch_offsets(self) -> tuple:
-        """Per batch index t: the element offsets of (q, k, v, out, bias) at its first position."""
-        idx = np.indices(self.batch).reshape(len(self.batch), self.nb)
-        cols = [sum((i * s for i, s in zip(idx, st)), np.zeros(self.nb, np.int64)) for st in self.batch_strides]
-        return tuple(tuple(int(x) for x in row) for row in np.stack(cols, axis=1))
 
 
 def spec_of(eqn) -> Spec:
@@ -83,33 +77,126 @@ def spec_of(eqn) -> Spec:
 
 @dataclass(frozen=True)
 class AttentionSchedule:
-    """The GPU form: a work-group of `bq` work-items, one query row each, stages `bk` keys and
-    values at a time through shared memory; the backward's dk/dv kernel turns it around (`bk`
-    work-items, one key row each, staging `bq` queries at a time)."""
+    """Two forms of one algorithm, picked by the target (default_attention_schedule).
+    GPU (vec 0): a work-group of `bq` work-items, one query row each, stages `bk` keys and values
+    at a time through shared memory; the backward's dk/dv kernel turns it around (`bk`
+    work-items, one key row each, staging `bq` queries at a time).
+    CPU (vec > 0): a task (a work-group of one work-item) owns `bq` query rows; per block of `bk`
+    keys it stages kᵀ and v in scratch memory, computes the scores in register blocks of `rows`
+    rows x `chunk` vectors of `vec` lanes along the keys, the online softmax on them, then
+    O += P v in register blocks of `rows` rows x `chunk` vectors along the features. The
+    backward's dk/dv kernel turns it around (a task per block of `bk` keys, register blocks of
+    keys x vectors along the queries)."""
     bq: int
     bk: int
+    vec: int = 0
+    rows: int = 1
+    chunk: int = 1
+    per_head: bool = False  # CPU backward: one kernel, a task per batch index
+
+    @property
+    def cpu(self) -> bool:
+        return self.vec > 0
 
     def check(self, sp: Spec, target) -> str | None:
+        if sp.bwd and sp.d < 3:
+            return "the backward keeps 3 numbers per query row where dq goes: needs d >= 3"
+        if self.cpu:
+            return self._check_cpu(sp)
+        if self.per_head:
+            return f"{self}: the backward per batch index is a CPU form's"
         lanes = max(self.bq, self.bk) if sp.bwd else self.bq
         if target.shared_bytes == 0 or lanes > target.max_group:
             return f"{self}: needs shared memory and {lanes} work-items per work-group"
         words = max(self.bk * (sp.d + sp.dv), self.bq * (sp.d + sp.dv + 3) if sp.bwd else 0)
         if 4 * words > target.shared_bytes:
             return f"{self}: {4 * words} bytes of staged rows exceed shared memory"
-        if sp.bwd and sp.d < 3:
-            return "the backward keeps 3 numbers per query row where dq goes: needs d >= 3"
+        return None
+
+    def _check_cpu(self, sp: Spec) -> str | None:
+        if self.vec not in (1, 2, 4, 8, 16) or min(self.rows, self.chunk) < 1:
+            return f"{self}: vec a power of two to 16, rows and chunk positive"
+        if self.bq % self.vec or self.bk % self.vec or self.bq % self.rows or self.bk % self.rows:
+            return f"{self}: bq and bk multiples of vec and of rows"
+        words = sum(_cpu_scratch(sp, self).values())
+        if 4 * words > SCRATCH_BYTES:
+            return f"{self}: {4 * words} bytes of scratch exceed {SCRATCH_BYTES}"
         return None
 
 
+SCRATCH_BYTES = 1 << 20  # a CPU task's tiles (on the stack of the cpu backend's threads)
+
+
+def _pad(n: int, m: int) -> int:
+    return _ceil(n, m) * m
+
+
+def _cpu_scratch(sp: Spec, s: AttentionSchedule) -> dict:
+    """The CPU form's scratch tiles of its largest kernel: name -> elements."""
+    dp, dvp, bq, bk = _pad(sp.d, s.vec), _pad(sp.dv, s.vec), s.bq, s.bk
+    rows = {"qs": bq * dp, "kt": sp.d * bk, "s": bq * bk, "ml": 3 * bq}
+    if not sp.bwd:
+        return {**rows, "vs": bk * dvp, "o": bq * dvp}
+    dq = {**rows, "dos": bq * dvp, "vt": sp.dv * bk, "kr": bk * dp, "dp": bq * bk, "dq": bq * dp}
+    dkdv = {"kr": bk * dp, "vr": bk * dvp, "qt": sp.d * bq, "dot": sp.dv * bq, "qs": bq * dp, "dos": bq * dvp,
+            "ml": 3 * bq, "pt": bk * bq, "dst": bk * bq, "dk": bk * dp, "dv": bk * dvp}
+    if s.per_head:
+        return {**dkdv, "st": 3 * _pad(sp.sq, bq), "kt": sp.d * bk, "s": bq * bk, "dqs": bq * dp}
+    return max(dq, dkdv, key=lambda t: sum(t.values()))
+
+
 def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
-    """Query rows per work-group up to 64 (fewer for short sequences); key blocks as deep as
-    shared memory holds, up to 64; None where even 8 keys do not fit."""
+    """GPU targets: query rows per work-group up to 64 (fewer for short sequences); key blocks
+    as deep as shared memory holds, up to 64; None where even 8 keys do not fit. CPU targets
+    (or none with shared memory): vectors of the target's lanes, blocks of 128 (forward) or 64
+    (backward) queries by 64 keys (fewer for short sequences), register blocks of 4 rows x as many
+    vectors as the registers hold; the backward per batch index where they fill the cores twice."""
+    if _cpu_form(target):
+        vec = _lanes(target)
+        bq = max(vec, 4, min(64 if sp.bwd else 128, 1 << max(0, (sp.sq - 1).bit_length())))
+        chunk = 1 << (max(1, (target.vector_registers - 1) // 5).bit_length() - 1)  # 4 x chunk accumulators
+        for s in (AttentionSchedule(bq, max(vec, 64), vec, 4, chunk, sp.bwd and sp.nb >= 2 * target.cores),
+                  AttentionSchedule(bq, max(vec, 64), vec, 4, chunk), AttentionSchedule(vec, vec, vec, 4, chunk)):
+            if s.check(sp, target) is None:
+                return s
+        return None
     bq = min(64, max(1, target.max_group), 1 << max(0, (sp.sq - 1).bit_length()))
     for bk in (64, 32, 16, 8):
         s = AttentionSchedule(bq, bk)
         if s.check(sp, target) is None:
             return s
     return None
+
+
+def _cpu_form(target) -> bool:
+    return target.kind == "cpu" or target.shared_bytes == 0
+
+
+def _lanes(target) -> int:
+    return target.lanes if target.lanes in (1, 2, 4, 8, 16) else 4
+
+
+def space(sp: Spec, target) -> dict:
+    """The tuner's search space (schedule fields -> candidate values): the target's form's fields."""
+    if _cpu_form(target):
+        return {"bq": (4, 8, 16, 32, 64, 128), "bk": (4, 8, 16, 32, 64, 128),
+                "vec": tuple(sorted({4, 8, 16, _lanes(target)})), "rows": (1, 2, 4, 8), "chunk": (1, 2, 4),
+                "per_head": (False, True) if sp.bwd else (False,)}
+    return {"bq": (8, 16, 32, 64, 128), "bk": (8, 16, 32, 64)}
+
+
+def params_of(sched: AttentionSchedule) -> dict:
+    """A schedule as the tuner stores it: its form's fields."""
+    if not sched.cpu:
+        return {"bq": sched.bq, "bk": sched.bk}
+    return {f: getattr(sched, f) for f in ("bq", "bk", "vec", "rows", "chunk", "per_head")}
+
+
+def schedule_of(params: dict, target) -> AttentionSchedule:
+    """The schedule stored parameters describe on this target (the form is the target's)."""
+    if _cpu_form(target):
+        return AttentionSchedule(**params)
+    return AttentionSchedule(params["bq"], params["bk"])
 
 
 class _Tiles:
@@ -153,13 +240,16 @@ class _Tiles:
         return Range("t", _ceil(count * width, lanes), "serial", (
             If(_lt(e, count * width), (Store(name, e, select(_lt(rr, limit), val, self.zero)),)),))
 
-    def visible(self, row, key) -> KExpr:
-        ok = _and(_lt(key, self.sp.sk), _lt(row, self.sp.sq))
-        if self.sp.causal:  # query i sees keys j <= i + (Sk - Sq)
-            ok = _and(ok, binary("le", key, _add(row, self.sp.offset)))
-        return ok
+    def visible(self, row, key, causal: bool = True) -> KExpr | None:
+        """Whether the row sees the key (None: always); the blocks' padding is tested only where
+        the blocks do not tile the sequences, the diagonal only where `causal`."""
+        sp = self.sp
+        tests = ([_lt(key, sp.sk)] if sp.sk % self.bk else []) + ([_lt(row, sp.sq)] if sp.sq % self.bq else [])
+        if sp.causal and causal:  # query i sees keys j <= i + (Sk - Sq)
+            tests.append(binary("le", key, _add(row, sp.offset)))
+        return functools.reduce(_and, tests) if tests else None
 
-    def score(self, dot: KExpr, row, key) -> KExpr:
+    def score(self, dot: KExpr, row, key, causal: bool = True) -> KExpr:
         """scale * q·k + bias, -inf where the key is not visible to the row."""
         sp = self.sp
         s = binary("mul", dot, const(sp.scale, self.f))
@@ -168,7 +258,8 @@ class _Tiles:
             off = _add(*(_mul(z, st) for z, st in zip(self.zs, sp.batch_strides[4])),
                        _mul(_min(row, sp.sq - 1), bs[0]), _mul(_min(key, sp.sk - 1), bs[1]))
             s = binary("add", s, self.ld(3, off))
-        return select(self.visible(row, key), s, self.ninf)
+        ok = self.visible(row, key, causal)
+        return s if ok is None else select(ok, s, self.ninf)
 
     def dot(self, into: str, at, a: str, a_at, b: str, b_at, n: int) -> tuple:
         """into[at] = sum_c a[a_at(c)] * b[b_at(c)]."""
@@ -212,13 +303,10 @@ class _Tiles:
         rowc = _min(row, self.sp.sq - 1)
         return Range("c", n, self.feat, (Store(name, c, self.ld(buf, self.at(op, rowc, c, row_stride))),))
 
-    def stats_at(self, row, which: int) -> KExpr:
-        """Where the backward keeps row's (m, 1/l, D) before dq is written: the dq part of the
-        packed result, 3 numbers a row (flat batch index t: t*Sq*3 + row*3)."""
-        sp = self.sp
-        t = _add(*(_mul(z, int(np.prod(sp.batch[i + 1:], dtype=np.int64))) for i, z in enumerate(self.zs))) \
-            if self.zs else _i(0)
-        return _add(_mul(t, sp.sq * 3), _mul(row, 3), which)
+    def stats_at(self, row, which) -> KExpr:
+        """Where the backward keeps row's (m, 1/l, D) until dq is written: the row's own first 3
+        elements of dq in the packed result (only the row's dq writer overwrites them)."""
+        return self.at(0, row, which, self.sp.rows[0])
 
 
 def build_forward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> TileKernel:
@@ -227,6 +315,8 @@ def build_forward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
     computes the block's scores, rescales its output row once by exp(m_old - m_new), then adds
     p v over the block (an online softmax). A query with no key to attend to gets zeros (l = 0),
     as the primitive defines."""
+    if sched.cpu:
+        return _forward_cpu(sp, sched, name, buffers, n_inputs)
     a = _Tiles(sp, sched, buffers, n_inputs)
     r, c = var("r"), var("c")
     row = _add(_mul(var("blk"), a.bq), r)
@@ -261,8 +351,11 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
              D = do·o, kept where dq will go;
       dkdv:  a work-item per key row, the queries staged block by block with their stats:
              P = exp(s - m)/l, dv += P do, dS = P (do·v - D), dk += dS q scale;
-      dq:    a work-item per query row, the statistics recomputed (its stats slots may hold
-             another row's: they are not read), dq += dS k scale over the key blocks."""
+      dq:    a work-item per query row, its statistics read, dq += dS k scale over the key
+             blocks.
+    (The CPU form: _backward_cpu.)"""
+    if sched.cpu:
+        return _backward_cpu(sp, sched, name, buffers, n_inputs)
     a = _Tiles(sp, sched, buffers, n_inputs)
     f, bq, bk = a.f, a.bq, a.bk
     o_buf, do_buf, res = n_inputs - 2, n_inputs - 1, n_inputs
@@ -287,11 +380,12 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
         If(_lt(row, sp.sq), tuple(Store(res, a.stats_at(row, w), v)
                                   for w, v in enumerate((m, linv, a.reg("dd", 0))))),)))
 
-    # dq: the row's statistics again, then a second sweep over the key blocks
+    # dq: the row's statistics read (its own dq elements: only this work-item writes them, after
+    # the barriers), then a sweep over the key blocks
     kb2, j = var("kb"), var("j")
     key = _add(_mul(kb2, bk), j)
     sj = a.reg("s", j)
-    p = select(binary("eq", sj, a.ninf), a.zero, binary("mul", unary("exp", binary("sub", sj, m)), linv))
+    p = select(binary("eq", sj, a.ninf), a.zero, binary("mul", unary("exp", binary("sub", sj, m)), l_))
     dp = a.reg("dp", 0)
     sweep = Range("kb", _ceil(sp.sk, bk), "serial", (
         a.stage("ks", 1, sp.d, _mul(kb2, bk), bk, sp.sk, sp.rows[1], r, bq),
@@ -307,7 +401,8 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
     dq = TileKernel(name + "_dq", tuple(buffers), n_inputs, a.grid(_ceil(sp.sq, bq), "r", bq, (
         *row_head, Alloc("dq", f, sp.d, "register"), Alloc("dp", f, 1, "register"),
         Range("c", sp.d, a.feat, (Store("dq", c, a.zero),)),
-        *a.key_blocks(row, r, lambda j_, p_: ()), sweep,
+        *(Store("ml", _i(w_), tload(res, a.stats_at(_min(row, sp.sq - 1), w_), buffers[res].dtype)) for w_ in (0, 1)),
+        sweep,
         If(_lt(row, sp.sq), (Range("c", sp.d, a.feat, (
             Store(res, a.at(0, row, c, sp.rows[0]),
                   cast(binary("mul", a.reg("dq", c), const(sp.scale, f)), buffers[res].dtype)),)),)),)))
@@ -353,4 +448,361 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
                 binary("mul", a.reg("dk", c), const(sp.scale, f)), buffers[res].dtype)),)),
             Range("c", sp.dv, a.feat, (Store(res, _add(q_res + k_res, a.at(2, keyr, c, sp.rows[2])),
                                              cast(a.reg("dv", c), buffers[res].dtype)),)),)),)))
+    return [stats, dkdv, dq]
+
+
+# ---- the CPU form ------------------------------------------------------------------------------
+
+class _Cpu(_Tiles):
+    """The CPU form's pieces: a task's tiles in scratch memory (features padded to whole vectors),
+    register-blocked products with vectors along a tile's rows, the online softmax of a register
+    block's rows."""
+
+    def __init__(self, sp: Spec, sched: AttentionSchedule, buffers: tuple, n_inputs: int):
+        super().__init__(sp, sched, buffers, n_inputs)
+        self.w, self.R, self.C = sched.vec, sched.rows, sched.chunk
+        self.dp, self.dvp = _pad(sp.d, self.w), _pad(sp.dv, self.w)
+
+    def vld(self, name, off) -> KExpr:
+        return vload(name, _x(off), self.f, self.w) if self.w > 1 else tload(name, _x(off), self.f)
+
+    def lanes(self, first) -> KExpr:
+        """first, first+1, ..., first+w-1: the indices along a vector."""
+        return _add(first, iota(self.w)) if self.w > 1 else _x(first)
+
+    def hop(self, op, x: KExpr) -> KExpr:
+        return x if self.w == 1 else op(x)
+
+    def allocs(self, **tiles) -> tuple:
+        return (*(Alloc(n, self.f, size, "scratch") for n, size in tiles.items()),
+                Alloc("acc", self.f, self.R * self.C * self.w, "register"), Alloc("mt", self.f, 2, "register"),
+                Alloc("xs", self.f, self.bk, "register"))
+
+    def mm(self, out: str, out_at, a: str, a_at, b: str, b_at, n: int, nv: int, first=None) -> Range:
+        """out[out_at(r, v)] = first(r, v) (zeros if None) + Σ_{x<n} a[a_at(r, x)] · b[b_at(x, v)] for
+        the register block's rows r < rows and vectors v < nv of b (a's elements broadcast), `chunk`
+        vectors at a time in registers."""
+        R, w = self.R, self.w
+        C = max(c for c in range(1, min(self.C, nv) + 1) if nv % c == 0)
+        r, v, x, vc = var("mr"), var("mv"), var("mx"), var("mc")
+        vv = _add(_mul(vc, C), v)
+        at = _mul(_add(_mul(r, C), v), w)
+        acc = self.vld("acc", at)
+
+        def each(st):
+            return Range("mr", R, "unroll", (Range("mv", C, "unroll", (st,)),))
+        return Range("mc", nv // C, "serial", (
+            each(Store("acc", at, first(r, vv) if first else broadcast(self.zero, w))),
+            Range("mx", n, "serial", (each(Store("acc", at, binary("add", acc, binary(
+                "mul", broadcast(self.reg(a, a_at(r, x)), w), self.vld(b, b_at(x, vv)))))),)),
+            each(Store(out, out_at(r, vv), acc)),))
+
+    def copy_rows(self, name: str, buf: int, op: int, first, count: int, limit: int, width: int,
+                  row_stride: int) -> Range:
+        """name[i*padded + c] = operand row first+i, column c, for i < count (zeros past `limit`
+        rows and `width` columns): whole vectors where the rows are."""
+        w, padded = self.w, _pad(width, self.w)
+        i, c = var("ci"), var("cc")
+        rr = _add(first, i)
+        rc = _min(rr, limit - 1)
+        if width % w == 0:
+            src = vload(buf, self.at(op, rc, _mul(c, w), row_stride), self.buffers[buf].dtype, w) if w > 1 else \
+                tload(buf, self.at(op, rc, c, row_stride), self.buffers[buf].dtype)
+            body = Store(name, _add(_mul(i, padded), _mul(c, w)), select(_lt(rr, limit), _fp(src), self.zero))
+            return Range("ci", count, "serial", (Range("cc", width // w, "serial", (body,)),))
+        val = self.ld(buf, self.at(op, rc, _min(c, width - 1), row_stride))
+        return Range("ci", count, "serial", (Range("cc", padded, "serial", (
+            Store(name, _add(_mul(i, padded), c), select(_and(_lt(rr, limit), _lt(c, width)), val, self.zero)),)),))
+
+    def copy_cols(self, name: str, buf: int, op: int, first, count: int, limit: int, width: int,
+                  row_stride: int) -> Range:
+        """name[c*count + i] = operand row first+i, column c (transposed; zeros past `limit` rows)."""
+        i, c = var("ci"), var("cc")
+        rr = _add(first, i)
+        val = self.ld(buf, self.at(op, _min(rr, limit - 1), c, row_stride))
+        return Range("ci", count, "serial", (Range("cc", width, "serial", (
+            Store(name, _add(_mul(c, count), i), select(_lt(rr, limit), val, self.zero)),)),))
+
+    def key_end(self, row0):
+        """The key blocks the rows row0 .. row0+bq see: all, or up to the last row's diagonal."""
+        sp, bk = self.sp, self.bk
+        if not sp.causal:
+            return _i(_ceil(sp.sk, bk))
+        last = _min(_add(row0, self.bq - 1), sp.sq - 1)
+        kend = binary("max", _min(_add(last, sp.offset + 1), sp.sk), _i(0))
+        return binary("div", _add(kend, bk - 1), _i(bk))
+
+    def scores_softmax(self, row0, ib, key0, write_p: bool) -> tuple:
+        """The register block ib's rows of the key block's raw scores (in s) scaled, biased and
+        masked, then the online softmax: running max ml[i], sum ml[bq+i], ml[2bq+i] = exp(m_old -
+        m_new); write_p: s = P = exp(s - m_new) (0 where masked). Causal: the diagonal tested only
+        in the blocks it crosses."""
+        if not self.sp.causal:
+            return self._scores_softmax(row0, ib, key0, write_p, True)
+        below = binary("le", _add(key0, self.bk - 1), _add(row0, _mul(ib, self.R), self.sp.offset))
+        return (If(below, self._scores_softmax(row0, ib, key0, write_p, False)),
+                If(unary("not", below), self._scores_softmax(row0, ib, key0, write_p, True)))
+
+    def _scores_softmax(self, row0, ib, key0, write_p: bool, causal: bool) -> tuple:
+        w, bq, bk = self.w, self.bq, self.bk
+        nv = bk // w
+        out = []
+        for r in range(self.R):
+            i = _add(_mul(ib, self.R), r)
+            row = _add(row0, i)
+            at = [_add(_mul(i, bk), v * w) for v in range(nv)]
+            out += [Store("xs", _i(v * w), self.score(self.vld("s", at[v]), row, self.lanes(_add(key0, v * w)), causal))
+                    for v in range(nv)]  # (in registers: one pass over the row in memory)
+            xs = [self.vld("xs", _i(v * w)) for v in range(nv)]
+            mx = xs[0]
+            for v in range(1, nv):
+                mx = binary("max", mx, xs[v])
+            m_old = self.reg("ml", i)
+            mn = binary("max", m_old, self.hop(hmax, mx))
+            out += [Store("mt", _i(0), mn), Store("mt", _i(1), select(binary("eq", self.reg("mt", 0), self.ninf),
+                                                                     self.zero, self.reg("mt", 0)))]
+            mn, ms = self.reg("mt", 0), self.reg("mt", 1)
+            alpha = unary("exp", binary("sub", m_old, ms))
+            ps = [unary("exp", binary("sub", xs[v], broadcast(ms, w))) for v in range(nv)]
+            if write_p:
+                out += [Store("s", at[v], ps[v]) for v in range(nv)]
+            total = ps[0]
+            for p in ps[1:]:
+                total = binary("add", total, p)
+            l_at = _add(i, bq)
+            out += [Store("ml", _add(i, 2 * bq), alpha),
+                    Store("ml", l_at, binary("add", binary("mul", self.reg("ml", l_at), alpha),
+                                             self.hop(hsum, total))),
+                    Store("ml", i, mn)]
+        return tuple(out)
+
+    def store_rows(self, buf: int, op: int, tile: str, first, count: int, limit: int, width: int,
+                   row_stride: int, base: int, factor) -> Range:
+        """Operand-shaped rows of the result at `base`: tile row i (padded) times factor(i), for rows
+        first+i < limit."""
+        w, padded = self.w, _pad(width, self.w)
+        i, c = var("ci"), var("cc")
+        row = _add(first, i)
+        dt = self.buffers[buf].dtype
+        if width % w == 0:
+            val = binary("mul", self.vld(tile, _add(_mul(i, padded), _mul(c, w))), broadcast(factor(i), w))
+            st = Store(buf, _add(base, self.at(op, row, _mul(c, w), row_stride)), cast(val, dt))
+            n = width // w
+        else:
+            val = binary("mul", self.reg(tile, _add(_mul(i, padded), c)), factor(i))
+            st = Store(buf, _add(base, self.at(op, row, c, row_stride)), cast(val, dt))
+            n = width
+        return Range("ci", count, "serial", (If(_lt(row, limit), (Range("cc", n, "serial", (st,)),)),))
+
+    def fill(self, name: str, n: int, value) -> Range:
+        return Range("ci", n, "serial", (Store(name, var("ci"), value),))
+
+    def grid1(self, blocks: int, inner: tuple) -> tuple:
+        body = (Range("blk", blocks, "grid", inner),)
+        for z, n in reversed(list(zip(self.zs, self.sp.batch))):
+            body = (Range(z.arg, n, "grid", body),)
+        return body
+
+    def row_head(self, row0, with_o: bool) -> tuple:
+        """The query block staged, its statistics reset; with_o: its output rows zeroed."""
+        sp, bq = self.sp, self.bq
+        return (self.copy_rows("qs", 0, 0, row0, bq, sp.sq, sp.d, sp.rows[0]),
+                self.fill("ml", bq, self.ninf),
+                Range("ci", bq, "serial", (Store("ml", _add(var("ci"), bq), self.zero),)),
+                *((self.fill("o", bq * self.dvp, self.zero),) if with_o else ()))
+
+    def key_block(self, row0, per_block: tuple, kt: bool = True) -> Range:
+        """Over the key blocks the query block sees: kᵀ staged (kt), then per_block."""
+        sp, kb = self.sp, var("kb")
+        return Range("kb", self.key_end(row0), "serial", (
+            *((self.copy_cols("kt", 1, 1, _mul(kb, self.bk), self.bk, sp.sk, sp.d, sp.rows[1]),) if kt else ()),
+            *per_block))
+
+    def scores(self, ib, out: str = "s", a: str = "qs", b: str = "kt", n: int | None = None) -> Range:
+        """out = a bᵀ for the register block ib's rows of the query block (bk keys, b transposed;
+        a: the queries' rows qs, or dO's dos with n = dv)."""
+        R, bk, w = self.R, self.bk, self.w
+        lda = self.dp if n is None else self.dvp
+        return self.mm(out, lambda r, v: _add(_mul(_add(_mul(ib, R), r), bk), _mul(v, w)),
+                       a, lambda r, x: _add(_mul(_add(_mul(ib, R), r), lda), x),
+                       b, lambda x, v: _add(_mul(x, bk), _mul(v, w)), self.sp.d if n is None else n, bk // w)
+
+
+def _forward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> TileKernel:
+    a = _Cpu(sp, sched, buffers, n_inputs)
+    bq, bk, R, w, dvp = a.bq, a.bk, a.R, a.w, a.dvp
+    row0, kb, ib = _mul(var("blk"), bq), var("kb"), var("ib")
+    l_ = lambda i: a.reg("ml", _add(i, bq))  # noqa: E731
+    alpha = lambda r: a.reg("ml", _add(_mul(ib, R), r, 2 * bq))  # noqa: E731
+    o_at = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dvp), _mul(v, w))  # noqa: E731
+    pv = a.mm("o", o_at, "s", lambda r, x: _add(_mul(_add(_mul(ib, R), r), bk), x),
+              "vs", lambda x, v: _add(_mul(x, dvp), _mul(v, w)), bk, dvp // w,
+              first=lambda r, v: binary("mul", a.vld("o", o_at(r, v)), broadcast(alpha(r), w)))
+    inner = (
+        *a.allocs(**{k: n for k, n in _cpu_scratch(sp, sched).items()}),
+        *a.row_head(row0, True),
+        a.key_block(row0, (
+            a.copy_rows("vs", 2, 2, _mul(kb, bk), bk, sp.sk, sp.dv, sp.rows[2]),
+            Range("ib", bq // R, "serial", (
+                a.scores(ib), *a.scores_softmax(row0, ib, _mul(kb, bk), True), pv)),)),
+        a.store_rows(n_inputs, 3, "o", row0, bq, sp.sq, sp.dv, sp.rows[3], 0,
+                     lambda i: select(binary("gt", l_(i), a.zero), binary("div", a.one, l_(i)), a.zero)),
+    )
+    return TileKernel(name, tuple(buffers), n_inputs, a.grid1(_ceil(sp.sq, bq), inner),
+                      meta={"attention": (sp, sched)})
+
+
+def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> list:
+    """The backward's CPU form: the stats, dkdv and dq kernels; per_head: one kernel, a task per
+    batch index computing its rows' statistics into scratch, then per key block dk and dv, and dq
+    added into its rows of the result (the only writer: no atomics)."""
+    a = _Cpu(sp, sched, buffers, n_inputs)
+    bq, bk, R, w, dp, dvp = a.bq, a.bk, a.R, a.w, a.dp, a.dvp
+    o_buf, do_buf, res = n_inputs - 2, n_inputs - 1, n_inputs
+    q_res, k_res = sp.sizes
+    blk, kb, ib, i, c = var("blk"), var("kb"), var("ib"), var("ci"), var("cc")
+    nqb = _ceil(sp.sq, bq)
+    sqp = nqb * bq
+
+    def stats_sweep(row0, store, guard: bool) -> tuple:
+        """Per query row of the block m (0 where no key is visible), 1/l and D = do·o, each
+        written by store(which, row, value) (guard: rows inside the sequence only)."""
+        m, l_ = a.reg("ml", i), a.reg("ml", _add(i, bq))
+        row = _add(row0, i)
+        o_at = lambda c_: a.at(3, _min(row, sp.sq - 1), c_, sp.rows[3])  # noqa: E731
+        if sp.dv % w == 0 and w > 1:
+            term = hsum(binary("mul", _fp(vload(o_buf, o_at(_mul(c, w)), buffers[o_buf].dtype, w)),
+                               _fp(vload(do_buf, o_at(_mul(c, w)), buffers[do_buf].dtype, w))))
+        else:
+            term = binary("mul", a.ld(o_buf, o_at(c)), a.ld(do_buf, o_at(c)))
+        per_row = (Store("mt", _i(0), a.zero), Range("cc", sp.dv // w if sp.dv % w == 0 else sp.dv, "serial", (
+            Store("mt", _i(0), binary("add", a.reg("mt", 0), term)),)),
+            store(0, row, select(binary("eq", m, a.ninf), a.zero, m)),
+            store(1, row, select(binary("gt", l_, a.zero), binary("div", a.one, l_), a.zero)),
+            store(2, row, a.reg("mt", 0)))
+        return (*a.row_head(row0, False),
+                a.key_block(row0, (Range("ib", bq // R, "serial", (
+                    a.scores(ib), *a.scores_softmax(row0, ib, _mul(kb, bk), False))),)),
+                Range("ci", bq, "serial", (If(_lt(row, sp.sq), per_row),) if guard else per_row))
+
+    # dq: per query block, the statistics read; per key block dS = P (dP - D), dq += dS k
+    row0 = _mul(blk, bq)
+    row = _add(row0, i)
+
+    def stat(i_, which):
+        return a.reg("ml", _add(_mul(_i(which), bq), i_))
+    ds_rows = []
+    for r in range(R):
+        il = _add(_mul(ib, R), r)
+        rw = _add(row0, il)
+        for v in range(bk // w):
+            at = _add(_mul(il, bk), v * w)
+            x = a.score(a.vld("s", at), rw, a.lanes(_add(_mul(kb, bk), v * w)))
+            p = select(binary("eq", x, a.ninf), a.zero,
+                       binary("mul", unary("exp", binary("sub", x, stat(il, 0))), stat(il, 1)))
+            ds_rows.append(Store("s", at, binary("mul", p, binary("sub", a.vld("dp", at), broadcast(stat(il, 2), w)))))
+    dq_at = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dp), _mul(v, w))  # noqa: E731
+    dq = TileKernel(name + "_dq", tuple(buffers), n_inputs, a.grid1(nqb, (
+        *a.allocs(qs=bq * dp, kt=sp.d * bk, s=bq * bk, ml=3 * bq, dos=bq * dvp, vt=sp.dv * bk, kr=bk * dp,
+                  dp=bq * bk, dq=bq * dp),
+        a.copy_rows("qs", 0, 0, row0, bq, sp.sq, sp.d, sp.rows[0]),
+        a.copy_rows("dos", do_buf, 3, row0, bq, sp.sq, sp.dv, sp.rows[3]),
+        Range("ci", bq, "serial", tuple(
+            Store("ml", _add(i, which * bq), a.ld(res, a.stats_at(_min(row, sp.sq - 1), which)))
+            for which in range(3))),
+        a.fill("dq", bq * dp, a.zero),
+        a.key_block(row0, (
+            a.copy_cols("vt", 2, 2, _mul(kb, bk), bk, sp.sk, sp.dv, sp.rows[2]),
+            a.copy_rows("kr", 1, 1, _mul(kb, bk), bk, sp.sk, sp.d, sp.rows[1]),
+            Range("ib", bq // R, "serial", (
+                a.scores(ib), a.scores(ib, "dp", "dos", "vt", sp.dv), *ds_rows,
+                a.mm("dq", dq_at, "s", lambda r, x: _add(_mul(_add(_mul(ib, R), r), bk), x),
+                     "kr", lambda x, v: _add(_mul(x, dp), _mul(v, w)), bk, dp // w,
+                     first=lambda r, v: a.vld("dq", dq_at(r, v))))),)),
+        a.store_rows(res, 0, "dq", row0, bq, sp.sq, sp.d, sp.rows[0], 0, lambda i_: const(sp.scale, a.f)),)))
+
+    # dkdv: per key block, over the query blocks that see it: Pᵀ and dSᵀ with vectors along the
+    # queries, dv += Pᵀ do, dk += dSᵀ q (per_head: and dq += dS k)
+    qb, jb = var("qb"), var("jb")
+
+    def key_block_body(key0, stats_of, dq_update: tuple) -> tuple:
+        if sp.causal:  # the first query block that sees key key0: query i sees key j when j <= i + offset
+            first = binary("div", binary("max", _add(key0, -sp.offset), _i(0)), _i(bq))
+            q0 = _mul(_add(first, qb), bq)
+            n_qb = binary("max", binary("sub", _i(nqb), first), _i(0))
+        else:
+            q0, n_qb = _mul(qb, bq), _i(nqb)
+        pt_rows = []
+        for r in range(R):
+            jl = _add(_mul(jb, R), r)
+            for v in range(bq // w):
+                at = _add(_mul(jl, bq), v * w)
+                x = a.score(a.vld("pt", at), a.lanes(_add(q0, v * w)), _add(key0, jl))
+                p = select(binary("eq", x, broadcast(a.ninf, w)), broadcast(a.zero, w), binary(
+                    "mul", unary("exp", binary("sub", x, a.vld("ml", v * w))), a.vld("ml", bq + v * w)))
+                pt_rows += [Store("pt", at, p),
+                            Store("dst", at, binary("mul", a.vld("pt", at),
+                                                    binary("sub", a.vld("dst", at), a.vld("ml", 2 * bq + v * w))))]
+        kv_at = lambda width: lambda r, v: _add(_mul(_add(_mul(jb, R), r), width), _mul(v, w))  # noqa: E731
+        kv_row = lambda width: lambda r, x: _add(_mul(_add(_mul(jb, R), r), width), x)  # noqa: E731
+        t_at = lambda r, x: _add(_mul(_add(_mul(jb, R), r), bq), x)  # noqa: E731
+        rows_at = lambda width: lambda x, v: _add(_mul(x, width), _mul(v, w))  # noqa: E731
+        cols_at = lambda x, v: _add(_mul(x, bq), _mul(v, w))  # noqa: E731
+        return (
+            a.copy_rows("kr", 1, 1, key0, bk, sp.sk, sp.d, sp.rows[1]),
+            a.copy_rows("vr", 2, 2, key0, bk, sp.sk, sp.dv, sp.rows[2]),
+            a.fill("dk", bk * dp, a.zero), a.fill("dv", bk * dvp, a.zero),
+            Range("qb", n_qb, "serial", (
+                a.copy_cols("qt", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                a.copy_cols("dot", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
+                a.copy_rows("qs", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                a.copy_rows("dos", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
+                Range("ci", bq, "serial", tuple(Store("ml", _add(i, which * bq), stats_of(which, _add(q0, i)))
+                                                for which in range(3))),
+                Range("jb", bk // R, "serial", (
+                    a.mm("pt", kv_at(bq), "kr", kv_row(dp), "qt", cols_at, sp.d, bq // w),
+                    a.mm("dst", kv_at(bq), "vr", kv_row(dvp), "dot", cols_at, sp.dv, bq // w),
+                    *pt_rows,
+                    a.mm("dv", kv_at(dvp), "pt", t_at, "dos", rows_at(dvp), bq, dvp // w,
+                         first=lambda r, v: a.vld("dv", kv_at(dvp)(r, v))),
+                    a.mm("dk", kv_at(dp), "dst", t_at, "qs", rows_at(dp), bq, dp // w,
+                         first=lambda r, v: a.vld("dk", kv_at(dp)(r, v))),)),
+                *dq_update(q0))),
+            a.store_rows(res, 1, "dk", key0, bk, sp.sk, sp.d, sp.rows[1], q_res, lambda i_: const(sp.scale, a.f)),
+            a.store_rows(res, 2, "dv", key0, bk, sp.sk, sp.dv, sp.rows[2], q_res + k_res, lambda i_: a.one))
+    tiles = dict(kr=bk * dp, vr=bk * dvp, qt=sp.d * bq, dot=sp.dv * bq, qs=bq * dp, dos=bq * dvp, ml=3 * bq,
+                 pt=bk * bq, dst=bk * bq, dk=bk * dp, dv=bk * dvp)
+
+    if sched.per_head:
+        def dq_update(q0):  # the query block's dq rows (kept unscaled in the result) += dS k
+            dq_at_ = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dp), _mul(v, w))  # noqa: E731
+            return (a.copy_rows("dqs", res, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                    Range("ib", bq // R, "serial", (a.mm(
+                        "dqs", dq_at_, "dst", lambda r, x: _add(_mul(x, bq), _mul(ib, R), r),
+                        "kr", lambda x, v: _add(_mul(x, dp), _mul(v, w)), bk, dp // w,
+                        first=lambda r, v: a.vld("dqs", dq_at_(r, v))),)),
+                    a.store_rows(res, 0, "dqs", q0, bq, sp.sq, sp.d, sp.rows[0], 0, lambda i_: a.one))
+        dq_all = lambda value: Range("ci", sp.sq, "serial", (Range("cc", sp.d, "serial", (  # noqa: E731
+            Store(res, a.at(0, i, c, sp.rows[0]), value(tload(res, a.at(0, i, c, sp.rows[0]), a.f))),)),))
+        inner = (
+            *a.allocs(st=3 * sqp, **tiles, kt=sp.d * bk, s=bq * bk, dqs=bq * dp),
+            Range("qb", nqb, "serial", stats_sweep(_mul(qb, bq), lambda which, r_, v: Store(
+                "st", _add(r_, which * sqp), v), False)),
+            dq_all(lambda x: a.zero),
+            Range("kb", _ceil(sp.sk, bk), "serial", key_block_body(
+                _mul(kb, bk), lambda which, r_: a.reg("st", _add(_min(r_, sqp - 1), which * sqp)), dq_update)),
+            dq_all(lambda x: binary("mul", x, const(sp.scale, a.f))))
+        body = inner
+        for z, n in reversed(list(zip(a.zs, sp.batch))):
+            body = (Range(z.arg, n, "grid", body),)
+        return [TileKernel(name + "_heads", tuple(buffers), n_inputs, body)]
+
+    stats = TileKernel(name + "_stats", tuple(buffers), n_inputs, a.grid1(nqb, (
+        *a.allocs(qs=bq * dp, kt=sp.d * bk, s=bq * bk, ml=3 * bq),
+        *stats_sweep(row0, lambda which, r_, v: Store(res, a.stats_at(r_, which), v), True))))
+    key0 = _mul(blk, bk)
+    dkdv = TileKernel(name + "_dkdv", tuple(buffers), n_inputs, a.grid1(_ceil(sp.sk, bk), (
+        *a.allocs(**tiles),
+        *key_block_body(key0, lambda which, qr: select(_lt(qr, sp.sq), a.ld(
+            res, a.stats_at(_min(qr, sp.sq - 1), which)), a.zero), lambda q0: ()))))
     return [stats, dkdv, dq]

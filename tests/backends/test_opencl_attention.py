@@ -1,9 +1,10 @@
-"""The OpenCL FlashAttention template (backends/opencl/attention.py): fused_attention and its
-backward against the float64 numpy reference (causal or not, additive and -inf biases, Sq != Sk,
-head sizes and sequences that are not a multiple of the vectors or blocks, two layouts), with the
-device's parameters and with the GPU form (scalars, several work-items per work-group) forced;
-both backward schemes (per block of keys, and per batch index), the profiler's view of the
-backward, and the dispatcher's choice. Skips where no OpenCL platform is present."""
+"""FlashAttention on OpenCL through the dispatcher: the shared tile builders (ir/kernel/attention.py,
+runtime/tiled.py) for fused_attention and its backward against the float64 numpy reference (causal
+or not, additive and -inf biases, Sq != Sk, head sizes and sequences that are not a multiple of the
+vectors or blocks, two layouts), with the device's schedule and with small blocks and narrow
+vectors forced; both backward schemes of the CPU form (three kernels, and one per batch index), the
+profiler's view of the backward, and the dispatcher's choice. Skips where no OpenCL platform is
+present."""
 from __future__ import annotations
 
 import math
@@ -75,7 +76,7 @@ def _check(case, device, g_rng):
     f = tx.jit(tx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), device=device)
     (_, out), grads = f(q, k, v, *bias)
     impls = {l.kind: l.impl for l in f.lower(q, k, v, *bias).compile().program.launches}
-    assert impls["fused_attention"] == impls["fused_attention_bwd"] == "flash_attention", impls
+    assert impls["fused_attention"] == impls["fused_attention_bwd"] == "tile_attention", impls
     x64 = [x.astype(np.float64) for x in (q, k, v, *bias)]
     (want,) = P.fused_attention.impl(*x64, **params)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
@@ -87,14 +88,16 @@ def _check(case, device, g_rng):
 
 
 def test_forward_and_backward_match_numpy(monkeypatch):
-    """The device's parameters, the backward's scheme alternating between the cases."""
+    """The device's schedule, the CPU form's backward scheme alternating between the cases."""
     dev = _opencl()
-    from tilefuse.backends.opencl import attention
-    device_params = attention.default_params
+    from tilefuse.ir.kernel import attention
+    device_schedule = attention.default_attention_schedule
     rng = np.random.default_rng(0)
     for i, (name, c) in enumerate(CASES.items()):
-        monkeypatch.setattr(attention, "default_params", lambda info, sp, per_head=bool(i % 2):
-                            replace(device_params(info, sp), per_head=per_head))
+        def schedule(sp, target, per_head=bool(i % 2)):
+            s = device_schedule(sp, target)
+            return replace(s, per_head=per_head) if s.cpu and sp.bwd else s
+        monkeypatch.setattr(attention, "default_attention_schedule", schedule)
         case = _case(rng, *c)
         try:
             _check(case, dev, rng)
@@ -102,13 +105,16 @@ def test_forward_and_backward_match_numpy(monkeypatch):
             raise AssertionError(f"{name} (per_head={bool(i % 2)}): {e}") from None
 
 
-def test_gpu_form_matches_numpy(monkeypatch):
-    """Scalars, 4 work-items of 2 rows each sharing the tiles through local memory and barriers
-    (the form GPUs get), and small blocks so that every kernel loops over several."""
+def test_small_blocks_match_numpy(monkeypatch):
+    """Small blocks (every kernel loops over several, ragged at the ends) and narrow vectors in
+    the device's form: 2-row register blocks of 4-lane vectors on CPU devices."""
     dev = _opencl()
-    from tilefuse.backends.opencl import attention
-    monkeypatch.setattr(attention, "default_params",
-                        lambda info, sp: attention.AttentionParams(32, 16, 4, 2, 1, 64))
+    from tilefuse.ir.kernel import attention
+    from tilefuse.runtime.hardware import target_of
+    t = target_of(dev.info)
+    cpu = t.kind == "cpu" or not t.shared_bytes
+    small = attention.AttentionSchedule(16, 8, 4, 2, 2) if cpu else attention.AttentionSchedule(16, 8)
+    monkeypatch.setattr(attention, "default_attention_schedule", lambda sp, target: small)
     rng = np.random.default_rng(1)
     for name in ("mask with a fully masked query", "bias broadcast over queries, causal, Sq < Sk, D=20, Dv=12"):
         case = _case(rng, *CASES[name])
@@ -124,25 +130,21 @@ def _template_kernels(f, *args):
             if lk.kernel.meta.get("kind") in dispatch.TEMPLATE_KINDS]
 
 
-def test_dispatcher_chooses_the_template_for_float32_only():
-    """float32 attention (forward and backward) gets the OpenCL template; float64, which the
-    template does not take, the composite of ordinary kernels."""
+def test_dispatcher_chooses_the_tile_builders():
+    """Attention (forward and backward) gets the shared tile builders on OpenCL."""
     dev = _opencl()
-    for dtype, want in ((np.float32, "flash_attention"), (np.float64, "composite")):
-        q, k, v = (np.ones((1, 8, 2, 4), dtype) for _ in range(3))
-        kernels = _template_kernels(
-            tx.grad(lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True).sum(),
-                    argnums=(0, 1, 2)), q, k, v)
-        assert sorted(k.meta["kind"] for k in kernels) == ["fused_attention", "fused_attention_bwd"]
-        for kernel in kernels:
-            impl = dispatch.choose(kernel, dev)
-            assert impl.name == want, (dtype, impl)
-            assert impl.device_kinds == (("opencl",) if want == "flash_attention" else ("*",)), impl
+    q, k, v = (np.ones((1, 8, 2, 4), np.float32) for _ in range(3))
+    kernels = _template_kernels(
+        tx.grad(lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True).sum(), argnums=(0, 1, 2)), q, k, v)
+    assert sorted(k.meta["kind"] for k in kernels) == ["fused_attention", "fused_attention_bwd"]
+    for kernel in kernels:
+        impl = dispatch.choose(kernel, dev)
+        assert (impl.name, impl.device_kinds) == ("tile_attention", ("opencl",)), impl
 
 
 def test_profiler_times_the_backward_as_one_launch():
-    """The backward's kernels (two, or one per batch index and the statistics) are one launch
-    for the profiler, timed by the device from the first kernel's start to the last one's end."""
+    """The backward's kernels (three, or one per batch index) are one launch for the profiler,
+    timed to the last one's end."""
     dev = _opencl()
     from tilefuse.runtime.profiler import profile
     rng = np.random.default_rng(2)
@@ -152,6 +154,6 @@ def test_profiler_times_the_backward_as_one_launch():
     f(q, k, v)
     with profile() as prof:
         np.asarray(f(q, k, v)[0])
-    records = {r.info.kind: r for r in prof.records if r.info.impl == "flash_attention"}
+    records = {r.info.kind: r for r in prof.records if r.info.impl == "tile_attention"}
     assert set(records) == {"fused_attention", "fused_attention_bwd"}, prof.records
     assert all(r.seconds > 0 for r in records.values())

@@ -96,20 +96,23 @@ def test_group_reductions_match_the_reference(device, case, group):
     np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-5, atol=2e-6, err_msg=f"{case}, groups of {group}")
 
 
-# ---- FlashAttention's tile kernels (ir/kernel/attention.py) on every printer with shared memory --
+# ---- FlashAttention's tile kernels (ir/kernel/attention.py) on every printer, in both forms ---------
 
+@pytest.mark.parametrize("form", ["gpu", "cpu"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_tile_kernels_match_the_primitive(device, causal):
-    """The forward and the three backward kernels printed and run by each backend (OpenCL CPU
-    devices too: PoCL has local memory), a ragged schedule, a broadcast bias with -inf entries."""
+def test_attention_tile_kernels_match_the_primitive(device, causal, form):
+    """The forward and the three backward kernels printed and run by each backend in each form it
+    can hold (the GPU form on OpenCL CPU devices too: PoCL has local memory), ragged schedules, a
+    broadcast bias with -inf entries (gathered along the keys by the CPU form)."""
     import types
 
     from tilefuse.ir import primitives as P
     from tilefuse.ir.kernel.attention import AttentionSchedule, build_backward, build_forward, spec_of
     from tilefuse.ir.kernel.ir import Buffer
-    if not device.backend.tile_kernels or "shared" not in device.backend.tile_prints:
-        pytest.skip(f"{device.kind} prints no tile kernels with shared memory")
-    if not device.info.local_mem_bytes:
+    needs = {"shared"} if form == "gpu" else {"scratch", "vectors"}
+    if not device.backend.tile_kernels or needs - device.backend.tile_prints:
+        pytest.skip(f"{device.kind} prints no tile kernels with {', '.join(sorted(needs))}")
+    if form == "gpu" and not device.info.local_mem_bytes:
         pytest.skip(f"{device.name} has no shared memory")
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((2, 3, s, f)).astype(np.float32) for s, f in ((7, 4), (9, 4), (9, 5)))
@@ -119,7 +122,7 @@ def test_attention_tile_kernels_match_the_primitive(device, causal):
     (out,) = P.fused_attention.impl(q, k, v, bias, **params)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     (grads,) = P.fused_attention_bwd.impl(q, k, v, bias, out, dout, **params)
-    sched = AttentionSchedule(4, 4)
+    sched = AttentionSchedule(4, 4) if form == "gpu" else AttentionSchedule(4, 8, 4, 2, 2)
     for fwd, args, want in ((True, [q, k, v, bias], out), (False, [q, k, v, bias, out, dout], grads)):
         avals = [ShapedArray(a.shape, a.dtype) for a in args]
         prim = P.fused_attention if fwd else P.fused_attention_bwd
