@@ -85,18 +85,27 @@ def _others(a, b, transposed: bool):
 
 
 def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, repeat=10,
-             clock=time.perf_counter):
+             clock=time.perf_counter, modes=("generated", "vendor"), others=True, batch=1):
+    """batch > 1: a batched product of (batch, m, k) and (batch, n, k) read transposed, the
+    attention scores' q·kᵀ."""
     import tilefuse.numpy as tnp
     from tilefuse import nn
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, m) if transposed else (m, k)).astype(dtype)
     b = rng.standard_normal((k, n)).astype(dtype)
     bias = rng.standard_normal(n).astype(dtype)
-    flops = 2 * m * n * k
+    flops = 2 * batch * m * n * k
+    if batch > 1:
+        a = rng.standard_normal((batch, m, k)).astype(dtype)
+        b = rng.standard_normal((batch, n, k)).astype(dtype)
     if epilogue:
         fn = lambda x, w, c: nn.gelu(tnp.matmul(x, w) + c)
         args = (a, b, bias)
         numpy_fn = lambda: _gelu_np(a @ b + bias)
+    elif batch > 1:
+        fn = lambda q, kt: tnp.matmul(q, tnp.swapaxes(kt, 1, 2))
+        args = (a, b)
+        numpy_fn = lambda: a @ np.swapaxes(b, 1, 2)
     else:
         fn = (lambda x, w: tnp.matmul(x.T, w)) if transposed else tnp.matmul
         args = (a, b)
@@ -104,11 +113,11 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
         numpy_fn = (lambda: a32.T @ b32) if transposed else (lambda: a32 @ b32)
     fns = {"numpy": numpy_fn}
     impls = {}
-    for mode in ("generated", "vendor"):
+    for mode in modes:
         fns[mode], impls[mode] = _tilefuse(mode, fn, args)
-    if _opencl() and dtype == np.float32:  # the OpenCL template (PoCL: the same two cores)
+    if others and _opencl() and dtype == np.float32:  # the OpenCL template (PoCL: the same two cores)
         fns["opencl"], impls["opencl"] = _tilefuse("auto", fn, args, _opencl())
-    if dtype == np.float32 and not epilogue:
+    if others and dtype == np.float32 and not epilogue and batch == 1:
         fns.update(_others(a, b, transposed))
     times = interleaved(fns, repeat, clock)
     return {who: flops / t / 1e9 for who, t in times.items()}, impls

@@ -697,7 +697,7 @@ SMALL_FLOPS = 2 * 32 ** 3  # below this the generic kernel (no packing, no threa
 # and elementwise kernels twice as slow beside the spinning threads), auto with a margin of 1.3
 # 80 ms (some shape classes went to BLAS).
 VENDOR_MARGIN = 2.0
-MODES = ("auto", "generated", "vendor", "generic")  # generic: the kernel IR's loop nest (to compare)
+MODES = ("auto", "generated", "vendor", "generic", "tiled")  # generic: the kernel IR's loop nest (to compare)
 _measured: dict = {}  # shape class -> "generated" | "vendor"
 
 
@@ -793,3 +793,10 @@ for _kind in ("dot_general", "fused_gemm"):
     dispatch.register(dispatch.Implementation(
         "vendor_gemm", _kind, _build_vendor, ("cpu",),
         lambda kernel, device: choice(kernel, device) == "vendor", priority=15))
+
+
+from tilefuse.runtime import tiled as _tiled  # noqa: E402  (comparison phase)
+for _kind in ("dot_general", "fused_gemm"):
+    dispatch.register(dispatch.Implementation(
+        "tile_gemm", _kind, _tiled.gemm_build, ("cpu",),
+        lambda kernel, device: choice(kernel, device) == "tiled" and _tiled.gemm_applies(kernel, device), priority=25))
