@@ -119,8 +119,8 @@ for _kind in TEMPLATE_KINDS:
 
 # GEMM on CUDA devices: shared-memory tiles, tensor cores for 16-bit floats, the epilogue fused
 # (backends/cuda/gemm.py). Where no template reads a fused_gemm's operands on OpenCL and CUDA: the
-# GEMM, then the epilogue kernel (runtime/gemm_split.py). The CPU's GEMMs register in
-# backends/llvm/gemm.py; backends that print tile kernels take the shared builder (runtime/tiled.py).
+# GEMM, then the epilogue kernel (runtime/gemm_split.py). Backends that print tile kernels take the
+# shared builder (runtime/tiled.py); the CPU beside numpy's BLAS (backends/llvm/blas.py).
 _template("cuda_gemm", ("dot_general", "fused_gemm"), "tilefuse.backends.cuda.gemm", "cuda", 20)
 for _dk in ("opencl", "cuda"):
     _template("gemm_then_epilogue", ("fused_gemm",), "tilefuse.runtime.gemm_split", _dk, 10)

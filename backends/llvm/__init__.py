@@ -12,7 +12,7 @@ from tilefuse.runtime.hardware import host_info
 from tilefuse.runtime.memory import PoolAllocator
 
 from ..base import Backend
-from . import gemm  # noqa: F401  (registers the GEMM candidates: the template and numpy's BLAS)
+from . import blas  # noqa: F401  (registers the GEMM candidates: the shared GEMM and numpy's BLAS)
 from .compile import CompiledKernel, compile_kernel, compile_kernels, memory_cache_stats
 from . import tuning  # noqa: F401  (registers the CPU templates with the auto-tuner)
 from .buffer import ALIGN, Owner, interface, raw_alloc

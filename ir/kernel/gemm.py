@@ -155,10 +155,11 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
 def _task_blocks(spec: GemmSpec, wm: int, nr: int, kc: int, nc_most: int, mc_most, cores: int):
     """(mc, nc): the task blocks whose longest thread finishes first. The thread pool runs the
     tasks (batch, column block, row block: the last fastest) in one contiguous chunk per core;
-    a task costs its micro-tiles' multiply-adds and its packing (each task packs its own panels,
-    so more tasks balance better but pack more), in multiply-adds of the register tile."""
+    a task costs its micro-tiles' multiply-adds and its reads of A and B (each task packs its own
+    panel of B and reads its rows of A: more tasks balance better but read more), in multiply-adds."""
     lay = spec.layout
     per_elem_b = 4 if lay.b_strides[2] == 1 else 16  # whole vectors, or element by element
+    per_elem_a = 16 if mc_most is not None else 4  # packed, or a first read from L2 in place
     pack_a = mc_most is not None
     bm_least = _ceil(lay.m, mc_most) if pack_a else 1
     best = None
@@ -168,7 +169,7 @@ def _task_blocks(spec: GemmSpec, wm: int, nr: int, kc: int, nc_most: int, mc_mos
             mc = _ceil(_ceil(lay.m, bm), wm) * wm
             tn, tm = _ceil(lay.n, nc), _ceil(lay.m, mc)
             one = [(_ceil(min(mc, lay.m - i * mc), wm) * wm * _ceil(min(nc, lay.n - j * nc), nr) * nr
-                    + nc * per_elem_b + mc * 16 * pack_a) * lay.k
+                    + nc * per_elem_b + mc * per_elem_a) * lay.k
                    for j in range(tn) for i in range(tm)]
             costs = one * lay.batch
             if len(costs) > 4096:
@@ -298,11 +299,20 @@ class _Gemm:
             sbb, sbk, _ = self.lay.b_strides
             row = vload(self.s.b, _add(_mul(z, sbb), _mul(_add(k0, k), sbk), c), self.lay.dtype, vec)
             inside = Range("j", wn, "unroll", (Store("bp", panel_at(_mul(j, vec)), _fp(row)),))
+        elif self.lay.b_strides[1] == 1:  # B's columns are contiguous (B transposed): along k
+            inside = None
+            along_k = Range("jj", nr, "serial", (Range("k", kcur, "serial", (
+                Store("bp", panel_at(jj), _fp(self.b_at(z, _add(k0, k), col))),)),))
         else:
             inside = Range("jj", nr, "serial", (Store("bp", panel_at(jj), _fp(self.b_at(z, _add(k0, k), col))),))
-        pack = (Range("jr", nc // nr, "serial", (
-            Range("k", kcur, "serial", (
-                If(strip_inside, (inside,)), If(unary("not", strip_inside), (edge,)),)),)),)
+        if inside is None:
+            pack = (Range("jr", nc // nr, "serial", (
+                If(strip_inside, (along_k,)),
+                If(unary("not", strip_inside), (Range("k", kcur, "serial", (edge,)),)),)),)
+        else:
+            pack = (Range("jr", nc // nr, "serial", (
+                Range("k", kcur, "serial", (
+                    If(strip_inside, (inside,)), If(unary("not", strip_inside), (edge,)),)),)),)
 
         ir, i, j, t, lane = var("ir"), var("i"), var("j"), var("t"), var("l")
         row0 = _add(_mul(ic, mc), _mul(ir, wm))
