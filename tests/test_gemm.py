@@ -253,7 +253,8 @@ def test_auto_takes_the_generic_kernel_for_tiny_products_and_measures_the_rest(g
 
 
 def _run_schedule(device, f, args, sched):
-    """f's GEMM kernel built by the shared builder under `sched` and run on `device`."""
+    """f's GEMM kernel built by the shared builder under `sched` (None: the default) and run on
+    `device`; None where the target refuses the schedule."""
     from tilefuse.ir.kernel import gemm
     prog = tx.jit(f, device=device).lower(*args).compile().program
     (launch,) = [l for l in prog.launches if l.kind in ("dot_general", "fused_gemm")]
@@ -261,8 +262,8 @@ def _run_schedule(device, f, args, sched):
     spec = gemm.gemm_spec(k)
     if sched is None:
         sched = gemm.default_schedule(spec, target_of(device.info))
-    why = sched.check(spec, target_of(device.info))
-    assert why is None, why
+    if sched.check(spec, target_of(device.info)) is not None:  # e.g. more registers than the target has
+        return None
     run = device.backend.compile_tile(gemm.build(spec, sched, k.name, k.buffers, k.n_inputs), device)
     bufs = [device.backend.put(np.ascontiguousarray(a).view(np.uint8).reshape(-1), device) for a in args]
     out = device.backend.alloc(k.buffers[-1].size * spec.out_dtype.itemsize, device)
@@ -283,6 +284,7 @@ def test_packed_schedules_compute_the_same(device, rng, pack_a):
     from tilefuse.ir.kernel import gemm
     if not getattr(device.backend, "tile_kernels", False) or target_of(device.info).kind != "cpu":
         pytest.skip("the packed form is the CPU targets' (GPUs run the shared-memory form)")
+    ran = 0
     for (batch, m, n, k), bt, dtype in PROBLEMS:
         a = rng.standard_normal((batch, m, k)).astype(dtype)
         b = rng.standard_normal((batch, n, k) if bt else (batch, k, n)).astype(dtype)
@@ -293,7 +295,11 @@ def test_packed_schedules_compute_the_same(device, rng, pack_a):
             if dtype != F32 and sched.kc:  # a 16-bit C holds no partial sums: one K block
                 sched = replace(sched, kc=0)
             got = _run_schedule(device, f, (a, b), sched)
-            _check(got.reshape(want.shape), want, k, dtype)
+            if got is not None:
+                _check(got.reshape(want.shape), want, k, dtype)
+                ran += 1
+        _check(_run_schedule(device, f, (a, b), None).reshape(want.shape), want, k, dtype)
+    assert ran >= 3 * len(PROBLEMS)
 
 
 def test_packed_defaults_follow_the_problem_and_the_target():
