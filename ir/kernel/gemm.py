@@ -105,7 +105,7 @@ class GemmSchedule:
         kc, blocks = _k_blocks(spec.layout.k, self.kc)
         if blocks > 1 and spec.out_dtype != F32:
             return f"K in {blocks} blocks: the partial sums need a float32 C, not {spec.out_dtype}"
-        scratch = 4 * kc * (self.nc + self.mc * self.pack_a)
+        scratch = 4 * kc * (self.nc + self.wm * self.pack_a)
         if scratch > SCRATCH_BYTES:
             return f"packed panels of {scratch} bytes exceed the {SCRATCH_BYTES} bytes of a task's scratch"
         return None
@@ -146,26 +146,22 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     pack_a = lay.dtype != F32 or lay.a_strides[2] != 1
     # the packed panel of B (kc x nc floats) stays in L2 beside the micro-kernel's traffic
     nc_most = max(nr, (target.l2_bytes // 2) // (4 * kc) // nr * nr)
-    # and a packed block of A (mc x kc) too
-    mc_most = max(wm, (target.l2_bytes // 2) // (4 * kc) // wm * wm) if pack_a else None
-    mc, nc = _task_blocks(spec, wm, nr, kc, nc_most, mc_most, target.cores)
+    mc, nc = _task_blocks(spec, wm, nr, kc, nc_most, pack_a, target.cores)
     return GemmSchedule(False, wm, wn, vec, mc=mc, nc=nc, kc=kc if kc < lay.k else 0, pack_a=pack_a)
 
 
-def _task_blocks(spec: GemmSpec, wm: int, nr: int, kc: int, nc_most: int, mc_most, cores: int):
+def _task_blocks(spec: GemmSpec, wm: int, nr: int, kc: int, nc_most: int, pack_a: bool, cores: int):
     """(mc, nc): the task blocks whose longest thread finishes first. The thread pool runs the
     tasks (batch, column block, row block: the last fastest) in one contiguous chunk per core;
     a task costs its micro-tiles' multiply-adds and its reads of A and B (each task packs its own
     panel of B and reads its rows of A: more tasks balance better but read more), in multiply-adds."""
     lay = spec.layout
     per_elem_b = 4 if lay.b_strides[2] == 1 else 16  # whole vectors, or element by element
-    per_elem_a = 16 if mc_most is not None else 4  # packed, or a first read from L2 in place
-    pack_a = mc_most is not None
-    bm_least = _ceil(lay.m, mc_most) if pack_a else 1
+    per_elem_a = 16 if pack_a and lay.a_strides[2] != 1 else 4  # element by element, or along k
     best = None
     for bn in range(_ceil(lay.n, nc_most), min(_ceil(lay.n, nr), _ceil(lay.n, nc_most) + 8) + 1):
         nc = _ceil(_ceil(lay.n, bn), nr) * nr
-        for bm in range(bm_least, max(bm_least, min(_ceil(lay.m, wm), 4 * cores)) + 1):
+        for bm in range(1, min(_ceil(lay.m, wm), 4 * cores) + 1):
             mc = _ceil(_ceil(lay.m, bm), wm) * wm
             tn, tm = _ceil(lay.n, nc), _ceil(lay.m, mc)
             one = [(_ceil(min(mc, lay.m - i * mc), wm) * wm * _ceil(min(nc, lay.n - j * nc), nr) * nr
@@ -180,7 +176,7 @@ def _task_blocks(spec: GemmSpec, wm: int, nr: int, kc: int, nc_most: int, mc_mos
             if best is None or (span, len(costs)) < best[0]:
                 best = (span, len(costs)), (mc, nc)
     if best is None:  # a batch too large to weigh: one task per matrix
-        return min(mc_most or lay.m, _ceil(lay.m, wm) * wm), min(nc_most, _ceil(lay.n, nr) * nr)
+        return _ceil(lay.m, wm) * wm, min(nc_most, _ceil(lay.n, nr) * nr)
     return best[1]
 
 
@@ -318,10 +314,15 @@ class _Gemm:
         row0 = _add(_mul(ic, mc), _mul(ir, wm))
         col0 = _add(_mul(jc, nc), _mul(jr, nr))
         a_in_place = _fp(self.a_at(z, _min(_add(row0, i), lay.m - 1), _add(k0, k)))
-        if p.pack_a:  # A's micro-panels, wm rows k-major, in float32 (16-bit inputs converted once)
-            ap_at = _add(_mul(_add(_mul(ir, kc), k), wm), i)
-            pack += (Range("ir", mc // wm, "serial", (If(_lt(row0, lay.m), (
-                Range("k", kcur, "serial", (Range("i", wm, "unroll", (Store("ap", ap_at, a_in_place),)),)),)),)),)
+        pack_a = ()
+        if p.pack_a:  # A's micro-panel in float32 (16-bit inputs converted once), copied along
+            # A's contiguous axis: row by row (wm streams along k, as A itself), or k-major
+            if lay.a_strides[2] == 1:
+                ap_at = _add(_mul(i, kc), k)
+                pack_a = (Range("i", wm, "unroll", (Range("k", kcur, "serial", (Store("ap", ap_at, a_in_place),)),)),)
+            else:
+                ap_at = _add(_mul(k, wm), i)
+                pack_a = (Range("k", kcur, "serial", (Range("i", wm, "unroll", (Store("ap", ap_at, a_in_place),)),)),)
             a_elem = tload("ap", ap_at, self.acc)
         else:
             a_elem = a_in_place
@@ -347,12 +348,12 @@ class _Gemm:
                 If(unary("not", whole), (
                     Range("l", vec, "unroll", (scalar,)),)),)),)),))
         block = pack + (
-            Range("ir", mc // wm, "serial", (
+            Range("ir", mc // wm, "serial", (If(_lt(row0, lay.m), pack_a + (
                 Range("jr", nc // nr, "serial", (
-                    If(_and(_lt(row0, lay.m), _lt(col0, lay.n)), micro + (store,)),)),)),)
+                    If(_lt(col0, lay.n), micro + (store,)),)),)),)),)
         body = (
             Alloc("bp", self.acc, kc * nc, "scratch"),
-            *((Alloc("ap", self.acc, mc * kc, "scratch"),) if p.pack_a else ()),
+            *((Alloc("ap", self.acc, wm * kc, "scratch"),) if p.pack_a else ()),
             Alloc("acc", self.acc, wm * wn * vec, "register"),
             *((Range("pc", blocks, "serial", block),) if blocks > 1 else block),
         )
