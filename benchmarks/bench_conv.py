@@ -1,5 +1,5 @@
-"""Convolution on the CPU: tilefuse.nn.conv2d (an implicit GEMM: im2col kernels feeding the GEMM
-template, backends/llvm/gemm.py) against a numpy im2col (sliding windows + tensordot on BLAS)
+"""Convolution on the CPU: tilefuse.nn.conv2d (an implicit GEMM: im2col kernels feeding the shared
+GEMM, ir/kernel/gemm.py) against a numpy im2col (sliding windows + tensordot on BLAS)
 and torch.nn.functional.conv2d where importable, in one run; GFLOP/s of the median time and
 ratios to numpy. The GEMM benchmark's conv row (benchmarks/bench_gemm.py has the plain GEMMs).
 

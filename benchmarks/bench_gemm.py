@@ -1,5 +1,5 @@
-"""GEMM on the CPU: tilefuse's generated template (backends/llvm/gemm.py) and its vendor
-candidate (numpy's BLAS through the implementation registry) against numpy, and PyTorch / JAX
+"""GEMM on the CPU: tilefuse's generated GEMM (the shared builder's packed form, ir/kernel/gemm.py)
+and its vendor candidate (numpy's BLAS through the implementation registry) against numpy, and PyTorch / JAX
 where importable, in one run; GFLOP/s of the median time and ratios to numpy. The contenders
 are timed in interleaved rounds, so that a noisy machine's load falls on all of them alike.
 
@@ -9,8 +9,9 @@ are timed in interleaved rounds, so that a noisy machine's load falls on all of 
 Rows: float32 squares, the transformer example's GEMMs (examples/train_transformer.py: batch 32,
 seq 64, d_model 128, so M = 2048: the fused QKV projection, the attention output, the MLP, the
 head, and a weight gradient xᵀ·dy read transposed in place), one with a fused bias + GELU
-epilogue (numpy computes the same expression unfused), and bfloat16 inputs at N = 1024. The
-target: the generated kernel at N = 1024 reaches >= 80% of numpy's BLAS in the same run."""
+epilogue (numpy computes the same expression unfused), a batched q·kᵀ (128 products of 64 x 64 x 32,
+B read transposed), and bfloat16 inputs at N = 1024. The target: the generated kernel at N = 1024
+reaches >= 80% of numpy's BLAS in the same run."""
 from __future__ import annotations
 
 import argparse
@@ -85,18 +86,27 @@ def _others(a, b, transposed: bool):
 
 
 def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, repeat=10,
-             clock=time.perf_counter):
+             clock=time.perf_counter, modes=("generated", "vendor"), others=True, batch=1):
+    """batch > 1: a batched product of (batch, m, k) and (batch, n, k) read transposed, the
+    attention scores' q·kᵀ."""
     import tilefuse.numpy as tnp
     from tilefuse import nn
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, m) if transposed else (m, k)).astype(dtype)
     b = rng.standard_normal((k, n)).astype(dtype)
     bias = rng.standard_normal(n).astype(dtype)
-    flops = 2 * m * n * k
+    flops = 2 * batch * m * n * k
+    if batch > 1:
+        a = rng.standard_normal((batch, m, k)).astype(dtype)
+        b = rng.standard_normal((batch, n, k)).astype(dtype)
     if epilogue:
         fn = lambda x, w, c: nn.gelu(tnp.matmul(x, w) + c)
         args = (a, b, bias)
         numpy_fn = lambda: _gelu_np(a @ b + bias)
+    elif batch > 1:
+        fn = lambda q, kt: tnp.matmul(q, tnp.swapaxes(kt, 1, 2))
+        args = (a, b)
+        numpy_fn = lambda: a @ np.swapaxes(b, 1, 2)
     else:
         fn = (lambda x, w: tnp.matmul(x.T, w)) if transposed else tnp.matmul
         args = (a, b)
@@ -104,11 +114,11 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
         numpy_fn = (lambda: a32.T @ b32) if transposed else (lambda: a32 @ b32)
     fns = {"numpy": numpy_fn}
     impls = {}
-    for mode in ("generated", "vendor"):
+    for mode in modes:
         fns[mode], impls[mode] = _tilefuse(mode, fn, args)
-    if _opencl() and dtype == np.float32:  # the OpenCL template (PoCL: the same two cores)
+    if others and _opencl() and dtype == np.float32:  # the OpenCL template (PoCL: the same two cores)
         fns["opencl"], impls["opencl"] = _tilefuse("auto", fn, args, _opencl())
-    if dtype == np.float32 and not epilogue:
+    if others and dtype == np.float32 and not epilogue and batch == 1:
         fns.update(_others(a, b, transposed))
     times = interleaved(fns, repeat, clock)
     return {who: flops / t / 1e9 for who, t in times.items()}, impls
@@ -158,24 +168,23 @@ def main():
                          "insensitive to other processes' load; under `taskset -c 0` every contender "
                          "runs on one core")
     args = ap.parse_args()
-    from tilefuse.backends.llvm.gemm import default_gemm_params
-
     import tilefuse as tx
+    from tilefuse.runtime.hardware import target_of
     cpu = tx.get_device("cpu")
-    print(f"device: {cpu.info.name}, {cpu.info.compute_units} cores; "
-          f"template parameters {default_gemm_params(cpu.info)}\n")
+    print(f"device: {cpu.info.name}, {cpu.info.compute_units} cores; {target_of(cpu.info)}\n")
 
     cases = [(f"square {s} f32", s, s, s, False, np.float32, False) for s in map(int, args.sizes.split(","))]
     if not args.no_transformer:
         cases += [(nm, m, n, k, t, np.float32, False) for nm, m, n, k, t in TRANSFORMER]
         cases.append(("gelu(x@W+b) (2048x128)@(128x512)", 2048, 512, 128, False, np.float32, True))
+        cases.append(("batched 128x(64x32)@(32x64)ᵀ", 64, 64, 32, False, np.float32, False, 128))
     import ml_dtypes
     cases.append(("square 1024 bf16", 1024, 1024, 1024, False, np.dtype(ml_dtypes.bfloat16), False))
 
     rows, others = [], set()
-    for name, m, n, k, t, d, epi in cases:
+    for name, m, n, k, t, d, epi, *batch in cases:
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
-        g, impls = run_case(name, m, n, k, t, d, epi, args.repeat, clock)
+        g, impls = run_case(name, m, n, k, t, d, epi, args.repeat, clock, batch=batch[0] if batch else 1)
         others |= set(g) - {"numpy", "generated", "vendor"}
         who = ("generated", "vendor", "opencl", "torch", "jax")
         rows.append([name, f"{g['numpy']:.0f}", *(_cell(g, w) for w in who)])

@@ -35,7 +35,6 @@ from common import table, time_median  # noqa: E402
 def gemm_kernels(step, args):
     """One kernel per GEMM shape class that the template runs in the step, slowest first."""
     import tilefuse as tx
-    from tilefuse.backends.llvm.gemm import gemm_problem
     from tilefuse.runtime import tuner
     step(*args)
     with tx.profile() as prof:
@@ -44,13 +43,24 @@ def gemm_kernels(step, args):
     for r in sorted(prof.records, key=lambda r: -r.seconds):
         k = r.info.kernel
         t = tuner.template_for(r.info.impl, k, r.info.device) if k is not None else None
-        if t is None or t.name != "cpu_gemm":
+        if t is None or t.name != "tile_gemm":
             continue
         key = t.key(k)
         if key not in seen:
             seen.add(key)
-            out.append((k, gemm_problem(k), r.info.device))
+            out.append((k, _problem(k), r.info.device))
     return out
+
+
+def _problem(kernel):
+    """The sizes, epilogue and extras' strides of a GEMM kernel (what the numpy timer needs)."""
+    from types import SimpleNamespace
+
+    from tilefuse.ir.kernel.gemm import gemm_spec
+    s = gemm_spec(kernel)
+    lay = s.layout
+    return SimpleNamespace(batch=lay.batch, m=lay.m, n=lay.n, k=lay.k, epilogue=s.epilogue,
+                           extra_strides=tuple((lay.m * lay.n, lay.n) if full else (0, 0) for _, full in s.extras))
 
 
 def numpy_worker() -> None:
@@ -123,7 +133,7 @@ class NumpyTimer:
 def template_call(kernel, dev, params: dict):
     """The template with `params` on buffers of the kernel's sizes: a call to time."""
     from tilefuse.runtime import tuner
-    run = tuner.template_for("generated_gemm", kernel, dev).build(kernel, dev, dev.backend, params)
+    run = tuner.template_for("tile_gemm", kernel, dev).build(kernel, dev, dev.backend, params)
     bufs = tuner.random_buffers(kernel, dev)
     return lambda: run(bufs)
 
@@ -145,7 +155,7 @@ def bench_gemms(trials: int) -> list:
         times = [{"numpy": [], "default": [], "tuned": []} for _ in results]
         calls = []  # per problem: the default's call and the tuned one's (the same when equal)
         for kernel, _, dev, res in results:
-            default = tuner.template_for("generated_gemm", kernel, dev).default(kernel, dev)
+            default = tuner.template_for("tile_gemm", kernel, dev).default(kernel, dev)
             calls.append({"default": template_call(kernel, dev, default)})
             calls[-1]["tuned"] = calls[-1]["default"] if res.best == default else \
                 template_call(kernel, dev, res.best)

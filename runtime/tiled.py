@@ -50,11 +50,14 @@ def _key(kernel) -> tuple[str, str]:
     return "gemm-" + hashlib.sha1(sig.encode()).hexdigest()[:16], "x".join(str(tuner.size_class(n)) for n in (lay.batch, lay.m, lay.n, lay.k))
 
 
-def register_gemm(device_kind: str, priority: int) -> None:
+def register_gemm(device_kind: str, priority: int, chosen=None) -> None:
     """The shared GEMM runs dot_general and fused_gemm kernels on `device_kind` (whose backend
-    prints tile kernels), searched by the tuner in gemm.space."""
+    prints tile kernels), searched by the tuner in gemm.space; `chosen(kernel, device)`: where the
+    backend takes it (beside a vendor library), by default wherever it applies."""
+    def applies(kernel, device):
+        return (chosen is None or chosen(kernel, device)) and gemm_applies(kernel, device)
     for kind in ("dot_general", "fused_gemm"):
-        dispatch.register(dispatch.Implementation("tile_gemm", kind, gemm_build, (device_kind,), gemm_applies,
+        dispatch.register(dispatch.Implementation("tile_gemm", kind, gemm_build, (device_kind,), applies,
                                                   priority))
     _gemm_kinds.append(device_kind)
     tuner.register(tuner.Template(

@@ -89,7 +89,7 @@ def test_conv2d_gradients(device, rng):
 def test_im2col_windows_are_read_in_place():
     """Forward, the strided windows are read by the concatenate's kernels (one pass over the
     patch matrix); backward, by the pads that put their cotangents back: no index-map-only
-    kernel writes a window to memory, and the GEMMs stay dot_generals for the template."""
+    kernel writes a window to memory, and the GEMMs stay dot_generals for the shared GEMM."""
     x, w = np.ones((2, 4, 6, 6), np.float32), np.ones((4, 2, 3, 3), np.float32)
 
     def f(x, w):

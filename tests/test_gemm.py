@@ -1,13 +1,16 @@
-"""GEMM: the CPU template (backends/llvm/gemm.py) and numpy's BLAS against numpy, transposed and
-batched operands read in place, 16-bit inputs, and the epilogue fusion pass
-(ir/passes/gemm_epilogue.py): where it fires, what it computes, where it must not fire."""
+"""GEMM: the shared builder (ir/kernel/gemm.py, on every device that prints tile kernels) and, on
+the CPU, numpy's BLAS against numpy, transposed and batched operands read in place, 16-bit inputs,
+the packed form's schedules, and the epilogue fusion pass (ir/passes/gemm_epilogue.py): where it
+fires, what it computes, where it must not fire."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
 import pytest
+from tilefuse.ir.core import ShapedArray
 from tilefuse.ir.errors import ShapeError
 from tilefuse.ir.passes import run_passes
 from tilefuse.validate.primitives import epilogue_fn
@@ -15,10 +18,11 @@ from tilefuse.validate.primitives import epilogue_fn
 import tilefuse as tx
 import tilefuse.numpy as tnp
 from tilefuse import nn
+from tilefuse.runtime.hardware import target_of
 
 F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 
-# (M, N, K): 1..1023, primes, edges of the micro-tile (12 x 32) and of the K block (512)
+# (M, N, K): 1..1023, primes, edges of the register tile (12 x 32) and of a K block (512)
 SHAPES = [(1, 1, 1), (2, 3, 5), (7, 13, 11), (12, 32, 512), (13, 33, 513), (31, 37, 41),
           (64, 64, 64), (97, 101, 103), (255, 129, 67), (1023, 17, 33), (37, 1023, 19),
           (23, 29, 1023), (300, 70, 600)]
@@ -47,6 +51,9 @@ def _modes(device):
     return ("generated", "vendor") if device.kind == "cpu" else ("auto",)
 
 
+IMPL = {"generated": "tile_gemm", "vendor": "vendor_gemm"}  # on the CPU, by tx.config.gemm
+
+
 def test_gemm_matches_numpy_over_shapes(device, gemm_mode, rng):
     shapes = SHAPES if device.kind != "opencl" else SHAPES[::3]  # PoCL builds each in 0.5 s
     for mode in _modes(device):
@@ -56,14 +63,15 @@ def test_gemm_matches_numpy_over_shapes(device, gemm_mode, rng):
             b = rng.standard_normal((k, n)).astype(F32)
             _check(tx.jit(tnp.matmul)(a, b), a @ b, k)
         if device.kind == "cpu":
-            assert set(_impls(tnp.matmul, a, b)) == {f"{mode}_gemm"}
+            assert set(_impls(tnp.matmul, a, b)) == {IMPL[mode]}
 
 
 def test_transposed_and_batched_operands_read_in_place(device, gemm_mode, rng):
+    # (products over tiled.MIN_FLOPS: smaller ones take the generic kernel)
     a = rng.standard_normal((37, 70)).astype(F32)
-    b = rng.standard_normal((70, 45)).astype(F32)
+    b = rng.standard_normal((70, 64)).astype(F32)
     q = rng.standard_normal((2, 3, 33, 16)).astype(F32)
-    kk = rng.standard_normal((2, 3, 40, 16)).astype(F32)
+    kk = rng.standard_normal((2, 3, 48, 16)).astype(F32)
     cases = [
         (lambda a, b: tnp.matmul(a.T.T, b), (a, b), a @ b, 70),
         (lambda a, b: tnp.matmul(a, b.T), (a, b.T.copy()), a @ b, 70),
@@ -71,16 +79,16 @@ def test_transposed_and_batched_operands_read_in_place(device, gemm_mode, rng):
         (lambda a, b: tnp.matmul(a.T, b.T), (a.T.copy(), b.T.copy()), a @ b, 70),
         (lambda q, k: tnp.einsum("bhsd,bhtd->bhst", q, k), (q, kk), np.einsum("bhsd,bhtd->bhst", q, kk), 16),
         (lambda q, k: tnp.matmul(q, tnp.swapaxes(k, -1, -2)), (q, kk), q @ np.swapaxes(kk, -1, -2), 16),
-        (lambda x, w: tnp.matmul(x, w), (q, a[:16, :20].copy()), q @ a[:16, :20], 16),
+        (lambda x, w: tnp.matmul(x, w), (q, a[:16, :45].copy()), q @ a[:16, :45], 16),
     ]
     for mode in _modes(device):
         gemm_mode(mode)
         for f, args, want, k in cases:
             _check(tx.jit(f)(*args), want, k)
-            if device.kind == "cpu":  # no transpose copy: the template (or BLAS) reads strides
+            if device.kind == "cpu":  # no transpose copy: the shared GEMM (or BLAS) reads strides
                 g = run_passes(tx.make_graph(f)(*args))
                 assert [e.prim.name for e in g.eqns] == ["dot_general"], g
-                assert _impls(f, *args) == [f"{mode}_gemm"]
+                assert _impls(f, *args) == [IMPL[mode]]
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -160,7 +168,7 @@ def test_epilogue_rewrites_fire_and_compute_the_unfused_result(device, gemm_mode
                 assert fused[0].params["epilogue"] == _epilogue(epilogue), (name, g)
             _check(tx.jit(f)(x, w, b, r), ref(x @ w, b, r), 40)
             if device.kind == "cpu":
-                assert _impls(f, x, w, b, r) == [f"{mode}_gemm"], name
+                assert _impls(f, x, w, b, r) == [IMPL[mode]], name
             elif device.kind == "opencl":  # the tiled GEMM with the epilogue in its store
                 assert _impls(f, x, w, b, r) == ["tile_gemm"], name
 
@@ -186,16 +194,17 @@ def test_epilogue_holds_over_magnitudes(device, scale):
 
 
 def test_epilogue_after_a_k_blocked_product_and_on_16_bit_outputs(device, gemm_mode, rng):
-    """K > KC (512): the epilogue follows the last block's update; bfloat16 keeps one K block."""
+    """K past a K block (768 with AVX-512's 48 KiB L1): the epilogue follows the last block's
+    update; bfloat16 keeps one K block."""
     for dtype in (F32, BF16):
-        x = rng.standard_normal((70, 700)).astype(dtype)
-        w = (rng.standard_normal((700, 90)) / 20).astype(dtype)
+        x = rng.standard_normal((70, 1700)).astype(dtype)
+        w = (rng.standard_normal((1700, 90)) / 20).astype(dtype)
         b = rng.standard_normal(90).astype(dtype)
         f = lambda x, w, b: nn.gelu(tnp.matmul(x, w) + b)
         want = _gelu_tanh(x.astype(F32) @ w.astype(F32) + b.astype(F32))
         for mode in _modes(device):
             gemm_mode(mode)
-            _check(tx.jit(f)(x, w, b), want, 700, dtype)
+            _check(tx.jit(f)(x, w, b), want, 1700, dtype)
 
 
 # (name, function): the rewrite must leave the dot_general alone
@@ -239,77 +248,84 @@ def test_auto_takes_the_generic_kernel_for_tiny_products_and_measures_the_rest(g
     big = rng.standard_normal((96, 96)).astype(F32)
     half = big.astype(BF16)
     assert _impls(tnp.matmul, tiny, tiny, device="cpu") == ["kernel_ir"]
-    assert _impls(tnp.matmul, half, half, device="cpu") == ["generated_gemm"]  # no 16-bit BLAS
-    assert _impls(tnp.matmul, big, big, device="cpu")[0] in ("generated_gemm", "vendor_gemm")
+    assert _impls(tnp.matmul, half, half, device="cpu") == ["tile_gemm"]  # no 16-bit BLAS
+    assert _impls(tnp.matmul, big, big, device="cpu")[0] in ("tile_gemm", "vendor_gemm")
+
+
+def _run_schedule(device, f, args, sched):
+    """f's GEMM kernel built by the shared builder under `sched` (None: the default) and run on
+    `device`; None where the target refuses the schedule."""
+    from tilefuse.ir.kernel import gemm
+    prog = tx.jit(f, device=device).lower(*args).compile().program
+    (launch,) = [l for l in prog.launches if l.kind in ("dot_general", "fused_gemm")]
+    k = launch.kernel
+    spec = gemm.gemm_spec(k)
+    if sched is None:
+        sched = gemm.default_schedule(spec, target_of(device.info))
+    if sched.check(spec, target_of(device.info)) is not None:  # e.g. more registers than the target has
+        return None
+    run = device.backend.compile_tile(gemm.build(spec, sched, k.name, k.buffers, k.n_inputs), device)
+    bufs = [device.backend.put(np.ascontiguousarray(a).view(np.uint8).reshape(-1), device) for a in args]
+    out = device.backend.alloc(k.buffers[-1].size * spec.out_dtype.itemsize, device)
+    run([*bufs, out])
+    return np.array(device.backend.to_host(out, ShapedArray((k.buffers[-1].size,), spec.out_dtype), device))
+
+
+# the packed form's ways: A packed or read in place, K in blocks or whole, ragged register tiles and
+# task blocks, a batch, a transposed B (packed along k), 16-bit inputs; (schedule fields, operands)
+PACKED = [dict(wm=4, wn=1, vec=4, mc=8, nc=8, kc=16), dict(wm=6, wn=2, vec=8, mc=24, nc=32, kc=50),
+          dict(wm=12, wn=2, vec=16, mc=24, nc=64, kc=64), dict(wm=3, wn=3, vec=4, mc=9, nc=24, kc=0)]
+PROBLEMS = [((1, 13, 33, 129), False, F32), ((3, 101, 47, 80), True, F32), ((2, 25, 64, 64), False, F32),
+            ((1, 30, 70, 75), True, F32), ((3, 101, 90, 80), False, F32), ((1, 45, 50, 300), False, BF16)]
 
 
 @pytest.mark.parametrize("pack_a", [True, False])
-def test_a_packed_or_read_in_place_computes_the_same(rng, pack_a):
-    """Both ways of reading A (gemm.reads_a_in_place), over ragged micro-tiles and K blocks, a
-    batch split over threads and a transposed B; A ends at its buffer's end (rows past M are
-    never read in place)."""
-    from dataclasses import replace
-
-    from tilefuse.backends.llvm import gemm
-    cpu = tx.get_device("cpu")
-    p = replace(gemm.default_gemm_params(cpu.info), kc=64, mc=gemm.default_gemm_params(cpu.info).mr * 2,
-                threads=2, pack_a=pack_a)
-    # a packed row-major A and a transposed B are transposed in registers a LANES x LANES square
-    # at a time: K blocks with and without a remainder past the last square, full and partial panels
-    for (batch, m, n, k), bt in [((1, 13, 33, 129), False), ((3, 101, 47, 80), True), ((2, 25, 64, 64), False),
-                                 ((1, 30, 70, 75), True)]:
-        a = rng.standard_normal((batch, m, k)).astype(F32)
-        b = rng.standard_normal((batch, n, k) if bt else (batch, k, n)).astype(F32)
+def test_packed_schedules_compute_the_same(device, rng, pack_a):
+    from tilefuse.ir.kernel import gemm
+    if not getattr(device.backend, "tile_kernels", False) or target_of(device.info).kind != "cpu":
+        pytest.skip("the packed form is the CPU targets' (GPUs run the shared-memory form)")
+    ran = 0
+    for (batch, m, n, k), bt, dtype in PROBLEMS:
+        a = rng.standard_normal((batch, m, k)).astype(dtype)
+        b = rng.standard_normal((batch, n, k) if bt else (batch, k, n)).astype(dtype)
         f = (lambda a, b: tnp.matmul(a, tnp.swapaxes(b, 1, 2))) if bt else tnp.matmul
-        want = a @ (b.transpose(0, 2, 1) if bt else b)
-        prog = tx.jit(f, device=cpu).lower(a, b).compile().program
-        (launch,) = [l for l in prog.launches if l.kind == "dot_general"]
-        run = gemm.build_gemm(launch.kernel, cpu, cpu.backend, p)
-        assert gemm.reads_a_in_place(run.prob, p, cpu.info) == (not pack_a)
-        out = np.zeros(want.shape, F32)
-        run([a.view(np.uint8).reshape(-1), b.view(np.uint8).reshape(-1), out.view(np.uint8).reshape(-1)])
-        _check(out, want, k)
+        want = a.astype(F32) @ (b.transpose(0, 2, 1) if bt else b).astype(F32)
+        for fields in PACKED:
+            sched = gemm.GemmSchedule(False, **fields, pack_a=pack_a)
+            if dtype != F32 and sched.kc:  # a 16-bit C holds no partial sums: one K block
+                sched = replace(sched, kc=0)
+            got = _run_schedule(device, f, (a, b), sched)
+            if got is not None:
+                _check(got.reshape(want.shape), want, k, dtype)
+                ran += 1
+        _check(_run_schedule(device, f, (a, b), None).reshape(want.shape), want, k, dtype)
+    assert ran >= 3 * len(PROBLEMS)
 
 
-def test_a_is_read_in_place_by_default_unless_its_rows_share_l1_sets():
-    from dataclasses import replace
+def test_packed_defaults_follow_the_problem_and_the_target():
+    """Registers set the register tile, L1 the K blocks (a 16-bit C keeps one), L2 the panels;
+    A is packed where reading it in place costs (16 bits, k strided); what cannot run is refused."""
+    from tilefuse.ir.kernel import gemm
+    from tilefuse.ir.kernel.matmul import MatmulLayout
+    from tilefuse.ir.kernel.target import Target
+    avx512 = Target("cpu", lanes=16, vector_registers=32, cores=2, l1_bytes=48 << 10, l2_bytes=2 << 20)
+    avx2 = Target("cpu", lanes=8, vector_registers=16, cores=4, l1_bytes=32 << 10, l2_bytes=1 << 20)
 
-    from tilefuse.backends.llvm import gemm
-    from tilefuse.runtime.hardware import host_info
-    info = replace(host_info(), l1_bytes=32 << 10)  # 64 sets of 8 ways
-    p = gemm.GemmParams(mr=12, nr=32, lanes=16)
-
-    def prob(k, in_dtype=F32, a_k_stride=1):
-        return gemm.GemmProblem(1, 2048, 128, k, (0, k, a_k_stride), (0, 128, 1), np.dtype(in_dtype),
-                                F32, None, (), (("lhs",), ("rhs",)))
-    assert gemm.reads_a_in_place(prob(128), p, info)       # rows 512 B apart: all in distinct sets
-    assert gemm.reads_a_in_place(prob(512), p, info)       # 2 KiB apart: two sets, 6 rows each
-    assert not gemm.reads_a_in_place(prob(1024), p, info)  # 4 KiB apart: 12 rows in one set
-    assert not gemm.reads_a_in_place(prob(128, BF16), p, info)  # 16-bit A is converted by packing
-    assert not gemm.reads_a_in_place(prob(128, a_k_stride=2048), p, info)  # neither axis contiguous
-
-    def transposed(m, n):  # A's rows contiguous: in place where packing would not pay
-        return gemm.GemmProblem(1, m, n, 2048, (0, 1, m), (0, n, 1), F32, F32, None, (), (("lhs",), ("rhs",)))
-    two = replace(p, threads=2)
-    assert gemm.reads_a_in_place(transposed(512, 128), two, info)      # four column panels per block
-    assert gemm.reads_a_in_place(transposed(64, 1024), two, info)      # N split: each thread would pack A
-    assert not gemm.reads_a_in_place(transposed(2048, 1024), two, info)  # 32 panels repay the packing
-    assert not gemm.reads_a_in_place(prob(128), replace(p, pack_a=True), info)
-    assert gemm.reads_a_in_place(prob(1024), replace(p, pack_a=False), info)
-
-
-def test_params_from_device_info_and_explicit_params(rng):
-    from tilefuse.backends.llvm import gemm
-    from tilefuse.runtime.hardware import host_info
-    p = gemm.default_gemm_params(host_info())
-    assert p.nr == 2 * p.lanes and p.mc % p.mr == 0 and p.nc % p.nr == 0
-    small = gemm.GemmParams(mr=4, nr=p.lanes, lanes=p.lanes, kc=16, mc=8, nc=p.lanes * 2, threads=2)
-    a = rng.standard_normal((3, 101, 80)).astype(F32)  # odd batch: the rows are split over threads
-    b = rng.standard_normal((3, 80, 90)).astype(F32)
-    cpu = tx.get_device("cpu")
-    prog = tx.jit(tnp.matmul, device=cpu).lower(a, b).compile().program
-    (launch,) = [l for l in prog.launches if l.kind == "dot_general"]
-    run = gemm.build_gemm(launch.kernel, cpu, cpu.backend, small)
-    out = np.zeros((3, 101, 90), F32)
-    run([a.view(np.uint8).reshape(-1), b.view(np.uint8).reshape(-1), out.view(np.uint8).reshape(-1)])
-    _check(out, a @ b, 80)
+    def spec(m, n, k, dtype=F32, a_strides=None, out=None):
+        lay = MatmulLayout(1, m, n, k, a_strides or (0, k, 1), (0, n, 1), np.dtype(dtype))
+        return gemm.GemmSpec(lay, np.dtype(out or dtype), None, 0, 1, (), 2)
+    for t, tile in ((avx512, (12, 2, 16)), (avx2, (6, 2, 8))):
+        for s in (spec(2048, 128, 128), spec(1024, 1024, 4096), spec(128, 384, 2048, a_strides=(0, 1, 128)),
+                  spec(1000, 1000, 1000, BF16)):
+            p = gemm.default_schedule(s, t)
+            assert (p.wm, p.wn, p.vec) == tile and p.check(s, t) is None, (s, p)
+            kc, blocks = gemm._k_blocks(s.layout.k, p.kc)
+            assert blocks == 1 or (s.out_dtype == F32 and kc * p.wn * p.vec * 4 <= 2 * t.l1_bytes)
+            assert p.pack_a == (s.layout.dtype != F32 or s.layout.a_strides[2] != 1)
+            assert p.kc * p.nc * 4 <= t.l2_bytes // 2
+        assert gemm.default_schedule(spec(1024, 1024, 4096), t).kc > 0  # K in blocks
+        assert gemm.default_schedule(spec(1000, 1000, 4096, BF16), t).kc == 0  # a 16-bit C: one block
+    s = spec(64, 64, 4096, BF16)
+    assert "partial sums" in gemm.GemmSchedule(False, 4, 1, 16, mc=8, nc=16, kc=512).check(s, avx512)
+    assert "scratch" in gemm.GemmSchedule(False, 4, 1, 16, mc=8, nc=512, kc=0).check(spec(64, 512, 1 << 20), avx512)
+    assert "registers" in gemm.GemmSchedule(False, 12, 2, 8, mc=12, nc=16).check(spec(64, 64, 64), avx2)

@@ -38,13 +38,13 @@ def _run_python(code: str, db: str, **env) -> subprocess.CompletedProcess:
 
 @needs_cpu
 def test_gemm_tuning_is_stored_and_used_by_a_fresh_process(db, monkeypatch):
-    monkeypatch.setattr(tx.config, "gemm", "generated")  # the template, not numpy's BLAS
+    monkeypatch.setattr(tx.config, "gemm", "generated")  # the shared GEMM, not numpy's BLAS
     rng = np.random.default_rng(0)
     a = rng.standard_normal((96, 64)).astype(np.float32)
     b = rng.standard_normal((64, 160)).astype(np.float32)
     f = tx.jit(lambda x, y: x @ y, device="cpu")
     report = tx.tune(f, a, b, trials=8, progress=False, repeat=3)
-    (res,) = [r for r in report.results if r.template == "cpu_gemm"]
+    (res,) = [r for r in report.results if r.template == "tile_gemm"]
     assert res.stored and res.trials == 8 and res.best_seconds <= res.default_seconds
     if res.best != res.default:  # then the whole function was timed both ways
         assert report.default_seconds > 0 and report.tuned_seconds > 0
@@ -52,7 +52,7 @@ def test_gemm_tuning_is_stored_and_used_by_a_fresh_process(db, monkeypatch):
     # (whether the stored configuration is faster is for benchmarks/bench_tuning.py: a timed
     # comparison here failed under load, 88 against 17 us for two builds of the same parameters)
     dev = tx.get_device("cpu")
-    t = next(t for t in tuner.templates() if t.name == "cpu_gemm")
+    t = next(t for t in tuner.templates() if t.name == "tile_gemm")
     run = t.build(res.ir, dev, dev.backend, res.best)
     bufs = tuner.random_buffers(res.ir, dev)
     assert tuner.measure(run, bufs, dev, repeat=1) > 0
@@ -66,7 +66,7 @@ def test_gemm_tuning_is_stored_and_used_by_a_fresh_process(db, monkeypatch):
         b = rng.standard_normal((64, 160)).astype(np.float32)
         y = tx.jit(lambda x, y: x @ y, device="cpu")(a, b)
         assert np.allclose(np.asarray(y), a @ b, rtol=1e-4, atol=1e-4)
-        print(json.dumps([p for k, p in tuner.applied.items() if k[0] == "cpu_gemm"]))
+        print(json.dumps([p for k, p in tuner.applied.items() if k[0] == "tile_gemm"]))
     """)
     p = _run_python(code, db, TILEFUSE_GEMM="generated")
     assert p.returncode == 0, p.stderr
@@ -174,17 +174,20 @@ def test_cuda_block_size_is_a_template_and_a_stored_block_is_built(db):
 
 
 @needs_cpu
-def test_the_gemm_defaults_satisfy_the_tuners_constraints():
+def test_the_gemm_defaults_satisfy_the_tuners_constraints(monkeypatch):
     """Stored defaults are re-checked by every later compile: a default the constraints reject
     would never be used from the database."""
-    from tilefuse.backends.llvm import tuning
+    monkeypatch.setattr(tx.config, "gemm", "generated")
     dev = tx.get_device("cpu")
     a = np.ones((64, 128), np.float32)
     prog = tx.jit(lambda a, b: a @ b, device=dev).lower(a, a.T).compile().program
-    (kernel,) = [l.kernel for l in prog.launches if l.kind == "dot_general"]
-    default = tuning.gemm_default(kernel, dev)
+    (launch,) = [l for l in prog.launches if l.kind == "dot_general"]
+    t = tuner.template_for(launch.impl, launch.kernel, dev)
+    assert t.name == "tile_gemm"
+    default = t.default(launch.kernel, dev)
     assert default["pack_a"] is False  # A (K = 128) is read in place: a choice in the space
-    assert tuning.gemm_check(default, kernel, dev) is None
+    assert default["pack_a"] in t.space(launch.kernel, dev)["pack_a"]
+    assert t.check(default, launch.kernel, dev) is None
 
 
 # ---- FlashAttention: the shared tile builders (ir/kernel/attention.py, runtime/tiled.py) ---------

@@ -11,9 +11,10 @@ import numpy as np
 from tilefuse.runtime.hardware import host_info
 from tilefuse.runtime.tiled import register_attention
 from tilefuse.runtime.memory import PoolAllocator
+from tilefuse.runtime.tiled import register_gemm
 
 from ..base import Backend
-from . import gemm  # noqa: F401  (registers the GEMM candidates: the template and numpy's BLAS)
+from . import blas  # (registers numpy's BLAS as the vendor GEMM)
 from .compile import CompiledKernel, compile_kernel, compile_kernels, memory_cache_stats
 from . import tuning  # noqa: F401  (registers the CPU templates with the auto-tuner)
 from .buffer import ALIGN, Owner, interface, raw_alloc
@@ -110,6 +111,10 @@ class LLVMBackend(Backend):
     def compile_stats(self) -> dict:
         from tilefuse.runtime import compile_cache
         return {**compile_cache.stats(), **memory_cache_stats()}
+
+
+# GEMM: the shared builder's packed form, where blas.choice takes it over numpy's BLAS
+register_gemm("cpu", priority=20, chosen=blas.generated)
 
 
 def create() -> LLVMBackend:

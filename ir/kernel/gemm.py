@@ -71,7 +71,8 @@ def gemm_spec(kernel) -> GemmSpec | None:
 
 @dataclass(frozen=True)
 class GemmSchedule:
-    """shared: the GPU form (tm, tn, tk, wm, wn; vec 1); else the CPU form (mc, nc, wm, wn, vec)."""
+    """shared: the GPU form (tm, tn, tk, wm, wn; vec 1); else the CPU form (mc, nc, wm, wn, vec,
+    and kc: K in blocks of at most kc, 0 for one block; pack_a: A's micro-panels packed too)."""
     shared: bool
     wm: int
     wn: int
@@ -83,6 +84,8 @@ class GemmSchedule:
     nc: int = 0
     mma: str = ""  # shared form: a warp's MMA instruction (ir/kernel/tile.MMA_LAYOUTS) multiplies,
     #               wm x wn of its tiles per warp (a work-item's register tile otherwise)
+    kc: int = 0
+    pack_a: bool = False
 
     def check(self, spec: GemmSpec, target: Target) -> str | None:
         """Why this schedule cannot run on the target, or None."""
@@ -105,6 +108,12 @@ class GemmSchedule:
             return f"{self}: vec a power of two to 16; mc, nc multiples of the register tile"
         if self.wm * self.wn > max(4, target.vector_registers - 4):
             return f"a {self.wm} x {self.wn} register tile exceeds {target.vector_registers} registers"
+        kc, blocks = _k_blocks(spec.layout.k, self.kc)
+        if blocks > 1 and spec.out_dtype != F32:
+            return f"K in {blocks} blocks: the partial sums need a float32 C, not {spec.out_dtype}"
+        scratch = 4 * kc * (self.nc + self.wm * self.pack_a)
+        if scratch > SCRATCH_BYTES:
+            return f"packed panels of {scratch} bytes exceed the {SCRATCH_BYTES} bytes of a task's scratch"
         return None
 
     def _check_mma(self, spec: GemmSpec, target: Target) -> str | None:
@@ -130,6 +139,15 @@ def _mma_for(spec: GemmSpec, target: Target) -> str:
                  and m.acc_dtype == spec.acc_dtype.name), "")
 
 
+SCRATCH_BYTES = 4 << 20  # a CPU task's packed panels live on its thread's stack (8 MiB by default)
+
+
+def _k_blocks(k: int, kc: int) -> tuple[int, int]:
+    """(block depth, blocks): K in blocks of at most kc (0: one block), equal but for the last."""
+    blocks = _ceil(k, kc) if 0 < kc < k else 1
+    return _ceil(max(k, 1), blocks), blocks
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -153,13 +171,46 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     wn = 2 if lay.n > vec else 1
     wm = max(1, min(12, (target.vector_registers - wn - 2) // wn, lay.m))
     nr = wn * vec
-    # the packed panel (K x nc floats) stays in L2 beside the micro-kernel's traffic
-    nc = max(nr, min(_ceil(lay.n, nr) * nr, (target.l2_bytes // 2) // (4 * max(lay.k, 1)) // nr * nr))
-    # enough tasks for every core, each reusing its panel over several micro-tiles
-    tasks_n = _ceil(lay.n, nc) * lay.batch
-    blocks_m = max(1, min(_ceil(lay.m, wm), _ceil(2 * target.cores, tasks_n)))
-    mc = _ceil(_ceil(lay.m, blocks_m), wm) * wm
-    return GemmSchedule(False, wm, wn, vec, mc=mc, nc=nc)
+    # K in blocks whose micro-panel of B (kc x nr) is about twice L1 (it streams from L2; a deep
+    # block amortises the round trip of C's partial sums); one block for a 16-bit C
+    kc_most = max(64, 2 * target.l1_bytes // (4 * nr) // 16 * 16) if spec.out_dtype == F32 else 0
+    kc, _ = _k_blocks(lay.k, kc_most)
+    # A packed where its elements cost more to read in place: 16 bits (converted once) or k strided
+    pack_a = lay.dtype != F32 or lay.a_strides[2] != 1
+    # the packed panel of B (kc x nc floats) stays in L2 beside the micro-kernel's traffic
+    nc_most = max(nr, (target.l2_bytes // 2) // (4 * kc) // nr * nr)
+    mc, nc = _task_blocks(spec, wm, nr, kc, nc_most, pack_a, target.cores)
+    return GemmSchedule(False, wm, wn, vec, mc=mc, nc=nc, kc=kc if kc < lay.k else 0, pack_a=pack_a)
+
+
+def _task_blocks(spec: GemmSpec, wm: int, nr: int, kc: int, nc_most: int, pack_a: bool, cores: int):
+    """(mc, nc): the task blocks whose longest thread finishes first. The thread pool runs the
+    tasks (batch, column block, row block: the last fastest) in one contiguous chunk per core;
+    a task costs its micro-tiles' multiply-adds and its reads of A and B (each task packs its own
+    panel of B and reads its rows of A: more tasks balance better but read more), in multiply-adds."""
+    lay = spec.layout
+    per_elem_b = 4 if lay.b_strides[2] == 1 else 16  # whole vectors, or element by element
+    per_elem_a = 16 if pack_a and lay.a_strides[2] != 1 else 4  # element by element, or along k
+    best = None
+    for bn in range(_ceil(lay.n, nc_most), min(_ceil(lay.n, nr), _ceil(lay.n, nc_most) + 8) + 1):
+        nc = _ceil(_ceil(lay.n, bn), nr) * nr
+        for bm in range(1, min(_ceil(lay.m, wm), 4 * cores) + 1):
+            mc = _ceil(_ceil(lay.m, bm), wm) * wm
+            tn, tm = _ceil(lay.n, nc), _ceil(lay.m, mc)
+            one = [(_ceil(min(mc, lay.m - i * mc), wm) * wm * _ceil(min(nc, lay.n - j * nc), nr) * nr
+                    + nc * per_elem_b + mc * per_elem_a) * lay.k
+                   for j in range(tn) for i in range(tm)]
+            costs = one * lay.batch
+            if len(costs) > 4096:
+                continue
+            threads = min(cores, len(costs))
+            per = _ceil(len(costs), threads)
+            span = max(sum(costs[s:s + per]) for s in range(0, len(costs), per))
+            if best is None or (span, len(costs)) < best[0]:
+                best = (span, len(costs)), (mc, nc)
+    if best is None:  # a batch too large to weigh: one task per matrix
+        return _ceil(lay.m, wm) * wm, min(nc_most, _ceil(lay.n, nr) * nr)
+    return best[1]
 
 
 def _shared_form(target: Target) -> bool:
@@ -167,7 +218,7 @@ def _shared_form(target: Target) -> bool:
 
 
 SHARED_FIELDS = ("tm", "tn", "tk", "wm", "wn")
-PACKED_FIELDS = ("wm", "wn", "vec", "mc", "nc")
+PACKED_FIELDS = ("wm", "wn", "vec", "mc", "nc", "kc", "pack_a")
 
 
 def space(spec: GemmSpec, target: Target) -> dict:
@@ -178,8 +229,8 @@ def space(spec: GemmSpec, target: Target) -> dict:
                 "mma": (mma,)}
     if _shared_form(target):
         return {"tm": (32, 64, 128), "tn": (32, 64, 128), "tk": (8, 16, 32), "wm": (2, 4, 8), "wn": (2, 4, 8)}
-    return {"wm": (2, 4, 6, 8), "wn": (1, 2, 3, 4), "vec": (4, 8, 16), "mc": (24, 48, 96, 192),
-            "nc": (32, 64, 128, 256, 512)}
+    return {"wm": (2, 4, 6, 8, 12), "wn": (1, 2, 3, 4), "vec": (4, 8, 16), "mc": (24, 48, 96, 192),
+            "nc": (32, 64, 128, 256, 512), "kc": (0, 128, 256, 512, 768), "pack_a": (False, True)}
 
 
 def params_of(sched: GemmSchedule) -> dict:
@@ -264,64 +315,102 @@ class _Gemm:
     def packed(self) -> tuple:
         lay, p = self.lay, self.p
         wm, wn, vec, mc, nc = p.wm, p.wn, p.vec, p.mc, p.nc
+        kc, blocks = _k_blocks(lay.k, p.kc)
         nr = wn * vec
-        z, jc, ic = var("z"), var("jc"), var("ic")
+        z, jc, ic, pc = var("z"), var("jc"), var("ic"), var("pc")
         jr, k, jj = var("jr"), var("k"), var("jj")
+        k0 = _mul(pc, kc) if blocks > 1 else _i(0)
+        kcur = _min(_add(_mul(pc, -kc), lay.k), kc) if blocks > 1 else lay.k
         col = _add(_mul(jc, nc), _mul(jr, nr), jj)
-        panel_at = lambda col_in_strip: _add(_mul(_add(_mul(jr, lay.k), k), nr), col_in_strip)  # noqa: E731
-        packed_b = select(_lt(col, lay.n), _fp(self.b_at(z, k, _min(col, lay.n - 1))), const(0, self.acc))
+        panel_at = lambda col_in_strip: _add(_mul(_add(_mul(jr, kc), k), nr), col_in_strip)  # noqa: E731
+        packed_b = select(_lt(col, lay.n), _fp(self.b_at(z, _add(k0, k), _min(col, lay.n - 1))),
+                          const(0, self.acc))
         edge = Range("jj", nr, "serial", (Store("bp", panel_at(jj), packed_b),))
         strip_inside = _lt(_add(_mul(jc, nc), _mul(jr, nr), nr - 1), lay.n)
         if self.lay.b_strides[2] == 1 and vec > 1:  # B's rows are contiguous: copy whole vectors
             j = var("j")
             c = _add(_mul(jc, nc), _mul(jr, nr), _mul(j, vec))
             sbb, sbk, _ = self.lay.b_strides
-            row = vload(self.s.b, _add(_mul(z, sbb), _mul(k, sbk), c), self.lay.dtype, vec)
+            row = vload(self.s.b, _add(_mul(z, sbb), _mul(_add(k0, k), sbk), c), self.lay.dtype, vec)
             inside = Range("j", wn, "unroll", (Store("bp", panel_at(_mul(j, vec)), _fp(row)),))
+        elif self.lay.b_strides[1] == 1:  # B's columns are contiguous (B transposed): along k
+            inside = None
+            along_k = Range("jj", nr, "serial", (Range("k", kcur, "serial", (
+                Store("bp", panel_at(jj), _fp(self.b_at(z, _add(k0, k), col))),)),))
         else:
-            inside = Range("jj", nr, "serial", (Store("bp", panel_at(jj), _fp(self.b_at(z, k, col))),))
-        pack = Range("jr", nc // nr, "serial", (
-            Range("k", lay.k, "serial", (
-                If(strip_inside, (inside,)), If(unary("not", strip_inside), (edge,)),)),))
+            inside = Range("jj", nr, "serial", (Store("bp", panel_at(jj), _fp(self.b_at(z, _add(k0, k), col))),))
+        if inside is None:
+            pack = (Range("jr", nc // nr, "serial", (
+                If(strip_inside, (along_k,)),
+                If(unary("not", strip_inside), (Range("k", kcur, "serial", (edge,)),)),)),)
+        else:
+            pack = (Range("jr", nc // nr, "serial", (
+                Range("k", kcur, "serial", (
+                    If(strip_inside, (inside,)), If(unary("not", strip_inside), (edge,)),)),)),)
 
         ir, i, j, t, lane = var("ir"), var("i"), var("j"), var("t"), var("l")
         row0 = _add(_mul(ic, mc), _mul(ir, wm))
         col0 = _add(_mul(jc, nc), _mul(jr, nr))
+        a_in_place = _fp(self.a_at(z, _min(_add(row0, i), lay.m - 1), _add(k0, k)))
+        pack_a = ()
+        if p.pack_a:  # A's micro-panel in float32 (16-bit inputs converted once), copied along
+            # A's contiguous axis: row by row (wm streams along k, as A itself), or k-major
+            if lay.a_strides[2] == 1:
+                ap_at = _add(_mul(i, kc), k)
+                pack_a = (Range("i", wm, "unroll", (Range("k", kcur, "serial", (Store("ap", ap_at, a_in_place),)),)),)
+            else:
+                ap_at = _add(_mul(k, wm), i)
+                pack_a = (Range("k", kcur, "serial", (Range("i", wm, "unroll", (Store("ap", ap_at, a_in_place),)),)),)
+            a_elem = tload("ap", ap_at, self.acc)
+        else:
+            a_elem = a_in_place
         zero = broadcast(const(0, self.acc), vec)
         acc_at = lambda i_, j_: _mul(_add(_mul(i_, wn), j_), vec)  # noqa: E731
-        a_elem = _fp(self.a_at(z, _min(_add(row0, i), lay.m - 1), k))
-        b_vec = vload("bp", _add(_mul(_add(_mul(jr, lay.k), k), nr), _mul(j, vec)), self.acc, vec)
+        b_vec = vload("bp", _add(_mul(_add(_mul(jr, kc), k), nr), _mul(j, vec)), self.acc, vec)
         fma = binary("add", vload("acc", acc_at(i, j), self.acc, vec),
                      binary("mul", broadcast(a_elem, vec), b_vec))
         micro = (
             Range("t", wm * wn, "unroll", (Store("acc", _mul(t, vec), zero),)),
-            Range("k", lay.k, "serial", (
+            Range("k", kcur, "serial", (
                 Range("i", wm, "unroll", (Range("j", wn, "unroll", (Store("acc", acc_at(i, j), fma),)),)),)),
         )
         row, c = _add(row0, i), _add(col0, _mul(j, vec))
-        vector = Store(self.s.c, self.c_offset(z, row, c),
-                       self.finish(vload("acc", acc_at(i, j), self.acc, vec), z, row, c, vec))
         lane_c = _add(c, lane)
-        scalar = If(_lt(lane_c, lay.n), (
-            Store(self.s.c, self.c_offset(z, row, lane_c),
-                  self.finish(tload("acc", _add(acc_at(i, j), lane), self.acc), z, row, lane_c, 1)),))
+        vector = self._store_c(blocks, pc, vload("acc", acc_at(i, j), self.acc, vec), z, row, c, vec)
+        scalar = If(_lt(lane_c, lay.n), self._store_c(blocks, pc, tload("acc", _add(acc_at(i, j), lane), self.acc),
+                                                      z, row, lane_c, 1))
         whole = _lt(_add(c, vec - 1), lay.n)  # the vector lies inside C's row
         store = Range("i", wm, "unroll", (If(_lt(row, lay.m), (
             Range("j", wn, "unroll", (
-                If(whole, (vector,)),
+                If(whole, vector),
                 If(unary("not", whole), (
                     Range("l", vec, "unroll", (scalar,)),)),)),)),))
-        body = (
-            Alloc("bp", self.acc, lay.k * nc, "scratch"),
-            Alloc("acc", self.acc, wm * wn * vec, "register"),
-            pack,
-            Range("ir", mc // wm, "serial", (
+        block = pack + (
+            Range("ir", mc // wm, "serial", (If(_lt(row0, lay.m), pack_a + (
                 Range("jr", nc // nr, "serial", (
-                    If(_and(_lt(row0, lay.m), _lt(col0, lay.n)), micro + (store,)),)),)),
+                    If(_lt(col0, lay.n), micro + (store,)),)),)),)),)
+        body = (
+            Alloc("bp", self.acc, kc * nc, "scratch"),
+            *((Alloc("ap", self.acc, wm * kc, "scratch"),) if p.pack_a else ()),
+            Alloc("acc", self.acc, wm * wn * vec, "register"),
+            *((Range("pc", blocks, "serial", block),) if blocks > 1 else block),
         )
         return (Range("z", lay.batch, "grid", (
             Range("jc", _ceil(lay.n, nc), "grid", (
                 Range("ic", _ceil(lay.m, mc), "grid", body),)),)),)
+
+    def _store_c(self, blocks: int, pc, acc: KExpr, z, row, col, lanes: int) -> tuple:
+        """The statements that store a K block's sums at C[z, row, col .. col+lanes): the
+        epilogue of the product after the last block; before it, the partial sums, which the
+        next block adds to (C is float32 then: check)."""
+        off = self.c_offset(z, row, col)
+        if blocks == 1:
+            return (Store(self.s.c, off, self.finish(acc, z, row, col, lanes)),)
+        prev = vload(self.s.c, off, self.acc, lanes) if lanes > 1 else tload(self.s.c, off, self.acc)
+        total = select(_lt(_i(0), pc), binary("add", acc, prev), acc)
+        last = _lt(pc, blocks - 1)
+        return (If(last, (Store(self.s.c, off, total),)),
+                If(unary("not", last), (Store(self.s.c, off, self.finish(total, z, row, col, lanes)),)))
 
     # -- the GPU form -----------------------------------------------------------------------
     def stage(self, name, rows, a_side, e, nl, k0, z, bm, bn, pitch=0) -> Range:
