@@ -307,7 +307,7 @@ PHASES = [  # (label, module, attribute)
     ("  front-end cache store", "tilefuse.runtime.frontend_cache", "store"),
     ("  kernels + planning", "tilefuse.runtime.compiler", "_compile_front"),
     ("    choose implementations", "tilefuse.runtime.dispatch", "choose"),
-    ("      GEMM: time generated vs BLAS", "tilefuse.backends.llvm.blas", "_measure"),
+    ("      GEMM: time generated vs BLAS", "tilefuse.runtime.host_blas", "_measure"),
     ("    parallel builds (workers)", "tilefuse.backends.llvm.parallel", "build_objects"),
     ("      start of workers", "tilefuse.backends.llvm.parallel._Worker", "__init__"),
     ("    kernel builds (dispatch)", "tilefuse.runtime.dispatch", "compile_kernel"),

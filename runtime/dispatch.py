@@ -117,7 +117,7 @@ for _kind in TEMPLATE_KINDS:
 
 # Where no template reads a fused_gemm's operands on OpenCL and CUDA: the GEMM, then the epilogue
 # kernel (runtime/gemm_split.py). Backends that print tile kernels take the shared builder
-# (runtime/tiled.py); the CPU beside numpy's BLAS (backends/llvm/blas.py).
+# (runtime/tiled.py); the CPU beside numpy's BLAS (runtime/host_blas.py).
 for _dk in ("opencl", "cuda"):
     _template("gemm_then_epilogue", ("fused_gemm",), "tilefuse.runtime.gemm_split", _dk, 10)
 

@@ -7,17 +7,15 @@ import threading
 import weakref
 
 import numpy as np
-
+from tilefuse.runtime import host_blas
 from tilefuse.runtime.hardware import host_info
-from tilefuse.runtime.tiled import register_attention
 from tilefuse.runtime.memory import PoolAllocator
-from tilefuse.runtime.tiled import register_gemm
+from tilefuse.runtime.tiled import register_attention
 
 from ..base import Backend
-from . import blas  # (registers numpy's BLAS as the vendor GEMM)
-from .compile import CompiledKernel, compile_kernel, compile_kernels, memory_cache_stats
 from . import tuning  # noqa: F401  (registers the CPU templates with the auto-tuner)
 from .buffer import ALIGN, Owner, interface, raw_alloc
+from .compile import CompiledKernel, compile_kernel, compile_kernels, memory_cache_stats
 
 
 class LLVMBackend(Backend):
@@ -113,8 +111,8 @@ class LLVMBackend(Backend):
         return {**compile_cache.stats(), **memory_cache_stats()}
 
 
-# GEMM: the shared builder's packed form, where blas.choice takes it over numpy's BLAS
-register_gemm("cpu", priority=20, chosen=blas.generated)
+# GEMM: the shared builder's packed form, or numpy's BLAS where host_blas.choice says so
+host_blas.register("cpu", priority=20)
 
 
 def create() -> LLVMBackend:

@@ -1,17 +1,18 @@
-"""numpy's BLAS beside the shared GEMM (ir/kernel/gemm.py, runtime/tiled.py) on the CPU: the vendor
-candidate, np.matmul on strided views of the kernel's buffers (the way XLA calls a vendor library),
-and the choice between the two. float16/bfloat16 operands are widened to float32 first (numpy
-has no 16-bit BLAS); a fused_gemm's epilogue runs after it in numpy."""
+"""numpy's BLAS beside the shared GEMM (ir/kernel/gemm.py, runtime/tiled.py) on a device whose
+buffers are host memory (the CPU): the vendor candidate, np.matmul on strided views of the
+kernel's buffers (the way XLA calls a vendor library), and the choice between the two, measured
+once per shape class. float16/bfloat16 operands are widened to float32 first (numpy has no 16-bit
+BLAS); a fused_gemm's epilogue runs after it in numpy. A backend takes it with register()."""
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 from tilefuse.ir.kernel import gemm
-from tilefuse.runtime import compile_cache, dispatch, tiled, tuner
 
-from .compile import code_digest, get_target
+from . import compile_cache, dispatch, tiled, tuner
 
 F32 = np.dtype(np.float32)
 
@@ -64,7 +65,14 @@ def build_vendor(kernel, device=None, backend=None) -> VendorGemm:
 VENDOR_MARGIN = 2.0
 MODES = ("auto", "generated", "vendor", "generic")  # generic: the kernel IR's loop nest (to compare)
 _measured: dict = {}  # shape class -> "generated" | "vendor"
-_DIGEST = code_digest("blas.py", gemm.__file__, tiled.__file__)
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for path in (__file__, gemm.__file__, tiled.__file__):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def _best_time(fn, buffers, rounds: int = 5) -> float:
@@ -96,10 +104,9 @@ def _measure(kernel, spec: gemm.GemmSpec, device) -> str:
     faster by VENDOR_MARGIN, twice over (one noisy verdict for the vendor costs every later step
     its spinning threads); timed on scratch buffers of the kernel's sizes."""
     backend = device.backend
-    bufs = [backend.alloc(max(b.size * np.dtype(b.dtype).itemsize, 1), device) for b in kernel.buffers]
+    bufs = [backend.put(np.zeros(max(b.size * np.dtype(b.dtype).itemsize, 1), np.uint8), device)
+            for b in kernel.buffers]
     try:
-        for b in bufs:
-            b.fill(0)
         gen, ven = tiled.gemm_build(kernel, device, backend), None
         for _ in range(2):
             time.sleep(max(0.0, _last_vendor_call[0] + VENDOR_SPIN_S - time.perf_counter()))
@@ -126,7 +133,7 @@ def _shape_class(spec: gemm.GemmSpec) -> tuple:
 
 def choice(kernel, device) -> str:
     """"generated" (the shared GEMM), "vendor" or "generic" (the kernel IR) for a dot_general kind
-    kernel on the CPU: forced by TILEFUSE_GEMM / tx.config.gemm, else (auto) the generic kernel
+    kernel: forced by TILEFUSE_GEMM / tx.config.gemm, else (auto) the generic kernel
     for tiny or unreadable problems, the vendor where the shared GEMM has no schedule, the shared
     GEMM for 16-bit floats (numpy has no 16-bit BLAS), and otherwise the faster of the two,
     measured once per shape class."""
@@ -148,20 +155,19 @@ def choice(kernel, device) -> str:
     if lay.dtype != F32 or spec.out_dtype != F32:
         return "generated"
     key = _shape_class(spec)
+    key += (device.info.fingerprint,)
     if key not in _measured:  # measured once per machine: the verdict is kept in the disk cache
-        target = get_target(device.info)
-        disk_key = compile_cache.make_key("gemm-choice", _DIGEST, repr(key), VENDOR_MARGIN, target.fingerprint)
-        verdict = target.cache.get_or_build(disk_key, lambda: _measure(kernel, spec, device).encode())
+        disk_key = compile_cache.make_key("gemm-choice", _digest(), repr(key), VENDOR_MARGIN)
+        cache = compile_cache.CompileCache("gemm-choice", compile_cache.default_dir())
+        verdict = cache.get_or_build(disk_key, lambda: _measure(kernel, spec, device).encode())
         _measured[key] = verdict.decode() if verdict in (b"generated", b"vendor") else "generated"
     return _measured[key]
 
 
-def generated(kernel, device) -> bool:
-    """Whether the shared GEMM runs this kernel (register_gemm's choice, in __init__.py)."""
-    return choice(kernel, device) == "generated"
-
-
-for _kind in ("dot_general", "fused_gemm"):
-    dispatch.register(dispatch.Implementation(
-        "vendor_gemm", _kind, build_vendor, ("cpu",),
-        lambda kernel, device: choice(kernel, device) == "vendor", priority=15))
+def register(device_kind: str, priority: int) -> None:
+    """The shared GEMM (at `priority`) and numpy's BLAS on `device_kind`, whichever choice() says."""
+    tiled.register_gemm(device_kind, priority, chosen=lambda kernel, device: choice(kernel, device) == "generated")
+    for kind in ("dot_general", "fused_gemm"):
+        dispatch.register(dispatch.Implementation(
+            "vendor_gemm", kind, build_vendor, (device_kind,),
+            lambda kernel, device: choice(kernel, device) == "vendor", priority=priority - 5))
