@@ -186,6 +186,17 @@ def _ptxas(ptx: str, arch: str, path: str):
                           capture_output=True, text=True, timeout=60)
 
 
+def assert_assembles(texts: dict, arch: str) -> None:
+    """ptxas accepts every PTX text of {label: ptx} for `arch` (the failures named together)."""
+    failures = []
+    with tempfile.TemporaryDirectory() as d:
+        for n, (where, ptx) in enumerate(texts.items()):
+            r = _ptxas(ptx, arch, os.path.join(d, f"k{n}.ptx"))
+            if r.returncode:
+                failures.append(f"{where}: {r.stderr.strip()[:400]}")
+    assert not failures, "\n".join(failures)
+
+
 @need_ptxas
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_kernel_assembles_with_ptxas(arch):
@@ -197,13 +208,7 @@ def test_every_kernel_assembles_with_ptxas(arch):
         for k, ptx in srcs.items():
             assert f".target {arch}" in ptx and ".entry" in ptx, (name, k)
             texts.setdefault(ptx, f"{name}/{k}")
-    failures = []
-    with tempfile.TemporaryDirectory() as d:
-        for n, (ptx, where) in enumerate(texts.items()):
-            r = _ptxas(ptx, arch, os.path.join(d, f"k{n}.ptx"))
-            if r.returncode:
-                failures.append(f"{where}: {r.stderr.strip()[:400]}")
-    assert not failures, "\n".join(failures)
+    assert_assembles({where: ptx for ptx, where in texts.items()}, arch)
 
 
 def test_ptx_uses_thread_indices_and_atomics():
