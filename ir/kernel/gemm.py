@@ -348,7 +348,7 @@ class _Gemm:
                 Range("k", kcur, "serial", (
                     If(strip_inside, (inside,)), If(unary("not", strip_inside), (edge,)),)),)),)
 
-        ir, i, j, t, lane = var("ir"), var("i"), var("j"), var("t"), var("l")
+        ir, i, j, t = var("ir"), var("i"), var("j"), var("t")
         row0 = _add(_mul(ic, mc), _mul(ir, wm))
         col0 = _add(_mul(jc, nc), _mul(jr, nr))
         a_in_place = _fp(self.a_at(z, _min(_add(row0, i), lay.m - 1), _add(k0, k)))
@@ -374,25 +374,30 @@ class _Gemm:
             Range("k", kcur, "serial", (
                 Range("i", wm, "unroll", (Range("j", wn, "unroll", (Store("acc", acc_at(i, j), fma),)),)),)),
         )
-        row, c = _add(row0, i), _add(col0, _mul(j, vec))
-        lane_c = _add(c, lane)
-        vector = self._store_c(blocks, pc, vload("acc", acc_at(i, j), self.acc, vec), z, row, c, vec)
-        scalar = If(_lt(lane_c, lay.n), self._store_c(blocks, pc, tload("acc", _add(acc_at(i, j), lane), self.acc),
-                                                      z, row, lane_c, 1))
-        whole = _lt(_add(c, vec - 1), lay.n)  # the vector lies inside C's row
-        store = Range("i", wm, "unroll", (If(_lt(row, lay.m), (
-            Range("j", wn, "unroll", (
-                If(whole, vector),
-                If(unary("not", whole), (
-                    Range("l", vec, "unroll", (scalar,)),)),)),)),))
+        # a register tile inside C stores whole vectors (its epilogue printed once per vector);
+        # one across C's edge goes to scratch and out element by element, in loops (a lane loop
+        # over the registers would index them at run time: they would stay in memory)
+        inside_c = _and(_lt(_add(row0, wm - 1), lay.m), _lt(_add(col0, nr - 1), lay.n))
+        whole = Range("i", wm, "unroll", (Range("j", wn, "unroll", self._store_c(
+            blocks, pc, vload("acc", acc_at(i, j), self.acc, vec), z, _add(row0, i), _add(col0, _mul(j, vec)), vec)),))
+        spill = Range("t", wm * wn, "unroll", (Store("edge", _mul(t, vec), vload("acc", _mul(t, vec), self.acc, vec)),))
+        row, c, lane = _add(row0, i), _add(col0, _mul(j, vec)), var("l")
+        at, in_row = acc_at(i, j), _lt(_add(c, vec - 1), lay.n)
+        by_vector = Range("j", wn, "serial", (
+            If(in_row, self._store_c(blocks, pc, vload("edge", at, self.acc, vec), z, row, c, vec)),
+            If(unary("not", in_row), (Range("l", vec, "unroll", (If(_lt(_add(c, lane), lay.n), self._store_c(
+                blocks, pc, tload("edge", _add(at, lane), self.acc), z, row, _add(c, lane), 1)),)),)),))
+        elementwise = Range("i", wm, "serial", (If(_lt(row, lay.m), (by_vector,)),))
+        store = (If(inside_c, (whole,)), If(unary("not", inside_c), (spill, elementwise)))
         block = pack + (
             Range("ir", mc // wm, "serial", (If(_lt(row0, lay.m), pack_a + (
                 Range("jr", nc // nr, "serial", (
-                    If(_lt(col0, lay.n), micro + (store,)),)),)),)),)
+                    If(_lt(col0, lay.n), micro + store),)),)),)),)
         body = (
             Alloc("bp", self.acc, kc * nc, "scratch"),
             *((Alloc("ap", self.acc, wm * kc, "scratch"),) if p.pack_a else ()),
             Alloc("acc", self.acc, wm * wn * vec, "register"),
+            Alloc("edge", self.acc, wm * wn * vec, "scratch"),
             *((Range("pc", blocks, "serial", block),) if blocks > 1 else block),
         )
         return (Range("z", lay.batch, "grid", (
