@@ -33,7 +33,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "examples")]
 
-from common import emit, fmt_seconds, run_worker, side_by_side  # noqa: E402
+from common import USER_TIERED, emit, fmt_seconds, run_worker, side_by_side  # noqa: E402
 
 BATCH, SEQ, D_MODEL, LAYERS, HEADS, VOCAB = 32, 64, 128, 2, 4, 96
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP = 3e-3, 0.9, 0.95, 1e-8, 0.1, 1.0
@@ -302,6 +302,7 @@ def main(argv=None) -> int:
             env = {}
             if r.startswith("tilefuse"):  # cold: a fresh persistent cache; warm: the same again
                 env["TILEFUSE_CACHE_DIR"] = os.path.join(tmp, "cache_" + r.replace(":", "_"))
+                env["TILEFUSE_TIERED"] = USER_TIERED  # first calls as a user's script meets them
             res = run_worker(base + ["--worker", r], env=env)
             if "error" in res:
                 print(f"  {r} failed: {res['error']}")

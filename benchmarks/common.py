@@ -22,6 +22,13 @@ from typing import Callable, Sequence
 
 RESULT_TAG = "@@bench-result "  # marks the worker's JSON line among whatever else it prints
 
+# The benchmarks time compiled programs: tiered execution (runtime/tiered.py, on by default)
+# would run their first calls on the interpreter, so it is off here unless TILEFUSE_TIERED is
+# set. bench_compile.py and bench_train.py time first calls as a user meets them: they hand
+# USER_TIERED (the setting the user's own programs would get) to their workers.
+USER_TIERED = os.environ.get("TILEFUSE_TIERED", "auto")
+os.environ.setdefault("TILEFUSE_TIERED", "0")
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -66,26 +73,30 @@ def peak_rss_mib() -> float:
 # ---- one framework per subprocess ------------------------------------------------------------
 
 def emit(result: dict) -> None:
-    """In a worker: hand `result` (JSON-able) back to run_worker, with the peak RSS added."""
-    result = {**result, "peak_rss_mib": peak_rss_mib()}
+    """In a worker: hand `result` (JSON-able) back to run_worker, with the peak RSS added (and
+    the time, from which run_worker tells how long the process took to exit after it)."""
+    result = {**result, "peak_rss_mib": peak_rss_mib(), "emitted_at": time.time()}
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
 def run_worker(argv: Sequence[str], *, env: dict | None = None, timeout: float | None = None,
                echo: bool = False) -> dict:
-    """Run `python argv...` and return the dict its emit() printed; on failure
+    """Run `python argv...` and return the dict its emit() printed, with exit_s: the seconds
+    from that emit to the process's end (work left to threads at exit); on failure
     {"error": the reason and the last lines it printed}."""
     full_env = {**os.environ, **(env or {})}
     try:
         p = subprocess.run([sys.executable, *argv], env=full_env, capture_output=True, text=True,
                            timeout=timeout)
+        ended = time.time()
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if echo and p.stderr:
         sys.stderr.write(p.stderr)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            result = json.loads(line[len(RESULT_TAG):])
+            return {**result, "exit_s": max(0.0, ended - result.pop("emitted_at"))}
     tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-6:])
     return {"error": f"exit {p.returncode}: {tail}"}
 

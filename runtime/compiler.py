@@ -155,14 +155,24 @@ def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) ->
     """Optimise, fuse, lower and compile `graph` for `device`; see the module docstring."""
     fuse = config.fusion if fuse is None else fuse
     dump = Dump(config.dump_dir, graph.meta.get("name", "graph"))
-    front, key = _front(graph, fuse, dump)
-    if key is not None:  # from the persistent cache
+    front, key, hit = _front(graph, fuse, dump)
+    if hit:  # from the persistent cache
         try:
-            return _compile_front(*front, device, backend, dump)
+            program = _compile_front(*front, device, backend, dump)
         except Exception as e:  # noqa: BLE001 - an entry damaged past its checksum: the long way
             frontend_cache.discard(key, e)
-            front, _ = _front(graph, fuse, dump, cached=False)
-    return _compile_front(*front, device, backend, dump)
+            front, key, _ = _front(graph, fuse, dump, cached=False)
+            program = _compile_front(*front, device, backend, dump)
+    else:
+        program = _compile_front(*front, device, backend, dump)
+    frontend_cache.mark_built(key, device)
+    return program
+
+
+def built_before(graph: Graph, device) -> bool:
+    """Whether `graph` compiled whole for `device` before (in this process or an earlier one
+    on the same persistent cache): its compile is then mostly cache hits."""
+    return frontend_cache.was_built(frontend_cache.key(inline_calls(graph), config.fusion), device)
 
 
 def _compile_front(g: Graph, regions, lowered, device, backend, dump) -> Program:
@@ -211,20 +221,25 @@ def _compile_front(g: Graph, regions, lowered, device, backend, dump) -> Program
 
 def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = True):
     """The front end: ((optimised graph, regions, lowered kernels per region), the persistent
-    cache's key when they came from it, else None). Calls (tile_op, custom_vjp/jvp) keep rules
-    only transformations use: inlined first, the graph's text decides its compile."""
+    cache's key (None where it does not apply), whether they came from it). Calls (tile_op,
+    custom_vjp/jvp) keep rules only transformations use: inlined first, the graph's text decides
+    its compile."""
     graph = inline_calls(graph)
     key = frontend_cache.key(graph, fuse)
     front = frontend_cache.load(key, graph) if cached else None  # (never while dumping: key is None)
     if front is not None:
-        return front, key
+        return front, key, True
     g = run_passes(graph, dump=dump, check=config.check, trace=_trace_pass if config.debug >= 2 else None)
+    tiered.check()  # (between the front end's phases too: a process exits without waiting for them)
     regions = partition(g, fuse=fuse)
     if dump is not None and dump.dir:
         dump.text("regions", "\n".join(map(str, regions)))
-    lowered = [[] if r.kind == "host" else lower_region(r) for r in regions]
+    lowered = []
+    for r in regions:
+        tiered.check()
+        lowered.append([] if r.kind == "host" else lower_region(r))
     frontend_cache.store(key, g, regions, lowered)
-    return (g, regions, lowered), None
+    return (g, regions, lowered), key, False
 
 
 def precompile(graphs, device) -> None:
@@ -240,7 +255,11 @@ def _precompile(kernels: list[Kernel], device, backend) -> None:
     """Build, all at once, the kernels the dispatcher will give to the backend's own renderer:
     a backend that can build many faster than one by one (one OpenCL program for a graph; LLVM
     object code in parallel processes) in compile_kernels. add_kernel then finds them built."""
-    mine = [k for k in kernels if dispatch.choose(k, device).build is dispatch.kernel_ir]
+    mine = []
+    for k in kernels:
+        tiered.check()  # (choosing may build and time a GEMM)
+        if dispatch.choose(k, device).build is dispatch.kernel_ir:
+            mine.append(k)
     if len(mine) > 1:
         backend.compile_kernels(mine, device)
 

@@ -9,6 +9,11 @@ def _env_bool(name: str, default: bool = False) -> bool:
     return default if v is None else v.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _env_tiered() -> bool | str:
+    v = os.environ.get("TILEFUSE_TIERED", "auto").strip().lower()
+    return "auto" if v == "auto" else _env_bool("TILEFUSE_TIERED")
+
+
 class Config:
     """Settings read by jit, the passes and the dispatcher. Those that change compiled code are
     part of every jit cache key (`cache_key`, kept ready because jit reads it on every call)."""
@@ -31,8 +36,10 @@ class Config:
         # recently used dropped first: each holds kernels and device constants; 0: no bound
         self.jit_cache_size: int = int(os.environ.get("TILEFUSE_JIT_CACHE_SIZE", "256") or 0)
         # a jitted graph's first calls run on the reference interpreter while its kernels compile
-        # in the background (runtime/tiered.py; CPU devices)
-        self.tiered: bool = _env_bool("TILEFUSE_TIERED")
+        # in the background (runtime/tiered.py; CPU devices): "auto" for a graph not compiled
+        # before, while its interpreted calls took under half the compile's estimate; True until
+        # the compile is done; False: never
+        self.tiered: bool | str = _env_tiered()
         # a simulated hardware description (runtime/hardware.py): a dict, or a JSON file's path;
         # None reads TILEFUSE_HDI. Read when a device is first used.
         self.hdi = None

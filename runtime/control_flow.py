@@ -261,7 +261,7 @@ def _loop_form(st: _Step, eqn: Eqn):
         return None
     if any(v.aval.size == 0 for v in (*eqn.inputs, *eqn.outputs) if isinstance(v, Var)):
         return None
-    (g, regions, lowered), _ = _front(p["body"], config.fusion)
+    (g, regions, lowered), _, _ = _front(p["body"], config.fusion)
     if any(r.kind == "host" or r.kind in CONTROL_KINDS for r in regions):
         return None
     lks = [lk for lks in lowered for lk in lks]

@@ -16,6 +16,7 @@ from tilefuse.ir.errors import DeviceError, NaNError, UnsupportedDTypeError, wit
 
 from .array import Array
 from .config import config
+from . import tiered
 from .hardware import DeviceInfo
 
 # kind -> module that provides `create() -> Backend`, imported lazily, on first use: every
@@ -321,8 +322,11 @@ def _apply_primitive(prim, values, params) -> list:
         key = None
     exe = _eager_cache.get(key) if key is not None else None
     if exe is None:
-        exe = dev.compile(one_equation_graph(prim, avals, params))
+        graph = one_equation_graph(prim, avals, params)
+        exe = tiered.executable(graph, dev, lambda: dev.compile(graph)) if tiered.applies(dev) else dev.compile(graph)
         if key is not None:
+            if hasattr(exe, "when_compiled"):
+                exe.when_compiled(lambda compiled: _swap_eager(key, exe, compiled))
             with _eager_lock:
                 _eager_cache[key] = exe
                 while 0 < config.jit_cache_size < len(_eager_cache):
@@ -333,6 +337,12 @@ def _apply_primitive(prim, values, params) -> list:
         except KeyError:  # evicted meanwhile by another thread: this call still runs it
             pass
     return exe(values)
+
+
+def _swap_eager(key, tiered_exe, compiled) -> None:
+    with _eager_lock:
+        if _eager_cache.get(key) is tiered_exe:
+            _eager_cache[key] = compiled
 
 
 def one_equation_graph(prim, avals, params) -> Graph:

@@ -116,6 +116,21 @@ def discard(k: str, e: Exception) -> None:
     _cache().remove(k)
 
 
+def _built_key(k: str, device) -> str:
+    return compile_cache.make_key("built", k, device.name, device.info.fingerprint)
+
+
+def mark_built(k: str | None, device) -> None:
+    """Record that the graph under key k compiled whole for `device` (its kernels are in the
+    caches): tiered execution then compiles it at once instead of interpreting (runtime/tiered.py)."""
+    if k is not None:
+        _cache().store(_built_key(k, device), b"built")
+
+
+def was_built(k: str | None, device) -> bool:
+    return k is not None and _cache().has(_built_key(k, device))
+
+
 def store(k: str | None, graph: Graph, regions, lowered) -> None:
     if k is None:
         return

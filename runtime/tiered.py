@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import math
 import threading
+import time
+import weakref
 
 import numpy as np
 
@@ -25,8 +28,23 @@ from .array import Array
 from .config import config
 
 TIERED_KINDS = ("cpu",)  # where compiling costs seconds and the interpreter runs the same numbers
+# "auto" interprets a graph's calls while they took less than its compile is expected to take
+# (a model fitted to cold compiles on 2 cores: bench_compile.py's programs, 0.17-2.8 s, and
+# eager operations, ~45 ms each: per graph, per equation, and per distinct operation and
+# operand shapes, for which kernels are built),
+# then waits for the compile: a short program ends before its compile would have, a long one
+# pays at most about the compile's time again for its fast first calls (the ski-rental bound).
+COMPILE_S_PER_GRAPH = 0.03
+COMPILE_S_PER_EQUATION = 0.001
+COMPILE_S_PER_SIGNATURE = 0.015
+# and at most AUTO_MOST_S: a program still calling after that is a long one, which the
+# interpreter only slows (its calls and the compile share the cores and the GIL: the char-GPT
+# example's 300 steps took 10 s compiled at once, 16 s interpreting for the whole estimate)
+AUTO_MOST_S = 1.0
 _exiting = threading.Event()
-_queue: collections.deque = collections.deque()  # TieredExecutables waiting for their build
+# TieredExecutables waiting for their build, weakly held: one that its jit cache dropped
+# (evicted, clear_cache) is not built, and its graph and constants go at once
+_queue: collections.deque = collections.deque()
 _wake = threading.Condition()
 _worker: list = []  # the compile thread, once started
 
@@ -35,8 +53,9 @@ def exiting() -> bool:
     return _exiting.is_set()
 
 
-class Abandoned(Exception):
-    """Raised inside the background build at interpreter exit (see check)."""
+class Abandoned(BaseException):
+    """Raised inside the background build at interpreter exit (see check): a BaseException, so
+    that no handler of compile failures takes it for one (a cache entry discarded as damaged)."""
 
 
 def check() -> None:
@@ -53,13 +72,15 @@ def _serve() -> None:
                 _wake.wait()
             if _exiting.is_set():
                 return
-            exe = _queue.popleft()
-        exe._build()
+            exe = _queue.popleft()()
+        if exe is not None:
+            exe._build()
+        del exe
 
 
 def _submit(exe) -> None:
     with _wake:
-        _queue.append(exe)
+        _queue.append(weakref.ref(exe))
         if not _worker:
             _worker.append(threading.Thread(target=_serve, daemon=True, name="tilefuse-compile"))
             _worker[0].start()
@@ -84,18 +105,35 @@ def applies(device) -> bool:
     return bool(config.tiered) and not config.deterministic and device.kind in TIERED_KINDS
 
 
-class TieredExecutable:
-    """Called like an Executable: the compiled one once built, the interpreter's until then."""
+def executable(graph, device, build):
+    """What a jitted graph's calls run (tiering applies): under "auto" the compiled program at
+    once where the graph compiled before (the caches hold it), else a TieredExecutable."""
+    if config.tiered != "auto":
+        return TieredExecutable(graph, device, build)
+    from .compiler import built_before
+    if built_before(graph, device):
+        return build()
+    signatures = {(e.prim, *(v.aval for v in e.inputs)) for e in graph.eqns}
+    estimate = COMPILE_S_PER_GRAPH + COMPILE_S_PER_EQUATION * len(graph.eqns) + \
+        COMPILE_S_PER_SIGNATURE * len(signatures)
+    return TieredExecutable(graph, device, build, min(estimate, AUTO_MOST_S))
 
-    def __init__(self, graph, device, build):
+
+class TieredExecutable:
+    """Called like an Executable: the compiled one once built, the interpreter's until then (or
+    until the interpreted calls took `budget` seconds: the next ones wait for the compile). The
+    compile starts after the first call, which so runs alone."""
+
+    def __init__(self, graph, device, build, budget: float = math.inf):
         from .device import get_device
         self.graph, self.device = graph, device
         self.in_avals = [v.aval for v in graph.invars]
         self.out_avals = [v.aval for v in graph.outvars]
         self.compiled, self._error, self._build_fn = None, None, build
         self._started, self._done = False, threading.Event()
+        self._submitted, self._budget, self._interpreted = False, budget, 0.0
+        self._when_compiled: list = []
         self._ref = get_device("ref").compile(graph)
-        _submit(self)
 
     def _build(self) -> None:
         """Build once: on the compile thread, or on a caller that cannot wait (wait)."""
@@ -111,12 +149,26 @@ class TieredExecutable:
             self._error = e
         finally:
             self._done.set()
+        if self.compiled is not None:
+            for fn in self._when_compiled:
+                fn(self.compiled)
+
+    def when_compiled(self, fn) -> None:
+        """Call fn(compiled executable) once it is built (at once if it is): a cache holding this
+        one swaps it for the compiled one, whose calls then pay no check."""
+        with _wake:
+            if not self._done.is_set():
+                self._when_compiled.append(fn)
+                return
+        if self.compiled is not None:
+            fn(self.compiled)
 
     def wait(self):
         """The compiled executable: built here if still queued, else waited for."""
         with _wake:
-            if not self._started and self in _queue:
-                _queue.remove(self)
+            if not self._started:
+                for r in [r for r in _queue if r() is self]:
+                    _queue.remove(r)
         self._build()
         self._done.wait()
         return self._result()
@@ -129,8 +181,17 @@ class TieredExecutable:
     def __call__(self, leaves):
         if self._done.is_set():
             return self._result()(leaves)
+        if self._submitted and self._interpreted >= self._budget:  # (the first call always interprets)
+            return self.wait()(leaves)
+        t = time.perf_counter()
         host = [np.asarray(x) if isinstance(x, Array) else x for x in leaves]
-        return [self.device.put(np.asarray(o)) for o in self._ref(host)]
+        outs = [self.device.put(np.asarray(o)) for o in self._ref(host)]
+        self._interpreted += time.perf_counter() - t
+        with _wake:
+            submit, self._submitted = not self._submitted, True
+        if submit:
+            _submit(self)
+        return outs
 
     def __getattr__(self, name):  # sources, program, optimized_graph: the compiled one's
         if name.startswith("_"):

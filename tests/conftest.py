@@ -31,6 +31,13 @@ def _device_params():
 
 DEVICE_PARAMS = _device_params()
 
+# The suite tests each device's compiled kernels: jitted calls compile at once (here and in the
+# processes tests start) unless TILEFUSE_TIERED is set (CI runs the tracer and autodiff tests
+# with tiering forced on too).
+if "TILEFUSE_TIERED" not in os.environ:
+    os.environ["TILEFUSE_TIERED"] = "0"
+    tx.config.tiered = False
+
 
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:

@@ -32,7 +32,7 @@ def _compile(graph, device, tiered: bool = False):
     """jit's compile: tiered (runtime/tiered.py) where a call asks and the device takes it."""
     from tilefuse.runtime import tiered as _tiered
     if tiered and _tiered.applies(device):
-        return _tiered.TieredExecutable(graph, device, lambda: device.compile(graph))
+        return _tiered.executable(graph, device, lambda: device.compile(graph))
     return device.compile(graph)
 
 

@@ -341,6 +341,8 @@ class JitFunction:
             return None
         executable = hooks.compile(graph, device, tiered=True)
         entry = _Entry(executable, out_tree, key, (in_tree, avals, static))
+        if hasattr(executable, "when_compiled"):  # tiered: the interpreter's until the compile ends
+            executable.when_compiled(lambda compiled: setattr(entry, "executable", compiled))
         self._cache[key] = entry
         limit = _cache_limit()
         while len(self._cache) > limit:

@@ -160,7 +160,7 @@ def test_rules_survive_the_persistent_front_end_cache(tmp_path):
         x = np.array([0.3, -1.2, 2.0], np.float32)
         print(np.asarray(tx.jit(tx.grad(tx.jit(f)))(x)).tolist())
     """)
-    env = dict(os.environ, TILEFUSE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, TILEFUSE_CACHE_DIR=str(tmp_path), TILEFUSE_TIERED="0")  # (compiled, cached)
     outs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
             .stdout for _ in range(2)]
     want = 2 * X + 2 * np.cos(X)

@@ -94,3 +94,67 @@ def test_exiting_mid_compile_exits_cleanly(tmp_path, linger):
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.split()[-1]) == pytest.approx(64.0)
+
+
+def test_auto_compiles_a_graph_built_before_at_once(rng):
+    """"auto" (the default): a graph not compiled before interprets; once it compiled whole (here,
+    or in an earlier process on the same persistent cache), a new jit of it compiles at once."""
+    old = tx.config.tiered
+    tx.config.tiered = "auto"
+    try:
+        w = np.random.default_rng().standard_normal((8, 4)).astype(np.float32)  # a graph new to the cache
+
+        def model(x):
+            return tnp.tanh(x @ w) * 3.0
+        first = tx.jit(model, device="cpu")
+        x = rng.standard_normal((5, 8)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(first(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
+        (entry,) = first._cache.values()
+        assert isinstance(entry.executable, tiered.TieredExecutable)
+        entry.executable.wait()
+        again = tx.jit(model, device="cpu")  # the same graph, a new jit
+        np.testing.assert_allclose(np.asarray(again(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
+        (entry,) = again._cache.values()
+        assert not isinstance(entry.executable, tiered.TieredExecutable)
+    finally:
+        tx.config.tiered = old
+
+
+def test_auto_waits_for_the_compile_once_the_interpreter_took_its_estimate(rng, monkeypatch):
+    """The ski-rental bound: calls interpret until they took as long as the compile's estimate,
+    then wait for the compiled program (which runs them from there on)."""
+    monkeypatch.setattr(tiered, "COMPILE_S_PER_GRAPH", 0.0)
+    monkeypatch.setattr(tiered, "COMPILE_S_PER_EQUATION", 0.0)
+    monkeypatch.setattr(tiered, "COMPILE_S_PER_SIGNATURE", 0.0)
+    monkeypatch.setattr(tiered, "AUTO_MOST_S", 0.0)
+    old = tx.config.tiered
+    tx.config.tiered = "auto"
+    try:
+        c = np.float32(np.random.default_rng().uniform(1, 2))  # a graph new to the cache
+        f = tx.jit(lambda x: tnp.exp(x) + x * c, device="cpu")
+        x = rng.standard_normal(33).astype(np.float32) * 40  # wide magnitudes: exp overflows too
+        want = np.exp(x) + x * c
+        np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5)  # interpreted (the first call)
+        (entry,) = f._cache.values()
+        exe = entry.executable
+        assert isinstance(exe, tiered.TieredExecutable) and exe._budget == 0.0
+        np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5)  # waited: compiled
+        assert exe._done.is_set() and exe.compiled is not None
+    finally:
+        tx.config.tiered = old
+
+
+def test_eager_operations_tier_too(rng):
+    """An operation outside jit (grad's forward and backward, op by op) runs on the interpreter
+    while its kernel compiles; the same numbers as compiled."""
+    from tilefuse.runtime import device as device_mod
+    old, old_device = tx.config.tiered, tx.config.default_device
+    tx.config.tiered, tx.config.default_device = True, "cpu"
+    try:
+        x = rng.standard_normal((6, 7)).astype(np.float32) * 30
+        g = tx.grad(lambda a: tnp.sum(tnp.sin(a) * a * 1.25))
+        got = np.asarray(g(tx.device_put(x)))
+        np.testing.assert_allclose(got, (np.cos(x) * x + np.sin(x)) * 1.25, rtol=1e-5, atol=1e-5)
+        assert any(isinstance(e, tiered.TieredExecutable) for e in list(device_mod._eager_cache.values()))
+    finally:
+        tx.config.tiered, tx.config.default_device = old, old_device

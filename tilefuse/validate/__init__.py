@@ -159,6 +159,7 @@ def main(argv=None, selected: list[Case] | None = None) -> int:
     p.add_argument("--failures-only", action="store_true", help="print only the rows that failed")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    tx.config.tiered = False  # every call runs the device's compiled kernels
 
     present, missing = tx.devices(all=True)
     if a.device:
