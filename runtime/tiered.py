@@ -1,18 +1,26 @@
 """Tiered execution: a jitted graph's first calls run on the reference interpreter (numpy, no
 compile) while its kernels compile on a background thread; the calls after the compile finishes
-run the compiled program (`tx.config.tiered`, TILEFUSE_TIERED).
+run the compiled program (`tx.config.tiered`, TILEFUSE_TIERED; "auto" by default on cpu).
 
-Measured cold, end to end (benchmarks/bench_compile.py): the interpreter's first step takes
-2-120 ms where the CPU backend's compile takes 0.2-5 s, so a program called a few times, or a
-training loop's first steps, no longer waits for LLVM. Results are the interpreter's until the
-switch: the same numbers within float rounding (numpy's pairwise sums, its exp), not bit for bit.
+"auto": a graph compiled whole before (a marker beside the front-end cache, so also by an
+earlier process) compiles at once; another runs its first call on the interpreter alone, then
+starts its compile, and its calls keep interpreting until they took as long as the compile is
+estimated to take (at most AUTO_MOST_S), after which they wait for it (ski rental: a short
+program ends before its compile would have; a long one pays a bounded price for a fast first
+call). True interprets until the compile ends. Operations outside jit tier the same way.
+
+Measured cold, end to end (benchmarks/bench_compile.py, 2 cores): programs of 0.3-1.5 s where
+compiling first took 0.8-3 s; the char-GPT train step's first call 0.45-0.6 s instead of 3.8 s.
+Results are the interpreter's until the switch: the same numbers within float rounding (numpy's
+pairwise sums, its exp), not bit for bit. The compiled executable replaces the tiered one in
+the caches that hold it (when_compiled), so later calls pay nothing for the tiering.
 
 One background thread builds the graphs in the order they were first called (one thread per
 graph made many builds and the interpreted calls fight over the cores); a caller that needs a
 graph built now (Lowered.compile, wait) takes it from the queue and builds it itself. A compile
 that fails is raised by the call that finds it finished, as a compile error would be. At exit
-the build under way stops at its next kernel and the queue is dropped: the persistent cache
-writes whole entries only, so the next run finds each kernel built or absent."""
+the build under way stops at its next phase or kernel and the queue is dropped: the persistent
+cache writes whole entries only, so the next run finds each kernel built or absent."""
 from __future__ import annotations
 
 import atexit
