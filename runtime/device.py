@@ -14,9 +14,9 @@ from tilefuse.ir import dtypes
 from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var, aval_of_value, eval_graph
 from tilefuse.ir.errors import DeviceError, NaNError, UnsupportedDTypeError, without_user_line
 
+from . import tiered
 from .array import Array
 from .config import config
-from . import tiered
 from .hardware import DeviceInfo
 
 # kind -> module that provides `create() -> Backend`, imported lazily, on first use: every
@@ -323,7 +323,8 @@ def _apply_primitive(prim, values, params) -> list:
     exe = _eager_cache.get(key) if key is not None else None
     if exe is None:
         graph = one_equation_graph(prim, avals, params)
-        exe = tiered.executable(graph, dev, lambda: dev.compile(graph)) if tiered.applies(dev) else dev.compile(graph)
+        exe = tiered.executable(graph, dev, lambda: dev.compile(graph), eager=True) if tiered.applies(dev) \
+            else dev.compile(graph)
         if key is not None:
             if hasattr(exe, "when_compiled"):
                 exe.when_compiled(lambda compiled: _swap_eager(key, exe, compiled))

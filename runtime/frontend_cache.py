@@ -148,6 +148,19 @@ def store(k: str | None, graph: Graph, regions, lowered) -> None:
     _cache().store(k, payload.encode())
 
 
+def encode_graph(graph: Graph) -> str | None:
+    """A graph as JSON (for a compile in another process: runtime/compile_child.py), or None
+    where a parameter has no encoding (a subgraph, a function)."""
+    try:
+        return json.dumps(_Encoder().front(graph, [], []), separators=(",", ":"))
+    except _Unencodable:
+        return None
+
+
+def decode_graph(text: str) -> Graph:
+    return _Decoder(json.loads(text)).front()[0]
+
+
 # ---- encoding ---------------------------------------------------------------------------------
 
 class _Unencodable(Exception):

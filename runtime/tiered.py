@@ -32,6 +32,7 @@ import weakref
 
 import numpy as np
 
+from . import compile_child
 from .array import Array
 from .config import config
 
@@ -104,6 +105,7 @@ def abandon() -> None:
         _exiting.set()
         _queue.clear()
         _wake.notify_all()
+    compile_child.stop()
     if _worker:
         _worker[0].join(timeout=10)
 
@@ -113,18 +115,37 @@ def applies(device) -> bool:
     return bool(config.tiered) and not config.deterministic and device.kind in TIERED_KINDS
 
 
-def executable(graph, device, build):
-    """What a jitted graph's calls run (tiering applies): under "auto" the compiled program at
-    once where the graph compiled before (the caches hold it), else a TieredExecutable."""
+class Budget:
+    """Seconds of interpreted calls allowed before they wait for the compile, and those spent."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.spent = seconds, 0.0
+
+    def exhausted(self) -> bool:
+        return self.spent >= self.seconds
+
+
+# Operations outside jit share one budget: a program of many small operations, each called
+# often, interprets as a whole until it took AUTO_MOST_S (one budget per operation let the
+# autograd-style RNN wait for 31 compiles one after another: 1.9 s where interpreting took 0.7).
+_eager_budget = Budget(AUTO_MOST_S)
+
+
+def executable(graph, device, build, eager: bool = False):
+    """What a jitted graph's (or an operation's, `eager`) calls run where tiering applies: under
+    "auto" the compiled program at once where the graph compiled before (the caches hold it),
+    else a TieredExecutable."""
     if config.tiered != "auto":
         return TieredExecutable(graph, device, build)
     from .compiler import built_before
     if built_before(graph, device):
         return build()
+    if eager:
+        return TieredExecutable(graph, device, build, _eager_budget)
     signatures = {(e.prim, *(v.aval for v in e.inputs)) for e in graph.eqns}
     estimate = COMPILE_S_PER_GRAPH + COMPILE_S_PER_EQUATION * len(graph.eqns) + \
         COMPILE_S_PER_SIGNATURE * len(signatures)
-    return TieredExecutable(graph, device, build, min(estimate, AUTO_MOST_S))
+    return TieredExecutable(graph, device, build, Budget(min(estimate, AUTO_MOST_S)))
 
 
 class TieredExecutable:
@@ -132,14 +153,14 @@ class TieredExecutable:
     until the interpreted calls took `budget` seconds: the next ones wait for the compile). The
     compile starts after the first call, which so runs alone."""
 
-    def __init__(self, graph, device, build, budget: float = math.inf):
+    def __init__(self, graph, device, build, budget: Budget | None = None):
         from .device import get_device
         self.graph, self.device = graph, device
         self.in_avals = [v.aval for v in graph.invars]
         self.out_avals = [v.aval for v in graph.outvars]
         self.compiled, self._error, self._build_fn = None, None, build
         self._started, self._done = False, threading.Event()
-        self._submitted, self._budget, self._interpreted = False, budget, 0.0
+        self._submitted, self._budget = False, budget or Budget(math.inf)
         self._when_compiled: list = []
         self._ref = get_device("ref").compile(graph)
 
@@ -150,6 +171,8 @@ class TieredExecutable:
                 return
             self._started = True
         try:
+            if _worker and threading.current_thread() is _worker[0]:
+                compile_child.prebuild(self.graph, self.device)  # (then a warm build here)
             self.compiled = self._build_fn()
         except Abandoned:
             pass
@@ -189,12 +212,12 @@ class TieredExecutable:
     def __call__(self, leaves):
         if self._done.is_set():
             return self._result()(leaves)
-        if self._submitted and self._interpreted >= self._budget:  # (the first call always interprets)
+        if self._submitted and self._budget.exhausted():  # (the first call always interprets)
             return self.wait()(leaves)
         t = time.perf_counter()
         host = [np.asarray(x) if isinstance(x, Array) else x for x in leaves]
         outs = [self.device.put(np.asarray(o)) for o in self._ref(host)]
-        self._interpreted += time.perf_counter() - t
+        self._budget.spent += time.perf_counter() - t
         with _wake:
             submit, self._submitted = not self._submitted, True
         if submit:

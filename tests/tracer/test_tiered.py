@@ -3,6 +3,7 @@ interpreter while the kernels compile in the background, then the compiled progr
 numbers either way, compile errors raised, and a process that exits mid-compile exits cleanly."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def test_auto_waits_for_the_compile_once_the_interpreter_took_its_estimate(rng, 
         np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5)  # interpreted (the first call)
         (entry,) = f._cache.values()
         exe = entry.executable
-        assert isinstance(exe, tiered.TieredExecutable) and exe._budget == 0.0
+        assert isinstance(exe, tiered.TieredExecutable) and exe._budget.seconds == 0.0
         np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5)  # waited: compiled
         assert exe._done.is_set() and exe.compiled is not None
     finally:
@@ -158,3 +159,34 @@ def test_eager_operations_tier_too(rng):
         assert any(isinstance(e, tiered.TieredExecutable) for e in list(device_mod._eager_cache.values()))
     finally:
         tx.config.tiered, tx.config.default_device = old, old_device
+
+
+CHILD_SCRIPT = textwrap.dedent("""
+    import json, numpy as np, tilefuse as tx, tilefuse.numpy as tnp
+    from tilefuse.runtime import compile_child, compiler, tiered
+    w = np.linspace(-3, 3, 32, dtype=np.float32).reshape(8, 4)
+    def f(x):
+        return tnp.tanh(x @ w) * 3.0 + tnp.exp(x[:, :4])
+    x = np.linspace(-20, 20, 40, dtype=np.float32).reshape(5, 8)
+    graph = tx.make_graph(f)(x)
+    ok = compile_child.prebuild(getattr(graph, "graph", graph), tx.get_device("cpu"))
+    runs = []
+    passes = compiler.run_passes
+    compiler.run_passes = lambda *a, **k: runs.append(1) or passes(*a, **k)
+    g = tx.jit(f, device="cpu")
+    y = np.asarray(g(x))
+    (entry,) = g._cache.values()
+    want = np.tanh(x @ w) * 3.0 + np.exp(x[:, :4])
+    print(json.dumps({"ok": ok, "passes": len(runs), "close": bool(np.allclose(y, want, rtol=1e-5)),
+                      "tiered": isinstance(entry.executable, tiered.TieredExecutable)}))
+""")
+
+
+def test_the_child_process_compiles_into_the_caches(tmp_path):
+    """A background build compiles in a child process (no GIL shared with the interpreted calls):
+    afterwards this process finds the front end, the kernels and the built marker in the caches,
+    so a jit of the same graph compiles at once and runs no pass."""
+    env = dict(os.environ, TILEFUSE_CACHE_DIR=str(tmp_path), TILEFUSE_TIERED="auto")
+    r = subprocess.run([sys.executable, "-c", CHILD_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == {"ok": True, "passes": 0, "close": True, "tiered": False}

@@ -1,0 +1,121 @@
+"""Cold compiles in a child process, for tiered execution's background builds (runtime/tiered.py).
+
+A background build on a thread shares the GIL with the calls it is meant to keep fast: the front
+end and the tile printer are Python, and the interpreted calls ran 2-4x slower beside them. So
+the background thread hands a cold graph to one child process, which compiles it for the same
+device and configuration and so fills the persistent caches (front end, object code, the GEMM
+choices, the built marker); the thread then compiles it in this process from those caches.
+
+The child is a plain subprocess started as the LLVM compile workers are (isolated mode, this
+process's import path: backends/llvm/parallel.worker_command), on first need, and stopped at
+exit (killed: a compile it had under way is abandoned whole, as the caches write whole entries
+only). Requests and replies are JSON lines of length-prefixed bytes; the graph goes as the
+front-end cache encodes it. Where something does not apply (no disk cache, a graph with a
+subgraph or a function as a parameter, a child that cannot start or dies), `prebuild` returns
+False and the build happens in this process as before."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+from . import compile_cache, frontend_cache
+from .config import config
+
+_BOOT = ("import sys; sys.path[:] = sys.argv[1:]; "
+         "from tilefuse.runtime.compile_child import _serve; _serve()")
+_child: list = []  # the child process, once started
+_lock = threading.Lock()  # one request at a time (one background thread asks)
+_stopped = [False]
+
+
+def _settings() -> dict:
+    """The configuration a compile reads, as JSON (the child's defaults come from the same
+    environment; these are what the user set in code)."""
+    out = {}
+    for k, v in vars(config).items():
+        if k.startswith("_") or k in ("tiered", "default_device", "jit_cache_size"):
+            continue
+        if v is None or isinstance(v, (bool, int, float, str)) or (k == "hdi" and isinstance(v, dict)):
+            out[k] = v
+    return out
+
+
+def _start():
+    from tilefuse.backends.llvm.parallel import worker_command
+    cmd = worker_command()
+    cmd[3] = _BOOT  # [python, -I, -c, boot, *path]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def _send(f, obj) -> None:
+    data = json.dumps(obj).encode()
+    f.write(len(data).to_bytes(8, "little") + data)
+    f.flush()
+
+
+def _receive(f):
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError("closed")
+    n = int.from_bytes(head, "little")
+    data = f.read(n)
+    if len(data) != n:
+        raise EOFError("closed")
+    return json.loads(data)
+
+
+def prebuild(graph, device) -> bool:
+    """Compile `graph` for `device` in the child (this thread waits without the GIL): True when
+    the persistent caches now hold it, False where the child does not apply or failed."""
+    if compile_cache.default_dir() is None or config.dump_dir or config.debug or _stopped[0]:
+        return False
+    from tilefuse.ir.passes.inline import inline_calls
+    text = frontend_cache.encode_graph(inline_calls(graph))
+    if text is None:
+        return False
+    with _lock:
+        if _stopped[0]:
+            return False
+        try:
+            if not _child or _child[0].poll() is not None:
+                _child[:] = [_start()]
+            proc = _child[0]
+            _send(proc.stdin, {"graph": text, "device": device.name, "config": _settings()})
+            reply = _receive(proc.stdout)
+        except (OSError, EOFError, ValueError):
+            if _child:
+                _child[0].kill()
+            return False
+    return bool(reply.get("ok"))
+
+
+def stop() -> None:
+    """At exit (tiered.abandon calls it first): kill the child, so that a thread waiting on it
+    returns at once; what it was compiling is left unwritten."""
+    _stopped[0] = True
+    for proc in _child:
+        proc.kill()
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _serve() -> None:
+    """The child: requests on stdin, {"ok": bool, "error": str} on stdout, until end of input."""
+    import tilefuse as tx
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            req = _receive(inp)
+        except EOFError:
+            return
+        try:
+            tx.config.update(**{k: v for k, v in req["config"].items() if hasattr(tx.config, k)}, tiered=False)
+            tx.get_device(req["device"]).compile(frontend_cache.decode_graph(req["graph"]))
+            reply = {"ok": True}
+        except Exception as e:  # noqa: BLE001 - the parent compiles it itself and reports errors
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        _send(out, reply)
