@@ -16,7 +16,9 @@ pairwise sums, its exp), not bit for bit. The compiled executable replaces the t
 the caches that hold it (when_compiled), so later calls pay nothing for the tiering.
 
 One background thread builds the graphs in the order they were first called (one thread per
-graph made many builds and the interpreted calls fight over the cores); a caller that needs a
+graph made many builds and the interpreted calls fight over the cores); it hands a cold graph to
+a child process first (runtime/compile_child.py: the compile's Python work then takes no GIL
+from the interpreted calls) and builds it here from the caches the child filled. A caller that needs a
 graph built now (Lowered.compile, wait) takes it from the queue and builds it itself. A compile
 that fails is raised by the call that finds it finished, as a compile error would be. At exit
 the build under way stops at its next phase or kernel and the queue is dropped: the persistent
