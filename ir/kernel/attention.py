@@ -127,6 +127,12 @@ class AttentionSchedule:
 SCRATCH_BYTES = 1 << 20  # a CPU task's tiles (on the stack of the cpu backend's threads)
 
 
+def _fmax(a: KExpr, b: KExpr) -> KExpr:
+    """max(a, b) as a compare and a select (one instruction on x86, where `max` keeps NaN and
+    orders -0 < +0 at a few instructions); scores are never NaN but where the inputs are."""
+    return select(binary("gt", a, b), a, b)
+
+
 def _pad(n: int, m: int) -> int:
     return _ceil(n, m) * m
 
@@ -249,8 +255,8 @@ class _Tiles:
             tests.append(binary("le", key, _add(row, sp.offset)))
         return functools.reduce(_and, tests) if tests else None
 
-    def score(self, dot: KExpr, row, key, causal: bool = True) -> KExpr:
-        """scale * q·k + bias, -inf where the key is not visible to the row."""
+    def scaled(self, dot: KExpr, row, key) -> KExpr:
+        """scale * q·k + bias."""
         sp = self.sp
         s = binary("mul", dot, const(sp.scale, self.f))
         if sp.has_bias:
@@ -258,6 +264,11 @@ class _Tiles:
             off = _add(*(_mul(z, st) for z, st in zip(self.zs, sp.batch_strides[4])),
                        _mul(_min(row, sp.sq - 1), bs[0]), _mul(_min(key, sp.sk - 1), bs[1]))
             s = binary("add", s, self.ld(3, off))
+        return s
+
+    def score(self, dot: KExpr, row, key, causal: bool = True) -> KExpr:
+        """scale * q·k + bias, -inf where the key is not visible to the row."""
+        s = self.scaled(dot, row, key)
         ok = self.visible(row, key, causal)
         return s if ok is None else select(ok, s, self.ninf)
 
@@ -470,6 +481,45 @@ class _Cpu(_Tiles):
         """first, first+1, ..., first+w-1: the indices along a vector."""
         return _add(first, iota(self.w)) if self.w > 1 else _x(first)
 
+    def lane_lt(self, n, ge: bool = False) -> KExpr:
+        """lane < n (ge: lane >= n) along a vector, n a scalar index: compared in 32 bits (the
+        sequences' lengths are far below 2**31), one compare a vector."""
+        lane = cast(iota(self.w), np.int32) if self.w > 1 else const(0, np.int32)
+        return binary("ge" if ge else "lt", lane, broadcast(cast(n, np.int32), self.w))
+
+    def score_keys(self, dot: KExpr, row, key0, causal: bool = True) -> KExpr:
+        """score() of the vector of keys key0 + lane for one row. The keys it sees are those below
+        one bound per row (row + offset + 1 where causal, sk where the key blocks overrun it, 0
+        for a padding row), so the mask is one compare of the lanes with bound - key0."""
+        sp = self.sp
+        s = self.scaled(dot, row, self.lanes(key0))
+        bound = _add(row, sp.offset + 1) if sp.causal and causal else None
+        if sp.sk % self.bk:
+            bound = _i(sp.sk) if bound is None else _min(bound, sp.sk)
+        if sp.sq % self.bq:
+            bound = select(_lt(row, sp.sq), _i(sp.sk) if bound is None else bound, _i(0))
+        return s if bound is None else select(self.lane_lt(binary("sub", bound, key0)), s, self.ninf)
+
+    def score_queries(self, dot: KExpr, q0, key) -> KExpr:
+        """score() of the vector of queries q0 + lane for one key: the queries that see it are
+        those from one bound per key (key - offset where causal; none for a padding key) up to sq,
+        at most two compares a vector."""
+        sp = self.sp
+        s = self.scaled(dot, self.lanes(q0), key)
+        lo = _add(key, -sp.offset) if sp.causal else None
+        if sp.sk % self.bk:
+            lo = select(_lt(key, sp.sk), _i(0) if lo is None else lo, _i(1 << 30))
+        tests = ([self.lane_lt(binary("sub", lo, q0), ge=True)] if lo is not None else []) + \
+            ([self.lane_lt(binary("sub", _i(sp.sq), q0))] if sp.sq % self.bq else [])
+        return s if not tests else select(functools.reduce(_and, tests), s, self.ninf)
+
+    def exp_from(self, x: KExpr, m: KExpr) -> KExpr:
+        """exp(x - m), exactly 0 where x is -inf (masked), without computing exp(-inf): its result
+        underflows through denormals, a microcode assist per vector on x86 (4x the causal forward
+        at S=64)."""
+        off = binary("eq", x, self.ninf)
+        return select(off, self.zero, unary("exp", select(off, self.zero, binary("sub", x, m))))
+
     def hop(self, op, x: KExpr) -> KExpr:
         return x if self.w == 1 else op(x)
 
@@ -551,19 +601,19 @@ class _Cpu(_Tiles):
             i = _add(_mul(ib, self.R), r)
             row = _add(row0, i)
             at = [_add(_mul(i, bk), v * w) for v in range(nv)]
-            out += [Store("xs", _i(v * w), self.score(self.vld("s", at[v]), row, self.lanes(_add(key0, v * w)), causal))
+            out += [Store("xs", _i(v * w), self.score_keys(self.vld("s", at[v]), row, _add(key0, v * w), causal))
                     for v in range(nv)]  # (in registers: one pass over the row in memory)
             xs = [self.vld("xs", _i(v * w)) for v in range(nv)]
             mx = xs[0]
             for v in range(1, nv):
-                mx = binary("max", mx, xs[v])
+                mx = _fmax(mx, xs[v])
             m_old = self.reg("ml", i)
             mn = binary("max", m_old, self.hop(hmax, mx))
             out += [Store("mt", _i(0), mn), Store("mt", _i(1), select(binary("eq", self.reg("mt", 0), self.ninf),
                                                                      self.zero, self.reg("mt", 0)))]
             mn, ms = self.reg("mt", 0), self.reg("mt", 1)
-            alpha = unary("exp", binary("sub", m_old, ms))
-            ps = [unary("exp", binary("sub", xs[v], broadcast(ms, w))) for v in range(nv)]
+            alpha = self.exp_from(m_old, ms)
+            ps = [self.exp_from(xs[v], broadcast(ms, w)) for v in range(nv)]
             if write_p:
                 out += [Store("s", at[v], ps[v]) for v in range(nv)]
             total = ps[0]
@@ -697,9 +747,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         rw = _add(row0, il)
         for v in range(bk // w):
             at = _add(_mul(il, bk), v * w)
-            x = a.score(a.vld("s", at), rw, a.lanes(_add(_mul(kb, bk), v * w)))
-            p = select(binary("eq", x, a.ninf), a.zero,
-                       binary("mul", unary("exp", binary("sub", x, stat(il, 0))), stat(il, 1)))
+            x = a.score_keys(a.vld("s", at), rw, _add(_mul(kb, bk), v * w))
+            p = binary("mul", a.exp_from(x, broadcast(stat(il, 0), w)), broadcast(stat(il, 1), w))
             ds_rows.append(Store("s", at, binary("mul", p, binary("sub", a.vld("dp", at), broadcast(stat(il, 2), w)))))
     dq_at = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dp), _mul(v, w))  # noqa: E731
     dq = TileKernel(name + "_dq", tuple(buffers), n_inputs, a.grid1(nqb, (
@@ -737,9 +786,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
             jl = _add(_mul(jb, R), r)
             for v in range(bq // w):
                 at = _add(_mul(jl, bq), v * w)
-                x = a.score(a.vld("pt", at), a.lanes(_add(q0, v * w)), _add(key0, jl))
-                p = select(binary("eq", x, broadcast(a.ninf, w)), broadcast(a.zero, w), binary(
-                    "mul", unary("exp", binary("sub", x, a.vld("ml", v * w))), a.vld("ml", bq + v * w)))
+                x = a.score_queries(a.vld("pt", at), _add(q0, v * w), _add(key0, jl))
+                p = binary("mul", a.exp_from(x, a.vld("ml", v * w)), a.vld("ml", bq + v * w))
                 pt_rows += [Store("pt", at, p),
                             Store("dst", at, binary("mul", a.vld("pt", at),
                                                     binary("sub", a.vld("dst", at), a.vld("ml", 2 * bq + v * w))))]
