@@ -147,8 +147,22 @@ def _cpu_scratch(sp: Spec, s: AttentionSchedule) -> dict:
     dkdv = {"kr": bk * dp, "vr": bk * dvp, "qt": sp.d * bq, "dot": sp.dv * bq, "qs": bq * dp, "dos": bq * dvp,
             "ml": 3 * bq, "pt": bk * bq, "dst": bk * bq, "dk": bk * dp, "dv": bk * dvp}
     if s.per_head:
-        return {**dkdv, "st": 3 * _pad(sp.sq, bq), "kt": sp.d * bk, "s": bq * bk, "dqs": bq * dp}
+        heads = {**dkdv, "st": 3 * _pad(sp.sq, bq), "kt": sp.d * bk, "s": bq * bk, "dqs": bq * dp}
+        hoisted = {**heads, "qt": sp.d * _qpitch(sp, s), "dot": sp.dv * _qpitch(sp, s)}
+        return hoisted if 4 * sum(hoisted.values()) <= SCRATCH_BYTES else heads
     return max(dq, dkdv, key=lambda t: sum(t.values()))
+
+
+def _qpitch(sp: Spec, s: AttentionSchedule) -> int:
+    """The row pitch of q and do transposed whole: every query, and a vector more so that the
+    columns of a row, stored one after the other, are not 4 KiB apart (one cache set)."""
+    return _pad(sp.sq, s.bq) + s.vec
+
+
+def _hoisted(sp: Spec, s: AttentionSchedule) -> bool:
+    """Whether the backward per batch index transposes q and do once, whole, rather than a query
+    block for every key block (where the scratch holds them)."""
+    return s.per_head and _cpu_scratch(sp, s)["qt"] > sp.d * s.bq
 
 
 def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
@@ -565,13 +579,14 @@ class _Cpu(_Tiles):
             Store(name, _add(_mul(i, padded), c), select(_and(_lt(rr, limit), _lt(c, width)), val, self.zero)),)),))
 
     def copy_cols(self, name: str, buf: int, op: int, first, count: int, limit: int, width: int,
-                  row_stride: int) -> Range:
-        """name[c*count + i] = operand row first+i, column c (transposed; zeros past `limit` rows)."""
+                  row_stride: int, pitch: int | None = None) -> Range:
+        """name[c*pitch + i] = operand row first+i, column c (transposed; zeros past `limit` rows;
+        pitch: count unless given)."""
         i, c = var("ci"), var("cc")
         rr = _add(first, i)
         val = self.ld(buf, self.at(op, _min(rr, limit - 1), c, row_stride))
         return Range("ci", count, "serial", (Range("cc", width, "serial", (
-            Store(name, _add(_mul(c, count), i), select(_lt(rr, limit), val, self.zero)),)),))
+            Store(name, _add(_mul(c, pitch or count), i), select(_lt(rr, limit), val, self.zero)),)),))
 
     def key_end(self, row0):
         """The key blocks the rows row0 .. row0+bq see: all, or up to the last row's diagonal."""
@@ -774,6 +789,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
     # queries, dv += Pᵀ do, dk += dSᵀ q (per_head: and dq += dS k)
     qb, jb = var("qb"), var("jb")
 
+    hoist, qpitch = _hoisted(sp, sched), _qpitch(sp, sched)
+
     def key_block_body(key0, stats_of, dq_update: tuple) -> tuple:
         if sp.causal:  # the first query block that sees key key0: query i sees key j when j <= i + offset
             first = binary("div", binary("max", _add(key0, -sp.offset), _i(0)), _i(bq))
@@ -796,13 +813,16 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         t_at = lambda r, x: _add(_mul(_add(_mul(jb, R), r), bq), x)  # noqa: E731
         rows_at = lambda width: lambda x, v: _add(_mul(x, width), _mul(v, w))  # noqa: E731
         cols_at = lambda x, v: _add(_mul(x, bq), _mul(v, w))  # noqa: E731
+        if hoist:  # qt and dot hold every query: this block's columns from q0
+            cols_at = lambda x, v: _add(_mul(x, qpitch), q0, _mul(v, w))  # noqa: E731
+        transposed = () if hoist else (a.copy_cols("qt", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                                       a.copy_cols("dot", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]))
         return (
             a.copy_rows("kr", 1, 1, key0, bk, sp.sk, sp.d, sp.rows[1]),
             a.copy_rows("vr", 2, 2, key0, bk, sp.sk, sp.dv, sp.rows[2]),
             a.fill("dk", bk * dp, a.zero), a.fill("dv", bk * dvp, a.zero),
             Range("qb", n_qb, "serial", (
-                a.copy_cols("qt", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
-                a.copy_cols("dot", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
+                *transposed,
                 a.copy_rows("qs", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
                 a.copy_rows("dos", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
                 Range("ci", bq, "serial", tuple(Store("ml", _add(i, which * bq), stats_of(which, _add(q0, i)))
@@ -832,8 +852,12 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
                     a.store_rows(res, 0, "dqs", q0, bq, sp.sq, sp.d, sp.rows[0], 0, lambda i_: a.one))
         dq_all = lambda value: Range("ci", sp.sq, "serial", (Range("cc", sp.d, "serial", (  # noqa: E731
             Store(res, a.at(0, i, c, sp.rows[0]), value(tload(res, a.at(0, i, c, sp.rows[0]), a.f))),)),))
+        if hoist:
+            tiles.update(qt=sp.d * qpitch, dot=sp.dv * qpitch)
         inner = (
             *a.allocs(st=3 * sqp, **tiles, kt=sp.d * bk, s=bq * bk, dqs=bq * dp),
+            *((a.copy_cols("qt", 0, 0, _i(0), sqp, sp.sq, sp.d, sp.rows[0], qpitch),
+               a.copy_cols("dot", do_buf, 3, _i(0), sqp, sp.sq, sp.dv, sp.rows[3], qpitch)) if hoist else ()),
             Range("qb", nqb, "serial", stats_sweep(_mul(qb, bq), lambda which, r_, v: Store(
                 "st", _add(r_, which * sqp), v), False)),
             dq_all(lambda x: a.zero),
