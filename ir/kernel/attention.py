@@ -527,10 +527,13 @@ class _Cpu(_Tiles):
             ([self.lane_lt(binary("sub", _i(sp.sq), q0))] if sp.sq % self.bq else [])
         return s if not tests else select(functools.reduce(_and, tests), s, self.ninf)
 
-    def exp_from(self, x: KExpr, m: KExpr) -> KExpr:
+    def exp_from(self, x: KExpr, m: KExpr, always: bool = False) -> KExpr:
         """exp(x - m), exactly 0 where x is -inf (masked), without computing exp(-inf): its result
         underflows through denormals, a microcode assist per vector on x86 (4x the causal forward
-        at S=64)."""
+        at S=64). Scores are -inf only where masked: unguarded where nothing is, unless `always`."""
+        sp = self.sp
+        if not (always or sp.causal or sp.has_bias or sp.sk % self.bk or sp.sq % self.bq):
+            return unary("exp", binary("sub", x, m))
         off = binary("eq", x, self.ninf)
         return select(off, self.zero, unary("exp", select(off, self.zero, binary("sub", x, m))))
 
@@ -585,7 +588,7 @@ class _Cpu(_Tiles):
         i, c = var("ci"), var("cc")
         rr = _add(first, i)
         val = self.ld(buf, self.at(op, _min(rr, limit - 1), c, row_stride))
-        return Range("ci", count, "serial", (Range("cc", width, "serial", (
+        return Range("cc", width, "serial", (Range("ci", count, "serial", (
             Store(name, _add(_mul(c, pitch or count), i), select(_lt(rr, limit), val, self.zero)),)),))
 
     def key_end(self, row0):
@@ -627,7 +630,7 @@ class _Cpu(_Tiles):
             out += [Store("mt", _i(0), mn), Store("mt", _i(1), select(binary("eq", self.reg("mt", 0), self.ninf),
                                                                      self.zero, self.reg("mt", 0)))]
             mn, ms = self.reg("mt", 0), self.reg("mt", 1)
-            alpha = self.exp_from(m_old, ms)
+            alpha = self.exp_from(m_old, ms, always=True)  # (m_old: -inf before the first block)
             ps = [self.exp_from(xs[v], broadcast(ms, w)) for v in range(nv)]
             if write_p:
                 out += [Store("s", at[v], ps[v]) for v in range(nv)]
