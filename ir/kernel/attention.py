@@ -92,7 +92,7 @@ class AttentionSchedule:
     vec: int = 0
     rows: int = 1
     chunk: int = 1
-    per_head: bool = False  # CPU backward: one kernel, a task per batch index
+    per_head: bool = False  # CPU: a task per batch index (backward: one kernel; forward: k and v staged once)
 
     @property
     def cpu(self) -> bool:
@@ -142,6 +142,8 @@ def _cpu_scratch(sp: Spec, s: AttentionSchedule) -> dict:
     dp, dvp, bq, bk = _pad(sp.d, s.vec), _pad(sp.dv, s.vec), s.bq, s.bk
     rows = {"qs": bq * dp, "kt": sp.d * bk, "s": bq * bk, "ml": 3 * bq}
     if not sp.bwd:
+        if s.per_head:  # k transposed and v, whole
+            return {**rows, "kt": sp.d * _kpitch(sp, s), "vs": _pad(sp.sk, bk) * dvp, "o": bq * dvp}
         return {**rows, "vs": bk * dvp, "o": bq * dvp}
     dq = {**rows, "dos": bq * dvp, "vt": sp.dv * bk, "kr": bk * dp, "dp": bq * bk, "dq": bq * dp}
     dkdv = {"kr": bk * dp, "vr": bk * dvp, "qt": sp.d * bq, "dot": sp.dv * bq, "qs": bq * dp, "dos": bq * dvp,
@@ -151,6 +153,11 @@ def _cpu_scratch(sp: Spec, s: AttentionSchedule) -> dict:
         hoisted = {**heads, "qt": sp.d * _qpitch(sp, s), "dot": sp.dv * _qpitch(sp, s)}
         return hoisted if 4 * sum(hoisted.values()) <= SCRATCH_BYTES else heads
     return max(dq, dkdv, key=lambda t: sum(t.values()))
+
+
+def _kpitch(sp: Spec, s: AttentionSchedule) -> int:
+    """The row pitch of k transposed whole (the forward per batch index): as _qpitch's."""
+    return _pad(sp.sk, s.bk) + s.vec
 
 
 def _qpitch(sp: Spec, s: AttentionSchedule) -> int:
@@ -175,7 +182,7 @@ def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
         vec = _lanes(target)
         bq = max(vec, 4, min(64 if sp.bwd else 128, 1 << max(0, (sp.sq - 1).bit_length())))
         chunk = 1 << (max(1, (target.vector_registers - 1) // 5).bit_length() - 1)  # 4 x chunk accumulators
-        for s in (AttentionSchedule(bq, max(vec, 64), vec, 4, chunk, sp.bwd and sp.nb >= 2 * target.cores),
+        for s in (AttentionSchedule(bq, max(vec, 64), vec, 4, chunk, sp.nb >= 2 * target.cores),
                   AttentionSchedule(bq, max(vec, 64), vec, 4, chunk), AttentionSchedule(vec, vec, vec, 4, chunk)):
             if s.check(sp, target) is None:
                 return s
@@ -201,7 +208,7 @@ def space(sp: Spec, target) -> dict:
     if _cpu_form(target):
         return {"bq": (4, 8, 16, 32, 64, 128), "bk": (4, 8, 16, 32, 64, 128),
                 "vec": tuple(sorted({4, 8, 16, _lanes(target)})), "rows": (1, 2, 4, 8), "chunk": (1, 2, 4),
-                "per_head": (False, True) if sp.bwd else (False,)}
+                "per_head": (False, True)}
     return {"bq": (8, 16, 32, 64, 128), "bk": (8, 16, 32, 64)}
 
 
@@ -686,14 +693,15 @@ class _Cpu(_Tiles):
             *((self.copy_cols("kt", 1, 1, _mul(kb, self.bk), self.bk, sp.sk, sp.d, sp.rows[1]),) if kt else ()),
             *per_block))
 
-    def scores(self, ib, out: str = "s", a: str = "qs", b: str = "kt", n: int | None = None) -> Range:
+    def scores(self, ib, out: str = "s", a: str = "qs", b: str = "kt", n: int | None = None, b_at=None) -> Range:
         """out = a bᵀ for the register block ib's rows of the query block (bk keys, b transposed;
-        a: the queries' rows qs, or dO's dos with n = dv)."""
+        a: the queries' rows qs, or dO's dos with n = dv; b_at: where b's (feature, vector) is)."""
         R, bk, w = self.R, self.bk, self.w
         lda = self.dp if n is None else self.dvp
         return self.mm(out, lambda r, v: _add(_mul(_add(_mul(ib, R), r), bk), _mul(v, w)),
                        a, lambda r, x: _add(_mul(_add(_mul(ib, R), r), lda), x),
-                       b, lambda x, v: _add(_mul(x, bk), _mul(v, w)), self.sp.d if n is None else n, bk // w)
+                       b, b_at or (lambda x, v: _add(_mul(x, bk), _mul(v, w))), self.sp.d if n is None else n,
+                       bk // w)
 
 
 def _forward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> TileKernel:
@@ -703,21 +711,33 @@ def _forward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, 
     l_ = lambda i: a.reg("ml", _add(i, bq))  # noqa: E731
     alpha = lambda r: a.reg("ml", _add(_mul(ib, R), r, 2 * bq))  # noqa: E731
     o_at = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dvp), _mul(v, w))  # noqa: E731
-    pv = a.mm("o", o_at, "s", lambda r, x: _add(_mul(_add(_mul(ib, R), r), bk), x),
-              "vs", lambda x, v: _add(_mul(x, dvp), _mul(v, w)), bk, dvp // w,
+    whole = sched.per_head  # a task per batch index: k transposed and v staged once, not per query block
+    kp, key0 = _kpitch(sp, sched), _mul(kb, bk)
+    kt_at = (lambda x, v: _add(_mul(x, kp), key0, _mul(v, w))) if whole else None  # noqa: E731
+    v_at = (lambda x, v: _add(_mul(_add(key0, x), dvp), _mul(v, w))) if whole else \
+        (lambda x, v: _add(_mul(x, dvp), _mul(v, w)))  # noqa: E731
+    pv = a.mm("o", o_at, "s", lambda r, x: _add(_mul(_add(_mul(ib, R), r), bk), x), "vs", v_at, bk, dvp // w,
               first=lambda r, v: binary("mul", a.vld("o", o_at(r, v)), broadcast(alpha(r), w)))
-    inner = (
-        *a.allocs(**{k: n for k, n in _cpu_scratch(sp, sched).items()}),
+    block = (
         *a.row_head(row0, True),
         a.key_block(row0, (
-            a.copy_rows("vs", 2, 2, _mul(kb, bk), bk, sp.sk, sp.dv, sp.rows[2]),
+            *(() if whole else (a.copy_rows("vs", 2, 2, key0, bk, sp.sk, sp.dv, sp.rows[2]),)),
             Range("ib", bq // R, "serial", (
-                a.scores(ib), *a.scores_softmax(row0, ib, _mul(kb, bk), True), pv)),)),
+                a.scores(ib, b_at=kt_at), *a.scores_softmax(row0, ib, key0, True), pv)),), kt=not whole),
         a.store_rows(n_inputs, 3, "o", row0, bq, sp.sq, sp.dv, sp.rows[3], 0,
                      lambda i: select(binary("gt", l_(i), a.zero), binary("div", a.one, l_(i)), a.zero)),
     )
-    return TileKernel(name, tuple(buffers), n_inputs, a.grid1(_ceil(sp.sq, bq), inner),
-                      meta={"attention": (sp, sched)})
+    allocs = a.allocs(**{k: n for k, n in _cpu_scratch(sp, sched).items()})
+    if not whole:
+        return TileKernel(name, tuple(buffers), n_inputs, a.grid1(_ceil(sp.sq, bq), (*allocs, *block)),
+                          meta={"attention": (sp, sched)})
+    skp = _pad(sp.sk, bk)
+    body = (*allocs, a.copy_cols("kt", 1, 1, _i(0), skp, sp.sk, sp.d, sp.rows[1], kp),
+            a.copy_rows("vs", 2, 2, _i(0), skp, sp.sk, sp.dv, sp.rows[2]),
+            Range("blk", _ceil(sp.sq, bq), "serial", block))
+    for z, n in reversed(list(zip(a.zs, sp.batch))):
+        body = (Range(z.arg, n, "grid", body),)
+    return TileKernel(name, tuple(buffers), n_inputs, body, meta={"attention": (sp, sched)})
 
 
 def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> list:
