@@ -813,6 +813,10 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
     qb, jb = var("qb"), var("jb")
 
     hoist, qpitch = _hoisted(sp, sched), _qpitch(sp, sched)
+    # q, do (and dq) rows used in place, not copied per block pair, where every block row is a
+    # sequence row and the rows whole vectors of the compute dtype
+    direct = sp.sq % bq == 0 and sp.d % w == 0 and sp.dv % w == 0 and \
+        all(np.dtype(buffers[b].dtype) == a.f for b in (0, do_buf, res))
 
     def key_block_body(key0, stats_of, dq_update: tuple) -> tuple:
         if sp.causal:  # the first query block that sees key key0: query i sees key j when j <= i + offset
@@ -835,6 +839,11 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         kv_row = lambda width: lambda r, x: _add(_mul(_add(_mul(jb, R), r), width), x)  # noqa: E731
         t_at = lambda r, x: _add(_mul(_add(_mul(jb, R), r), bq), x)  # noqa: E731
         rows_at = lambda width: lambda x, v: _add(_mul(x, width), _mul(v, w))  # noqa: E731
+        q_rows, do_rows = ((0, lambda x, v: a.at(0, _add(q0, x), _mul(v, w), sp.rows[0])),
+                           (do_buf, lambda x, v: a.at(3, _add(q0, x), _mul(v, w), sp.rows[3]))) if direct else \
+            (("qs", rows_at(dp)), ("dos", rows_at(dvp)))
+        copies = () if direct else (a.copy_rows("qs", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                                    a.copy_rows("dos", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]))
         cols_at = lambda x, v: _add(_mul(x, bq), _mul(v, w))  # noqa: E731
         if hoist:  # qt and dot hold every query: this block's columns from q0
             cols_at = lambda x, v: _add(_mul(x, qpitch), q0, _mul(v, w))  # noqa: E731
@@ -845,18 +854,16 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
             a.copy_rows("vr", 2, 2, key0, bk, sp.sk, sp.dv, sp.rows[2]),
             a.fill("dk", bk * dp, a.zero), a.fill("dv", bk * dvp, a.zero),
             Range("qb", n_qb, "serial", (
-                *transposed,
-                a.copy_rows("qs", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
-                a.copy_rows("dos", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
+                *transposed, *copies,
                 Range("ci", bq, "serial", tuple(Store("ml", _add(i, which * bq), stats_of(which, _add(q0, i)))
                                                 for which in range(3))),
                 Range("jb", bk // R, "serial", (
                     a.mm("pt", kv_at(bq), "kr", kv_row(dp), "qt", cols_at, sp.d, bq // w),
                     a.mm("dst", kv_at(bq), "vr", kv_row(dvp), "dot", cols_at, sp.dv, bq // w),
                     *pt_rows,
-                    a.mm("dv", kv_at(dvp), "pt", t_at, "dos", rows_at(dvp), bq, dvp // w,
+                    a.mm("dv", kv_at(dvp), "pt", t_at, *do_rows, bq, dvp // w,
                          first=lambda r, v: a.vld("dv", kv_at(dvp)(r, v))),
-                    a.mm("dk", kv_at(dp), "dst", t_at, "qs", rows_at(dp), bq, dp // w,
+                    a.mm("dk", kv_at(dp), "dst", t_at, *q_rows, bq, dp // w,
                          first=lambda r, v: a.vld("dk", kv_at(dp)(r, v))),)),
                 *dq_update(q0))),
             a.store_rows(res, 1, "dk", key0, bk, sp.sk, sp.d, sp.rows[1], q_res, lambda i_: const(sp.scale, a.f)),
@@ -866,6 +873,12 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
 
     if sched.per_head:
         def dq_update(q0):  # the query block's dq rows (kept unscaled in the result) += dS k
+            if direct:  # in place in the result
+                dq_at_ = lambda r, v: a.at(0, _add(q0, _mul(ib, R), r), _mul(v, w), sp.rows[0])  # noqa: E731
+                return (Range("ib", bq // R, "serial", (a.mm(
+                    res, dq_at_, "dst", lambda r, x: _add(_mul(x, bq), _mul(ib, R), r),
+                    "kr", lambda x, v: _add(_mul(x, dp), _mul(v, w)), bk, dp // w,
+                    first=lambda r, v: a.vld(res, dq_at_(r, v))),)),)
             dq_at_ = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dp), _mul(v, w))  # noqa: E731
             return (a.copy_rows("dqs", res, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
                     Range("ib", bq // R, "serial", (a.mm(

@@ -141,13 +141,15 @@ def test_attention_tile_kernels_match_the_primitive(device, causal, form):
                                    err_msg="forward" if fwd else "backward")
 
 
-@pytest.mark.parametrize("lengths", [(37, 70), (70, 37)], ids=["Sq<Sk", "Sq>Sk"])
+@pytest.mark.parametrize("lengths", [(37, 70, 20), (70, 37, 20), (48, 70, 32)],
+                         ids=["Sq<Sk", "Sq>Sk", "whole query blocks"])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_attention_cpu_form_masks_are_exact(device, lengths, per_head):
     """The CPU form's masks as printed (one 32-bit compare of the lanes with a bound per row, or per
     key in the backward's transposed scores): causal with Sq != Sk (rows that see no key when
     Sq > Sk), sequences that are not multiples of the blocks, full 16-lane vectors and a key block
-    cut by the diagonal in the middle of a vector; masked scores never reach exp (exactly 0)."""
+    cut by the diagonal in the middle of a vector; masked scores never reach exp (exactly 0); whole
+    query blocks and features (the backward's q, do and dq rows used in place)."""
     import types
 
     from tilefuse.ir import primitives as P
@@ -155,9 +157,9 @@ def test_attention_cpu_form_masks_are_exact(device, lengths, per_head):
     from tilefuse.ir.kernel.ir import Buffer
     if not device.backend.tile_kernels or {"scratch", "vectors"} - device.backend.tile_prints:
         pytest.skip(f"{device.kind} prints no tile kernels with scratch and vectors")
-    sq, sk = lengths
+    sq, sk, d = lengths
     rng = np.random.default_rng(2)
-    q, k, v = (rng.standard_normal((2, s, 3, f)).astype(np.float32) for s, f in ((sq, 20), (sk, 20), (sk, 16)))
+    q, k, v = (rng.standard_normal((2, s, 3, f)).astype(np.float32) for s, f in ((sq, d), (sk, d), (sk, 16)))
     params = dict(scale=0.3, causal=True, dims=((0, 2, 1, 3),) * 3)
     (out,) = P.fused_attention.impl(q, k, v, **params)
     dout = rng.standard_normal(out.shape).astype(np.float32)
