@@ -151,12 +151,14 @@ def _cpu_scratch(sp: Spec, s: AttentionSchedule) -> dict:
     if s.per_head:
         heads = {**dkdv, "st": 3 * _pad(sp.sq, bq), "kt": sp.d * bk, "s": bq * bk, "dqs": bq * dp}
         hoisted = {**heads, "qt": sp.d * _qpitch(sp, s), "dot": sp.dv * _qpitch(sp, s)}
-        return hoisted if 4 * sum(hoisted.values()) <= SCRATCH_BYTES else heads
+        with_k = {**hoisted, "kt": sp.d * _kpitch(sp, s)}  # and k transposed whole, for the statistics
+        return next(t for t in (with_k, hoisted, heads) if 4 * sum(t.values()) <= SCRATCH_BYTES or t is heads)
     return max(dq, dkdv, key=lambda t: sum(t.values()))
 
 
 def _kpitch(sp: Spec, s: AttentionSchedule) -> int:
-    """The row pitch of k transposed whole (the forward per batch index): as _qpitch's."""
+    """The row pitch of k transposed whole (per batch index, where the scratch holds it): as
+    _qpitch's."""
     return _pad(sp.sk, s.bk) + s.vec
 
 
@@ -170,6 +172,12 @@ def _hoisted(sp: Spec, s: AttentionSchedule) -> bool:
     """Whether the backward per batch index transposes q and do once, whole, rather than a query
     block for every key block (where the scratch holds them)."""
     return s.per_head and _cpu_scratch(sp, s)["qt"] > sp.d * s.bq
+
+
+def _k_whole(sp: Spec, s: AttentionSchedule) -> bool:
+    """Whether a task per batch index transposes k once, whole (the forward's, and the backward's
+    statistics)."""
+    return s.per_head and _cpu_scratch(sp, s)["kt"] > sp.d * s.bk
 
 
 def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
@@ -752,7 +760,7 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
     nqb = _ceil(sp.sq, bq)
     sqp = nqb * bq
 
-    def stats_sweep(row0, store, guard: bool) -> tuple:
+    def stats_sweep(row0, store, guard: bool, kt_at=None) -> tuple:
         """Per query row of the block m (0 where no key is visible), 1/l and D = do·o, each
         written by store(which, row, value) (guard: rows inside the sequence only)."""
         m, l_ = a.reg("ml", i), a.reg("ml", _add(i, bq))
@@ -770,7 +778,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
             store(2, row, a.reg("mt", 0)))
         return (*a.row_head(row0, False),
                 a.key_block(row0, (Range("ib", bq // R, "serial", (
-                    a.scores(ib), *a.scores_softmax(row0, ib, _mul(kb, bk), False))),)),
+                    a.scores(ib, b_at=kt_at), *a.scores_softmax(row0, ib, _mul(kb, bk), False))),),
+                            kt=kt_at is None),
                 Range("ci", bq, "serial", (If(_lt(row, sp.sq), per_row),) if guard else per_row))
 
     # dq: per query block, the statistics read; per key block dS = P (dP - D), dq += dS k
@@ -890,12 +899,15 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
             Store(res, a.at(0, i, c, sp.rows[0]), value(tload(res, a.at(0, i, c, sp.rows[0]), a.f))),)),))
         if hoist:
             tiles.update(qt=sp.d * qpitch, dot=sp.dv * qpitch)
+        k_whole, kp = _k_whole(sp, sched), _kpitch(sp, sched)
+        kt_at = (lambda x, v: _add(_mul(x, kp), _mul(kb, bk), _mul(v, w))) if k_whole else None  # noqa: E731
         inner = (
-            *a.allocs(st=3 * sqp, **tiles, kt=sp.d * bk, s=bq * bk, dqs=bq * dp),
+            *a.allocs(st=3 * sqp, **tiles, kt=sp.d * (kp if k_whole else bk), s=bq * bk, dqs=bq * dp),
             *((a.copy_cols("qt", 0, 0, _i(0), sqp, sp.sq, sp.d, sp.rows[0], qpitch),
                a.copy_cols("dot", do_buf, 3, _i(0), sqp, sp.sq, sp.dv, sp.rows[3], qpitch)) if hoist else ()),
+            *((a.copy_cols("kt", 1, 1, _i(0), _pad(sp.sk, bk), sp.sk, sp.d, sp.rows[1], kp),) if k_whole else ()),
             Range("qb", nqb, "serial", stats_sweep(_mul(qb, bq), lambda which, r_, v: Store(
-                "st", _add(r_, which * sqp), v), False)),
+                "st", _add(r_, which * sqp), v), False, kt_at)),
             dq_all(lambda x: a.zero),
             Range("kb", _ceil(sp.sk, bk), "serial", key_block_body(
                 _mul(kb, bk), lambda which, r_: a.reg("st", _add(_min(r_, sqp - 1), which * sqp)), dq_update)),
