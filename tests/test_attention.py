@@ -347,8 +347,10 @@ def _tile_schedules():
     from tilefuse.ir.kernel.attention import AttentionSchedule
     # the GPU form (a work-item per row, shared memory); the CPU form (a task per row block, vectors
     # along keys and features: ragged vectors, one-lane vectors, register blocks of several rows)
+    # (per_head: a task per batch index, k and v staged once in the forward, q and do in the backward)
     return [AttentionSchedule(4, 8), AttentionSchedule(8, 64), AttentionSchedule(4, 8, 4, 2, 2),
-            AttentionSchedule(8, 16, 8, 4, 1), AttentionSchedule(4, 4, 1, 1, 1)]
+            AttentionSchedule(8, 16, 8, 4, 1), AttentionSchedule(4, 4, 1, 1, 1),
+            AttentionSchedule(4, 8, 4, 2, 2, True)]
 
 
 TILE_SCHEDULES = _tile_schedules()

@@ -92,7 +92,7 @@ class AttentionSchedule:
     vec: int = 0
     rows: int = 1
     chunk: int = 1
-    per_head: bool = False  # CPU backward: one kernel, a task per batch index
+    per_head: bool = False  # CPU: a task per batch index (backward: one kernel; forward: k and v staged once)
 
     @property
     def cpu(self) -> bool:
@@ -127,6 +127,12 @@ class AttentionSchedule:
 SCRATCH_BYTES = 1 << 20  # a CPU task's tiles (on the stack of the cpu backend's threads)
 
 
+def _fmax(a: KExpr, b: KExpr) -> KExpr:
+    """max(a, b) as a compare and a select (one instruction on x86, where `max` keeps NaN and
+    orders -0 < +0 at a few instructions); scores are never NaN but where the inputs are."""
+    return select(binary("gt", a, b), a, b)
+
+
 def _pad(n: int, m: int) -> int:
     return _ceil(n, m) * m
 
@@ -136,13 +142,42 @@ def _cpu_scratch(sp: Spec, s: AttentionSchedule) -> dict:
     dp, dvp, bq, bk = _pad(sp.d, s.vec), _pad(sp.dv, s.vec), s.bq, s.bk
     rows = {"qs": bq * dp, "kt": sp.d * bk, "s": bq * bk, "ml": 3 * bq}
     if not sp.bwd:
+        if s.per_head:  # k transposed and v, whole
+            return {**rows, "kt": sp.d * _kpitch(sp, s), "vs": _pad(sp.sk, bk) * dvp, "o": bq * dvp}
         return {**rows, "vs": bk * dvp, "o": bq * dvp}
     dq = {**rows, "dos": bq * dvp, "vt": sp.dv * bk, "kr": bk * dp, "dp": bq * bk, "dq": bq * dp}
     dkdv = {"kr": bk * dp, "vr": bk * dvp, "qt": sp.d * bq, "dot": sp.dv * bq, "qs": bq * dp, "dos": bq * dvp,
             "ml": 3 * bq, "pt": bk * bq, "dst": bk * bq, "dk": bk * dp, "dv": bk * dvp}
     if s.per_head:
-        return {**dkdv, "st": 3 * _pad(sp.sq, bq), "kt": sp.d * bk, "s": bq * bk, "dqs": bq * dp}
+        heads = {**dkdv, "st": 3 * _pad(sp.sq, bq), "kt": sp.d * bk, "s": bq * bk, "dqs": bq * dp}
+        hoisted = {**heads, "qt": sp.d * _qpitch(sp, s), "dot": sp.dv * _qpitch(sp, s)}
+        with_k = {**hoisted, "kt": sp.d * _kpitch(sp, s)}  # and k transposed whole, for the statistics
+        return next(t for t in (with_k, hoisted, heads) if 4 * sum(t.values()) <= SCRATCH_BYTES or t is heads)
     return max(dq, dkdv, key=lambda t: sum(t.values()))
+
+
+def _kpitch(sp: Spec, s: AttentionSchedule) -> int:
+    """The row pitch of k transposed whole (per batch index, where the scratch holds it): as
+    _qpitch's."""
+    return _pad(sp.sk, s.bk) + s.vec
+
+
+def _qpitch(sp: Spec, s: AttentionSchedule) -> int:
+    """The row pitch of q and do transposed whole: every query, and a vector more so that the
+    columns of a row, stored one after the other, are not 4 KiB apart (one cache set)."""
+    return _pad(sp.sq, s.bq) + s.vec
+
+
+def _hoisted(sp: Spec, s: AttentionSchedule) -> bool:
+    """Whether the backward per batch index transposes q and do once, whole, rather than a query
+    block for every key block (where the scratch holds them)."""
+    return s.per_head and _cpu_scratch(sp, s)["qt"] > sp.d * s.bq
+
+
+def _k_whole(sp: Spec, s: AttentionSchedule) -> bool:
+    """Whether a task per batch index transposes k once, whole (the forward's, and the backward's
+    statistics)."""
+    return s.per_head and _cpu_scratch(sp, s)["kt"] > sp.d * s.bk
 
 
 def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
@@ -155,7 +190,7 @@ def default_attention_schedule(sp: Spec, target) -> AttentionSchedule | None:
         vec = _lanes(target)
         bq = max(vec, 4, min(64 if sp.bwd else 128, 1 << max(0, (sp.sq - 1).bit_length())))
         chunk = 1 << (max(1, (target.vector_registers - 1) // 5).bit_length() - 1)  # 4 x chunk accumulators
-        for s in (AttentionSchedule(bq, max(vec, 64), vec, 4, chunk, sp.bwd and sp.nb >= 2 * target.cores),
+        for s in (AttentionSchedule(bq, max(vec, 64), vec, 4, chunk, sp.nb >= 2 * target.cores),
                   AttentionSchedule(bq, max(vec, 64), vec, 4, chunk), AttentionSchedule(vec, vec, vec, 4, chunk)):
             if s.check(sp, target) is None:
                 return s
@@ -181,7 +216,7 @@ def space(sp: Spec, target) -> dict:
     if _cpu_form(target):
         return {"bq": (4, 8, 16, 32, 64, 128), "bk": (4, 8, 16, 32, 64, 128),
                 "vec": tuple(sorted({4, 8, 16, _lanes(target)})), "rows": (1, 2, 4, 8), "chunk": (1, 2, 4),
-                "per_head": (False, True) if sp.bwd else (False,)}
+                "per_head": (False, True)}
     return {"bq": (8, 16, 32, 64, 128), "bk": (8, 16, 32, 64)}
 
 
@@ -249,8 +284,8 @@ class _Tiles:
             tests.append(binary("le", key, _add(row, sp.offset)))
         return functools.reduce(_and, tests) if tests else None
 
-    def score(self, dot: KExpr, row, key, causal: bool = True) -> KExpr:
-        """scale * q·k + bias, -inf where the key is not visible to the row."""
+    def scaled(self, dot: KExpr, row, key) -> KExpr:
+        """scale * q·k + bias."""
         sp = self.sp
         s = binary("mul", dot, const(sp.scale, self.f))
         if sp.has_bias:
@@ -258,6 +293,11 @@ class _Tiles:
             off = _add(*(_mul(z, st) for z, st in zip(self.zs, sp.batch_strides[4])),
                        _mul(_min(row, sp.sq - 1), bs[0]), _mul(_min(key, sp.sk - 1), bs[1]))
             s = binary("add", s, self.ld(3, off))
+        return s
+
+    def score(self, dot: KExpr, row, key, causal: bool = True) -> KExpr:
+        """scale * q·k + bias, -inf where the key is not visible to the row."""
+        s = self.scaled(dot, row, key)
         ok = self.visible(row, key, causal)
         return s if ok is None else select(ok, s, self.ninf)
 
@@ -470,6 +510,48 @@ class _Cpu(_Tiles):
         """first, first+1, ..., first+w-1: the indices along a vector."""
         return _add(first, iota(self.w)) if self.w > 1 else _x(first)
 
+    def lane_lt(self, n, ge: bool = False) -> KExpr:
+        """lane < n (ge: lane >= n) along a vector, n a scalar index: compared in 32 bits (the
+        sequences' lengths are far below 2**31), one compare a vector."""
+        lane = cast(iota(self.w), np.int32) if self.w > 1 else const(0, np.int32)
+        return binary("ge" if ge else "lt", lane, broadcast(cast(n, np.int32), self.w))
+
+    def score_keys(self, dot: KExpr, row, key0, causal: bool = True) -> KExpr:
+        """score() of the vector of keys key0 + lane for one row. The keys it sees are those below
+        one bound per row (row + offset + 1 where causal, sk where the key blocks overrun it, 0
+        for a padding row), so the mask is one compare of the lanes with bound - key0."""
+        sp = self.sp
+        s = self.scaled(dot, row, self.lanes(key0))
+        bound = _add(row, sp.offset + 1) if sp.causal and causal else None
+        if sp.sk % self.bk:
+            bound = _i(sp.sk) if bound is None else _min(bound, sp.sk)
+        if sp.sq % self.bq:
+            bound = select(_lt(row, sp.sq), _i(sp.sk) if bound is None else bound, _i(0))
+        return s if bound is None else select(self.lane_lt(binary("sub", bound, key0)), s, self.ninf)
+
+    def score_queries(self, dot: KExpr, q0, key) -> KExpr:
+        """score() of the vector of queries q0 + lane for one key: the queries that see it are
+        those from one bound per key (key - offset where causal; none for a padding key) up to sq,
+        at most two compares a vector."""
+        sp = self.sp
+        s = self.scaled(dot, self.lanes(q0), key)
+        lo = _add(key, -sp.offset) if sp.causal else None
+        if sp.sk % self.bk:
+            lo = select(_lt(key, sp.sk), _i(0) if lo is None else lo, _i(1 << 30))
+        tests = ([self.lane_lt(binary("sub", lo, q0), ge=True)] if lo is not None else []) + \
+            ([self.lane_lt(binary("sub", _i(sp.sq), q0))] if sp.sq % self.bq else [])
+        return s if not tests else select(functools.reduce(_and, tests), s, self.ninf)
+
+    def exp_from(self, x: KExpr, m: KExpr, always: bool = False) -> KExpr:
+        """exp(x - m), exactly 0 where x is -inf (masked), without computing exp(-inf): its result
+        underflows through denormals, a microcode assist per vector on x86 (4x the causal forward
+        at S=64). Scores are -inf only where masked: unguarded where nothing is, unless `always`."""
+        sp = self.sp
+        if not (always or sp.causal or sp.has_bias or sp.sk % self.bk or sp.sq % self.bq):
+            return unary("exp", binary("sub", x, m))
+        off = binary("eq", x, self.ninf)
+        return select(off, self.zero, unary("exp", select(off, self.zero, binary("sub", x, m))))
+
     def hop(self, op, x: KExpr) -> KExpr:
         return x if self.w == 1 else op(x)
 
@@ -515,13 +597,14 @@ class _Cpu(_Tiles):
             Store(name, _add(_mul(i, padded), c), select(_and(_lt(rr, limit), _lt(c, width)), val, self.zero)),)),))
 
     def copy_cols(self, name: str, buf: int, op: int, first, count: int, limit: int, width: int,
-                  row_stride: int) -> Range:
-        """name[c*count + i] = operand row first+i, column c (transposed; zeros past `limit` rows)."""
+                  row_stride: int, pitch: int | None = None) -> Range:
+        """name[c*pitch + i] = operand row first+i, column c (transposed; zeros past `limit` rows;
+        pitch: count unless given)."""
         i, c = var("ci"), var("cc")
         rr = _add(first, i)
         val = self.ld(buf, self.at(op, _min(rr, limit - 1), c, row_stride))
-        return Range("ci", count, "serial", (Range("cc", width, "serial", (
-            Store(name, _add(_mul(c, count), i), select(_lt(rr, limit), val, self.zero)),)),))
+        return Range("cc", width, "serial", (Range("ci", count, "serial", (
+            Store(name, _add(_mul(c, pitch or count), i), select(_lt(rr, limit), val, self.zero)),)),))
 
     def key_end(self, row0):
         """The key blocks the rows row0 .. row0+bq see: all, or up to the last row's diagonal."""
@@ -551,19 +634,19 @@ class _Cpu(_Tiles):
             i = _add(_mul(ib, self.R), r)
             row = _add(row0, i)
             at = [_add(_mul(i, bk), v * w) for v in range(nv)]
-            out += [Store("xs", _i(v * w), self.score(self.vld("s", at[v]), row, self.lanes(_add(key0, v * w)), causal))
+            out += [Store("xs", _i(v * w), self.score_keys(self.vld("s", at[v]), row, _add(key0, v * w), causal))
                     for v in range(nv)]  # (in registers: one pass over the row in memory)
             xs = [self.vld("xs", _i(v * w)) for v in range(nv)]
             mx = xs[0]
             for v in range(1, nv):
-                mx = binary("max", mx, xs[v])
+                mx = _fmax(mx, xs[v])
             m_old = self.reg("ml", i)
             mn = binary("max", m_old, self.hop(hmax, mx))
             out += [Store("mt", _i(0), mn), Store("mt", _i(1), select(binary("eq", self.reg("mt", 0), self.ninf),
                                                                      self.zero, self.reg("mt", 0)))]
             mn, ms = self.reg("mt", 0), self.reg("mt", 1)
-            alpha = unary("exp", binary("sub", m_old, ms))
-            ps = [unary("exp", binary("sub", xs[v], broadcast(ms, w))) for v in range(nv)]
+            alpha = self.exp_from(m_old, ms, always=True)  # (m_old: -inf before the first block)
+            ps = [self.exp_from(xs[v], broadcast(ms, w)) for v in range(nv)]
             if write_p:
                 out += [Store("s", at[v], ps[v]) for v in range(nv)]
             total = ps[0]
@@ -618,14 +701,15 @@ class _Cpu(_Tiles):
             *((self.copy_cols("kt", 1, 1, _mul(kb, self.bk), self.bk, sp.sk, sp.d, sp.rows[1]),) if kt else ()),
             *per_block))
 
-    def scores(self, ib, out: str = "s", a: str = "qs", b: str = "kt", n: int | None = None) -> Range:
+    def scores(self, ib, out: str = "s", a: str = "qs", b: str = "kt", n: int | None = None, b_at=None) -> Range:
         """out = a bᵀ for the register block ib's rows of the query block (bk keys, b transposed;
-        a: the queries' rows qs, or dO's dos with n = dv)."""
+        a: the queries' rows qs, or dO's dos with n = dv; b_at: where b's (feature, vector) is)."""
         R, bk, w = self.R, self.bk, self.w
         lda = self.dp if n is None else self.dvp
         return self.mm(out, lambda r, v: _add(_mul(_add(_mul(ib, R), r), bk), _mul(v, w)),
                        a, lambda r, x: _add(_mul(_add(_mul(ib, R), r), lda), x),
-                       b, lambda x, v: _add(_mul(x, bk), _mul(v, w)), self.sp.d if n is None else n, bk // w)
+                       b, b_at or (lambda x, v: _add(_mul(x, bk), _mul(v, w))), self.sp.d if n is None else n,
+                       bk // w)
 
 
 def _forward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> TileKernel:
@@ -635,21 +719,33 @@ def _forward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, 
     l_ = lambda i: a.reg("ml", _add(i, bq))  # noqa: E731
     alpha = lambda r: a.reg("ml", _add(_mul(ib, R), r, 2 * bq))  # noqa: E731
     o_at = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dvp), _mul(v, w))  # noqa: E731
-    pv = a.mm("o", o_at, "s", lambda r, x: _add(_mul(_add(_mul(ib, R), r), bk), x),
-              "vs", lambda x, v: _add(_mul(x, dvp), _mul(v, w)), bk, dvp // w,
+    whole = sched.per_head  # a task per batch index: k transposed and v staged once, not per query block
+    kp, key0 = _kpitch(sp, sched), _mul(kb, bk)
+    kt_at = (lambda x, v: _add(_mul(x, kp), key0, _mul(v, w))) if whole else None  # noqa: E731
+    v_at = (lambda x, v: _add(_mul(_add(key0, x), dvp), _mul(v, w))) if whole else \
+        (lambda x, v: _add(_mul(x, dvp), _mul(v, w)))  # noqa: E731
+    pv = a.mm("o", o_at, "s", lambda r, x: _add(_mul(_add(_mul(ib, R), r), bk), x), "vs", v_at, bk, dvp // w,
               first=lambda r, v: binary("mul", a.vld("o", o_at(r, v)), broadcast(alpha(r), w)))
-    inner = (
-        *a.allocs(**{k: n for k, n in _cpu_scratch(sp, sched).items()}),
+    block = (
         *a.row_head(row0, True),
         a.key_block(row0, (
-            a.copy_rows("vs", 2, 2, _mul(kb, bk), bk, sp.sk, sp.dv, sp.rows[2]),
+            *(() if whole else (a.copy_rows("vs", 2, 2, key0, bk, sp.sk, sp.dv, sp.rows[2]),)),
             Range("ib", bq // R, "serial", (
-                a.scores(ib), *a.scores_softmax(row0, ib, _mul(kb, bk), True), pv)),)),
+                a.scores(ib, b_at=kt_at), *a.scores_softmax(row0, ib, key0, True), pv)),), kt=not whole),
         a.store_rows(n_inputs, 3, "o", row0, bq, sp.sq, sp.dv, sp.rows[3], 0,
                      lambda i: select(binary("gt", l_(i), a.zero), binary("div", a.one, l_(i)), a.zero)),
     )
-    return TileKernel(name, tuple(buffers), n_inputs, a.grid1(_ceil(sp.sq, bq), inner),
-                      meta={"attention": (sp, sched)})
+    allocs = a.allocs(**{k: n for k, n in _cpu_scratch(sp, sched).items()})
+    if not whole:
+        return TileKernel(name, tuple(buffers), n_inputs, a.grid1(_ceil(sp.sq, bq), (*allocs, *block)),
+                          meta={"attention": (sp, sched)})
+    skp = _pad(sp.sk, bk)
+    body = (*allocs, a.copy_cols("kt", 1, 1, _i(0), skp, sp.sk, sp.d, sp.rows[1], kp),
+            a.copy_rows("vs", 2, 2, _i(0), skp, sp.sk, sp.dv, sp.rows[2]),
+            Range("blk", _ceil(sp.sq, bq), "serial", block))
+    for z, n in reversed(list(zip(a.zs, sp.batch))):
+        body = (Range(z.arg, n, "grid", body),)
+    return TileKernel(name, tuple(buffers), n_inputs, body, meta={"attention": (sp, sched)})
 
 
 def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> list:
@@ -664,7 +760,7 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
     nqb = _ceil(sp.sq, bq)
     sqp = nqb * bq
 
-    def stats_sweep(row0, store, guard: bool) -> tuple:
+    def stats_sweep(row0, store, guard: bool, kt_at=None) -> tuple:
         """Per query row of the block m (0 where no key is visible), 1/l and D = do·o, each
         written by store(which, row, value) (guard: rows inside the sequence only)."""
         m, l_ = a.reg("ml", i), a.reg("ml", _add(i, bq))
@@ -682,7 +778,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
             store(2, row, a.reg("mt", 0)))
         return (*a.row_head(row0, False),
                 a.key_block(row0, (Range("ib", bq // R, "serial", (
-                    a.scores(ib), *a.scores_softmax(row0, ib, _mul(kb, bk), False))),)),
+                    a.scores(ib, b_at=kt_at), *a.scores_softmax(row0, ib, _mul(kb, bk), False))),),
+                            kt=kt_at is None),
                 Range("ci", bq, "serial", (If(_lt(row, sp.sq), per_row),) if guard else per_row))
 
     # dq: per query block, the statistics read; per key block dS = P (dP - D), dq += dS k
@@ -697,9 +794,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         rw = _add(row0, il)
         for v in range(bk // w):
             at = _add(_mul(il, bk), v * w)
-            x = a.score(a.vld("s", at), rw, a.lanes(_add(_mul(kb, bk), v * w)))
-            p = select(binary("eq", x, a.ninf), a.zero,
-                       binary("mul", unary("exp", binary("sub", x, stat(il, 0))), stat(il, 1)))
+            x = a.score_keys(a.vld("s", at), rw, _add(_mul(kb, bk), v * w))
+            p = binary("mul", a.exp_from(x, broadcast(stat(il, 0), w)), broadcast(stat(il, 1), w))
             ds_rows.append(Store("s", at, binary("mul", p, binary("sub", a.vld("dp", at), broadcast(stat(il, 2), w)))))
     dq_at = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dp), _mul(v, w))  # noqa: E731
     dq = TileKernel(name + "_dq", tuple(buffers), n_inputs, a.grid1(nqb, (
@@ -725,6 +821,12 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
     # queries, dv += Pᵀ do, dk += dSᵀ q (per_head: and dq += dS k)
     qb, jb = var("qb"), var("jb")
 
+    hoist, qpitch = _hoisted(sp, sched), _qpitch(sp, sched)
+    # q, do (and dq) rows used in place, not copied per block pair, where every block row is a
+    # sequence row and the rows whole vectors of the compute dtype
+    direct = sp.sq % bq == 0 and sp.d % w == 0 and sp.dv % w == 0 and \
+        all(np.dtype(buffers[b].dtype) == a.f for b in (0, do_buf, res))
+
     def key_block_body(key0, stats_of, dq_update: tuple) -> tuple:
         if sp.causal:  # the first query block that sees key key0: query i sees key j when j <= i + offset
             first = binary("div", binary("max", _add(key0, -sp.offset), _i(0)), _i(bq))
@@ -737,9 +839,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
             jl = _add(_mul(jb, R), r)
             for v in range(bq // w):
                 at = _add(_mul(jl, bq), v * w)
-                x = a.score(a.vld("pt", at), a.lanes(_add(q0, v * w)), _add(key0, jl))
-                p = select(binary("eq", x, broadcast(a.ninf, w)), broadcast(a.zero, w), binary(
-                    "mul", unary("exp", binary("sub", x, a.vld("ml", v * w))), a.vld("ml", bq + v * w)))
+                x = a.score_queries(a.vld("pt", at), _add(q0, v * w), _add(key0, jl))
+                p = binary("mul", a.exp_from(x, a.vld("ml", v * w)), a.vld("ml", bq + v * w))
                 pt_rows += [Store("pt", at, p),
                             Store("dst", at, binary("mul", a.vld("pt", at),
                                                     binary("sub", a.vld("dst", at), a.vld("ml", 2 * bq + v * w))))]
@@ -747,25 +848,31 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         kv_row = lambda width: lambda r, x: _add(_mul(_add(_mul(jb, R), r), width), x)  # noqa: E731
         t_at = lambda r, x: _add(_mul(_add(_mul(jb, R), r), bq), x)  # noqa: E731
         rows_at = lambda width: lambda x, v: _add(_mul(x, width), _mul(v, w))  # noqa: E731
+        q_rows, do_rows = ((0, lambda x, v: a.at(0, _add(q0, x), _mul(v, w), sp.rows[0])),
+                           (do_buf, lambda x, v: a.at(3, _add(q0, x), _mul(v, w), sp.rows[3]))) if direct else \
+            (("qs", rows_at(dp)), ("dos", rows_at(dvp)))
+        copies = () if direct else (a.copy_rows("qs", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                                    a.copy_rows("dos", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]))
         cols_at = lambda x, v: _add(_mul(x, bq), _mul(v, w))  # noqa: E731
+        if hoist:  # qt and dot hold every query: this block's columns from q0
+            cols_at = lambda x, v: _add(_mul(x, qpitch), q0, _mul(v, w))  # noqa: E731
+        transposed = () if hoist else (a.copy_cols("qt", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
+                                       a.copy_cols("dot", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]))
         return (
             a.copy_rows("kr", 1, 1, key0, bk, sp.sk, sp.d, sp.rows[1]),
             a.copy_rows("vr", 2, 2, key0, bk, sp.sk, sp.dv, sp.rows[2]),
             a.fill("dk", bk * dp, a.zero), a.fill("dv", bk * dvp, a.zero),
             Range("qb", n_qb, "serial", (
-                a.copy_cols("qt", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
-                a.copy_cols("dot", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
-                a.copy_rows("qs", 0, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
-                a.copy_rows("dos", do_buf, 3, q0, bq, sp.sq, sp.dv, sp.rows[3]),
+                *transposed, *copies,
                 Range("ci", bq, "serial", tuple(Store("ml", _add(i, which * bq), stats_of(which, _add(q0, i)))
                                                 for which in range(3))),
                 Range("jb", bk // R, "serial", (
                     a.mm("pt", kv_at(bq), "kr", kv_row(dp), "qt", cols_at, sp.d, bq // w),
                     a.mm("dst", kv_at(bq), "vr", kv_row(dvp), "dot", cols_at, sp.dv, bq // w),
                     *pt_rows,
-                    a.mm("dv", kv_at(dvp), "pt", t_at, "dos", rows_at(dvp), bq, dvp // w,
+                    a.mm("dv", kv_at(dvp), "pt", t_at, *do_rows, bq, dvp // w,
                          first=lambda r, v: a.vld("dv", kv_at(dvp)(r, v))),
-                    a.mm("dk", kv_at(dp), "dst", t_at, "qs", rows_at(dp), bq, dp // w,
+                    a.mm("dk", kv_at(dp), "dst", t_at, *q_rows, bq, dp // w,
                          first=lambda r, v: a.vld("dk", kv_at(dp)(r, v))),)),
                 *dq_update(q0))),
             a.store_rows(res, 1, "dk", key0, bk, sp.sk, sp.d, sp.rows[1], q_res, lambda i_: const(sp.scale, a.f)),
@@ -775,6 +882,12 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
 
     if sched.per_head:
         def dq_update(q0):  # the query block's dq rows (kept unscaled in the result) += dS k
+            if direct:  # in place in the result
+                dq_at_ = lambda r, v: a.at(0, _add(q0, _mul(ib, R), r), _mul(v, w), sp.rows[0])  # noqa: E731
+                return (Range("ib", bq // R, "serial", (a.mm(
+                    res, dq_at_, "dst", lambda r, x: _add(_mul(x, bq), _mul(ib, R), r),
+                    "kr", lambda x, v: _add(_mul(x, dp), _mul(v, w)), bk, dp // w,
+                    first=lambda r, v: a.vld(res, dq_at_(r, v))),)),)
             dq_at_ = lambda r, v: _add(_mul(_add(_mul(ib, R), r), dp), _mul(v, w))  # noqa: E731
             return (a.copy_rows("dqs", res, 0, q0, bq, sp.sq, sp.d, sp.rows[0]),
                     Range("ib", bq // R, "serial", (a.mm(
@@ -784,10 +897,17 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
                     a.store_rows(res, 0, "dqs", q0, bq, sp.sq, sp.d, sp.rows[0], 0, lambda i_: a.one))
         dq_all = lambda value: Range("ci", sp.sq, "serial", (Range("cc", sp.d, "serial", (  # noqa: E731
             Store(res, a.at(0, i, c, sp.rows[0]), value(tload(res, a.at(0, i, c, sp.rows[0]), a.f))),)),))
+        if hoist:
+            tiles.update(qt=sp.d * qpitch, dot=sp.dv * qpitch)
+        k_whole, kp = _k_whole(sp, sched), _kpitch(sp, sched)
+        kt_at = (lambda x, v: _add(_mul(x, kp), _mul(kb, bk), _mul(v, w))) if k_whole else None  # noqa: E731
         inner = (
-            *a.allocs(st=3 * sqp, **tiles, kt=sp.d * bk, s=bq * bk, dqs=bq * dp),
+            *a.allocs(st=3 * sqp, **tiles, kt=sp.d * (kp if k_whole else bk), s=bq * bk, dqs=bq * dp),
+            *((a.copy_cols("qt", 0, 0, _i(0), sqp, sp.sq, sp.d, sp.rows[0], qpitch),
+               a.copy_cols("dot", do_buf, 3, _i(0), sqp, sp.sq, sp.dv, sp.rows[3], qpitch)) if hoist else ()),
+            *((a.copy_cols("kt", 1, 1, _i(0), _pad(sp.sk, bk), sp.sk, sp.d, sp.rows[1], kp),) if k_whole else ()),
             Range("qb", nqb, "serial", stats_sweep(_mul(qb, bq), lambda which, r_, v: Store(
-                "st", _add(r_, which * sqp), v), False)),
+                "st", _add(r_, which * sqp), v), False, kt_at)),
             dq_all(lambda x: a.zero),
             Range("kb", _ceil(sp.sk, bk), "serial", key_block_body(
                 _mul(kb, bk), lambda which, r_: a.reg("st", _add(_min(r_, sqp - 1), which * sqp)), dq_update)),

@@ -139,3 +139,46 @@ def test_attention_tile_kernels_match_the_primitive(device, causal, form):
         got = device.backend.to_host(res, ShapedArray((want.size,), np.float32), device)
         np.testing.assert_allclose(got, want.reshape(-1), rtol=2e-5, atol=2e-5,
                                    err_msg="forward" if fwd else "backward")
+
+
+@pytest.mark.parametrize("lengths", [(37, 70, 20), (70, 37, 20), (48, 70, 32)],
+                         ids=["Sq<Sk", "Sq>Sk", "whole query blocks"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_attention_cpu_form_masks_are_exact(device, lengths, per_head):
+    """The CPU form's masks as printed (one 32-bit compare of the lanes with a bound per row, or per
+    key in the backward's transposed scores): causal with Sq != Sk (rows that see no key when
+    Sq > Sk), sequences that are not multiples of the blocks, full 16-lane vectors and a key block
+    cut by the diagonal in the middle of a vector; masked scores never reach exp (exactly 0); whole
+    query blocks and features (the backward's q, do and dq rows used in place)."""
+    import types
+
+    from tilefuse.ir import primitives as P
+    from tilefuse.ir.kernel.attention import AttentionSchedule, build_backward, build_forward, spec_of
+    from tilefuse.ir.kernel.ir import Buffer
+    if not device.backend.tile_kernels or {"scratch", "vectors"} - device.backend.tile_prints:
+        pytest.skip(f"{device.kind} prints no tile kernels with scratch and vectors")
+    sq, sk, d = lengths
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, s, 3, f)).astype(np.float32) for s, f in ((sq, d), (sk, d), (sk, 16)))
+    params = dict(scale=0.3, causal=True, dims=((0, 2, 1, 3),) * 3)
+    (out,) = P.fused_attention.impl(q, k, v, **params)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    (grads,) = P.fused_attention_bwd.impl(q, k, v, out, dout, **params)
+    sched = AttentionSchedule(16, 32, 16, 4, 2, per_head)
+    for fwd, args, want in ((True, [q, k, v], out), (False, [q, k, v, out, dout], grads)):
+        avals = [ShapedArray(a.shape, a.dtype) for a in args]
+        prim = P.fused_attention if fwd else P.fused_attention_bwd
+        sp = spec_of(types.SimpleNamespace(prim=prim, params=params,
+                                           inputs=[types.SimpleNamespace(aval=a) for a in avals]))
+        assert sched.check(sp, target_of(device.info)) is None
+        bufs = tuple(Buffer(f"b{i}", np.float32, a.size) for i, a in enumerate(args)) + \
+            (Buffer("res", np.float32, want.size),)
+        tks = [build_forward(sp, sched, "attn", bufs, len(args))] if fwd else \
+            build_backward(sp, sched, "attn_bwd", bufs, len(args))
+        dev_bufs = [device.backend.put(np.ascontiguousarray(a).reshape(-1), device) for a in args]
+        res = device.backend.put(np.full(want.size, np.nan, np.float32), device)
+        for tk in tks:
+            device.backend.compile_tile(tk, device)(dev_bufs + [res])
+        got = device.backend.to_host(res, ShapedArray((want.size,), np.float32), device)
+        np.testing.assert_allclose(got, want.reshape(-1), rtol=2e-5, atol=2e-5,
+                                   err_msg="forward" if fwd else "backward")
