@@ -9,8 +9,10 @@ estimated to take (at most AUTO_MOST_S), after which they wait for it (ski renta
 program ends before its compile would have; a long one pays a bounded price for a fast first
 call). True interprets until the compile ends. Operations outside jit tier the same way.
 
-Measured cold, end to end (benchmarks/bench_compile.py, 2 cores): programs of 0.3-1.5 s where
-compiling first took 0.8-3 s; the char-GPT train step's first call 0.45-0.6 s instead of 3.8 s.
+Measured cold, end to end (benchmarks/bench_compile.py, 2 cores): five of its six programs in
+0.24-0.56 s where compiling first took 0.8-3.7 s (the op-by-op RNN: 1.7 s against 3.3 s); the
+char-GPT train step's first call 0.7 s instead of 4.1 s; its 300-step example 16.7 s against
+14.7 s compiling at once (the price of the fast first steps).
 Results are the interpreter's until the switch: the same numbers within float rounding (numpy's
 pairwise sums, its exp), not bit for bit. The compiled executable replaces the tiered one in
 the caches that hold it (when_compiled), so later calls pay nothing for the tiering.
