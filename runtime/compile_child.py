@@ -7,7 +7,7 @@ device and configuration and so fills the persistent caches (front end, object c
 choices, the built marker); the thread then compiles it in this process from those caches.
 
 The child is a plain subprocess started as the LLVM compile workers are (isolated mode, this
-process's import path: backends/llvm/parallel.worker_command), on first need, and stopped at
+process's import path: isolated_command), on first need, and stopped at
 exit (killed: a compile it had under way is abandoned whole, as the caches write whole entries
 only). Requests and replies are JSON lines of length-prefixed bytes; the graph goes as the
 front-end cache encodes it. Where something does not apply (no disk cache, a graph with a
@@ -16,6 +16,7 @@ False and the build happens in this process as before."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -42,11 +43,18 @@ def _settings() -> dict:
     return out
 
 
+def isolated_command(boot: str) -> list[str]:
+    """A Python subprocess running `boot` (which sets sys.path from its arguments) in isolated
+    mode (-I: no current directory or script folder on sys.path, no PYTHON* variables, no user
+    site-packages) with exactly this process's import path, '' (the current directory, wherever
+    it is when the child starts) left out and relative entries made absolute: it imports the
+    tilefuse this process runs and never a `tilefuse/` (or `json`, ...) in the user's folder."""
+    return [sys.executable, "-I", "-c", boot, *(os.path.abspath(p) for p in sys.path if p)]
+
+
 def _start():
-    from tilefuse.backends.llvm.parallel import worker_command
-    cmd = worker_command()
-    cmd[3] = _BOOT  # [python, -I, -c, boot, *path]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(isolated_command(_BOOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
 
 
 def _send(f, obj) -> None:

@@ -24,6 +24,7 @@ import sys
 import threading
 
 from tilefuse.runtime import tiered
+from tilefuse.runtime.compile_child import isolated_command
 
 MIN_KERNELS = 4  # below this, starting workers costs more than it saves
 _built: dict[str, bytes] = {}  # cache key -> object code, taken once by compile_kernel
@@ -42,17 +43,13 @@ def _worker_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-# The worker's start: isolated mode (-I: no current directory or script folder on sys.path, no
-# PYTHON* variables, no user site-packages), then exactly the parent's import path, so it imports
-# the tilefuse this process runs and never a `tilefuse/` (or `json`, ...) in the user's folder.
+# The worker's start: isolated, with exactly the parent's import path (compile_child.isolated_command)
 _BOOT = ("import sys; sys.path[:] = sys.argv[1:]; "
          "from tilefuse.backends.llvm.parallel import _serve; _serve()")
 
 
 def worker_command() -> list[str]:
-    """The command line of a worker: the parent's import path with '' (the current directory,
-    wherever it is when the worker starts) left out and relative entries made absolute."""
-    return [sys.executable, "-I", "-c", _BOOT, *(os.path.abspath(p) for p in sys.path if p)]
+    return isolated_command(_BOOT)
 
 
 class _Worker:
