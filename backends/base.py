@@ -125,13 +125,20 @@ class Backend:
 
     pool: PoolAllocator | None = None  # a backend with one caching pool sets it
 
+    def pool_of(self, device) -> PoolAllocator | None:
+        """The device's caching pool (None: the backend has none); a backend serving several
+        devices with a pool each overrides this."""
+        return self.pool
+
     def memory_stats(self, device=None) -> dict:
-        return self.pool.stats() if self.pool is not None else {}
+        pool = self.pool_of(device)
+        return pool.stats() if pool is not None else {}
 
     def empty_cache(self, device=None) -> None:
         """Hand the pool's cached (free) blocks back to the device."""
-        if self.pool is not None:
-            self.pool.empty_cache()
+        pool = self.pool_of(device)
+        if pool is not None:
+            pool.empty_cache()
 
 
 class Program:

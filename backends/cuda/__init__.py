@@ -157,7 +157,7 @@ class CUDABackend(Backend):
                     ctx = self._contexts[i] = driver.Context(driver.device(i))
         return ctx
 
-    def pool(self, device) -> PoolAllocator:
+    def pool_of(self, device) -> PoolAllocator:
         i = getattr(device, "index", 0)
         pool = self._pools.get(i)
         if pool is None:
@@ -182,7 +182,7 @@ class CUDABackend(Backend):
 
     # -- memory ----------------------------------------------------------------------------
     def alloc(self, nbytes: int, device=None) -> DeviceBuffer:
-        pool = self.pool(device)
+        pool = self.pool_of(device)
         block = pool.alloc(nbytes)
         return DeviceBuffer(block.ptr, int(nbytes), block, pool)
 
@@ -209,12 +209,6 @@ class CUDABackend(Backend):
 
     def synchronize(self, device=None) -> None:
         self.context(device).synchronize()
-
-    def memory_stats(self, device=None) -> dict:
-        return self.pool(device).stats()
-
-    def empty_cache(self, device=None) -> None:
-        self.pool(device).empty_cache()
 
 
 class OfflineCUDABackend(CUDABackend):

@@ -305,12 +305,11 @@ class OpenCLBackend(Backend):
         except self._cl.Error as e:
             raise translate(e, "finish its queue", st.info.name) from None
 
-    def memory_stats(self, device) -> dict:
-        st = self._state(device)
-        return {**st.pool.stats(), "unaligned_views": st.unaligned_views}
+    def pool_of(self, device) -> PoolAllocator:
+        return self._state(device).pool
 
-    def empty_cache(self, device) -> None:
-        self._state(device).pool.empty_cache()
+    def memory_stats(self, device) -> dict:
+        return {**super().memory_stats(device), "unaligned_views": self._state(device).unaligned_views}
 
     def last_event(self, device):
         """The event of the last kernel launched on a device (for the profiler)."""

@@ -23,10 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _pool_of(device):
-    """The device's PoolAllocator: the cpu backend has one, OpenCL one per device."""
-    be = device.backend
-    state = getattr(be, "_state", None)
-    return getattr(be, "pool", None) or (getattr(state(device), "pool", None) if state else None)
+    """The device's PoolAllocator (the cpu backend has one, OpenCL one per device), or None."""
+    return device.backend.pool_of(device)
 
 
 def test_pool_limit_mid_call_raises_and_the_next_call_succeeds(device):
