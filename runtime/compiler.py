@@ -156,14 +156,13 @@ def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) ->
     fuse = config.fusion if fuse is None else fuse
     dump = Dump(config.dump_dir, graph.meta.get("name", "graph"))
     front, key, hit = _front(graph, fuse, dump)
-    if hit:  # from the persistent cache
-        try:
-            program = _compile_front(*front, device, backend, dump)
-        except Exception as e:  # noqa: BLE001 - an entry damaged past its checksum: the long way
-            frontend_cache.discard(key, e)
-            front, key, _ = _front(graph, fuse, dump, cached=False)
-            program = _compile_front(*front, device, backend, dump)
-    else:
+    try:
+        program = _compile_front(*front, device, backend, dump)
+    except Exception as e:  # noqa: BLE001 - from the persistent cache, an entry damaged past its
+        if not hit:  # checksum: the long way
+            raise
+        frontend_cache.discard(key, e)
+        front, key, _ = _front(graph, fuse, dump, cached=False)
         program = _compile_front(*front, device, backend, dump)
     frontend_cache.mark_built(key, device)
     return program

@@ -323,8 +323,7 @@ def _apply_primitive(prim, values, params) -> list:
     exe = _eager_cache.get(key) if key is not None else None
     if exe is None:
         graph = one_equation_graph(prim, avals, params)
-        exe = tiered.executable(graph, dev, lambda: dev.compile(graph), eager=True) if tiered.applies(dev) \
-            else dev.compile(graph)
+        exe = tiered.compile(graph, dev, eager=True)
         if key is not None:
             if hasattr(exe, "when_compiled"):
                 exe.when_compiled(lambda compiled: _swap_eager(key, exe, compiled))

@@ -135,10 +135,13 @@ class Budget:
 _eager_budget = Budget(AUTO_MOST_S)
 
 
-def executable(graph, device, build, eager: bool = False):
-    """What a jitted graph's (or an operation's, `eager`) calls run where tiering applies: under
-    "auto" the compiled program at once where the graph compiled before (the caches hold it),
-    else a TieredExecutable."""
+def compile(graph, device, eager: bool = False):
+    """What a jitted graph's (or an operation's, `eager`) calls run: the compiled program where
+    tiering does not apply, or under "auto" where the graph compiled before (the caches hold
+    it); else a TieredExecutable."""
+    build = lambda: device.compile(graph)  # noqa: E731
+    if not applies(device):
+        return build()
     if config.tiered != "auto":
         return TieredExecutable(graph, device, build)
     from .compiler import built_before

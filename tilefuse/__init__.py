@@ -31,9 +31,7 @@ _jit.hooks.resolve_device = _device.resolve_device
 def _compile(graph, device, tiered: bool = False):
     """jit's compile: tiered (runtime/tiered.py) where a call asks and the device takes it."""
     from tilefuse.runtime import tiered as _tiered
-    if tiered and _tiered.applies(device):
-        return _tiered.executable(graph, device, lambda: device.compile(graph))
-    return device.compile(graph)
+    return _tiered.compile(graph, device) if tiered else device.compile(graph)
 
 
 _jit.hooks.compile = _compile
