@@ -36,8 +36,8 @@ class Array:
 
     def __array__(self, dtype=None, copy=None):
         a = self.numpy()
-        if dtype is not None:
-            a = a.astype(dtype)
+        if copy or dtype is not None and np.dtype(dtype) != a.dtype:
+            a = a.astype(a.dtype if dtype is None else dtype)  # (a copy)
         return a
 
     # DLPack (the array-API exchange protocol): np.from_dlpack(x), torch.from_dlpack(x)

@@ -13,6 +13,7 @@ import numpy as np
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Eqn, Graph, ShapedArray, Var, aval_of_value, eval_graph
 from tilefuse.ir.errors import DeviceError, NaNError, UnsupportedDTypeError, without_user_line
+from tilefuse.ir.primitives import subgraphs
 
 from . import tiered
 from .array import Array
@@ -312,18 +313,15 @@ def _apply_primitive(prim, values, params) -> list:
         outs = backend_apply(prim, params, bufs, dev)
         return [Array(np.asarray(o, a.dtype) if not isinstance(o, np.ndarray) or o.dtype != a.dtype
                       else o, a, dev) for o, a in zip(outs, out_avals)]
-    try:
-        key = (prim, tuple(sorted(params.items())), avals, dev)
-        hash(key)
+    # (hashed once, by the lookup: a TypeError there is an unhashable parameter)
+    key = None if subgraphs(params) else (prim, tuple(sorted(params.items())), avals, dev)
+    try:  # (a body traced anew each call, as with subgraphs, would never hit again)
+        exe = _eager_cache.get(key) if key is not None else None
     except TypeError:
-        key = None
-    from tilefuse.ir.primitives import subgraphs
-    if key is not None and subgraphs(params):  # a body traced anew each call: never hit again
-        key = None
-    exe = _eager_cache.get(key) if key is not None else None
+        key = exe = None
     if exe is None:
         graph = one_equation_graph(prim, avals, params)
-        exe = tiered.compile(graph, dev, eager=True)
+        exe = INTERPRETED if tiered.interprets(graph, dev) else tiered.compile(graph, dev, eager=True)
         if key is not None:
             if hasattr(exe, "when_compiled"):
                 exe.when_compiled(lambda compiled: _swap_eager(key, exe, compiled))
@@ -331,12 +329,25 @@ def _apply_primitive(prim, values, params) -> list:
                 _eager_cache[key] = exe
                 while 0 < config.jit_cache_size < len(_eager_cache):
                     _eager_cache.popitem(last=False)
-    else:
+    elif exe is not INTERPRETED:  # (interpreted entries cost nothing to rebuild: no LRU order)
         try:
             _eager_cache.move_to_end(key)
         except KeyError:  # evicted meanwhile by another thread: this call still runs it
             pass
+    if exe is INTERPRETED:  # numpy on host views of the operands
+        out_avals = prim.abstract_eval(*avals, **params)
+        host = [v.numpy() if type(v) is Array else np.asarray(v, a.dtype) for v, a in zip(values, avals)]
+        outs = _ref_backend().apply_primitive(prim, params, host, dev)
+        put = dev.backend.put
+        return [Array(put(np.asarray(o, a.dtype), dev), a, dev) for o, a in zip(outs, out_avals)]
     return exe(values)
+
+
+INTERPRETED = "interpreted"  # an eager cache entry: the operation runs on the interpreter (tiered.interprets)
+
+
+def _ref_backend():
+    return get_device("ref").backend
 
 
 def _swap_eager(key, tiered_exe, compiled) -> None:

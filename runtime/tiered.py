@@ -129,10 +129,26 @@ class Budget:
         return self.spent >= self.seconds
 
 
-# Operations outside jit share one budget: a program of many small operations, each called
-# often, interprets as a whole until it took AUTO_MOST_S (one budget per operation let the
-# autograd-style RNN wait for 31 compiles one after another: 1.9 s where interpreting took 0.7).
+# Operations outside jit share one budget: a program of many large operations interprets as a
+# whole until it took AUTO_MOST_S (one budget per operation let the autograd-style RNN wait for 31
+# compiles one after another: 1.9 s where interpreting took 0.7).
 _eager_budget = Budget(AUTO_MOST_S)
+# An operation outside jit on at most this many elements (operands and results together) is
+# interpreted for good where tiering applies: its numpy call runs as fast as its kernel would
+# (a (16, 64) operation: 13-20 us a call either way, nearly all of it dispatch), and a kernel
+# costs ~45 ms to compile, which such a call never wins back. Larger ones compile: the kernel is
+# multi-threaded and vectorised where numpy's loop is not.
+EAGER_INTERPRET_ELEMENTS = 1 << 16
+
+
+def interprets(graph, device) -> bool:
+    """Whether an operation outside jit (a one-equation graph) runs on the interpreter for good."""
+    if not applies(device):
+        return False
+    n = 0
+    for v in (*graph.invars, *graph.outvars):
+        n += math.prod(v.aval.shape)
+    return n <= EAGER_INTERPRET_ELEMENTS
 
 
 def compile(graph, device, eager: bool = False):

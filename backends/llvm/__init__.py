@@ -85,15 +85,13 @@ class LLVMBackend(Backend):
     def put(self, host, device=None) -> np.ndarray:
         host = np.asarray(host)
         buf = self.alloc(host.nbytes, device)
-        np.copyto(buf.view(host.dtype).reshape(host.shape), host, casting="no")
+        np.copyto(np.ndarray(host.shape, host.dtype, buf), host, casting="no")
         return buf
 
     def to_host(self, buf, aval, device=None) -> np.ndarray:
         """A zero-copy, read-only typed view of the buffer."""
-        dt = np.dtype(aval.dtype)
-        n = int(np.prod(aval.shape, dtype=np.int64)) * dt.itemsize
-        out = buf[:n].view(dt).reshape(aval.shape)
-        out.flags.writeable = False
+        out = np.ndarray(aval.shape, aval.dtype, buf)  # (one call: every eager operation reads its operands so)
+        out.setflags(write=False)
         return out
 
     def host_memory(self, device=None) -> bool:

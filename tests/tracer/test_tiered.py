@@ -145,18 +145,25 @@ def test_auto_waits_for_the_compile_once_the_interpreter_took_its_estimate(rng, 
         tx.config.tiered = old
 
 
-def test_eager_operations_tier_too(rng):
-    """An operation outside jit (grad's forward and backward, op by op) runs on the interpreter
-    while its kernel compiles; the same numbers as compiled."""
+def test_eager_operations_interpret_when_small_and_tier_when_large(rng, monkeypatch):
+    """An operation outside jit (grad's forward and backward, op by op) on small operands runs on
+    the interpreter for good, no kernel built; a larger one on the interpreter while its kernel
+    compiles. The same numbers either way; breaking either choice fails the kind check."""
     from tilefuse.runtime import device as device_mod
     old, old_device = tx.config.tiered, tx.config.default_device
     tx.config.tiered, tx.config.default_device = True, "cpu"
+    x = rng.standard_normal((6, 7)).astype(np.float32) * 30
+    g = tx.grad(lambda a: tnp.sum(tnp.sin(a) * a * 1.25))
     try:
-        x = rng.standard_normal((6, 7)).astype(np.float32) * 30
-        g = tx.grad(lambda a: tnp.sum(tnp.sin(a) * a * 1.25))
-        got = np.asarray(g(tx.device_put(x)))
-        np.testing.assert_allclose(got, (np.cos(x) * x + np.sin(x)) * 1.25, rtol=1e-5, atol=1e-5)
-        assert any(isinstance(e, tiered.TieredExecutable) for e in list(device_mod._eager_cache.values()))
+        for limit, kind in ((tiered.EAGER_INTERPRET_ELEMENTS, str), (0, tiered.TieredExecutable)):
+            monkeypatch.setattr(tiered, "EAGER_INTERPRET_ELEMENTS", limit)
+            tx.clear_caches()
+            got = np.asarray(g(tx.device_put(x)))
+            np.testing.assert_allclose(got, (np.cos(x) * x + np.sin(x)) * 1.25, rtol=1e-5, atol=1e-5)
+            kinds = {type(e) for e in list(device_mod._eager_cache.values())}
+            assert kind in kinds, (limit, kinds)
+            if kind is str:
+                assert set(device_mod._eager_cache.values()) == {device_mod.INTERPRETED}
     finally:
         tx.config.tiered, tx.config.default_device = old, old_device
 
