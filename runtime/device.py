@@ -114,11 +114,15 @@ class Device:
 
     # compilation
     def compile(self, graph: Graph) -> "Executable":
+        self.check_graph(graph)
+        return Executable(graph, self, self.backend.compile(graph, self))
+
+    def check_graph(self, graph: Graph) -> None:
+        """An UnsupportedDTypeError for a graph that holds a dtype this device lacks."""
         if self.info.extra.get("unsupported"):
             self.check_dtypes([v.aval for v in (*graph.constvars, *graph.invars)], " (an argument)")
             for e in graph.eqns:
                 self.check_dtypes([v.aval for v in e.outputs], f" (the result of {e.prim.name})", e.source)
-        return Executable(graph, self, self.backend.compile(graph, self))
 
 
 class Executable:

@@ -1,6 +1,7 @@
 """Tiered execution: a jitted graph's first calls run on the reference interpreter (numpy, no
 compile) while its kernels compile on a background thread; the calls after the compile finishes
-run the compiled program (`tx.config.tiered`, TILEFUSE_TIERED; "auto" by default on cpu).
+run the compiled program (`tx.config.tiered`, TILEFUSE_TIERED; "auto" by default on cpu and
+OpenCL devices).
 
 "auto": a graph compiled whole before (a marker beside the front-end cache, so also by an
 earlier process) compiles at once; another runs its first call on the interpreter alone, then
@@ -40,7 +41,9 @@ from . import compile_child
 from .array import Array
 from .config import config
 
-TIERED_KINDS = ("cpu",)  # where compiling costs seconds and the interpreter runs the same numbers
+# where compiling costs seconds and the interpreter runs the same numbers (OpenCL: PoCL builds the
+# char-GPT step in 17.7 s with its cache cold, and the first call interprets in 1.8 s)
+TIERED_KINDS = ("cpu", "opencl")
 # "auto" interprets a graph's calls while they took less than its compile is expected to take
 # (a model fitted to cold compiles on 2 cores: bench_compile.py's programs, 0.17-2.8 s, and
 # eager operations, ~45 ms each: per graph, per equation, and per distinct operation and
@@ -142,8 +145,9 @@ EAGER_INTERPRET_ELEMENTS = 1 << 16
 
 
 def interprets(graph, device) -> bool:
-    """Whether an operation outside jit (a one-equation graph) runs on the interpreter for good."""
-    if not applies(device):
+    """Whether an operation outside jit (a one-equation graph) runs on the interpreter for good
+    (only where the device's buffers are host memory: elsewhere each call would copy)."""
+    if not applies(device) or not device.backend.host_memory(device):
         return False
     n = 0
     for v in (*graph.invars, *graph.outvars):
@@ -158,6 +162,7 @@ def compile(graph, device, eager: bool = False):
     build = lambda: device.compile(graph)  # noqa: E731
     if not applies(device):
         return build()
+    device.check_graph(graph)  # (a dtype the device lacks: the compile's error, before interpreting)
     if config.tiered != "auto":
         return TieredExecutable(graph, device, build)
     from .compiler import built_before
