@@ -7,9 +7,9 @@ device and configuration and so fills the persistent caches (front end, object c
 choices, the built marker); the thread then compiles it in this process from those caches.
 
 The child is a plain subprocess started as the LLVM compile workers are (isolated mode, this
-process's import path: isolated_command), on first need, and stopped at
-exit (killed: a compile it had under way is abandoned whole, as the caches write whole entries
-only). Requests and replies are JSON lines of length-prefixed bytes; the graph goes as the
+process's import path: isolated_command), on first need, ended when no build came for
+CHILD_IDLE_S (release), and killed at exit (a compile it had under way is abandoned whole, as the
+caches write whole entries only). Requests and replies are JSON lines of length-prefixed bytes; the graph goes as the
 front-end cache encodes it. Where something does not apply (no disk cache, a graph with a
 subgraph or a function as a parameter, a child that cannot start or dies), `prebuild` returns
 False and the build happens in this process as before."""
@@ -97,6 +97,20 @@ def prebuild(graph, device) -> bool:
                 _child[0].kill()
             return False
     return bool(reply.get("ok"))
+
+
+def release() -> None:
+    """End the child (it exits at the end of its input) after the background queue stayed empty
+    for a while: a notebook that compiled once keeps no idle process and its memory. The next
+    cold graph starts a new one."""
+    with _lock:
+        if _child and _child[0].poll() is None:
+            proc = _child.pop()
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
 
 
 def stop() -> None:

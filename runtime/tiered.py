@@ -57,6 +57,7 @@ COMPILE_S_PER_SIGNATURE = 0.015
 # interpreter only slows (its calls and the compile share the cores and the GIL: the char-GPT
 # example's 300 steps took 10 s compiled at once, 16 s interpreting for the whole estimate)
 AUTO_MOST_S = 1.0
+CHILD_IDLE_S = 30.0  # the compile child ends after this long without a build (compile_child.release)
 _exiting = threading.Event()
 # TieredExecutables waiting for their build, weakly held: one that its jit cache dropped
 # (evicted, clear_cache) is not built, and its graph and constants go at once
@@ -84,12 +85,13 @@ def check() -> None:
 def _serve() -> None:
     while True:
         with _wake:
-            while not _queue and not _exiting.is_set():
-                _wake.wait()
+            busy = bool(_wake.wait_for(lambda: _queue or _exiting.is_set(), CHILD_IDLE_S))
             if _exiting.is_set():
                 return
-            exe = _queue.popleft()()
-        if exe is not None:
+            exe = _queue.popleft()() if busy else None
+        if not busy:  # nothing to compile for a while: no idle child process kept
+            compile_child.release()
+        elif exe is not None:
             exe._build()
         del exe
 

@@ -199,3 +199,29 @@ def test_the_child_process_compiles_into_the_caches(tmp_path):
     r = subprocess.run([sys.executable, "-c", CHILD_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.splitlines()[-1]) == {"ok": True, "passes": 0, "close": True, "tiered": False}
+
+
+IDLE_SCRIPT = textwrap.dedent("""
+    import json, time, numpy as np, tilefuse as tx, tilefuse.numpy as tnp
+    from tilefuse.runtime import compile_child, tiered
+    tiered.CHILD_IDLE_S = 0.5
+    x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4)
+    f = tx.jit(lambda x: tnp.tanh(x) * 2.0 + 1.0, device="cpu")
+    f(x)  # interpreted; its build goes to the child
+    (entry,) = f._cache.values()
+    entry.executable._done.wait(120)  # (built by the background thread, through the child)
+    started = [p for p in compile_child._child]
+    time.sleep(2.0)
+    print(json.dumps({"started": len(started), "left": len(compile_child._child),
+                      "exited": all(p.poll() is not None for p in started),
+                      "close": bool(np.allclose(f(x), np.tanh(x) * 2 + 1, rtol=1e-6, atol=1e-6))}))
+""")
+
+
+def test_the_child_process_ends_when_idle(tmp_path):
+    """A notebook that compiled once keeps no idle compile process: the child ends once no build
+    came for CHILD_IDLE_S, and the next cold graph would start another."""
+    env = dict(os.environ, TILEFUSE_CACHE_DIR=str(tmp_path), TILEFUSE_TIERED="auto")
+    r = subprocess.run([sys.executable, "-c", IDLE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == {"started": 1, "left": 0, "exited": True, "close": True}
