@@ -31,8 +31,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-import networkx as nx
-
 from ..core import Eqn, Graph, Var
 from ..kernel import lower
 from ..primitives import has_effect
@@ -227,7 +225,8 @@ class _Dag:
     def has_edge(self, u: int, v: int) -> bool:
         return v in self.succ.get(u, ())
 
-    def as_networkx(self) -> nx.DiGraph:
+    def as_networkx(self) -> "nx.DiGraph":
+        import networkx as nx  # (here, not at the top: its import is half of `import tilefuse`'s)
         g = nx.DiGraph()
         g.add_nodes_from(self.succ)
         g.add_edges_from(self.edges)
@@ -635,6 +634,7 @@ class _Partitioner:
         return Region(eqns, tuple(inputs.values()), outputs, kind, meta or {})
 
     def regions(self) -> list[Region]:
+        import networkx as nx
         dag = self.dag.as_networkx()
         assert nx.is_directed_acyclic_graph(dag), "fusion created a cycle between regions"
         assert all(self.pos[u] < self.pos[v] for u, v in dag.edges), "positions not topological"
