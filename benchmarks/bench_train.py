@@ -8,7 +8,9 @@ from the same initial parameters and the same batches, each framework in its own
 
 One table (ratios against tilefuse on `cpu`): step time (median after warm-up), first call
 (tracing + compiling + running; for tilefuse cold and with the persistent compile cache
-TILEFUSE_CACHE_DIR warm), peak RSS of the subprocess, and the loss after N steps. Then the
+TILEFUSE_CACHE_DIR warm), a new batch size after the run (half the batch, as an epoch's last
+batch: its first call, and its first NEW_BATCH_CALLS calls together, which include any wait for
+a compile), peak RSS of the subprocess, and the loss after N steps. Then the
 loss-curve agreement: the largest |loss difference| per step between tilefuse and PyTorch
 (and JAX) over the steps both ran; the target is 1e-3 in float32. The `ref` device is tilefuse's
 numpy interpreter of the same graph: the numpy reference. A worker that passes --max-seconds
@@ -38,6 +40,7 @@ from common import USER_TIERED, emit, fmt_seconds, run_worker, side_by_side  # n
 BATCH, SEQ, D_MODEL, LAYERS, HEADS, VOCAB = 32, 64, 128, 2, 4, 96
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP = 3e-3, 0.9, 0.95, 1e-8, 0.1, 1.0
 TOLERANCE = 1e-3
+NEW_BATCH_CALLS = 5
 
 
 def schedule(count: int, steps: int) -> float:
@@ -255,8 +258,18 @@ def worker(args) -> None:
         if args.max_seconds and time.perf_counter() - start > args.max_seconds:
             break
     measured = times[args.warmup:] or times
-    emit({"first_call_s": first, "step_s": float(np.median(measured)) if measured else None,
-          "losses": losses})
+    out = {"first_call_s": first, "step_s": float(np.median(measured)) if measured else None,
+           "losses": losses}
+    if not args.first_only:  # a new batch size (an epoch's last, smaller batch): its first calls
+        i = len(losses) % len(xs)
+        x, y = xs[i][:BATCH // 2], ys[i][:BATCH // 2]
+        t0 = time.perf_counter()
+        step(i, x, y)
+        out["new_batch_first_s"] = time.perf_counter() - t0
+        for _ in range(NEW_BATCH_CALLS - 1):
+            step(i, x, y)
+        out["new_batch_calls_s"] = time.perf_counter() - t0
+    emit(out)
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -309,6 +322,8 @@ def main(argv=None) -> int:
                 results[r] = {"step": "failed"}
                 continue
             row = {"step": res["step_s"], "first call": res["first_call_s"],
+                   "new batch: first call": res.get("new_batch_first_s", "-"),
+                   f"new batch: {NEW_BATCH_CALLS} calls": res.get("new_batch_calls_s", "-"),
                    "peak RSS MiB": round(res["peak_rss_mib"]),
                    "loss": f"{res['losses'][-1]:.4f} @{len(res['losses'])}"}
             if r.startswith("tilefuse"):
@@ -318,10 +333,12 @@ def main(argv=None) -> int:
             print(f"  step {fmt_seconds(row['step'])}, first call {fmt_seconds(row['first call'])}, "
                   f"{len(res['losses'])} steps", flush=True)
 
-    secs = {m: fmt_seconds for m in ("step", "first call", "first call, cache warm")}
+    cols = ["step", "first call", "first call, cache warm", "new batch: first call",
+            f"new batch: {NEW_BATCH_CALLS} calls"]
+    secs = {m: fmt_seconds for m in cols}
     base_name = next((r for r in ("tilefuse:cpu", *runners) if r in results), None)
     print()
-    print(side_by_side(results, ["step", "first call", "first call, cache warm", "peak RSS MiB", "loss"],
+    print(side_by_side(results, [*cols, "peak RSS MiB", "loss"],
                        baseline=base_name, formats=secs,
                        title=f"char-GPT train step: d_model {D_MODEL}, {LAYERS} layers, {HEADS} heads, "
                              f"seq {SEQ}, batch {BATCH}, vocab {VOCAB}, AdamW (median after warm-up)"))
