@@ -50,6 +50,7 @@ from .tile import (
     Range,
     Store,
     TileKernel,
+    batch,
     broadcast,
     hmax,
     hmin,
@@ -86,9 +87,13 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
     """The layout the target implies: vectors along a long last axis on CPUs, work-groups of up to
     256 on GPUs (64 on CPUs: fewer, larger work-groups cost less to start), adds by an owner axis
     where there is one and by atomics (or one work-item) where not."""
+    k = laid_out(k, target)
     group = min(64 if target.kind == "cpu" else 256, target.max_group)
     W = target.lanes if target.kind == "cpu" else 1
-    lanes = W if k.shape and k.shape[-1] >= W > 1 else 1
+    # a lone axis whose extent comes at run time takes full vectors, whatever this call's extent
+    # (shorter runs are the ragged end): the code then serves every batch size
+    lanes = W * max(1, target.unroll) if target.runtime_batch and len(k.shape) == 1 and W > 1 else \
+        _width(k.shape, W, target.unroll)
     adds = [s for s in k.stores if s.mode == "add"]
     if not adds:
         G = _reduce_group(k, target)
@@ -96,8 +101,8 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
             return Schedule(G, 1, reduce_group=G)
         if W > 1 and k.reduce_shape and k.reduce_shape[-1] >= W:
             par, red = _contiguous(k, ("idx", len(k.shape) - 1)), _contiguous(k, ("ridx", len(k.reduce_shape) - 1))
-            if red > par or not lanes:
-                return Schedule(group, 1, reduce_lanes=W)
+            if red > par or lanes == 1:
+                return Schedule(group, 1, reduce_lanes=_width(k.reduce_shape, W, target.unroll))
         return Schedule(group, lanes)
     racy = any(np.dtype(k.buffers[s.buffer].dtype).kind == "f" for s in adds)
     if k.owner_axis is not None and (target.kind == "cpu" or (deterministic and racy)):
@@ -107,6 +112,88 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
             any(np.dtype(k.buffers[s.buffer].dtype).name not in ATOMIC for s in adds):
         return Schedule(serial=True)
     return Schedule(group, 1)
+
+
+def _width(shape, W: int, unroll: int) -> int:
+    """Lanes along the last axis of `shape`: W x the most of `unroll` registers (a power of two)
+    that its extent fills, W where it fills one, else 1 (no vectors)."""
+    if not shape or W <= 1 or shape[-1] < W:
+        return 1
+    u = max(1, unroll)
+    while u > 1 and shape[-1] < W * u:
+        u //= 2
+    return W * u
+
+
+def laid_out(k: Kernel, target: Target) -> Kernel:
+    """The kernel the scheduler lays out on `target`: on CPU targets with adjacent axes merged
+    (merge_axes), kept in k.meta per target kind."""
+    if target.kind != "cpu":
+        return k
+    got = k.meta.get("merged")
+    if got is None:
+        got = k.meta["merged"] = merge_axes(k)
+    return got
+
+
+def merge_axes(k: Kernel) -> Kernel:
+    """k over fewer axes: adjacent axes a, a+1 that every index form walks as one (the
+    coefficient of a is that of a+1 times a+1's extent) become one axis, and axes of extent 1
+    go; every index form is rebuilt over the new axes. A CPU then runs long contiguous axes
+    whole: vectors fill, ragged ends are few, and kernels over (n, 128) and (n, 384) share code."""
+    roots = [e for st in k.stores for e in (st.offset, st.value)]
+    forms = affine_forms(roots)
+
+    def bears(f):
+        return f is not None and any(key != "c" for key in f)
+    # forms printed as such: an index-bearing affine node under a node that is not affine (or a root)
+    maximal = {r for r in roots if bears(forms[r])}
+    for r in roots:
+        for n in r.toposort():
+            if forms[n] is None:
+                maximal.update(x for x in n.src if bears(forms[x]))
+    used = [forms[n] for n in maximal]
+    par, red = _groups(k.shape, "idx", used), _groups(k.reduce_shape, "ridx", used)
+    if [a for _, a in par] == [[a] for a in range(len(k.shape))] and \
+            [a for _, a in red] == [[a] for a in range(len(k.reduce_shape))]:
+        return k
+
+    def rebuild(f):
+        out = ic(f.get("c", 0))
+        for kind, groups in (("idx", par), ("ridx", red)):
+            for g, (_, axes) in enumerate(groups):
+                out = iadd(out, imul(KExpr(kind, INDEX, (), g), f.get((kind, axes[-1]), 0)))
+        return out
+    memo: dict = {}
+    for r in roots:
+        for n in r.toposort():
+            if n in memo:
+                continue
+            if n in maximal:
+                memo[n] = rebuild(forms[n])
+            elif not bears(forms[n]):  # (index-bearing nodes under a maximal one are never asked for)
+                memo[n] = KExpr(n.op, n.dtype, tuple(memo[x] for x in n.src), n.arg) if n.src else n
+    stores = tuple(KStore(st.buffer, memo[st.offset], memo[st.value], st.mode) for st in k.stores)
+    return Kernel(k.name, k.buffers, k.n_inputs, tuple(n for n, _ in par), tuple(n for n, _ in red), stores)
+
+
+def _groups(shape, kind: str, forms) -> list:
+    """Axes of `shape` merged: [(extent, axes)], outermost first; axes of extent 1 belong to none
+    (their index is 0), unless all are: then one group of them all."""
+    groups: list = []  # innermost first
+    for a in reversed(range(len(shape))):
+        if shape[a] == 1:
+            continue
+        if groups:
+            first = groups[-1][0]
+            if shape[a] > 0 and shape[first] > 0 and all(
+                    f.get((kind, a), 0) == f.get((kind, first), 0) * shape[first] for f in forms):
+                groups[-1].insert(0, a)
+                continue
+        groups.append([a])
+    if not groups and shape:
+        groups = [list(range(len(shape)))]
+    return [(math.prod(shape[a] for a in axes), axes) for axes in reversed(groups)]
 
 
 GROUP_REDUCE_MIN = 512  # reduction sizes from which a GPU point takes a work-group
@@ -137,10 +224,12 @@ def _contiguous(k: Kernel, key: tuple) -> int:
 
 
 def divmod_index(u: KExpr, shape) -> list:
-    """Row-major indices of the flat number u over `shape`."""
+    """Row-major indices of the flat number u (< the product of `shape`) over `shape`: the first
+    is what remains, so its extent is not in the expressions (tile.batch)."""
     out, rest = [], u
-    for n in reversed(shape):
-        out.append(ic(0) if n == 1 else binary("rem", rest, ic(n)))
+    for a in reversed(range(len(shape))):
+        n = shape[a]
+        out.append(ic(0) if n == 1 else rest if a == 0 else binary("rem", rest, ic(n)))
         rest = binary("div", rest, ic(n)) if n != 1 else rest
     return out[::-1]
 
@@ -544,21 +633,25 @@ class _Builder:
 def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKernel:
     """The tile kernel of an index-space kernel on `target` (default_schedule unless given)."""
     s = sched or default_schedule(k, target)
+    k = laid_out(k, target)
+    meta = {"kernel": k, "schedule": s, "batch": k.shape[0] if k.shape else 1}
     if not k.size:  # nothing to compute: a kernel of no work-groups
-        return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", 0, "grid", ()),), meta={"kernel": k, "schedule": s})
+        return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", 0, "grid", ()),), meta=meta)
     b = _Builder(k, s)
     shape = tuple(k.shape)
+    # the first axis's extent: read at run time where the printer takes it (tile.batch)
+    n0 = batch() if target.runtime_batch and shape else ic(shape[0] if shape else 1)
     if s.serial:
         u = var("u")
         I = divmod_index(u, shape)
-        body = (Range("g", 1, "grid", (Range("u", max(1, math.prod(shape)), "serial", b.point(I, None)),)),)
-        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+        body = (Range("g", 1, "grid", (Range("u", imul(n0, math.prod(shape[1:])), "serial", b.point(I, None)),)),)
+        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
     if s.owner:
-        return _owner(k, s, b)
+        return _owner(k, s, b, n0, meta)
     if s.reduce_group > 1:
         points = max(1, math.prod(shape))
         body = (Range("g", points, "grid", (Range("l", s.reduce_group, "lane", b.point(divmod_index(var("g"), shape), None)),)),)
-        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
     W = s.lanes
     if W > 1:
         last = shape[-1]
@@ -570,14 +663,18 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
     g, lane = var("g"), var("l")
     u = iadd(imul(g, G), lane) if G > 1 else g
     if W > 1:
-        outer = divmod_index(binary("div", u, ic(per_row)), shape[:-1])
-        base = imul(binary("rem", u, ic(per_row)), W)
+        if len(shape) == 1:  # one axis: its extent comes at run time
+            outer, base, last_n = [], imul(u, W), n0
+        else:
+            outer = divmod_index(binary("div", u, ic(per_row)), shape[:-1])
+            base, last_n = imul(binary("rem", u, ic(per_row)), W), ic(last)
         axis = KExpr("idx", INDEX, (), len(shape) - 1)
-        whole = binary("le", iadd(base, ic(W)), ic(last))
+        whole = binary("le", iadd(base, ic(W)), last_n)
         vec_body = b.point(outer + [base], (axis, base, W))
         l_ = var("t")
-        tail = (Range("t", W, "unroll", (If(binary("lt", iadd(base, l_), ic(last)),
-                                            b.point(outer + [iadd(base, l_)], None)),)),)
+        # the ragged end point by point: a loop (unrolled, wide vectors would copy the body W times)
+        tail = (Range("t", W, "unroll" if W <= 16 else "serial", (If(binary("lt", iadd(base, l_), last_n),
+                                                                       b.point(outer + [iadd(base, l_)], None)),)),)
         inner = (If(whole, vec_body), If(unary("not", whole), tail))
     else:
         inner = b.point(divmod_index(u, shape), None)
@@ -586,10 +683,10 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         body = (Range("g", units, "grid", inner),)
-    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
 
 
-def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
+def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKernel:
     """A work-item per index (or vector of `lanes` indices) of the owner axis; the rest of the
     space in order inside it."""
     shape, a = tuple(k.shape), k.owner_axis
@@ -609,13 +706,16 @@ def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
         I[a] = at_a
         return I
     count = max(1, math.prod(shape[i] for i in others))
+    if others and others[0] == 0:  # the first axis's extent at run time (n0)
+        count = imul(n0, math.prod(shape[i] for i in others[1:]))
+    n_at = n0 if a == 0 else ic(n)
     if W > 1:
         base = imul(unit, W)
         axis = KExpr("idx", INDEX, (), a)
-        whole = binary("le", iadd(base, ic(W)), ic(n))
+        whole = binary("le", iadd(base, ic(W)), n_at)
         t = var("t")
-        tail = (Range("t", W, "unroll", (If(binary("lt", iadd(base, t), ic(n)),
-                                            b.point(index(iadd(base, t)), None)),)),)
+        tail = (Range("t", W, "unroll" if W <= 16 else "serial", (If(binary("lt", iadd(base, t), n_at),
+                                                                       b.point(index(iadd(base, t)), None)),)),)
         inner = (Range("u", count, "serial", (If(whole, b.point(index(base), (axis, base, W))),
                                                If(unary("not", whole), tail))),)
     else:
@@ -625,7 +725,7 @@ def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         body = (Range("g", units, "grid", inner),)
-    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
 
 
-__all__ = ["Schedule", "default_schedule", "divmod_index", "schedule", "substitute"]
+__all__ = ["Schedule", "default_schedule", "divmod_index", "laid_out", "merge_axes", "schedule", "substitute"]

@@ -1,6 +1,7 @@
-"""Shape-generic CPU kernels: a kernel's cache text (llvmir/render.cache_text) holds only what
-its code depends on (not the first parallel extent, a batch size; not the axes merged into one
-loop), so a new batch size reuses compiled code.
+"""Shape-generic CPU kernels: a scheduled kernel's cache text (llvmir/tile.key_text) holds only
+what its code depends on (not the first axis's extent, a batch size, which the code reads at run
+time: tile.batch; not the axes the scheduler merged into one), so a new batch size reuses
+compiled code.
 
 The structural guard: for every kernel of real programs lowered at several batch sizes, whenever
 two kernels share a cache text they render to the same LLVM IR. A renderer that starts reading
@@ -16,7 +17,8 @@ import tilefuse.nn as nn
 import tilefuse.numpy as tnp
 from conftest import assert_close
 from tilefuse.backends.llvm import compile as lc
-from tilefuse.backends.llvmir.render import cache_text, render
+from tilefuse.backends.llvmir.tile import key_text, print_tile
+from tilefuse.runtime.hardware import host_info
 from tilefuse.runtime.compiler import _front
 from tilefuse.validate.programs import layernorm, softmax
 
@@ -69,7 +71,8 @@ def test_equal_cache_text_means_equal_code():
             for k in _kernels(f, make(n)):
                 if not k.size:
                     continue
-                text, code = cache_text(k), render(k, "f")
+                tk = lc.scheduled(k, host_info())[0]
+                text, code = key_text(tk), print_tile(tk, "f")
                 if text in by_text:
                     shared += 1
                     assert by_text[text] == code, f"{k.name}: equal cache text, different code"
