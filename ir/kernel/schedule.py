@@ -109,6 +109,7 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
         owner_last = k.owner_axis == len(k.shape) - 1
         return Schedule(group, lanes if owner_last else 1, owner=True)
     if {s.buffer for s in k.stores if s.mode == "set"} & {s.buffer for s in adds} or (deterministic and racy) or \
+            not target.atomics or \
             any(np.dtype(k.buffers[s.buffer].dtype).name not in ATOMIC for s in adds):
         return Schedule(serial=True)
     return Schedule(group, 1)
