@@ -154,10 +154,16 @@ _targets: dict = {}
 _link_ids = itertools.count()
 
 
+_targets_lock = threading.Lock()
+
+
 def get_target(info: DeviceInfo) -> Target:
     t = _targets.get(info.fingerprint)
     if t is None:
-        t = _targets[info.fingerprint] = Target(info)
+        with _targets_lock:  # one per description, whichever thread asks first (its lock guards LLVM)
+            t = _targets.get(info.fingerprint)
+            if t is None:
+                t = _targets[info.fingerprint] = Target(info)
     return t
 
 
@@ -349,12 +355,12 @@ def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
         if key not in _memory and key not in todo and not target.cache.has(key):
             todo[key] = (tk, fn_name, info)  # workers compile for the same description
     parallel.build_objects(todo, lambda tk, fn_name, _info: target.compile_ir(
-        print_tile(tk, fn_name, vector_bits=target.vector_bits), fn_name, tk.name))
+        print_tile(tk, fn_name, vector_bits=target.vector_bits), fn_name, ""))  # (errors: compile_kernel reports them)
 
 
-def load_tile(tk: TileKernel, key: str, fn_name: str, info: DeviceInfo) -> int:
+def load_tile(tk: TileKernel, key: str, fn_name: str, info: DeviceInfo, source=None) -> int:
     """The address of a tile kernel's function: from memory, the worker processes' builds, the
-    disk cache, or printed and compiled now."""
+    disk cache, or printed and compiled now (an error names `source`, the kernel it came from)."""
     target = get_target(info)
     hit = _memory.get(key)
     if hit is not None:
@@ -370,10 +376,10 @@ def load_tile(tk: TileKernel, key: str, fn_name: str, info: DeviceInfo) -> int:
                 obj = parallel.take(key)  # built with the rest of its graph
                 if obj is None:
                     ir_text = print_tile(tk, fn_name, vector_bits=target.vector_bits)
-                    obj = target.compile_ir(ir_text, fn_name, str(tk))
+                    obj = target.compile_ir(ir_text, fn_name, str(source or tk))
                 return obj
             hit = _memory[key] = target.cache.get_or_build(key, build, lambda obj: target.load(
-                obj, fn_name, ir_text, str(tk)))
+                obj, fn_name, ir_text, str(source or tk)))
     return hit
 
 
@@ -381,7 +387,7 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = No
     """Compile (or fetch from the caches) one kernel for the host CPU: the shared scheduler's
     tile kernel under `sched` (default: the Target's), printed by llvmir/tile.py."""
     tk, key, fn_name = scheduled(kernel, info, sched)
-    address = load_tile(tk, key, fn_name, info) if kernel.size else 0
+    address = load_tile(tk, key, fn_name, info, kernel) if kernel.size else 0
     threads, bounds = split(tk, kernel, info.compute_units)
     return CompiledKernel(tk, fn_name, address, threads, bounds, kernel, get_target(info).vector_bits)
 
