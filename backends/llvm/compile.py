@@ -45,6 +45,7 @@ NS_PER_OP = 0.05
 OP_COST = {"exp": 12, "log": 12, "log1p": 14, "expm1": 14, "tanh": 14, "logistic": 10, "erf": 16,
            "sin": 14, "cos": 14, "pow": 40, "div": 4, "rem": 8, "sqrt": 4, "rsqrt": 5}
 CHUNK_ALIGN = 64  # chunk boundaries on multiples of 64 points: whole cache lines per thread
+SCHEDULED = "; the shared scheduler's kernel\n"  # heads their LLVM IR (compile_ir reads it)
 
 
 PRINTER_FILES = ("ops.py", "vecmath.py", "irutil.py", "tile.py")  # in backends/llvmir
@@ -91,10 +92,10 @@ class Target:
                             llvm.llvm_version_info, self.triple, self.cpu, self.features,
                             self.vector_bits, OPT_LEVEL)
 
-    def optimize(self, mod: llvm.ModuleRef) -> None:
+    def optimize(self, mod: llvm.ModuleRef, vectorize: bool = True) -> None:
         pto = llvm.create_pipeline_tuning_options(speed_level=OPT_LEVEL)
-        pto.loop_vectorization = True
-        pto.slp_vectorization = True
+        pto.loop_vectorization = vectorize
+        pto.slp_vectorization = vectorize
         pb = llvm.create_pass_builder(self.tm, pto)
         pb.getModulePassManager().run(mod, pb)
 
@@ -104,7 +105,9 @@ class Target:
             mod = llvm.parse_assembly(text)
             mod.triple, mod.data_layout = self.triple, self.data_layout
             mod.verify()
-            self.optimize(mod)
+            # the scheduler's kernels hold their vectors already: LLVM's vectorisers would only
+            # spend compile time on them (a third of a cold training step's)
+            self.optimize(mod, vectorize=SCHEDULED not in text)
             return self.tm.emit_object(mod)
         except RuntimeError as e:
             raise CompileError(f"LLVM could not compile kernel {fn_name}: {e}", backend="llvm",
@@ -181,10 +184,10 @@ class CompiledKernel:
     buffers' addresses the function reads the first axis's extent (tile.batch)."""
 
     def __init__(self, tk: TileKernel, fn_name: str, address: int, threads: int, bounds: list | None,
-                 kernel=None, bits: int = 0):
+                 target: Target, kernel=None):
         self.tile, self.kernel, self.name, self.address = tk, kernel or tk, fn_name, address
         self._fn = KernelFn(address)
-        self._bits = bits
+        self._target = target
         self._size = tasks(tk)
         self._batch = int(tk.meta.get("batch", 0))
         self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in tk.buffers]
@@ -197,7 +200,7 @@ class CompiledKernel:
     @property
     def llvm_ir(self) -> str:
         """The unoptimised LLVM IR (printed again on demand)."""
-        return print_tile(self.tile, self.name, vector_bits=self._bits)
+        return llvm_text(self.tile, self.name, self._target, self.kernel is not self.tile)
 
     def _args(self, addrs):
         return self._ptrs_t(*addrs, self._batch)
@@ -338,9 +341,14 @@ def scheduled(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = None) -
     return memo[where]
 
 
+def llvm_text(tk: TileKernel, fn_name: str, target: Target, by_scheduler: bool) -> str:
+    """The LLVM IR of a tile kernel, headed SCHEDULED where the scheduler made it."""
+    return (SCHEDULED if by_scheduler else "") + print_tile(tk, fn_name, vector_bits=target.vector_bits)
+
+
 def kernel_ir(kernel: Kernel, info: DeviceInfo, fn_name: str = "f") -> str:
     """The LLVM IR of a kernel under its default schedule (unoptimised): for tests and debugging."""
-    return print_tile(scheduled(kernel, info)[0], fn_name, vector_bits=get_target(info).vector_bits)
+    return llvm_text(scheduled(kernel, info)[0], fn_name, get_target(info), True)
 
 
 def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
@@ -355,12 +363,13 @@ def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
         if key not in _memory and key not in todo and not target.cache.has(key):
             todo[key] = (tk, fn_name, info)  # workers compile for the same description
     parallel.build_objects(todo, lambda tk, fn_name, _info: target.compile_ir(
-        print_tile(tk, fn_name, vector_bits=target.vector_bits), fn_name, ""))  # (errors: compile_kernel reports them)
+        llvm_text(tk, fn_name, target, True), fn_name, ""))  # (errors: compile_kernel reports them)
 
 
 def load_tile(tk: TileKernel, key: str, fn_name: str, info: DeviceInfo, source=None) -> int:
     """The address of a tile kernel's function: from memory, the worker processes' builds, the
-    disk cache, or printed and compiled now (an error names `source`, the kernel it came from)."""
+    disk cache, or printed and compiled now (`source`: the index-space kernel the scheduler made it
+    of, which an error names)."""
     target = get_target(info)
     hit = _memory.get(key)
     if hit is not None:
@@ -375,7 +384,7 @@ def load_tile(tk: TileKernel, key: str, fn_name: str, info: DeviceInfo, source=N
                 nonlocal ir_text
                 obj = parallel.take(key)  # built with the rest of its graph
                 if obj is None:
-                    ir_text = print_tile(tk, fn_name, vector_bits=target.vector_bits)
+                    ir_text = llvm_text(tk, fn_name, target, source is not None)
                     obj = target.compile_ir(ir_text, fn_name, str(source or tk))
                 return obj
             hit = _memory[key] = target.cache.get_or_build(key, build, lambda obj: target.load(
@@ -389,7 +398,7 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = No
     tk, key, fn_name = scheduled(kernel, info, sched)
     address = load_tile(tk, key, fn_name, info, kernel) if kernel.size else 0
     threads, bounds = split(tk, kernel, info.compute_units)
-    return CompiledKernel(tk, fn_name, address, threads, bounds, kernel, get_target(info).vector_bits)
+    return CompiledKernel(tk, fn_name, address, threads, bounds, get_target(info), kernel)
 
 
 def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
@@ -397,8 +406,7 @@ def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
     key = compile_cache.make_key("tile", key_text(tk), get_target(info).fingerprint)
     fn_name = "tf_tile_" + key[:24]
     threads, bounds = split(tk, None, info.compute_units)
-    return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), threads, bounds,
-                          bits=get_target(info).vector_bits)
+    return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), threads, bounds, get_target(info))
 
 
 def memory_cache_stats() -> dict:

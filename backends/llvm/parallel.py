@@ -145,7 +145,7 @@ def build_objects(todo: dict, local) -> None:
 def _serve() -> None:
     """The worker: requests (tile kernel, symbol, DeviceInfo) on stdin, object code on stdout
     (for the parent's description of the CPU, which may be narrower than this host)."""
-    from tilefuse.backends.llvm.compile import get_target, print_tile
+    from tilefuse.backends.llvm.compile import get_target, llvm_text
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     while True:
         head = inp.read(8)
@@ -154,7 +154,7 @@ def _serve() -> None:
         tk, fn_name, info = pickle.loads(_read(inp, int.from_bytes(head, "little")))
         try:
             target = get_target(info)
-            status, payload = 0, target.compile_ir(print_tile(tk, fn_name, vector_bits=target.vector_bits), fn_name, "")
+            status, payload = 0, target.compile_ir(llvm_text(tk, fn_name, target, True), fn_name, "")
         except Exception as e:  # reported by compile_kernel, which compiles it again in-process
             status, payload = 1, str(e).encode()
         out.write(bytes([status]) + len(payload).to_bytes(8, "little") + payload)

@@ -141,8 +141,15 @@ class _Printer(PrintedValues):
             return self.splat(self._val(n.src[0]), w)
         if op in ("hsum", "hmax", "hmin"):
             x = self._val(n.src[0])
-            parts = [b.extract_element(x, ir.Constant(ir.IntType(32), i)) for i in range(x.type.count)]
             bop = {"hsum": "add", "hmax": "max", "hmin": "min"}[op]
+            w = x.type.count
+            while w > 1 and w % 2 == 0:  # a tree of halves: the upper half onto the lower
+                idx = lambda lo: ir.Constant(ir.VectorType(ir.IntType(32), w // 2), list(range(lo, lo + w // 2)))  # noqa: E731
+                x = self.arith(bop, d, [b.shuffle_vector(x, x, idx(0)), b.shuffle_vector(x, x, idx(w // 2))])
+                w //= 2
+            if w == 1:
+                return b.extract_element(x, ir.Constant(ir.IntType(32), 0))
+            parts = [b.extract_element(x, ir.Constant(ir.IntType(32), i)) for i in range(w)]
             while len(parts) > 1:  # a tree: pairwise sums
                 parts = [self.arith(bop, d, parts[i:i + 2]) if i + 1 < len(parts) else parts[i]
                          for i in range(0, len(parts), 2)]

@@ -92,17 +92,24 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
     W = target.lanes if target.kind == "cpu" else 1
     # a lone axis whose extent comes at run time takes full vectors, whatever this call's extent
     # (shorter runs are the ragged end): the code then serves every batch size
-    lanes = W * max(1, target.unroll) if target.runtime_batch and len(k.shape) == 1 and W > 1 else \
-        _width(k.shape, W, target.unroll)
+    last = ("idx", len(k.shape) - 1)
+    # gathers (loads that walk the vector axis with a stride) are a load per lane: one register's
+    # worth, not `unroll` of them (the code grows with the lanes)
+    unroll = max(1, target.unroll) if not _walks(k, last)[1] else 1
+    lanes = W * unroll if target.runtime_batch and len(k.shape) == 1 and W > 1 else _width(k.shape, W, unroll)
     adds = [s for s in k.stores if s.mode == "add"]
     if not adds:
         G = _reduce_group(k, target)
         if G > 1:
             return Schedule(G, 1, reduce_group=G)
-        if W > 1 and k.reduce_shape and k.reduce_shape[-1] >= W:
-            par, red = _contiguous(k, ("idx", len(k.shape) - 1)), _contiguous(k, ("ridx", len(k.reduce_shape) - 1))
-            if red > par or lanes == 1:
-                return Schedule(group, 1, reduce_lanes=_width(k.reduce_shape, W, target.unroll))
+        if W > 1 and k.reduce_shape:
+            rlast = ("ridx", len(k.reduce_shape) - 1)
+            par, red = _walks(k, last)[0], _walks(k, rlast)[0]
+            args = any(r.arg in ("argmax", "argmin") for lv in reduce_levels(_roots(k)) for r in lv)
+            if k.reduce_shape[-1] >= W and (red > par or lanes == 1):  # (argmax/argmin fold lane by lane: one register)
+                return Schedule(group, 1, reduce_lanes=_width(k.reduce_shape, W, 1 if args else target.unroll))
+            if target.kind == "cpu" and not par and not red:
+                return Schedule(group, 1)  # every load a gather, along either axis: no vectors
         return Schedule(group, lanes)
     racy = any(np.dtype(k.buffers[s.buffer].dtype).kind == "f" for s in adds)
     if k.owner_axis is not None and (target.kind == "cpu" or (deterministic and racy)):
@@ -214,13 +221,23 @@ def _reduce_group(k: Kernel, target: Target) -> int:
     return G
 
 
-def _contiguous(k: Kernel, key: tuple) -> int:
-    """Loads whose offset walks the axis `key` with stride 1 (under reduce nodes, for a
-    reduction axis: those run at every step)."""
-    roots = [e for st in k.stores for e in (st.offset, st.value)]
-    forms = affine_forms(roots)
-    nodes = {n for r in roots for n in r.toposort()}
-    return sum(1 for n in nodes if n.op == "load" and (forms.get(n.src[0]) or {}).get(key) == 1)
+def _roots(k: Kernel) -> list:
+    return [e for st in k.stores for e in (st.offset, st.value)]
+
+
+def _walks(k: Kernel, key: tuple) -> tuple[int, int]:
+    """(loads whose offset walks the axis `key` with stride 1, loads whose offset moves along it
+    otherwise: gathers); kept in k.meta."""
+    memo = k.meta.setdefault("walks", {})
+    if key not in memo:
+        roots = _roots(k)
+        forms = affine_forms(roots)
+        axis = KExpr(key[0], INDEX, (), key[1])
+        loads = {n for r in roots for n in r.toposort() if n.op == "load"}
+        steps = [(forms.get(n.src[0]) or {}).get(key, 0) if forms.get(n.src[0]) is not None else
+                 (None if axis in n.src[0].toposort() else 0) for n in loads]
+        memo[key] = (sum(1 for c in steps if c == 1), sum(1 for c in steps if c not in (0, 1)))
+    return memo[key]
 
 
 
@@ -425,8 +442,9 @@ class _Builder:
 
     def _axis_reduction(self, reds: list, I_env: dict, W: int, stash=()) -> tuple[list, dict]:
         """The last reduction axis walked W steps at a time (vector accumulators, W > 1) in blocks of
-        about BLOCK elements, float sums flushed into a total after each block (blocked summation:
-        the error grows with the block and the block count, not the row), the last R % W steps
+        about BLOCK elements, float sums flushed lane by lane into compensated totals after each
+        block (blocked summation: the error grows with the block and the block count, not the
+        row; no fold across the lanes until the end), the last R % W steps
         one at a time into scalar accumulators; then folded (hsum/hmax/hmin, argmax/argmin lane by
         lane with ties to the first index)."""
         R = self.k.reduce_shape
@@ -448,8 +466,8 @@ class _Builder:
             if tail:
                 saccs[r] = self._declare(r, 1)
                 decls += saccs[r]["decl"]
-            if nb and r.arg == "sum" and r.dtype.kind == "f":
-                totals[r] = self._declare(r, 1), self._declare(r, 1), self._declare(r, 1)  # total, error, next
+            if nb and r.arg == "sum" and r.dtype.kind == "f":  # per lane: total, error, next
+                totals[r] = self._declare(r, W), self._declare(r, W), self._declare(r, W)
                 decls += [d for x in totals[r] for d in x["decl"]]
 
         def steps_at(base) -> tuple:
@@ -463,7 +481,7 @@ class _Builder:
         def fold(r, acc):
             x = acc["cur"]
             return x if acc["w"] == 1 else (hsum if r.arg == "sum" else hmax if r.arg == "max" else hmin)(x)
-        flush = tuple(st for r in totals for st in self._kahan(totals[r], fold(r, vaccs[r]), vaccs[r], W))
+        flush = tuple(st for r in totals for st in self._kahan(totals[r], vaccs[r]["cur"], vaccs[r], W))
         rb, rv, rr, rt = var("rb"), var("rv"), var("rr"), var("rt")
         body = ()
         if nb:
@@ -487,9 +505,12 @@ class _Builder:
                 folds += st
                 results[r] = res
                 continue
-            v = fold(r, vaccs[r])
-            if r in totals:
-                v = binary("add", totals[r][0]["cur"], binary("sub", v, totals[r][1]["cur"]))
+            if r in totals:  # each lane's compensated total, then across the lanes
+                t, c = totals[r][0]["cur"], totals[r][1]["cur"]
+                v = binary("add", t, binary("sub", vaccs[r]["cur"], c))
+                v = v if W == 1 else hsum(v)
+            else:
+                v = fold(r, vaccs[r])
             results[r] = _combine(r.arg, v, saccs[r]["cur"]) if tail else v
         return decls + list(body) + folds, results
 
