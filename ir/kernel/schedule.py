@@ -108,8 +108,8 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
             args = any(r.arg in ("argmax", "argmin") for lv in reduce_levels(_roots(k)) for r in lv)
             if k.reduce_shape[-1] >= W and (red > par or lanes == 1):  # (argmax/argmin fold lane by lane: one register)
                 return Schedule(group, 1, reduce_lanes=_width(k.reduce_shape, W, 1 if args else target.unroll))
-            if target.kind == "cpu" and not par and not red:
-                return Schedule(group, 1)  # every load a gather, along either axis: no vectors
+            if target.kind == "cpu" and not par and not red:  # every load a gather: one register
+                return Schedule(group, 1, reduce_lanes=W if k.reduce_shape[-1] >= W else 1)
         return Schedule(group, lanes)
     racy = any(np.dtype(k.buffers[s.buffer].dtype).kind == "f" for s in adds)
     if k.owner_axis is not None and (target.kind == "cpu" or (deterministic and racy)):
@@ -230,15 +230,40 @@ def _walks(k: Kernel, key: tuple) -> tuple[int, int]:
     otherwise: gathers); kept in k.meta."""
     memo = k.meta.setdefault("walks", {})
     if key not in memo:
-        roots = _roots(k)
-        forms = affine_forms(roots)
+        roots, memo = _roots(k), {}
         axis = KExpr(key[0], INDEX, (), key[1])
-        loads = {n for r in roots for n in r.toposort() if n.op == "load"}
-        steps = [(forms.get(n.src[0]) or {}).get(key, 0) if forms.get(n.src[0]) is not None else
-                 (None if axis in n.src[0].toposort() else 0) for n in loads]
+        steps = [stride(n.src[0], axis, memo) for n in {n for r in roots for n in r.toposort() if n.op == "load"}]
         memo[key] = (sum(1 for c in steps if c == 1), sum(1 for c in steps if c not in (0, 1)))
     return memo[key]
 
+
+
+def stride(n: KExpr, axis: KExpr, memo: dict | None = None) -> int | None:
+    """How far n moves when `axis` (an idx/ridx node) grows by one: 0 where n does not read it,
+    None where not by a constant. Parts that do not read the axis may be anything (an embedding
+    row's offset, loaded: the row's elements still lie side by side)."""
+    memo = {} if memo is None else memo
+    for x in n.toposort():
+        if x in memo:
+            continue
+        ss = [memo[y] for y in x.src]
+        if x == axis:
+            v = 1
+        elif (x.op == "reduce" and axis.op == "ridx") or all(v == 0 for v in ss):  # (one value a point)
+            v = 0
+        elif None in ss or x.dtype != INDEX:
+            v = None
+        elif x.op in ("add", "sub"):
+            v = ss[0] + ss[1] if x.op == "add" else ss[0] - ss[1]
+        elif x.op == "neg":
+            v = -ss[0]
+        elif x.op == "mul" and any(y.op == "const" for y in x.src):
+            c, other = (x.src[0], ss[1]) if x.src[0].op == "const" else (x.src[1], ss[0])
+            v = int(c.arg) * other
+        else:
+            v = None
+        memo[x] = v
+    return memo[n]
 
 
 def divmod_index(u: KExpr, shape) -> list:
@@ -256,21 +281,20 @@ def substitute(roots, env: dict, vector: tuple | None = None) -> dict:
     """Rebuild the expressions `roots` with leaves replaced (env: old node -> new node); returns
     old -> new for every node. vector = (axis, base, lanes): the index node `axis` becomes the
     vector base + iota(lanes); a load whose offset walks it with stride 1 becomes a vector load at
-    the offset for `base`, one that walks it otherwise a gather, one that does not a scalar."""
+    the offset for `base` (stride), one that walks it otherwise a gather, one that does not a scalar."""
     memo = dict(env)
     axis = base = None
     if vector is not None:
         axis, base, lanes = vector
         memo.pop(axis, None)  # the vector axis is the vector, whatever env says of it
-        forms = affine_forms(roots)
-        key = (axis.op, axis.arg)
+        steps: dict = {}
     for root in roots:
         for n in root.toposort():
             if n in memo:
                 continue
             if n == axis:
                 memo[n] = binary("add", broadcast(base, lanes), iota(lanes))
-            elif axis is not None and n.op == "load" and (forms.get(n.src[0]) or {}).get(key) == 1:
+            elif axis is not None and n.op == "load" and stride(n.src[0], axis, steps) == 1:
                 off = substitute([n.src[0]], {**env, axis: base})[n.src[0]]
                 memo[n] = vload(n.arg, off, n.dtype, lanes)
             elif n.op == "reduce":  # a reduction's value is given (env), or kept whole
@@ -367,7 +391,7 @@ class _Builder:
         env = dict(I_env)
         env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(len(R))})
         last = len(R) - 1
-        split = R[last] > 2 * BLOCK  # the last axis in blocks of BLOCK steps
+        split = R[last] > BLOCK  # the last axis in blocks of BLOCK steps (else a flush after each of its runs)
         if split:
             rb, rv = var("rb"), var("rv")
             env[KExpr("ridx", INDEX, (), last)] = iadd(imul(rb, BLOCK), rv)
@@ -450,7 +474,7 @@ class _Builder:
         R = self.k.reduce_shape
         last = len(R) - 1
         steps, tail = R[last] // W, R[last] % W
-        S = max(1, BLOCK // W)
+        S = max(BLOCK // W, min(64, BLOCK))  # steps per block: at least 64 adds into each lane
         nb, rem = (steps // S, steps % S) if steps > S else (0, steps)
         env = dict(I_env)
         env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(last)})
@@ -644,8 +668,7 @@ class _Builder:
         if vector is None:
             return Store(st.buffer, substitute([st.offset], env)[st.offset], val, mode=st.mode)
         axis, base, lanes = vector
-        form = affine_forms([st.offset]).get(st.offset) or {}
-        if form.get((axis.op, axis.arg)) == 1:  # consecutive lanes: one vector store
+        if stride(st.offset, axis) == 1:  # consecutive lanes: one vector store
             off = substitute([st.offset], {**env, axis: base})[st.offset]
             return Store(st.buffer, off, broadcast(val, lanes) if lanes_of(val) == 1 else val, mode=st.mode)
         off = substitute([st.offset], env, vector)[st.offset]  # a scatter, lane by lane
@@ -750,4 +773,4 @@ def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKe
     return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
 
 
-__all__ = ["Schedule", "default_schedule", "divmod_index", "laid_out", "merge_axes", "schedule", "substitute"]
+__all__ = ["Schedule", "default_schedule", "divmod_index", "laid_out", "merge_axes", "schedule", "stride", "substitute"]
