@@ -1,6 +1,7 @@
-"""The CPU backend: kernels rendered to LLVM IR with llvmlite (render.py, vecmath.py), optimised
-for the host CPU, linked with ORC LLJIT/JITLink and called via ctypes on a thread pool
-(compile.py); buffers come from the caching pool (runtime/memory.py)."""
+"""The CPU backend: every kernel is a tile kernel — the shared scheduler's layout of an ordinary
+kernel (ir/kernel/schedule.py), or a builder's (GEMM, FlashAttention) — printed as LLVM IR by
+backends/llvmir/tile.py, optimised for the host CPU, linked with ORC LLJIT/JITLink and called via
+ctypes on a thread pool (compile.py); buffers come from the caching pool (runtime/memory.py)."""
 from __future__ import annotations
 
 import threading

@@ -1,7 +1,12 @@
-"""LLVM IR → host machine code: the target machine, the optimisation pipeline (new pass manager,
-O3 with loop and SLP vectorisation), object code through the compile caches (in memory by kernel
-signature, on disk via runtime/compile_cache), loading, and the ctypes launcher that splits
-large index spaces over the thread pool (pool.py) sized to the cores.
+"""Tile kernels → host machine code: the target machine, the optimisation pipeline (new pass
+manager, O3; loop and SLP vectorisation for the builders' kernels, not the scheduler's, whose
+vectors are explicit), object code through the compile caches (in memory by the tile kernel's
+key text, on disk via runtime/compile_cache), loading, and the ctypes launcher that splits a
+launch's grid points (tasks) over the thread pool (pool.py) sized to the cores.
+
+An ordinary kernel is laid out by the shared scheduler (ir/kernel/schedule.py, from the
+Target that runtime/hardware.target_of makes of the description) and printed by
+backends/llvmir/tile.py: nothing here decides how a kernel computes, only how a launch splits.
 
 Loading uses llvmlite's ORC LLJIT with JITLink rather than MCJIT: JITLink keeps each object's
 code and constants in one allocation and makes GOT/PLT entries for libm calls, so the small code

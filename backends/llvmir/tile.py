@@ -6,7 +6,10 @@ launch as it splits any kernel. Allocs are allocas in the entry block, made once
 registers (unrolled code reads them at constant offsets, which SROA turns into SSA vectors) and
 scratch (a task's packed panel, on the stack). A CPU schedule has no work-items and no shared
 memory; lanes would run as serial loops, so a kernel with a barrier is refused. Expressions go
-through the kernel renderer's op tables (render.emit_pointwise's), over scalars or vectors."""
+through the op tables of ops.py, over scalars or vectors of any width (LLVM splits them into
+registers); gathers and scatters go lane by lane. After the buffers' pointers, `buffers` holds
+the first axis's extent (tile.batch), which the scheduler's kernels read instead of a constant.
+The printer decides nothing: the vectors, loops and blocks are the scheduler's."""
 from __future__ import annotations
 
 import math

@@ -4,11 +4,17 @@ prints tile kernels, how points map to work-groups, work-items and vector lanes,
 reductions become loops over accumulators; renderers print the result.
 
 The layout (v1):
+- CPU targets first merge adjacent axes that every index walks as one (merge_axes: a kernel over
+  (n, 128) contiguous becomes one over (128 n,)), so vectors fill and ragged ends are few.
 - Points: `units` per work-item; a work-group of `group` work-items (1 on a CPU target, where a
   work-group is one task of the pool or one PoCL work-item loop). With vector lanes W (CPU
   targets whose last parallel axis is long enough), a unit is W consecutive points of the last
-  axis: loads whose offset walks that axis with stride 1 become vector loads, others gathers,
-  invariant ones scalars; the ragged end of the axis runs lane by lane.
+  axis: loads whose offset walks that axis with stride 1 (`stride`) become vector loads, others
+  gathers, invariant ones scalars; the ragged end of the axis runs lane by lane. W is the
+  Target's lanes times its `unroll` (registers in flight: the LLVM printer takes vectors of any
+  width) where the loads are contiguous, one register where they gather (the code grows with
+  the lanes). Where the Target takes the batch at run time (`runtime_batch`), the first axis's
+  extent is read as tile.batch(), never a constant: code serves every batch size.
 - Reductions: per point, one pass over the reduction space per dependency level
   (ir.reduce_levels), accumulators in registers (argmax/argmin: value and index); a reduce node
   then reads its accumulator. Row stores (they read the reduction indices) run in a last pass.
@@ -16,8 +22,11 @@ The layout (v1):
   reduction space strided, then combine their partials in shared memory (a tree of halvings,
   a barrier between steps) and all read the result; one work-item stores the point, all store the
   row. No work-item loops over a long space alone (slow, and a driver may cap a loop's trips).
-- "add" stores are atomic adds; a kernel that also sets what it adds to, or whose dtype has no
-  atomic add on the target, runs on one work-item (`serial`)."""
+- "add" stores: by an owner axis on CPU targets (a task per index, no atomics); else atomic adds;
+  a kernel that also sets what it adds to, whose dtype has no atomic add on the target, or whose
+  target has none (Target.atomics), runs on one work-item (`serial`).
+- The parameters a tuner searches: `group` where work-groups hold many work-items, the Target's
+  `unroll` on CPUs (runtime/tiled.register_kernels)."""
 from __future__ import annotations
 
 import math
@@ -84,9 +93,10 @@ class Schedule:
 
 
 def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> Schedule:
-    """The layout the target implies: vectors along a long last axis on CPUs, work-groups of up to
-    256 on GPUs (64 on CPUs: fewer, larger work-groups cost less to start), adds by an owner axis
-    where there is one and by atomics (or one work-item) where not."""
+    """The layout the target implies: vectors along a long last axis on CPUs (or along the last
+    reduction axis where more loads walk it contiguously: a row's sum; none where every load
+    gathers), work-groups of up to 256 on GPUs (64 on CPUs: fewer, larger work-groups cost less
+    to start), adds by an owner axis where there is one and by atomics (or one work-item) where not."""
     k = laid_out(k, target)
     group = min(64 if target.kind == "cpu" else 256, target.max_group)
     W = target.lanes if target.kind == "cpu" else 1
