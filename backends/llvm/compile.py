@@ -28,7 +28,7 @@ import numpy as np
 from tilefuse.backends.llvmir.tile import key_text, print_tile, tasks
 from tilefuse.ir.errors import CompileError, DeviceError
 from tilefuse.ir.kernel.ir import Kernel
-from tilefuse.ir.kernel.schedule import Schedule, schedule
+from tilefuse.ir.kernel.schedule import Schedule, code_text, default_schedule, grid_points, laid_out, schedule
 from tilefuse.ir.kernel.tile import TileKernel
 from tilefuse.runtime import compile_cache
 from tilefuse.runtime.hardware import DeviceInfo, target_of
@@ -183,19 +183,19 @@ _ndarray = np.ndarray
 
 
 class CompiledKernel:
-    """A tile kernel's machine code: `ck(buffers)` runs its grid points (tasks) to completion on
+    """A tile kernel's machine code: `ck(buffers)` runs its `tasks` grid points to completion on
     numpy buffers given in the order of its buffers (any dtype, C-contiguous; read as flat arrays),
     over the pool's threads in chunks of tasks (`bounds`; None: on the calling thread). After the
-    buffers' addresses the function reads the first axis's extent (tile.batch)."""
+    buffers' addresses the function reads the first axis's extent, `batch` (tile.batch).
+    `tile`: the tile kernel, or a function that makes it (for llvm_ir)."""
 
-    def __init__(self, tk: TileKernel, fn_name: str, address: int, threads: int, bounds: list | None,
-                 target: Target, kernel=None):
-        self.tile, self.kernel, self.name, self.address = tk, kernel or tk, fn_name, address
+    def __init__(self, kernel, fn_name: str, address: int, tasks: int, batch: int, threads: int,
+                 bounds: list | None, target: Target, tile):
+        self.kernel, self.name, self.address, self._tile = kernel, fn_name, address, tile
         self._fn = KernelFn(address)
         self._target = target
-        self._size = tasks(tk)
-        self._batch = int(tk.meta.get("batch", 0))
-        self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in tk.buffers]
+        self._size, self._batch = tasks, batch
+        self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in kernel.buffers]
         self._views = [ctypes.c_char * max(n, 1) for n in self._nbytes]
         self._ptrs_t = ctypes.c_void_p * (len(self._nbytes) + 1)
         self._last = (None, None)  # (addresses, their argument array) of the last call
@@ -205,7 +205,8 @@ class CompiledKernel:
     @property
     def llvm_ir(self) -> str:
         """The unoptimised LLVM IR (printed again on demand)."""
-        return llvm_text(self.tile, self.name, self._target, self.kernel is not self.tile)
+        tile = self._tile if isinstance(self._tile, TileKernel) else self._tile()
+        return llvm_text(tile, self.name, self._target, tile is not self._tile)
 
     def _args(self, addrs):
         return self._ptrs_t(*addrs, self._batch)
@@ -258,7 +259,7 @@ class CompiledKernel:
         if not isinstance(b, np.ndarray) or b.nbytes < need or not b.flags.c_contiguous:
             got = f"{b.nbytes} bytes{'' if b.flags.c_contiguous else ', not contiguous'}" \
                 if isinstance(b, np.ndarray) else type(b).__name__
-            raise DeviceError(f"kernel {self.kernel.name}: buffer {i} ({self.tile.buffers[i].name}) "
+            raise DeviceError(f"kernel {self.kernel.name}: buffer {i} ({self.kernel.buffers[i].name}) "
                               f"needs {need} contiguous bytes, got {got}")
         return b.ctypes.data
 
@@ -310,12 +311,12 @@ def _chunks(size: int, threads: int, est_ns: float, per_thread: int = 4, align: 
     return [(s, min(s + step, size)) for s in range(0, size, step)]
 
 
-def split(tk: TileKernel, kernel: Kernel | None, cores: int) -> tuple[int, list | None]:
+def split(tasks: int, kernel: Kernel | None, cores: int) -> tuple[int, list | None]:
     """(threads, chunks of tasks) of a launch. A scheduled kernel goes to the pool when its
     estimated work pays for waking it (PARALLEL_MIN_NS), in chunks of whole cache lines
     (CHUNK_ALIGN points); a builder's kernel (GEMM, attention: big by construction) in one
     contiguous chunk per thread."""
-    n = tasks(tk)
+    n = tasks
     if kernel is None:
         threads = max(1, min(cores, n))
         per = -(-n // threads)
@@ -333,16 +334,17 @@ _memory: dict = {}  # cache key → (fn_name, address)
 _counts = {"memory_hits": 0}
 
 
-def scheduled(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = None) -> tuple[TileKernel, str, str]:
-    """(the tile kernel the shared scheduler makes of `kernel`, its cache key, its symbol); kept in
-    the kernel's meta per device and schedule (a graph asks twice: its batch build, then each)."""
-    target = get_target(info)
-    memo = kernel.meta.setdefault("llvm_tile", {})
+def scheduled(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = None) -> tuple[Schedule, str, str]:
+    """(the shared scheduler's Schedule for `kernel` (or `sched`), the cache key of its code, its
+    symbol): the key comes from schedule.code_text, so a kernel whose code any cache holds is never
+    laid out; kept in the kernel's meta per device (a graph asks twice: its batch build, then each)."""
+    memo = kernel.meta.setdefault("llvm_code", {})
     where = (info.fingerprint, sched)
     if where not in memo:
-        tk = schedule(kernel, target_of(info), sched)
-        key = compile_cache.make_key("kernel", key_text(tk), target.fingerprint)
-        memo[where] = (tk, key, "tf_" + key[:24])
+        t = target_of(info)
+        s = sched or default_schedule(kernel, t)
+        key = compile_cache.make_key("kernel", code_text(kernel, t, s), get_target(info).fingerprint)
+        memo[where] = (s, key, "tf_" + key[:24])
     return memo[where]
 
 
@@ -353,7 +355,7 @@ def llvm_text(tk: TileKernel, fn_name: str, target: Target, by_scheduler: bool) 
 
 def kernel_ir(kernel: Kernel, info: DeviceInfo, fn_name: str = "f") -> str:
     """The LLVM IR of a kernel under its default schedule (unoptimised): for tests and debugging."""
-    return llvm_text(scheduled(kernel, info)[0], fn_name, get_target(info), True)
+    return llvm_text(schedule(kernel, target_of(info), scheduled(kernel, info)[0]), fn_name, get_target(info), True)
 
 
 def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
@@ -364,17 +366,17 @@ def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
     for k in kernels:
         if not k.size:
             continue
-        tk, key, fn_name = scheduled(k, info)
+        s, key, fn_name = scheduled(k, info)
         if key not in _memory and key not in todo and not target.cache.has(key):
-            todo[key] = (tk, fn_name, info)  # workers compile for the same description
+            todo[key] = (schedule(k, target_of(info), s), fn_name, info)  # workers compile for the same description
     parallel.build_objects(todo, lambda tk, fn_name, _info: target.compile_ir(
         llvm_text(tk, fn_name, target, True), fn_name, ""))  # (errors: compile_kernel reports them)
 
 
-def load_tile(tk: TileKernel, key: str, fn_name: str, info: DeviceInfo, source=None) -> int:
+def load_tile(tk, key: str, fn_name: str, info: DeviceInfo, source=None) -> int:
     """The address of a tile kernel's function: from memory, the worker processes' builds, the
-    disk cache, or printed and compiled now (`source`: the index-space kernel the scheduler made it
-    of, which an error names)."""
+    disk cache, or printed and compiled now (tk: the tile kernel, or a function that makes it;
+    `source`: the index-space kernel the scheduler made it of, which an error names)."""
     target = get_target(info)
     hit = _memory.get(key)
     if hit is not None:
@@ -389,7 +391,7 @@ def load_tile(tk: TileKernel, key: str, fn_name: str, info: DeviceInfo, source=N
                 nonlocal ir_text
                 obj = parallel.take(key)  # built with the rest of its graph
                 if obj is None:
-                    ir_text = llvm_text(tk, fn_name, target, source is not None)
+                    ir_text = llvm_text(tk if isinstance(tk, TileKernel) else tk(), fn_name, target, source is not None)
                     obj = target.compile_ir(ir_text, fn_name, str(source or tk))
                 return obj
             hit = _memory[key] = target.cache.get_or_build(key, build, lambda obj: target.load(
@@ -400,18 +402,27 @@ def load_tile(tk: TileKernel, key: str, fn_name: str, info: DeviceInfo, source=N
 def compile_kernel(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = None) -> CompiledKernel:
     """Compile (or fetch from the caches) one kernel for the host CPU: the shared scheduler's
     tile kernel under `sched` (default: the Target's), printed by llvmir/tile.py."""
-    tk, key, fn_name = scheduled(kernel, info, sched)
-    address = load_tile(tk, key, fn_name, info, kernel) if kernel.size else 0
-    threads, bounds = split(tk, kernel, info.compute_units)
-    return CompiledKernel(tk, fn_name, address, threads, bounds, get_target(info), kernel)
+    t = target_of(info)
+    s, key, fn_name = scheduled(kernel, info, sched)
+
+    def tile() -> TileKernel:
+        return schedule(kernel, t, s)
+    address = load_tile(tile, key, fn_name, info, kernel) if kernel.size else 0
+    tasks = grid_points(kernel, t, s)
+    threads, bounds = split(tasks, kernel, info.compute_units)
+    merged = laid_out(kernel, t)
+    return CompiledKernel(kernel, fn_name, address, tasks, merged.shape[0] if merged.shape else 1, threads, bounds,
+                          get_target(info), tile)
 
 
 def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
     """A builder's tile kernel (GEMM, FlashAttention), compiled through the caches, on the pool."""
     key = compile_cache.make_key("tile", key_text(tk), get_target(info).fingerprint)
     fn_name = "tf_tile_" + key[:24]
-    threads, bounds = split(tk, None, info.compute_units)
-    return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), threads, bounds, get_target(info))
+    n = tasks(tk)
+    threads, bounds = split(n, None, info.compute_units)
+    return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), n, 0, threads, bounds,
+                          get_target(info), tk)
 
 
 def memory_cache_stats() -> dict:

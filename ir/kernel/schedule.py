@@ -100,12 +100,12 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
     k = laid_out(k, target)
     group = min(64 if target.kind == "cpu" else 256, target.max_group)
     W = target.lanes if target.kind == "cpu" else 1
-    # a lone axis whose extent comes at run time takes full vectors, whatever this call's extent
-    # (shorter runs are the ragged end): the code then serves every batch size
     last = ("idx", len(k.shape) - 1)
     # gathers (loads that walk the vector axis with a stride) are a load per lane: one register's
     # worth, not `unroll` of them (the code grows with the lanes)
     unroll = max(1, target.unroll) if not _walks(k, last)[1] else 1
+    # a lone axis whose extent comes at run time takes full vectors, whatever this call's extent
+    # (shorter runs are the ragged end): the code then serves every batch size
     lanes = W * unroll if target.runtime_batch and len(k.shape) == 1 and W > 1 else _width(k.shape, W, unroll)
     adds = [s for s in k.stores if s.mode == "add"]
     if not adds:
@@ -238,14 +238,12 @@ def _roots(k: Kernel) -> list:
 def _walks(k: Kernel, key: tuple) -> tuple[int, int]:
     """(loads whose offset walks the axis `key` with stride 1, loads whose offset moves along it
     otherwise: gathers); kept in k.meta."""
-    memo = k.meta.setdefault("walks", {})
-    if key not in memo:
-        roots, memo = _roots(k), {}
-        axis = KExpr(key[0], INDEX, (), key[1])
-        steps = [stride(n.src[0], axis, memo) for n in {n for r in roots for n in r.toposort() if n.op == "load"}]
-        memo[key] = (sum(1 for c in steps if c == 1), sum(1 for c in steps if c not in (0, 1)))
-    return memo[key]
-
+    kept = k.meta.setdefault("walks", {})
+    if key not in kept:
+        axis, memo = KExpr(key[0], INDEX, (), key[1]), {}
+        steps = [stride(n.src[0], axis, memo) for n in {n for r in _roots(k) for n in r.toposort() if n.op == "load"}]
+        kept[key] = (sum(1 for c in steps if c == 1), sum(1 for c in steps if c not in (0, 1)))
+    return kept[key]
 
 
 def stride(n: KExpr, axis: KExpr, memo: dict | None = None) -> int | None:
@@ -253,6 +251,8 @@ def stride(n: KExpr, axis: KExpr, memo: dict | None = None) -> int | None:
     None where not by a constant. Parts that do not read the axis may be anything (an embedding
     row's offset, loaded: the row's elements still lie side by side)."""
     memo = {} if memo is None else memo
+    if n in memo:
+        return memo[n]
     for x in n.toposort():
         if x in memo:
             continue
@@ -685,6 +685,51 @@ class _Builder:
         return Store(st.buffer, off, val, mode=st.mode)
 
 
+def _units(k: Kernel, s: Schedule) -> tuple[int, int]:
+    """(units of work, work-items a work-group) of a laid-out kernel under a plain or owner
+    schedule: a unit is a point, or a vector of `lanes` along the last (owner) axis."""
+    shape = tuple(k.shape)
+    if s.owner:
+        units = -(-shape[k.owner_axis] // s.lanes)
+    elif s.lanes > 1:
+        units = math.prod(shape[:-1]) * -(-shape[-1] // s.lanes)
+    else:
+        units = max(1, math.prod(shape))
+    return units, max(1, min(s.group, units))
+
+
+def grid_points(k: Kernel, target: Target, s: Schedule) -> int:
+    """The extent of schedule(k, target, s)'s grid, without building it (the tasks a CPU splits)."""
+    k = laid_out(k, target)
+    if not k.size or s.serial:
+        return 1 if k.size else 0
+    if s.reduce_group > 1:
+        return max(1, math.prod(k.shape))
+    units, G = _units(k, s)
+    return -(-units // G)
+
+
+def code_text(k: Kernel, target: Target, s: Schedule) -> str:
+    """What schedule(k, target, s)'s code depends on, as text: the laid-out kernel without its name,
+    its buffers' sizes and (Target.runtime_batch) its first extent, the schedule and the target.
+    Equal text, equal tile kernel but for the grid's extent: a cache key that needs no tile kernel
+    (tests/backends/test_shape_generic.py holds the scheduler to it)."""
+    k = laid_out(k, target)
+    generic = target.runtime_batch and target.max_group == 1  # (else a group's guard holds the extent)
+    shape = ("?",) + tuple(k.shape[1:]) if generic and k.shape else tuple(k.shape)
+    lines = [" ".join(np.dtype(b.dtype).name for b in k.buffers) + f" inputs {k.n_inputs} shape {shape} "
+             f"reduce {tuple(k.reduce_shape)} {s} {target}"]
+    names: dict = {}
+    for st in k.stores:
+        for root in (st.offset, st.value):
+            for n in root.toposort():
+                if n not in names:
+                    names[n] = len(names)
+                    lines.append(f"{n.op} {np.dtype(n.dtype).name} {n.arg!r} " + " ".join(str(names[x]) for x in n.src))
+        lines.append(f"store {st.mode} {st.buffer} {names[st.offset]} {names[st.value]}")
+    return "\n".join(lines)
+
+
 def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKernel:
     """The tile kernel of an index-space kernel on `target` (default_schedule unless given)."""
     s = sched or default_schedule(k, target)
@@ -708,13 +753,10 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
         body = (Range("g", points, "grid", (Range("l", s.reduce_group, "lane", b.point(divmod_index(var("g"), shape), None)),)),)
         return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
     W = s.lanes
+    units, G = _units(k, s)
     if W > 1:
         last = shape[-1]
         per_row = -(-last // W)
-        units = math.prod(shape[:-1]) * per_row
-    else:
-        units = max(1, math.prod(shape))
-    G = max(1, min(s.group, units))
     g, lane = var("g"), var("l")
     u = iadd(imul(g, G), lane) if G > 1 else g
     if W > 1:
@@ -748,8 +790,7 @@ def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKe
     n = shape[a]
     others = [i for i in range(len(shape)) if i != a]
     W = s.lanes
-    units = -(-n // W)
-    G = max(1, min(s.group, units))
+    units, G = _units(k, s)
     g, lane, u = var("g"), var("l"), var("u")
     unit = iadd(imul(g, G), lane) if G > 1 else g
     rest = divmod_index(u, [shape[i] for i in others])
@@ -783,4 +824,5 @@ def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKe
     return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
 
 
-__all__ = ["Schedule", "default_schedule", "divmod_index", "laid_out", "merge_axes", "schedule", "stride", "substitute"]
+__all__ = ["Schedule", "code_text", "default_schedule", "divmod_index", "grid_points", "laid_out", "merge_axes", "schedule",
+           "stride", "substitute"]
