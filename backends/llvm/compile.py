@@ -28,6 +28,7 @@ import numpy as np
 from tilefuse.backends.llvmir.tile import key_text, print_tile, tasks
 from tilefuse.ir.errors import CompileError, DeviceError
 from tilefuse.ir.kernel.ir import Kernel
+from tilefuse.ir.kernel import schedule as scheduler
 from tilefuse.ir.kernel.schedule import Schedule, code_text, default_schedule, grid_points, laid_out, schedule
 from tilefuse.ir.kernel.tile import TileKernel
 from tilefuse.runtime import compile_cache
@@ -93,7 +94,8 @@ class Target:
         self.lock = threading.RLock()
         self.loaded: dict[str, tuple] = {}  # symbol → (address, library that keeps it alive)
         self.cache = compile_cache.CompileCache("llvm", compile_cache.default_dir())
-        self.fingerprint = (BACKEND_VERSION, code_digest("ops.py", "tile.py"), llvmlite.__version__,
+        # (the scheduler's source too: a kernel's key is its index-space text, schedule.code_text)
+        self.fingerprint = (BACKEND_VERSION, code_digest("ops.py", "tile.py", scheduler.__file__), llvmlite.__version__,
                             llvm.llvm_version_info, self.triple, self.cpu, self.features,
                             self.vector_bits, OPT_LEVEL)
 

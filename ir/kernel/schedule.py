@@ -7,7 +7,8 @@ The layout (v1):
 - CPU targets first merge adjacent axes that every index walks as one (merge_axes: a kernel over
   (n, 128) contiguous becomes one over (128 n,)), so vectors fill and ragged ends are few.
 - Points: `units` per work-item; a work-group of `group` work-items (1 on a CPU target, where a
-  work-group is one task of the pool or one PoCL work-item loop). With vector lanes W (CPU
+  work-group is one task of the pool or one PoCL work-item loop; with groups of one and vectors,
+  a task is a row: its whole vectors in a loop, then its ragged end, no test per vector). With vector lanes W (CPU
   targets whose last parallel axis is long enough), a unit is W consecutive points of the last
   axis: loads whose offset walks that axis with stride 1 (`stride`) become vector loads, others
   gathers, invariant ones scalars; the ragged end of the axis runs lane by lane. W is the
@@ -691,6 +692,8 @@ def _units(k: Kernel, s: Schedule) -> tuple[int, int]:
     shape = tuple(k.shape)
     if s.owner:
         units = -(-shape[k.owner_axis] // s.lanes)
+    elif s.lanes > 1 and s.group == 1 and len(shape) > 1:  # a row (see schedule)
+        units = math.prod(shape[:-1])
     elif s.lanes > 1:
         units = math.prod(shape[:-1]) * -(-shape[-1] // s.lanes)
     else:
@@ -754,10 +757,17 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
         return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
     W = s.lanes
     units, G = _units(k, s)
+    g, lane = var("g"), var("l")
+    if W > 1 and G == 1 and len(shape) > 1:  # a task a row: its whole vectors, then its ragged end
+        outer, axis, v, t = divmod_index(g, shape[:-1]), KExpr("idx", INDEX, (), len(shape) - 1), var("v"), var("t")
+        full, ragged = divmod(shape[-1], W)
+        body = (Range("v", full, "serial", b.point(outer + [imul(v, W)], (axis, imul(v, W), W))),)
+        if ragged:
+            body += (Range("t", ragged, "serial", b.point(outer + [iadd(ic(full * W), t)], None)),)
+        return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", units, "grid", body),), meta=meta)
     if W > 1:
         last = shape[-1]
         per_row = -(-last // W)
-    g, lane = var("g"), var("l")
     u = iadd(imul(g, G), lane) if G > 1 else g
     if W > 1:
         if len(shape) == 1:  # one axis: its extent comes at run time
