@@ -95,9 +95,9 @@ class Target:
         self.loaded: dict[str, tuple] = {}  # symbol → (address, library that keeps it alive)
         self.cache = compile_cache.CompileCache("llvm", compile_cache.default_dir())
         # (the scheduler's source too: a kernel's key is its index-space text, schedule.code_text)
-        self.fingerprint = (BACKEND_VERSION, code_digest("ops.py", "tile.py", scheduler.__file__), llvmlite.__version__,
-                            llvm.llvm_version_info, self.triple, self.cpu, self.features,
-                            self.vector_bits, OPT_LEVEL)
+        self.fingerprint = (BACKEND_VERSION, code_digest("ops.py", "tile.py", scheduler.__file__),
+                            llvmlite.__version__, llvm.llvm_version_info, self.triple, self.cpu,
+                            self.features, self.vector_bits, OPT_LEVEL)
 
     def optimize(self, mod: llvm.ModuleRef, vectorize: bool = True) -> None:
         pto = llvm.create_pipeline_tuning_options(speed_level=OPT_LEVEL)
@@ -207,8 +207,8 @@ class CompiledKernel:
     @property
     def llvm_ir(self) -> str:
         """The unoptimised LLVM IR (printed again on demand)."""
-        tile = self._tile if isinstance(self._tile, TileKernel) else self._tile()
-        return llvm_text(tile, self.name, self._target, tile is not self._tile)
+        made = not isinstance(self._tile, TileKernel)  # (made on demand: a scheduler's kernel)
+        return llvm_text(self._tile() if made else self._tile, self.name, self._target, made)
 
     def _args(self, addrs):
         return self._ptrs_t(*addrs, self._batch)
@@ -276,7 +276,8 @@ class CompiledKernel:
             self._launch(ptrs)
 
     def __repr__(self):
-        return f"<CompiledKernel {self.kernel.name} ({self.name}), {self._size} tasks on {self.threads} thread(s)>"
+        k = self.kernel.name
+        return f"<CompiledKernel {k} ({self.name}): {self._size} tasks, {self.threads} threads>"
 
 
 def estimate_ns(kernel: Kernel) -> float:
@@ -332,7 +333,7 @@ def split(tasks: int, kernel: Kernel | None, cores: int) -> tuple[int, list | No
 
 # ---- the entry point ------------------------------------------------------------------------------
 
-_memory: dict = {}  # cache key → (fn_name, address)
+_memory: dict = {}  # cache key → address
 _counts = {"memory_hits": 0}
 
 
@@ -357,7 +358,8 @@ def llvm_text(tk: TileKernel, fn_name: str, target: Target, by_scheduler: bool) 
 
 def kernel_ir(kernel: Kernel, info: DeviceInfo, fn_name: str = "f") -> str:
     """The LLVM IR of a kernel under its default schedule (unoptimised): for tests and debugging."""
-    return llvm_text(schedule(kernel, target_of(info), scheduled(kernel, info)[0]), fn_name, get_target(info), True)
+    tk = schedule(kernel, target_of(info), scheduled(kernel, info)[0])
+    return llvm_text(tk, fn_name, get_target(info), True)
 
 
 def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
@@ -370,7 +372,7 @@ def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
             continue
         s, key, fn_name = scheduled(k, info)
         if key not in _memory and key not in todo and not target.cache.has(key):
-            todo[key] = (schedule(k, target_of(info), s), fn_name, info)  # workers compile for the same description
+            todo[key] = (schedule(k, target_of(info), s), fn_name, info)  # (workers: for this description)
     parallel.build_objects(todo, lambda tk, fn_name, _info: target.compile_ir(
         llvm_text(tk, fn_name, target, True), fn_name, ""))  # (errors: compile_kernel reports them)
 
@@ -393,7 +395,8 @@ def load_tile(tk, key: str, fn_name: str, info: DeviceInfo, source=None) -> int:
                 nonlocal ir_text
                 obj = parallel.take(key)  # built with the rest of its graph
                 if obj is None:
-                    ir_text = llvm_text(tk if isinstance(tk, TileKernel) else tk(), fn_name, target, source is not None)
+                    made = tk if isinstance(tk, TileKernel) else tk()
+                    ir_text = llvm_text(made, fn_name, target, source is not None)
                     obj = target.compile_ir(ir_text, fn_name, str(source or tk))
                 return obj
             hit = _memory[key] = target.cache.get_or_build(key, build, lambda obj: target.load(
@@ -412,9 +415,8 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = No
     address = load_tile(tile, key, fn_name, info, kernel) if kernel.size else 0
     tasks = grid_points(kernel, t, s)
     threads, bounds = split(tasks, kernel, info.compute_units)
-    merged = laid_out(kernel, t)
-    return CompiledKernel(kernel, fn_name, address, tasks, merged.shape[0] if merged.shape else 1, threads, bounds,
-                          get_target(info), tile)
+    batch = (laid_out(kernel, t).shape or (1,))[0]
+    return CompiledKernel(kernel, fn_name, address, tasks, batch, threads, bounds, get_target(info), tile)
 
 
 def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
