@@ -200,7 +200,8 @@ class _Printer(PrintedValues):
                 counted_loop(self.b, _i(0), hi, body_fn, name=s.var)
             elif isinstance(s, Store):
                 w = self.lanes(s.value)
-                if self.lanes(s.offset) > 1:  # a scatter: a store per lane
+                if self.lanes(s.offset) > 1:  # a scatter: a store per lane (of one value, or a vector's)
+                    w = self.lanes(s.offset)
                     offs, v = self._val(s.offset), self.val(s.value, w)
                     for i in range(w):
                         lane = ir.Constant(ir.IntType(32), i)
