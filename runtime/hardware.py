@@ -223,4 +223,9 @@ def target_of(info: DeviceInfo):
                   shared_bytes=0 if cpu else info.local_mem_bytes, max_group=max(1, info.max_work_group),
                   warp=max(1, info.sub_group), l1_bytes=caches.l1_bytes, l2_bytes=caches.l2_bytes,
                   l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)),
-                  mma=tuple(MMA(*m) for m in info.extra.get("mma", ())))  # (the backend's table: MMA's fields)
+                  mma=tuple(MMA(*m) for m in info.extra.get("mma", ())),  # (the backend's table: MMA's fields)
+                  # the host's LLVM printer takes vectors of any width and the batch at run time;
+                  # 4 registers in flight: the transcendental chains are latency-bound (tanh/sigmoid/
+                  # exp chain on one znver3 core: 3.0 ns a point one vector at a time, 2.1 with 4)
+                  unroll=4 if info.kind == "cpu" else 1, runtime_batch=info.kind == "cpu",
+                  atomics=info.kind != "cpu")

@@ -162,32 +162,46 @@ def register_attention(device_kind: str, priority: int) -> None:
 
 
 GROUPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+UNROLLS = (1, 2, 4, 8)
 
 
-def _kernel_default(kernel, device) -> Schedule:
+def _kernel_default(kernel, device, unroll: int | None = None) -> Schedule:
     from .config import config
-    return default_schedule(kernel, _target(device), config.deterministic)
+    t = _target(device)
+    if unroll is not None:
+        t = dataclasses.replace(t, unroll=unroll)
+    return default_schedule(kernel, t, config.deterministic)
 
 
 def register_kernels(device_kind: str) -> None:
     """Every kernel of `device_kind` goes through the shared scheduler (its backend's
-    compile_kernel); the tuner searches the work-group size of those that take one."""
+    compile_kernel); the tuner searches the work-group size of those that take one, and on a
+    target whose vectors may be wider than a register (Target.unroll) the registers per step."""
     _kernel_kinds.append(device_kind)
 
     def space(kernel, device):
-        s = _kernel_default(kernel, device)
+        s, t = _kernel_default(kernel, device), _target(device)
+        if t.unroll > 1:
+            return {"unroll": UNROLLS}
         if s.serial:
             return {"group": (s.group,)}
-        return {"group": tuple(g for g in GROUPS if g <= _target(device).max_group)}
+        return {"group": tuple(g for g in GROUPS if g <= t.max_group)}
+
+    def default(kernel, device):
+        t = _target(device)
+        return {"unroll": t.unroll} if t.unroll > 1 else {"group": _kernel_default(kernel, device).group}
 
     def build(kernel, device, backend, params):
+        if "unroll" in params:
+            return backend.compile_kernel(kernel, device, _kernel_default(kernel, device, params["unroll"]))
         s = _kernel_default(kernel, device)
         return backend.compile_kernel(kernel, device, dataclasses.replace(s, group=params["group"]))
-    tuner.register(tuner.Template(
-        "tile_kernel", "kernel_ir", tuple(_kernel_kinds), space,
-        lambda kernel, device: {"group": _kernel_default(kernel, device).group}, build,
-        lambda params, kernel, device: None if params["group"] <= _target(device).max_group else
-        f"the device's work-groups hold at most {_target(device).max_group} work-items"))
+
+    def check(params, kernel, device):
+        g = params.get("group", 1)
+        return None if g <= _target(device).max_group else \
+            f"the device's work-groups hold at most {_target(device).max_group} work-items"
+    tuner.register(tuner.Template("tile_kernel", "kernel_ir", tuple(_kernel_kinds), space, default, build, check))
 
 
 _kernel_kinds: list[str] = []

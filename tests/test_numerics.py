@@ -15,7 +15,7 @@ TENTH = float(np.float32(0.1))  # the float32 nearest 0.1, which every element h
 @pytest.mark.parametrize("n", [10**7, 10**8])
 def test_sum_of_many_tenths(device, n):
     """numpy's pairwise sum of 1e7 tenths is 1e-7 off; summed in order in float32 it was 0.27%
-    off on cpu and 0.6% on opencl. Blocked sums (ir/kernel/ir.py: SUM_BLOCK) stay within 1e-5."""
+    off on cpu and 0.6% on opencl. Blocked sums (ir/kernel/schedule.py: BLOCK) stay within 1e-5."""
     x = np.full(n, 0.1, np.float32)
     try:
         total = float(tx.jit(tnp.sum)(x))

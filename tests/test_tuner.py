@@ -75,22 +75,21 @@ def test_gemm_tuning_is_stored_and_used_by_a_fresh_process(db, monkeypatch):
 
 @needs_cpu
 def test_invalid_configurations_are_pruned_and_failing_builds_survived(db):
-    from tilefuse.backends.llvm import tuning
+    from tilefuse.runtime.tiled import _kernel_default
     built = []
 
     def check(params, kernel, device):
-        return "too wide" if params["interleave"] >= 4 else None
+        return "too wide" if params["unroll"] >= 4 else None
 
-    def build(kernel, device, backend, params):
+    def build(kernel, device, backend, params):  # ("failing": a second knob this build ignores)
         built.append(dict(params))
-        if params["interleave"] == 2 and params["vector_bits"] == 128:
+        if params["unroll"] == 2 and params["failing"]:
             raise CompileError("this configuration does not build")
-        return tuning.kernel_build(kernel, device, backend, params)
+        return backend.compile_kernel(kernel, device, _kernel_default(kernel, device, params["unroll"]))
 
     def space(kernel, device):
-        return {"threads": (1,), "chunks_per_thread": (1,), "vector_bits": (128, 256),
-                "interleave": (1, 2, 4, 8)}
-    default = {"threads": 1, "chunks_per_thread": 1, "vector_bits": 256, "interleave": 1}
+        return {"unroll": (1, 2, 4, 8), "failing": (0, 1)}
+    default = {"unroll": 1, "failing": 0}
     t = tuner.Template("test_template", "kernel_ir", ("cpu",), space, lambda k, d: default, build, check)
     f = tx.jit(lambda x: tnp.tanh(x) * 2.0, device="cpu")
     x = np.linspace(-1, 1, 4096, dtype=np.float32)
@@ -99,8 +98,8 @@ def test_invalid_configurations_are_pruned_and_failing_builds_survived(db):
     kernel = prof.records[0].info.kernel
     res = tuner.tune_kernel(kernel, "cpu", trials=16, template=t, store=False, repeat=3)
     assert res.trials == 16 and res.pruned > 0 and res.failed > 0 and not res.stored
-    assert all(p["interleave"] < 4 for p in built)
-    assert res.best["interleave"] < 4 and (res.best["interleave"], res.best["vector_bits"]) != (2, 128)
+    assert all(p["unroll"] < 4 for p in built)
+    assert res.best["unroll"] < 4 and (res.best["unroll"], res.best["failing"]) != (2, 1)
 
 
 @needs_cpu
@@ -134,7 +133,7 @@ def test_the_command_line_tunes_a_model_file(tmp_path, db):
     assert p.returncode == 0, p.stderr
     assert "tuned 1 kernels on cpu" in p.stdout and db in p.stdout
     (row,) = tuner.TuningDB(db).entries()
-    assert row["template"] == "cpu_kernel" and row["trials"] == 3
+    assert row["template"] == "tile_kernel" and row["trials"] == 3
 
 
 @pytest.mark.skipif(not tx.devices("opencl"), reason="no OpenCL device")

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from tilefuse.backends.llvmir.render import TYPES, is_float
+from tilefuse.backends.llvmir.ops import TYPES, is_float
 from tilefuse.backends.llvmir.tile import TilePrinter
 from tilefuse.backends.llvmir.vecmath import F32, I32, I64
 from tilefuse.ir.kernel.schedule import ATOMIC

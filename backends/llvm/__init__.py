@@ -1,6 +1,7 @@
-"""The CPU backend: kernels rendered to LLVM IR with llvmlite (render.py, vecmath.py), optimised
-for the host CPU, linked with ORC LLJIT/JITLink and called via ctypes on a thread pool
-(compile.py); buffers come from the caching pool (runtime/memory.py)."""
+"""The CPU backend: every kernel is a tile kernel — the shared scheduler's layout of an ordinary
+kernel (ir/kernel/schedule.py), or a builder's (GEMM, FlashAttention) — printed as LLVM IR by
+backends/llvmir/tile.py, optimised for the host CPU, linked with ORC LLJIT/JITLink and called via
+ctypes on a thread pool (compile.py); buffers come from the caching pool (runtime/memory.py)."""
 from __future__ import annotations
 
 import threading
@@ -10,12 +11,11 @@ import numpy as np
 from tilefuse.runtime import host_blas
 from tilefuse.runtime.hardware import host_info
 from tilefuse.runtime.memory import PoolAllocator
-from tilefuse.runtime.tiled import register_attention
+from tilefuse.runtime.tiled import register_attention, register_kernels
 
 from ..base import Backend
-from . import tuning  # noqa: F401  (registers the CPU templates with the auto-tuner)
 from .buffer import ALIGN, Owner, interface, raw_alloc
-from .compile import CompiledKernel, compile_kernel, compile_kernels, memory_cache_stats
+from .compile import CompiledKernel, compile_kernel, compile_kernels, compile_tile, memory_cache_stats
 
 
 class LLVMBackend(Backend):
@@ -45,7 +45,8 @@ class LLVMBackend(Backend):
 
     # -- kernels ---------------------------------------------------------------------------
     def compile_kernel(self, kernel, device=None, params=None) -> CompiledKernel:
-        """One kernel with KernelParams `params` (default: compile.default_params)."""
+        """One kernel through the shared scheduler, under the Schedule `params` (default: the
+        Target's), printed as a tile kernel (llvmir/tile.py)."""
         return compile_kernel(kernel, self.info_of(device), params)
 
     def compile_kernels(self, kernels, device=None) -> None:
@@ -55,8 +56,7 @@ class LLVMBackend(Backend):
     tile_kernels = True
 
     def compile_tile(self, kernel, device=None):
-        """A tile kernel printed as LLVM IR (tile.py), compiled through the caches, on the pool."""
-        from .tile import compile_tile
+        """A tile kernel printed as LLVM IR (llvmir/tile.py), compiled through the caches, on the pool."""
         return compile_tile(kernel, self.info_of(device))
 
     # -- memory ----------------------------------------------------------------------------
@@ -121,3 +121,4 @@ __all__ = ["LLVMBackend", "CompiledKernel", "create"]
 
 
 register_attention("cpu", priority=10)  # FlashAttention: the shared tile builders' CPU form
+register_kernels("cpu")  # every other kernel through the shared scheduler; the tuner searches its unroll

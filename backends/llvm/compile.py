@@ -1,7 +1,12 @@
-"""LLVM IR → host machine code: the target machine, the optimisation pipeline (new pass manager,
-O3 with loop and SLP vectorisation), object code through the compile caches (in memory by kernel
-signature, on disk via runtime/compile_cache), loading, and the ctypes launcher that splits
-large index spaces over the thread pool (pool.py) sized to the cores.
+"""Tile kernels → host machine code: the target machine, the optimisation pipeline (new pass
+manager, O3; loop and SLP vectorisation for the builders' kernels, not the scheduler's, whose
+vectors are explicit), object code through the compile caches (in memory by the tile kernel's
+key text, on disk via runtime/compile_cache), loading, and the ctypes launcher that splits a
+launch's grid points (tasks) over the thread pool (pool.py) sized to the cores.
+
+An ordinary kernel is laid out by the shared scheduler (ir/kernel/schedule.py, from the
+Target that runtime/hardware.target_of makes of the description) and printed by
+backends/llvmir/tile.py: nothing here decides how a kernel computes, only how a launch splits.
 
 Loading uses llvmlite's ORC LLJIT with JITLink rather than MCJIT: JITLink keeps each object's
 code and constants in one allocation and makes GOT/PLT entries for libm calls, so the small code
@@ -11,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import dataclasses
 import hashlib
 import itertools
 import os
@@ -21,15 +25,18 @@ import llvmlite
 import llvmlite.binding as llvm
 import numpy as np
 
+from tilefuse.backends.llvmir.tile import key_text, print_tile, tasks
 from tilefuse.ir.errors import CompileError, DeviceError
 from tilefuse.ir.kernel.ir import Kernel
+from tilefuse.ir.kernel import schedule as scheduler
+from tilefuse.ir.kernel.schedule import Schedule, code_text, default_schedule, grid_points, laid_out, schedule
+from tilefuse.ir.kernel.tile import TileKernel
 from tilefuse.runtime import compile_cache
-from tilefuse.runtime.hardware import DeviceInfo
+from tilefuse.runtime.hardware import DeviceInfo, target_of
 
 from . import parallel
 from .buffer import Owner
 from .pool import get_pool
-from tilefuse.backends.llvmir.render import INTERLEAVE, REDUCE_TILE, Renderer, cache_text, render
 
 BACKEND_VERSION = "llvm-1"
 OPT_LEVEL = 3
@@ -44,37 +51,10 @@ NS_PER_OP = 0.05
 OP_COST = {"exp": 12, "log": 12, "log1p": 14, "expm1": 14, "tanh": 14, "logistic": 10, "erf": 16,
            "sin": 14, "cos": 14, "pow": 40, "div": 4, "rem": 8, "sqrt": 4, "rsqrt": 5}
 CHUNK_ALIGN = 64  # chunk boundaries on multiples of 64 points: whole cache lines per thread
+SCHEDULED = "; the shared scheduler's kernel\n"  # heads their LLVM IR (compile_ir reads it)
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelParams:
-    """The tunable knobs of a generated CPU kernel. `default_params` derives them from the kernel
-    and DeviceInfo; the auto-tuner (runtime/tuner.py) searches others."""
-    threads: int = 1  # threads the index space is split over (1: the calling thread alone)
-    chunks_per_thread: int = 4  # more chunks balance better on a busy machine, cost more wake-ups
-    vector_bits: int = 256  # the SIMD width LLVM vectorises for
-    interleave: int = INTERLEAVE  # copies of the vectorised point loop in flight
-    reduce_tile: int = REDUCE_TILE  # parallel points per tile of an interchanged reduction
-
-    def code_key(self) -> str:
-        """The part of the parameters that changes the machine code (threads do not)."""
-        return f"v{self.vector_bits}i{self.interleave}t{self.reduce_tile}"
-
-
-def default_params(kernel: Kernel, info: DeviceInfo) -> KernelParams:
-    """Threads when the estimated work pays for waking them (PARALLEL_MIN_NS), the native SIMD width."""
-    est = estimate_ns(kernel)
-    serial = kernel.serial or est < PARALLEL_MIN_NS or kernel.size < 2
-    return KernelParams(threads=1 if serial else info.compute_units, chunks_per_thread=1 if serial else 4,
-                        vector_bits=32 * info.simd_lanes_f32)
-
-
-def interchanges(kernel: Kernel) -> bool:
-    """Whether the renderer tiles this kernel's reduction (so that reduce_tile matters)."""
-    return bool(kernel.reduce_shape) and Renderer(kernel, "k").interchange
-
-
-PRINTER_FILES = ("render.py", "vecmath.py", "irutil.py", "tile.py")  # in backends/llvmir
+PRINTER_FILES = ("ops.py", "vecmath.py", "irutil.py", "tile.py")  # in backends/llvmir
 
 
 def code_digest(*files: str) -> str:
@@ -114,14 +94,15 @@ class Target:
         self.lock = threading.RLock()
         self.loaded: dict[str, tuple] = {}  # symbol → (address, library that keeps it alive)
         self.cache = compile_cache.CompileCache("llvm", compile_cache.default_dir())
-        self.fingerprint = (BACKEND_VERSION, code_digest("render.py"), llvmlite.__version__,
-                            llvm.llvm_version_info, self.triple, self.cpu, self.features,
-                            self.vector_bits, OPT_LEVEL)
+        # (the scheduler's source too: a kernel's key is its index-space text, schedule.code_text)
+        self.fingerprint = (BACKEND_VERSION, code_digest("ops.py", "tile.py", scheduler.__file__),
+                            llvmlite.__version__, llvm.llvm_version_info, self.triple, self.cpu,
+                            self.features, self.vector_bits, OPT_LEVEL)
 
-    def optimize(self, mod: llvm.ModuleRef) -> None:
+    def optimize(self, mod: llvm.ModuleRef, vectorize: bool = True) -> None:
         pto = llvm.create_pipeline_tuning_options(speed_level=OPT_LEVEL)
-        pto.loop_vectorization = True
-        pto.slp_vectorization = True
+        pto.loop_vectorization = vectorize
+        pto.slp_vectorization = vectorize
         pb = llvm.create_pass_builder(self.tm, pto)
         pb.getModulePassManager().run(mod, pb)
 
@@ -131,7 +112,9 @@ class Target:
             mod = llvm.parse_assembly(text)
             mod.triple, mod.data_layout = self.triple, self.data_layout
             mod.verify()
-            self.optimize(mod)
+            # the scheduler's kernels hold their vectors already: LLVM's vectorisers would only
+            # spend compile time on them (a third of a cold training step's)
+            self.optimize(mod, vectorize=SCHEDULED not in text)
             return self.tm.emit_object(mod)
         except RuntimeError as e:
             raise CompileError(f"LLVM could not compile kernel {fn_name}: {e}", backend="llvm",
@@ -181,10 +164,16 @@ _targets: dict = {}
 _link_ids = itertools.count()
 
 
+_targets_lock = threading.Lock()
+
+
 def get_target(info: DeviceInfo) -> Target:
     t = _targets.get(info.fingerprint)
     if t is None:
-        t = _targets[info.fingerprint] = Target(info)
+        with _targets_lock:  # one per description, whichever thread asks first (its lock guards LLVM)
+            t = _targets.get(info.fingerprint)
+            if t is None:
+                t = _targets[info.fingerprint] = Target(info)
     return t
 
 
@@ -196,29 +185,33 @@ _ndarray = np.ndarray
 
 
 class CompiledKernel:
-    """A kernel's machine code: `ck(buffers)` runs it to completion on numpy buffers given in the
-    order of kernel.buffers (any dtype, C-contiguous; the kernel reads them as flat arrays)."""
+    """A tile kernel's machine code: `ck(buffers)` runs its `tasks` grid points to completion on
+    numpy buffers given in the order of its buffers (any dtype, C-contiguous; read as flat arrays),
+    over the pool's threads in chunks of tasks (`bounds`; None: on the calling thread). After the
+    buffers' addresses the function reads the first axis's extent, `batch` (tile.batch).
+    `tile`: the tile kernel, or a function that makes it (for llvm_ir)."""
 
-    def __init__(self, kernel: Kernel, fn_name: str, address: int, target: Target, params: KernelParams):
-        self.kernel, self.name, self.address, self.params = kernel, fn_name, address, params
+    def __init__(self, kernel, fn_name: str, address: int, tasks: int, batch: int, threads: int,
+                 bounds: list | None, target: Target, tile):
+        self.kernel, self.name, self.address, self._tile = kernel, fn_name, address, tile
         self._fn = KernelFn(address)
         self._target = target
-        self._size = kernel.size
+        self._size, self._batch = tasks, batch
         self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in kernel.buffers]
         self._views = [ctypes.c_char * max(n, 1) for n in self._nbytes]
-        self._ptrs_t = ctypes.c_void_p * len(self._nbytes)
+        self._ptrs_t = ctypes.c_void_p * (len(self._nbytes) + 1)
         self._last = (None, None)  # (addresses, their argument array) of the last call
-        self.est_ns = estimate_ns(kernel)
-        self.threads = 1 if kernel.serial or self._size < 2 else params.threads
-        self._bounds = _chunks(self._size, self.threads, self.est_ns, params.chunks_per_thread) \
-            if self.threads > 1 else None
-        self._launch = get_pool(self.threads).launcher(self._fn, self._bounds) if self.threads > 1 else None
+        self.threads = threads if bounds and self._size > 1 else 1
+        self._launch = get_pool(threads).launcher(self._fn, bounds) if self.threads > 1 else None
 
     @property
     def llvm_ir(self) -> str:
-        """The unoptimised LLVM IR (rendered again on demand)."""
-        p = self.params
-        return render(self.kernel, self.name, p.vector_bits, p.interleave, p.reduce_tile)
+        """The unoptimised LLVM IR (printed again on demand)."""
+        made = not isinstance(self._tile, TileKernel)  # (made on demand: a scheduler's kernel)
+        return llvm_text(self._tile() if made else self._tile, self.name, self._target, made)
+
+    def _args(self, addrs):
+        return self._ptrs_t(*addrs, self._batch)
 
     def __call__(self, buffers) -> None:
         if len(buffers) != len(self._nbytes):
@@ -240,7 +233,7 @@ class CompiledKernel:
         if last[0] == addrs:
             ptrs = last[1]
         else:
-            ptrs = self._ptrs_t(*addrs)
+            ptrs = self._args(addrs)
             self._last = (addrs, ptrs)
         if self._launch is None:
             self._fn(ptrs, 0, self._size)
@@ -257,7 +250,7 @@ class CompiledKernel:
         """A launch of no arguments on these buffers: their addresses checked and resolved once."""
         if len(buffers) != len(self._nbytes) or self._size == 0:
             return functools.partial(self, buffers)  # (raises, or launches nothing)
-        ptrs = self._ptrs_t(*[self._address(i, b) for i, b in enumerate(buffers)])
+        ptrs = self._args([self._address(i, b) for i, b in enumerate(buffers)])
         f = functools.partial(self._fn, ptrs, 0, self._size) if self._launch is None else \
             functools.partial(self._launch, ptrs)
         f.buffers = buffers  # alive while the launch is
@@ -276,14 +269,15 @@ class CompiledKernel:
         """Run on raw buffer addresses (no checks): the lean path for callers that know them."""
         if self._size == 0:
             return
-        ptrs = self._ptrs_t(*addrs)
+        ptrs = self._args(addrs)
         if self._launch is None:
             self._fn(ptrs, 0, self._size)
         else:
             self._launch(ptrs)
 
     def __repr__(self):
-        return f"<CompiledKernel {self.kernel.name} ({self.name}) on {self.threads} thread(s)>"
+        k = self.kernel.name
+        return f"<CompiledKernel {k} ({self.name}): {self._size} tasks, {self.threads} threads>"
 
 
 def estimate_ns(kernel: Kernel) -> float:
@@ -310,84 +304,129 @@ def _estimate_ns(kernel: Kernel) -> float:
     return kernel.size * per_point * NS_PER_OP
 
 
-def _chunks(size: int, threads: int, est_ns: float, per_thread: int = 4) -> list:
-    """Up to `per_thread` chunks per thread (balance on a busy machine), each worth ≥
-    PARALLEL_MIN_NS / 4 but at least one per thread, aligned to CHUNK_ALIGN points."""
+def _chunks(size: int, threads: int, est_ns: float, per_thread: int = 4, align: int = CHUNK_ALIGN) -> list:
+    """Up to `per_thread` chunks of `size` tasks per thread (balance on a busy machine), each worth
+    ≥ PARALLEL_MIN_NS / 4 but at least one per thread, aligned to `align` tasks."""
     n = max(1, min(threads * per_thread, max(threads, int(est_ns // (PARALLEL_MIN_NS / 4)))))
     step = -(-size // n)
-    if step > CHUNK_ALIGN:
-        step = -(-step // CHUNK_ALIGN) * CHUNK_ALIGN
+    if step > align:
+        step = -(-step // align) * align
     return [(s, min(s + step, size)) for s in range(0, size, step)]
+
+
+def split(tasks: int, kernel: Kernel | None, cores: int) -> tuple[int, list | None]:
+    """(threads, chunks of tasks) of a launch. A scheduled kernel goes to the pool when its
+    estimated work pays for waking it (PARALLEL_MIN_NS), in chunks of whole cache lines
+    (CHUNK_ALIGN points); a builder's kernel (GEMM, attention: big by construction) in one
+    contiguous chunk per thread."""
+    n = tasks
+    if kernel is None:
+        threads = max(1, min(cores, n))
+        per = -(-n // threads)
+        return threads, [(s, min(s + per, n)) for s in range(0, n, per)] if threads > 1 else None
+    est = estimate_ns(kernel)
+    if est < PARALLEL_MIN_NS or n < 2 or cores < 2:
+        return 1, None
+    per_task = max(1, kernel.size // n)
+    return cores, _chunks(n, cores, est, 4, max(1, CHUNK_ALIGN // per_task))
 
 
 # ---- the entry point ------------------------------------------------------------------------------
 
-_memory: dict = {}  # cache key → (fn_name, address)
+_memory: dict = {}  # cache key → address
 _counts = {"memory_hits": 0}
 
 
-def render_ir(kernel: Kernel, fn_name: str, params: KernelParams) -> str:
-    """The kernel's LLVM IR; a kernel the renderer cannot handle is a CompileError."""
-    try:
-        return render(kernel, fn_name, params.vector_bits, params.interleave, params.reduce_tile)
-    except (KeyError, AssertionError, ValueError, TypeError) as e:
-        raise CompileError(f"the llvm backend cannot render kernel {kernel.name}: "
-                           f"{type(e).__name__}: {e}", backend="llvm", kernel=str(kernel)) from e
+def scheduled(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = None) -> tuple[Schedule, str, str]:
+    """(the shared scheduler's Schedule for `kernel` (or `sched`), the cache key of its code, its
+    symbol): the key comes from schedule.code_text, so a kernel whose code any cache holds is never
+    laid out; kept in the kernel's meta per device (a graph asks twice: its batch build, then each)."""
+    memo = kernel.meta.setdefault("llvm_code", {})
+    where = (info.fingerprint, sched)
+    if where not in memo:
+        t = target_of(info)
+        s = sched or default_schedule(kernel, t)
+        key = compile_cache.make_key("kernel", code_text(kernel, t, s), get_target(info).fingerprint)
+        memo[where] = (s, key, "tf_" + key[:24])
+    return memo[where]
 
 
-def cache_key(kernel: Kernel, params: KernelParams, target: Target) -> tuple[str, str]:
-    """(cache key, symbol name) of a kernel's object code: equal code, one entry."""
-    text = kernel.meta.get("llvm_text")  # computed once per kernel: a graph asks twice
-    if text is None:
-        text = kernel.meta["llvm_text"] = cache_text(kernel)
-    key = compile_cache.make_key(f"{text}\n{params.code_key()}", target.fingerprint)
-    return key, "tf_" + key[:24]
+def llvm_text(tk: TileKernel, fn_name: str, target: Target, by_scheduler: bool) -> str:
+    """The LLVM IR of a tile kernel, headed SCHEDULED where the scheduler made it."""
+    return (SCHEDULED if by_scheduler else "") + print_tile(tk, fn_name, vector_bits=target.vector_bits)
+
+
+def kernel_ir(kernel: Kernel, info: DeviceInfo, fn_name: str = "f") -> str:
+    """The LLVM IR of a kernel under its default schedule (unoptimised): for tests and debugging."""
+    tk = schedule(kernel, target_of(info), scheduled(kernel, info)[0])
+    return llvm_text(tk, fn_name, get_target(info), True)
 
 
 def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
-    """Build, in parallel worker processes, the object code of those of `kernels` (with their
-    default parameters) that neither cache holds; compile_kernel then finds it."""
+    """Build, in parallel worker processes, the object code of those of `kernels` (under their
+    default schedules) that neither cache holds; compile_kernel then finds it."""
     target = get_target(info)
     todo = {}
     for k in kernels:
         if not k.size:
             continue
-        params = default_params(k, info)
-        key, fn_name = cache_key(k, params, target)
+        s, key, fn_name = scheduled(k, info)
         if key not in _memory and key not in todo and not target.cache.has(key):
-            todo[key] = (k, fn_name, params, info)  # workers compile for the same description
-    parallel.build_objects(todo, lambda k, fn_name, params, _info: target.compile_ir(
-        render_ir(k, fn_name, params), fn_name, str(k)))
+            todo[key] = (schedule(k, target_of(info), s), fn_name, info)  # (workers: for this description)
+    parallel.build_objects(todo, lambda tk, fn_name, _info: target.compile_ir(
+        llvm_text(tk, fn_name, target, True), fn_name, ""))  # (errors: compile_kernel reports them)
 
 
-def compile_kernel(kernel: Kernel, info: DeviceInfo, params: KernelParams | None = None) -> CompiledKernel:
-    """Compile (or fetch from the caches) one kernel for the host CPU, with `params` (default:
-    default_params)."""
+def load_tile(tk, key: str, fn_name: str, info: DeviceInfo, source=None) -> int:
+    """The address of a tile kernel's function: from memory, the worker processes' builds, the
+    disk cache, or printed and compiled now (tk: the tile kernel, or a function that makes it;
+    `source`: the index-space kernel the scheduler made it of, which an error names)."""
     target = get_target(info)
-    params = params or default_params(kernel, info)
-    key, fn_name = cache_key(kernel, params, target)
-    if not kernel.size:  # nothing to run (and no code: its key may be an equal kernel's of any size)
-        return CompiledKernel(kernel, fn_name, 0, target, params)
     hit = _memory.get(key)
-    if hit is None:
-        with target.lock:
-            hit = _memory.get(key)
-            if hit is None:
-                ir_text = None
-
-                def build() -> bytes:
-                    nonlocal ir_text
-                    obj = parallel.take(key)  # built with the rest of its graph
-                    if obj is None:
-                        ir_text = render_ir(kernel, fn_name, params)
-                        obj = target.compile_ir(ir_text, fn_name, str(kernel))
-                    return obj
-                address = target.cache.get_or_build(key, build, lambda obj: target.load(
-                    obj, fn_name, ir_text, str(kernel)))
-                hit = _memory[key] = (fn_name, address)
-    else:
+    if hit is not None:
         _counts["memory_hits"] += 1
-    return CompiledKernel(kernel, hit[0], hit[1], target, params)
+        return hit
+    with target.lock:
+        hit = _memory.get(key)
+        if hit is None:
+            ir_text = None
+
+            def build() -> bytes:
+                nonlocal ir_text
+                obj = parallel.take(key)  # built with the rest of its graph
+                if obj is None:
+                    made = tk if isinstance(tk, TileKernel) else tk()
+                    ir_text = llvm_text(made, fn_name, target, source is not None)
+                    obj = target.compile_ir(ir_text, fn_name, str(source or tk))
+                return obj
+            hit = _memory[key] = target.cache.get_or_build(key, build, lambda obj: target.load(
+                obj, fn_name, ir_text, str(source or tk)))
+    return hit
+
+
+def compile_kernel(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = None) -> CompiledKernel:
+    """Compile (or fetch from the caches) one kernel for the host CPU: the shared scheduler's
+    tile kernel under `sched` (default: the Target's), printed by llvmir/tile.py."""
+    t = target_of(info)
+    s, key, fn_name = scheduled(kernel, info, sched)
+
+    def tile() -> TileKernel:
+        return schedule(kernel, t, s)
+    address = load_tile(tile, key, fn_name, info, kernel) if kernel.size else 0
+    tasks = grid_points(kernel, t, s)
+    threads, bounds = split(tasks, kernel, info.compute_units)
+    batch = (laid_out(kernel, t).shape or (1,))[0]
+    return CompiledKernel(kernel, fn_name, address, tasks, batch, threads, bounds, get_target(info), tile)
+
+
+def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
+    """A builder's tile kernel (GEMM, FlashAttention), compiled through the caches, on the pool."""
+    key = compile_cache.make_key("tile", key_text(tk), get_target(info).fingerprint)
+    fn_name = "tf_tile_" + key[:24]
+    n = tasks(tk)
+    threads, bounds = split(n, None, info.compute_units)
+    return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), n, 0, threads, bounds,
+                          get_target(info), tk)
 
 
 def memory_cache_stats() -> dict:
@@ -395,4 +434,4 @@ def memory_cache_stats() -> dict:
     return {"kernels": len(_memory), **_counts}
 
 
-__all__ = ["compile_kernel", "CompiledKernel", "KernelParams", "default_params", "Target", "get_target"]
+__all__ = ["compile_kernel", "compile_tile", "CompiledKernel", "Target", "get_target", "kernel_ir", "split"]

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 
+from tilefuse.ir.kernel.tile import walk
 from tilefuse.runtime import tiered
 from tilefuse.runtime.compile_child import isolated_command
 
@@ -61,7 +62,7 @@ class _Worker:
         return self.proc.poll() is None
 
     def build(self, job: tuple) -> bytes | None:
-        """Object code for (kernel, symbol, params), or None if the worker could not."""
+        """Object code for (tile kernel, symbol, DeviceInfo), or None if the worker could not."""
         data = pickle.dumps(job)
         try:
             self.proc.stdin.write(len(data).to_bytes(8, "little") + data)
@@ -106,14 +107,14 @@ def _pool(n: int) -> list:
 
 
 def build_objects(todo: dict, local) -> None:
-    """Compile {cache key: (kernel, symbol, KernelParams, DeviceInfo)} into `_built`: this process
-    (through `local(kernel, symbol, params, info) -> object code`) and one worker per other core at once."""
+    """Compile {cache key: (tile kernel, symbol, DeviceInfo)} into `_built`: this process (through
+    `local(tile kernel, symbol, info) -> object code`) and one worker per other core at once."""
     n = min(_worker_count(), len(todo)) - 1
     if len(todo) < MIN_KERNELS or n < 1:
         return
     jobs: queue.Queue = queue.Queue()
     # the biggest first: everyone finishes at about the same time
-    for key, job in sorted(todo.items(), key=lambda kv: -len(kv[1][0].stores)):
+    for key, job in sorted(todo.items(), key=lambda kv: -sum(1 for _ in walk(kv[1][0].body))):
         jobs.put((key, job))
 
     def drain(build):
@@ -142,18 +143,18 @@ def build_objects(todo: dict, local) -> None:
 
 
 def _serve() -> None:
-    """The worker: requests (kernel, symbol, params, DeviceInfo) on stdin, object code on stdout
+    """The worker: requests (tile kernel, symbol, DeviceInfo) on stdin, object code on stdout
     (for the parent's description of the CPU, which may be narrower than this host)."""
-    from tilefuse.backends.llvm.compile import get_target, render_ir
+    from tilefuse.backends.llvm.compile import get_target, llvm_text
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     while True:
         head = inp.read(8)
         if len(head) < 8:
             return
-        kernel, fn_name, params, info = pickle.loads(_read(inp, int.from_bytes(head, "little")))
+        tk, fn_name, info = pickle.loads(_read(inp, int.from_bytes(head, "little")))
         try:
             target = get_target(info)
-            status, payload = 0, target.compile_ir(render_ir(kernel, fn_name, params), fn_name, "")
+            status, payload = 0, target.compile_ir(llvm_text(tk, fn_name, target, True), fn_name, "")
         except Exception as e:  # reported by compile_kernel, which compiles it again in-process
             status, payload = 1, str(e).encode()
         out.write(bytes([status]) + len(payload).to_bytes(8, "little") + payload)

@@ -6,7 +6,10 @@ launch as it splits any kernel. Allocs are allocas in the entry block, made once
 registers (unrolled code reads them at constant offsets, which SROA turns into SSA vectors) and
 scratch (a task's packed panel, on the stack). A CPU schedule has no work-items and no shared
 memory; lanes would run as serial loops, so a kernel with a barrier is refused. Expressions go
-through the kernel renderer's op tables (render.emit_pointwise's), over scalars or vectors."""
+through the op tables of ops.py, over scalars or vectors of any width (LLVM splits them into
+registers); gathers and scatters go lane by lane. After the buffers' pointers, `buffers` holds
+the first axis's extent (tile.batch), which the scheduler's kernels read instead of a constant.
+The printer decides nothing: the vectors, loops and blocks are the scheduler's."""
 from __future__ import annotations
 
 import math
@@ -19,13 +22,11 @@ from tilefuse.ir.kernel.ir import INDEX, KExpr
 from tilefuse.ir.kernel.tile import Barrier, If, PrintedValues, Range, Store, TileKernel, lanes_of, pp_tile
 
 from .irutil import _like, counted_loop, splat
-from .render import (BF16, BINARY_OPS, BOOL, CMP, F16, I8, TYPES, UNARY_OPS, _constant, _Ops, convert,
-                     is_float, is_unsigned)
+from .ops import BF16, BINARY_OPS, BOOL, CMP, F16, I8, TYPES, UNARY_OPS, Ops, _constant, convert, is_float, is_unsigned
 from .vecmath import I64
 
 I8P = ir.IntType(8).as_pointer()
 FN_T = ir.FunctionType(ir.VoidType(), [I8P.as_pointer(), I64, I64])
-CONTRACT = ("contract",)
 
 
 def _i(v: int):
@@ -39,7 +40,8 @@ class _Printer(PrintedValues):
         self.mod = ir.Module(name=fn_name)
         self.fn = self.function(fn_name)
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
-        self.ops = _Ops(self.b)
+        self.ops = Ops(self.b)
+        self._batch = None
         self.width: dict = {}
         self.memo: list[dict] = [{}]
         self.env: dict = {}  # variable name -> i64 value (unrolled: a constant)
@@ -127,6 +129,8 @@ class _Printer(PrintedValues):
             raise AssertionError("the CPU has no warp matrix-multiply-accumulate (mma)")
         if op == "iota":
             return ir.Constant(ir.VectorType(I64, w), list(range(w)))
+        if op == "batch":
+            return self.batch()
         if op == "load" and w > 1:  # a gather: a load per lane
             offs, v = self._val(n.src[0]), ir.Constant(self.vt(d, w), ir.Undefined)
             for i in range(w):
@@ -140,8 +144,15 @@ class _Printer(PrintedValues):
             return self.splat(self._val(n.src[0]), w)
         if op in ("hsum", "hmax", "hmin"):
             x = self._val(n.src[0])
-            parts = [b.extract_element(x, ir.Constant(ir.IntType(32), i)) for i in range(x.type.count)]
             bop = {"hsum": "add", "hmax": "max", "hmin": "min"}[op]
+            w = x.type.count
+            while w > 1 and w % 2 == 0:  # a tree of halves: the upper half onto the lower
+                idx = lambda lo: ir.Constant(ir.VectorType(ir.IntType(32), w // 2), list(range(lo, lo + w // 2)))  # noqa: E731
+                x = self.arith(bop, d, [b.shuffle_vector(x, x, idx(0)), b.shuffle_vector(x, x, idx(w // 2))])
+                w //= 2
+            if w == 1:
+                return b.extract_element(x, ir.Constant(ir.IntType(32), 0))
+            parts = [b.extract_element(x, ir.Constant(ir.IntType(32), i)) for i in range(w)]
             while len(parts) > 1:  # a tree: pairwise sums
                 parts = [self.arith(bop, d, parts[i:i + 2]) if i + 1 < len(parts) else parts[i]
                          for i in range(0, len(parts), 2)]
@@ -189,7 +200,14 @@ class _Printer(PrintedValues):
                 counted_loop(self.b, _i(0), hi, body_fn, name=s.var)
             elif isinstance(s, Store):
                 w = self.lanes(s.value)
-                if s.mode == "add":
+                if self.lanes(s.offset) > 1:  # a scatter: a store per lane (of one value, or a vector's)
+                    w = self.lanes(s.offset)
+                    offs, v = self._val(s.offset), self.val(s.value, w)
+                    for i in range(w):
+                        lane = ir.Constant(ir.IntType(32), i)
+                        at, x = self.b.extract_element(offs, lane), self.b.extract_element(v, lane)
+                        (self.store_add if s.mode == "add" else self.store)(s.target, at, x, 1)
+                elif s.mode == "add":
                     self.store_add(s.target, self._val(s.offset), self.val(s.value, w), w)
                 else:
                     self.store(s.target, self._val(s.offset), self.val(s.value, w), w)
@@ -210,6 +228,15 @@ class _Printer(PrintedValues):
         self.points()
         self.b.ret_void()
         return str(self.mod)
+
+    def batch(self):
+        """The first axis's extent (tile.batch): the slot after the buffers' pointers, read once."""
+        if self._batch is None:
+            with self.b.goto_entry_block():
+                self.b.position_at_start(self.fn.entry_basic_block)
+                raw = self.b.load(self.b.gep(self.fn.args[0], [_i(len(self.k.buffers))]))
+                self._batch = self.b.ptrtoint(raw, I64)
+        return self._batch
 
     def buffer(self, i: int, mt):
         """A pointer to global buffer i's elements (of memory type mt)."""
@@ -265,14 +292,21 @@ def key_text(k: TileKernel) -> str:
     return "\n".join(lines)
 
 
-def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm") -> str:
+def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm", vector_bits: int = 0) -> str:
     """LLVM IR of a tile kernel: fn_name(i8** buffers, i64 start, i64 end) over grid points (or
-    the form a subclass of TilePrinter prints)."""
+    the form a subclass of TilePrinter prints). vector_bits: the registers' width, given to LLVM
+    (without it a CPU that prefers 256-bit vectors splits every 512-bit one in two)."""
     try:
-        return (printer or _Printer)(k, fn_name).print()
+        text = (printer or _Printer)(k, fn_name).print()
     except (KeyError, AssertionError, TypeError, ValueError) as e:
         raise CompileError(f"the {backend} backend cannot print tile kernel {k.name}: {type(e).__name__}: {e}",
                            backend=backend, kernel=pp_tile(k)) from e
+    if not vector_bits:
+        return text
+    # llvmlite has no string attributes: on the definition line
+    i = text.index(f'define void @"{fn_name}"')
+    j = text.index("{", i)
+    return text[:j] + f'"prefer-vector-width"="{vector_bits}" "min-legal-vector-width"="{vector_bits}" ' + text[j:]
 
 
 TilePrinter = _Printer

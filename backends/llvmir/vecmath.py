@@ -415,10 +415,21 @@ LIBM = {"exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": 
         "erf": "erf", "sin": "sin", "cos": "cos"}
 
 
+def _per_lane(em: Emit, f, *xs):
+    """f over each lane of float64 vectors (libm is scalar)."""
+    b, out = em.b, ir.Constant(xs[0].type, ir.Undefined)
+    for i in range(xs[0].type.count):
+        lane = ir.Constant(I32, i)
+        out = b.insert_element(out, f(*(b.extract_element(x, lane) for x in xs)), lane)
+    return out
+
+
 def unary(em: Emit, op: str, x):
-    """op(x) for a float32 or float64 scalar (or float32 vector)."""
+    """op(x) for a float32 scalar or vector, or float64 (libm, lane by lane)."""
     if _elem(x.type) == F32:
         return FLOAT32[op](em, x)
+    if isinstance(x.type, ir.VectorType):
+        return _per_lane(em, lambda v: unary(em, op, v), x)
     assert x.type == F64, x.type
     if op == "logistic":
         b = em.b
@@ -429,4 +440,6 @@ def unary(em: Emit, op: str, x):
 def binary_pow(em: Emit, x, y):
     if _elem(x.type) == F32:
         return pow(em, x, y)
+    if isinstance(x.type, ir.VectorType):
+        return _per_lane(em, lambda a, c: em.libm("pow", a, c), x, y)
     return em.libm("pow", x, y)

@@ -24,9 +24,9 @@ Op semantics every renderer implements (ir/kernel/interp.py is the reference):
   Integer `add`/`sub`/`mul`/`neg`/`shift_left` wrap around (two's complement, as numpy's): a
   renderer whose language leaves signed overflow undefined (C) computes them unsigned, except
   where `value_range` proves that no overflow can happen (index arithmetic).
-- float `sum` reductions add at most SUM_BLOCK values into one accumulator, whose partial sum
-  then moves up levels of SUM_FAN-way accumulators (`sum_levels`): the rounding error grows like
-  log n (numpy's pairwise sum), not like n.
+- long float `sum` reductions are blocked (ir/kernel/schedule.py: BLOCK): an accumulator (or a
+  vector lane of one) adds a block of values, then its partial sum is flushed into a compensated
+  total: the rounding error grows with the block and the number of blocks, not with n.
 - `round` rounds half to even; `sign` is -1/0/1 (NaN for NaN); `logistic` is 1/(1+exp(-x)).
 - bool values only meet `and`/`or`/`xor`/`not`, comparisons, `select` and casts (the lowering
   turns bool add/mul/max/min into or/and), and the reductions max (any) and min (all).
@@ -519,28 +519,7 @@ def pp_kernel(k: Kernel) -> str:
     return "\n".join(lines)
 
 
-# ---- what renderers share: blocked float sums, alignment and ranges of integer expressions ------
-
-SUM_BLOCK = 128  # adds into one float accumulator before its partial sum moves up a level (numpy: 128)
-SUM_FAN = 16     # partial sums per accumulator of each level above
-
-
-def sum_levels(steps: int, block: int = SUM_BLOCK) -> int:
-    """Levels of SUM_FAN-way partial sums above the block accumulator that `steps` adds in
-    blocks of `block` need (0: one block, no level)."""
-    flushes = -(-steps // block)
-    levels, cap = 0, 1
-    while cap < flushes:
-        levels, cap = levels + 1, cap * SUM_FAN
-    return levels
-
-
-def blocked_sums(reduces, steps: int, block: int = SUM_BLOCK) -> list:
-    """The float sums among `reduces` that `steps` adds per accumulator make worth blocking."""
-    if sum_levels(steps, block) == 0:
-        return []
-    return [r for r in reduces if r.arg == "sum" and np.dtype(r.dtype).kind == "f"]
-
+# ---- what renderers share: alignment and ranges of integer expressions --------------------------
 
 def known_multiple(n: KExpr, leaves: dict | None = None) -> int:
     """A positive m such that the integer n is a multiple of m at every point, from its form;

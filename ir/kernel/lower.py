@@ -387,8 +387,7 @@ def epilogue_value(dtype=np.float32, slot: int = 0) -> KExpr:
 def epilogue_expr(fn, values) -> KExpr:
     """A fused_gemm's epilogue (a ScalarFn) applied to `values`, the product and its extras as
     expressions in their compute dtype: the one lowering of an epilogue, which the kernel IR and
-    every GEMM template render (the LLVM and PTX templates through backends/llvmir/render.
-    emit_pointwise, OpenCL's through its renderer)."""
+    the shared GEMM builder (ir/kernel/gemm.py) use."""
     b = _Builder(fn.graph.eqns)
     for v, x in zip(fn.graph.invars, values, strict=True):
         b.memo[(v.id, ())] = x

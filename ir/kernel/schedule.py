@@ -4,11 +4,18 @@ prints tile kernels, how points map to work-groups, work-items and vector lanes,
 reductions become loops over accumulators; renderers print the result.
 
 The layout (v1):
+- CPU targets first merge adjacent axes that every index walks as one (merge_axes: a kernel over
+  (n, 128) contiguous becomes one over (128 n,)), so vectors fill and ragged ends are few.
 - Points: `units` per work-item; a work-group of `group` work-items (1 on a CPU target, where a
-  work-group is one task of the pool or one PoCL work-item loop). With vector lanes W (CPU
+  work-group is one task of the pool or one PoCL work-item loop; with groups of one and vectors,
+  a task is a row: its whole vectors in a loop, then its ragged end, no test per vector). With vector lanes W (CPU
   targets whose last parallel axis is long enough), a unit is W consecutive points of the last
-  axis: loads whose offset walks that axis with stride 1 become vector loads, others gathers,
-  invariant ones scalars; the ragged end of the axis runs lane by lane.
+  axis: loads whose offset walks that axis with stride 1 (`stride`) become vector loads, others
+  gathers, invariant ones scalars; the ragged end of the axis runs lane by lane. W is the
+  Target's lanes times its `unroll` (registers in flight: the LLVM printer takes vectors of any
+  width) where the loads are contiguous, one register where they gather (the code grows with
+  the lanes). Where the Target takes the batch at run time (`runtime_batch`), the first axis's
+  extent is read as tile.batch(), never a constant: code serves every batch size.
 - Reductions: per point, one pass over the reduction space per dependency level
   (ir.reduce_levels), accumulators in registers (argmax/argmin: value and index); a reduce node
   then reads its accumulator. Row stores (they read the reduction indices) run in a last pass.
@@ -16,8 +23,11 @@ The layout (v1):
   reduction space strided, then combine their partials in shared memory (a tree of halvings,
   a barrier between steps) and all read the result; one work-item stores the point, all store the
   row. No work-item loops over a long space alone (slow, and a driver may cap a loop's trips).
-- "add" stores are atomic adds; a kernel that also sets what it adds to, or whose dtype has no
-  atomic add on the target, runs on one work-item (`serial`)."""
+- "add" stores: by an owner axis on CPU targets (a task per index, no atomics); else atomic adds;
+  a kernel that also sets what it adds to, whose dtype has no atomic add on the target, or whose
+  target has none (Target.atomics), runs on one work-item (`serial`).
+- The parameters a tuner searches: `group` where work-groups hold many work-items, the Target's
+  `unroll` on CPUs (runtime/tiled.register_kernels)."""
 from __future__ import annotations
 
 import math
@@ -50,6 +60,7 @@ from .tile import (
     Range,
     Store,
     TileKernel,
+    batch,
     broadcast,
     hmax,
     hmin,
@@ -83,30 +94,125 @@ class Schedule:
 
 
 def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> Schedule:
-    """The layout the target implies: vectors along a long last axis on CPUs, work-groups of up to
-    256 on GPUs (64 on CPUs: fewer, larger work-groups cost less to start), adds by an owner axis
-    where there is one and by atomics (or one work-item) where not."""
+    """The layout the target implies: vectors along a long last axis on CPUs (or along the last
+    reduction axis where more loads walk it contiguously: a row's sum; none where every load
+    gathers), work-groups of up to 256 on GPUs (64 on CPUs: fewer, larger work-groups cost less
+    to start), adds by an owner axis where there is one and by atomics (or one work-item) where not."""
+    k = laid_out(k, target)
     group = min(64 if target.kind == "cpu" else 256, target.max_group)
     W = target.lanes if target.kind == "cpu" else 1
-    lanes = W if k.shape and k.shape[-1] >= W > 1 else 1
+    last = ("idx", len(k.shape) - 1)
+    # gathers (loads that walk the vector axis with a stride) are a load per lane: one register's
+    # worth, not `unroll` of them (the code grows with the lanes)
+    unroll = max(1, target.unroll) if not _walks(k, last)[1] else 1
+    # a lone axis whose extent comes at run time takes full vectors, whatever this call's extent
+    # (shorter runs are the ragged end): the code then serves every batch size
+    lanes = W * unroll if target.runtime_batch and len(k.shape) == 1 and W > 1 else _width(k.shape, W, unroll)
     adds = [s for s in k.stores if s.mode == "add"]
     if not adds:
         G = _reduce_group(k, target)
         if G > 1:
             return Schedule(G, 1, reduce_group=G)
-        if W > 1 and k.reduce_shape and k.reduce_shape[-1] >= W:
-            par, red = _contiguous(k, ("idx", len(k.shape) - 1)), _contiguous(k, ("ridx", len(k.reduce_shape) - 1))
-            if red > par or not lanes:
-                return Schedule(group, 1, reduce_lanes=W)
+        if W > 1 and k.reduce_shape:
+            rlast = ("ridx", len(k.reduce_shape) - 1)
+            par, red = _walks(k, last)[0], _walks(k, rlast)[0]
+            args = any(r.arg in ("argmax", "argmin") for lv in reduce_levels(_roots(k)) for r in lv)
+            if k.reduce_shape[-1] >= W and (red > par or lanes == 1):  # (argmax/argmin fold lane by lane: one register)
+                return Schedule(group, 1, reduce_lanes=_width(k.reduce_shape, W, 1 if args else target.unroll))
+            if target.kind == "cpu" and not par and not red:  # every load a gather: one register
+                return Schedule(group, 1, reduce_lanes=W if k.reduce_shape[-1] >= W else 1)
         return Schedule(group, lanes)
     racy = any(np.dtype(k.buffers[s.buffer].dtype).kind == "f" for s in adds)
     if k.owner_axis is not None and (target.kind == "cpu" or (deterministic and racy)):
         owner_last = k.owner_axis == len(k.shape) - 1
         return Schedule(group, lanes if owner_last else 1, owner=True)
     if {s.buffer for s in k.stores if s.mode == "set"} & {s.buffer for s in adds} or (deterministic and racy) or \
+            not target.atomics or \
             any(np.dtype(k.buffers[s.buffer].dtype).name not in ATOMIC for s in adds):
         return Schedule(serial=True)
     return Schedule(group, 1)
+
+
+def _width(shape, W: int, unroll: int) -> int:
+    """Lanes along the last axis of `shape`: W x the most of `unroll` registers (a power of two)
+    that its extent fills, W where it fills one, else 1 (no vectors)."""
+    if not shape or W <= 1 or shape[-1] < W:
+        return 1
+    u = max(1, unroll)
+    while u > 1 and shape[-1] < W * u:
+        u //= 2
+    return W * u
+
+
+def laid_out(k: Kernel, target: Target) -> Kernel:
+    """The kernel the scheduler lays out on `target`: on CPU targets with adjacent axes merged
+    (merge_axes), kept in k.meta per target kind."""
+    if target.kind != "cpu":
+        return k
+    got = k.meta.get("merged")
+    if got is None:
+        got = k.meta["merged"] = merge_axes(k)
+    return got
+
+
+def merge_axes(k: Kernel) -> Kernel:
+    """k over fewer axes: adjacent axes a, a+1 that every index form walks as one (the
+    coefficient of a is that of a+1 times a+1's extent) become one axis, and axes of extent 1
+    go; every index form is rebuilt over the new axes. A CPU then runs long contiguous axes
+    whole: vectors fill, ragged ends are few, and kernels over (n, 128) and (n, 384) share code."""
+    roots = [e for st in k.stores for e in (st.offset, st.value)]
+    forms = affine_forms(roots)
+
+    def bears(f):
+        return f is not None and any(key != "c" for key in f)
+    # forms printed as such: an index-bearing affine node under a node that is not affine (or a root)
+    maximal = {r for r in roots if bears(forms[r])}
+    for r in roots:
+        for n in r.toposort():
+            if forms[n] is None:
+                maximal.update(x for x in n.src if bears(forms[x]))
+    used = [forms[n] for n in maximal]
+    par, red = _groups(k.shape, "idx", used), _groups(k.reduce_shape, "ridx", used)
+    if [a for _, a in par] == [[a] for a in range(len(k.shape))] and \
+            [a for _, a in red] == [[a] for a in range(len(k.reduce_shape))]:
+        return k
+
+    def rebuild(f):
+        out = ic(f.get("c", 0))
+        for kind, groups in (("idx", par), ("ridx", red)):
+            for g, (_, axes) in enumerate(groups):
+                out = iadd(out, imul(KExpr(kind, INDEX, (), g), f.get((kind, axes[-1]), 0)))
+        return out
+    memo: dict = {}
+    for r in roots:
+        for n in r.toposort():
+            if n in memo:
+                continue
+            if n in maximal:
+                memo[n] = rebuild(forms[n])
+            elif not bears(forms[n]):  # (index-bearing nodes under a maximal one are never asked for)
+                memo[n] = KExpr(n.op, n.dtype, tuple(memo[x] for x in n.src), n.arg) if n.src else n
+    stores = tuple(KStore(st.buffer, memo[st.offset], memo[st.value], st.mode) for st in k.stores)
+    return Kernel(k.name, k.buffers, k.n_inputs, tuple(n for n, _ in par), tuple(n for n, _ in red), stores)
+
+
+def _groups(shape, kind: str, forms) -> list:
+    """Axes of `shape` merged: [(extent, axes)], outermost first; axes of extent 1 belong to none
+    (their index is 0), unless all are: then one group of them all."""
+    groups: list = []  # innermost first
+    for a in reversed(range(len(shape))):
+        if shape[a] == 1:
+            continue
+        if groups:
+            first = groups[-1][0]
+            if shape[a] > 0 and shape[first] > 0 and all(
+                    f.get((kind, a), 0) == f.get((kind, first), 0) * shape[first] for f in forms):
+                groups[-1].insert(0, a)
+                continue
+        groups.append([a])
+    if not groups and shape:
+        groups = [list(range(len(shape)))]
+    return [(math.prod(shape[a] for a in axes), axes) for axes in reversed(groups)]
 
 
 GROUP_REDUCE_MIN = 512  # reduction sizes from which a GPU point takes a work-group
@@ -126,21 +232,58 @@ def _reduce_group(k: Kernel, target: Target) -> int:
     return G
 
 
-def _contiguous(k: Kernel, key: tuple) -> int:
-    """Loads whose offset walks the axis `key` with stride 1 (under reduce nodes, for a
-    reduction axis: those run at every step)."""
-    roots = [e for st in k.stores for e in (st.offset, st.value)]
-    forms = affine_forms(roots)
-    nodes = {n for r in roots for n in r.toposort()}
-    return sum(1 for n in nodes if n.op == "load" and (forms.get(n.src[0]) or {}).get(key) == 1)
+def _roots(k: Kernel) -> list:
+    return [e for st in k.stores for e in (st.offset, st.value)]
 
+
+def _walks(k: Kernel, key: tuple) -> tuple[int, int]:
+    """(loads whose offset walks the axis `key` with stride 1, loads whose offset moves along it
+    otherwise: gathers); kept in k.meta."""
+    kept = k.meta.setdefault("walks", {})
+    if key not in kept:
+        axis, memo = KExpr(key[0], INDEX, (), key[1]), {}
+        steps = [stride(n.src[0], axis, memo) for n in {n for r in _roots(k) for n in r.toposort() if n.op == "load"}]
+        kept[key] = (sum(1 for c in steps if c == 1), sum(1 for c in steps if c not in (0, 1)))
+    return kept[key]
+
+
+def stride(n: KExpr, axis: KExpr, memo: dict | None = None) -> int | None:
+    """How far n moves when `axis` (an idx/ridx node) grows by one: 0 where n does not read it,
+    None where not by a constant. Parts that do not read the axis may be anything (an embedding
+    row's offset, loaded: the row's elements still lie side by side)."""
+    memo = {} if memo is None else memo
+    if n in memo:
+        return memo[n]
+    for x in n.toposort():
+        if x in memo:
+            continue
+        ss = [memo[y] for y in x.src]
+        if x == axis:
+            v = 1
+        elif (x.op == "reduce" and axis.op == "ridx") or all(v == 0 for v in ss):  # (one value a point)
+            v = 0
+        elif None in ss or x.dtype != INDEX:
+            v = None
+        elif x.op in ("add", "sub"):
+            v = ss[0] + ss[1] if x.op == "add" else ss[0] - ss[1]
+        elif x.op == "neg":
+            v = -ss[0]
+        elif x.op == "mul" and any(y.op == "const" for y in x.src):
+            c, other = (x.src[0], ss[1]) if x.src[0].op == "const" else (x.src[1], ss[0])
+            v = int(c.arg) * other
+        else:
+            v = None
+        memo[x] = v
+    return memo[n]
 
 
 def divmod_index(u: KExpr, shape) -> list:
-    """Row-major indices of the flat number u over `shape`."""
+    """Row-major indices of the flat number u (< the product of `shape`) over `shape`: the first
+    is what remains, so its extent is not in the expressions (tile.batch)."""
     out, rest = [], u
-    for n in reversed(shape):
-        out.append(ic(0) if n == 1 else binary("rem", rest, ic(n)))
+    for a in reversed(range(len(shape))):
+        n = shape[a]
+        out.append(ic(0) if n == 1 else rest if a == 0 else binary("rem", rest, ic(n)))
         rest = binary("div", rest, ic(n)) if n != 1 else rest
     return out[::-1]
 
@@ -149,21 +292,20 @@ def substitute(roots, env: dict, vector: tuple | None = None) -> dict:
     """Rebuild the expressions `roots` with leaves replaced (env: old node -> new node); returns
     old -> new for every node. vector = (axis, base, lanes): the index node `axis` becomes the
     vector base + iota(lanes); a load whose offset walks it with stride 1 becomes a vector load at
-    the offset for `base`, one that walks it otherwise a gather, one that does not a scalar."""
+    the offset for `base` (stride), one that walks it otherwise a gather, one that does not a scalar."""
     memo = dict(env)
     axis = base = None
     if vector is not None:
         axis, base, lanes = vector
         memo.pop(axis, None)  # the vector axis is the vector, whatever env says of it
-        forms = affine_forms(roots)
-        key = (axis.op, axis.arg)
+        steps: dict = {}
     for root in roots:
         for n in root.toposort():
             if n in memo:
                 continue
             if n == axis:
                 memo[n] = binary("add", broadcast(base, lanes), iota(lanes))
-            elif axis is not None and n.op == "load" and (forms.get(n.src[0]) or {}).get(key) == 1:
+            elif axis is not None and n.op == "load" and stride(n.src[0], axis, steps) == 1:
                 off = substitute([n.src[0]], {**env, axis: base})[n.src[0]]
                 memo[n] = vload(n.arg, off, n.dtype, lanes)
             elif n.op == "reduce":  # a reduction's value is given (env), or kept whole
@@ -260,7 +402,7 @@ class _Builder:
         env = dict(I_env)
         env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(len(R))})
         last = len(R) - 1
-        split = R[last] > 2 * BLOCK  # the last axis in blocks of BLOCK steps
+        split = R[last] > BLOCK  # the last axis in blocks of BLOCK steps (else a flush after each of its runs)
         if split:
             rb, rv = var("rb"), var("rv")
             env[KExpr("ridx", INDEX, (), last)] = iadd(imul(rb, BLOCK), rv)
@@ -335,14 +477,15 @@ class _Builder:
 
     def _axis_reduction(self, reds: list, I_env: dict, W: int, stash=()) -> tuple[list, dict]:
         """The last reduction axis walked W steps at a time (vector accumulators, W > 1) in blocks of
-        about BLOCK elements, float sums flushed into a total after each block (blocked summation:
-        the error grows with the block and the block count, not the row), the last R % W steps
+        about BLOCK elements, float sums flushed lane by lane into compensated totals after each
+        block (blocked summation: the error grows with the block and the block count, not the
+        row; no fold across the lanes until the end), the last R % W steps
         one at a time into scalar accumulators; then folded (hsum/hmax/hmin, argmax/argmin lane by
         lane with ties to the first index)."""
         R = self.k.reduce_shape
         last = len(R) - 1
         steps, tail = R[last] // W, R[last] % W
-        S = max(1, BLOCK // W)
+        S = max(BLOCK // W, min(64, BLOCK))  # steps per block: at least 64 adds into each lane
         nb, rem = (steps // S, steps % S) if steps > S else (0, steps)
         env = dict(I_env)
         env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(last)})
@@ -358,8 +501,8 @@ class _Builder:
             if tail:
                 saccs[r] = self._declare(r, 1)
                 decls += saccs[r]["decl"]
-            if nb and r.arg == "sum" and r.dtype.kind == "f":
-                totals[r] = self._declare(r, 1), self._declare(r, 1), self._declare(r, 1)  # total, error, next
+            if nb and r.arg == "sum" and r.dtype.kind == "f":  # per lane: total, error, next
+                totals[r] = self._declare(r, W), self._declare(r, W), self._declare(r, W)
                 decls += [d for x in totals[r] for d in x["decl"]]
 
         def steps_at(base) -> tuple:
@@ -373,7 +516,7 @@ class _Builder:
         def fold(r, acc):
             x = acc["cur"]
             return x if acc["w"] == 1 else (hsum if r.arg == "sum" else hmax if r.arg == "max" else hmin)(x)
-        flush = tuple(st for r in totals for st in self._kahan(totals[r], fold(r, vaccs[r]), vaccs[r], W))
+        flush = tuple(st for r in totals for st in self._kahan(totals[r], vaccs[r]["cur"], vaccs[r], W))
         rb, rv, rr, rt = var("rb"), var("rv"), var("rr"), var("rt")
         body = ()
         if nb:
@@ -397,9 +540,12 @@ class _Builder:
                 folds += st
                 results[r] = res
                 continue
-            v = fold(r, vaccs[r])
-            if r in totals:
-                v = binary("add", totals[r][0]["cur"], binary("sub", v, totals[r][1]["cur"]))
+            if r in totals:  # each lane's compensated total, then across the lanes
+                t, c = totals[r][0]["cur"], totals[r][1]["cur"]
+                v = binary("add", t, binary("sub", vaccs[r]["cur"], c))
+                v = v if W == 1 else hsum(v)
+            else:
+                v = fold(r, vaccs[r])
             results[r] = _combine(r.arg, v, saccs[r]["cur"]) if tail else v
         return decls + list(body) + folds, results
 
@@ -533,51 +679,109 @@ class _Builder:
         if vector is None:
             return Store(st.buffer, substitute([st.offset], env)[st.offset], val, mode=st.mode)
         axis, base, lanes = vector
-        form = affine_forms([st.offset]).get(st.offset) or {}
-        if form.get((axis.op, axis.arg)) == 1:  # consecutive lanes: one vector store
+        if stride(st.offset, axis) == 1:  # consecutive lanes: one vector store
             off = substitute([st.offset], {**env, axis: base})[st.offset]
             return Store(st.buffer, off, broadcast(val, lanes) if lanes_of(val) == 1 else val, mode=st.mode)
         off = substitute([st.offset], env, vector)[st.offset]  # a scatter, lane by lane
         return Store(st.buffer, off, val, mode=st.mode)
 
 
+def _units(k: Kernel, s: Schedule) -> tuple[int, int]:
+    """(units of work, work-items a work-group) of a laid-out kernel under a plain or owner
+    schedule: a unit is a point, or a vector of `lanes` along the last (owner) axis."""
+    shape = tuple(k.shape)
+    if s.owner:
+        units = -(-shape[k.owner_axis] // s.lanes)
+    elif s.lanes > 1 and s.group == 1 and len(shape) > 1:  # a row (see schedule)
+        units = math.prod(shape[:-1])
+    elif s.lanes > 1:
+        units = math.prod(shape[:-1]) * -(-shape[-1] // s.lanes)
+    else:
+        units = max(1, math.prod(shape))
+    return units, max(1, min(s.group, units))
+
+
+def grid_points(k: Kernel, target: Target, s: Schedule) -> int:
+    """The extent of schedule(k, target, s)'s grid, without building it (the tasks a CPU splits)."""
+    k = laid_out(k, target)
+    if not k.size or s.serial:
+        return 1 if k.size else 0
+    if s.reduce_group > 1:
+        return max(1, math.prod(k.shape))
+    units, G = _units(k, s)
+    return -(-units // G)
+
+
+def code_text(k: Kernel, target: Target, s: Schedule) -> str:
+    """What schedule(k, target, s)'s code depends on, as text: the laid-out kernel without its name,
+    its buffers' sizes and (Target.runtime_batch) its first extent, the schedule and the target.
+    Equal text, equal tile kernel but for the grid's extent: a cache key that needs no tile kernel
+    (tests/backends/test_shape_generic.py holds the scheduler to it)."""
+    k = laid_out(k, target)
+    generic = target.runtime_batch and target.max_group == 1  # (else a group's guard holds the extent)
+    shape = ("?",) + tuple(k.shape[1:]) if generic and k.shape else tuple(k.shape)
+    lines = [" ".join(np.dtype(b.dtype).name for b in k.buffers) + f" inputs {k.n_inputs} shape {shape} "
+             f"reduce {tuple(k.reduce_shape)} {s} {target}"]
+    names: dict = {}
+    for st in k.stores:
+        for root in (st.offset, st.value):
+            for n in root.toposort():
+                if n not in names:
+                    names[n] = len(names)
+                    lines.append(f"{n.op} {np.dtype(n.dtype).name} {n.arg!r} " + " ".join(str(names[x]) for x in n.src))
+        lines.append(f"store {st.mode} {st.buffer} {names[st.offset]} {names[st.value]}")
+    return "\n".join(lines)
+
+
 def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKernel:
     """The tile kernel of an index-space kernel on `target` (default_schedule unless given)."""
     s = sched or default_schedule(k, target)
+    k = laid_out(k, target)
+    meta = {"kernel": k, "schedule": s, "batch": k.shape[0] if k.shape else 1}
     if not k.size:  # nothing to compute: a kernel of no work-groups
-        return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", 0, "grid", ()),), meta={"kernel": k, "schedule": s})
+        return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", 0, "grid", ()),), meta=meta)
     b = _Builder(k, s)
     shape = tuple(k.shape)
+    # the first axis's extent: read at run time where the printer takes it (tile.batch)
+    n0 = batch() if target.runtime_batch and shape else ic(shape[0] if shape else 1)
     if s.serial:
         u = var("u")
         I = divmod_index(u, shape)
-        body = (Range("g", 1, "grid", (Range("u", max(1, math.prod(shape)), "serial", b.point(I, None)),)),)
-        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+        body = (Range("g", 1, "grid", (Range("u", imul(n0, math.prod(shape[1:])), "serial", b.point(I, None)),)),)
+        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
     if s.owner:
-        return _owner(k, s, b)
+        return _owner(k, s, b, n0, meta)
     if s.reduce_group > 1:
         points = max(1, math.prod(shape))
         body = (Range("g", points, "grid", (Range("l", s.reduce_group, "lane", b.point(divmod_index(var("g"), shape), None)),)),)
-        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+        return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
     W = s.lanes
+    units, G = _units(k, s)
+    g, lane = var("g"), var("l")
+    if W > 1 and G == 1 and len(shape) > 1:  # a task a row: its whole vectors, then its ragged end
+        outer, axis, v, t = divmod_index(g, shape[:-1]), KExpr("idx", INDEX, (), len(shape) - 1), var("v"), var("t")
+        full, ragged = divmod(shape[-1], W)
+        body = (Range("v", full, "serial", b.point(outer + [imul(v, W)], (axis, imul(v, W), W))),)
+        if ragged:
+            body += (Range("t", ragged, "serial", b.point(outer + [iadd(ic(full * W), t)], None)),)
+        return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", units, "grid", body),), meta=meta)
     if W > 1:
         last = shape[-1]
         per_row = -(-last // W)
-        units = math.prod(shape[:-1]) * per_row
-    else:
-        units = max(1, math.prod(shape))
-    G = max(1, min(s.group, units))
-    g, lane = var("g"), var("l")
     u = iadd(imul(g, G), lane) if G > 1 else g
     if W > 1:
-        outer = divmod_index(binary("div", u, ic(per_row)), shape[:-1])
-        base = imul(binary("rem", u, ic(per_row)), W)
+        if len(shape) == 1:  # one axis: its extent comes at run time
+            outer, base, last_n = [], imul(u, W), n0
+        else:
+            outer = divmod_index(binary("div", u, ic(per_row)), shape[:-1])
+            base, last_n = imul(binary("rem", u, ic(per_row)), W), ic(last)
         axis = KExpr("idx", INDEX, (), len(shape) - 1)
-        whole = binary("le", iadd(base, ic(W)), ic(last))
+        whole = binary("le", iadd(base, ic(W)), last_n)
         vec_body = b.point(outer + [base], (axis, base, W))
         l_ = var("t")
-        tail = (Range("t", W, "unroll", (If(binary("lt", iadd(base, l_), ic(last)),
-                                            b.point(outer + [iadd(base, l_)], None)),)),)
+        # the ragged end point by point: a loop (unrolled, wide vectors would copy the body W times)
+        tail = (Range("t", W, "unroll" if W <= 16 else "serial", (If(binary("lt", iadd(base, l_), last_n),
+                                                                       b.point(outer + [iadd(base, l_)], None)),)),)
         inner = (If(whole, vec_body), If(unary("not", whole), tail))
     else:
         inner = b.point(divmod_index(u, shape), None)
@@ -586,18 +790,17 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         body = (Range("g", units, "grid", inner),)
-    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
 
 
-def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
+def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKernel:
     """A work-item per index (or vector of `lanes` indices) of the owner axis; the rest of the
     space in order inside it."""
     shape, a = tuple(k.shape), k.owner_axis
     n = shape[a]
     others = [i for i in range(len(shape)) if i != a]
     W = s.lanes
-    units = -(-n // W)
-    G = max(1, min(s.group, units))
+    units, G = _units(k, s)
     g, lane, u = var("g"), var("l"), var("u")
     unit = iadd(imul(g, G), lane) if G > 1 else g
     rest = divmod_index(u, [shape[i] for i in others])
@@ -609,13 +812,16 @@ def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
         I[a] = at_a
         return I
     count = max(1, math.prod(shape[i] for i in others))
+    if others and others[0] == 0:  # the first axis's extent at run time (n0)
+        count = imul(n0, math.prod(shape[i] for i in others[1:]))
+    n_at = n0 if a == 0 else ic(n)
     if W > 1:
         base = imul(unit, W)
         axis = KExpr("idx", INDEX, (), a)
-        whole = binary("le", iadd(base, ic(W)), ic(n))
+        whole = binary("le", iadd(base, ic(W)), n_at)
         t = var("t")
-        tail = (Range("t", W, "unroll", (If(binary("lt", iadd(base, t), ic(n)),
-                                            b.point(index(iadd(base, t)), None)),)),)
+        tail = (Range("t", W, "unroll" if W <= 16 else "serial", (If(binary("lt", iadd(base, t), n_at),
+                                                                       b.point(index(iadd(base, t)), None)),)),)
         inner = (Range("u", count, "serial", (If(whole, b.point(index(base), (axis, base, W))),
                                                If(unary("not", whole), tail))),)
     else:
@@ -625,7 +831,8 @@ def _owner(k: Kernel, s: Schedule, b: _Builder) -> TileKernel:
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         body = (Range("g", units, "grid", inner),)
-    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta={"kernel": k, "schedule": s})
+    return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
 
 
-__all__ = ["Schedule", "default_schedule", "divmod_index", "schedule", "substitute"]
+__all__ = ["Schedule", "code_text", "default_schedule", "divmod_index", "grid_points", "laid_out", "merge_axes", "schedule",
+           "stride", "substitute"]

@@ -35,3 +35,8 @@ class Target:
     l3_bytes: int = 0
     fp16: bool = True           # arithmetic on float16 (else storage only: computed in float32)
     mma: tuple = ()             # MMA instructions, best first
+    atomics: bool = True        # the printer has atomic adds (else adds with no owner axis run on one task)
+    unroll: int = 1             # CPU: vector registers one step fills (vectors of lanes x unroll, their
+    #                             chains in flight together); 1 where the printer's vectors are capped
+    runtime_batch: bool = False  # the printer takes the first axis's extent at run time (tile.batch):
+    #                              code holds no batch size, so a new one reuses compiled kernels

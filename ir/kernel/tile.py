@@ -23,6 +23,9 @@ Statements (a tree; `body` tuples nest):
   If(cond, body)
 Expressions are the kernel IR's KExpr nodes, plus:
   var(name)                       a Range's variable (int64)
+  batch()                         the extent of the index space's first axis, given at run time
+                                  (meta["batch"]): code that reads it instead of a constant serves
+                                  every batch size (Target.runtime_batch)
   load(target, offset)            target as in Store (an int: a global buffer; a str: an Alloc);
                                   a vector offset gathers
   vload(target, offset, lanes)    `lanes` consecutive elements as a vector
@@ -52,7 +55,7 @@ from .ir import INDEX, Buffer, KExpr
 
 RANGE_KINDS = ("grid", "lane", "serial", "unroll")
 SCOPES = ("register", "scratch", "shared")
-TILE_OPS = ("var", "vload", "broadcast", "iota", "hsum", "hmax", "hmin", "mma")
+TILE_OPS = ("var", "batch", "vload", "broadcast", "iota", "hsum", "hmax", "hmin", "mma")
 WARP = 32  # work-items of a warp (an mma's fragments spread over them)
 
 
@@ -75,6 +78,10 @@ MMA_LAYOUTS = {"m16n8k16": ((16, 8, 16), (8, 4, 4), ("float16", "bfloat16"),
 
 def var(name: str) -> KExpr:
     return KExpr("var", INDEX, (), name)
+
+
+def batch() -> KExpr:
+    return KExpr("batch", INDEX, (), None)
 
 
 def tload(target, offset: KExpr, dtype) -> KExpr:
@@ -363,7 +370,7 @@ def check_tile(k: TileKernel) -> None:
                 assert a == b and a in ins and c == "float32", f"mma {x.arg} of {a} x {b} + {c}"
                 assert not in_if, "an mma under an If: its warp may not run it whole"
                 assert group % WARP == 0, f"an mma in work-groups of {group} work-items (whole warps: {WARP})"
-            elif x.op not in ("const", "broadcast", "iota", "hsum", "hmax", "hmin"):
+            elif x.op not in ("const", "batch", "broadcast", "iota", "hsum", "hmax", "hmin"):
                 widths = {lanes_of(s, memo) for s in x.src} - {1}
                 assert len(widths) <= 1, f"{x.op} of operands of widths {widths}"
 
@@ -425,6 +432,8 @@ class _Group:
                 v = np.full((1, 1), x.arg, x.dtype)
             elif op == "var":
                 v = np.broadcast_to(np.asarray(self.env[x.arg], INDEX).reshape(-1, 1), (self.L, 1))
+            elif op == "batch":
+                v = np.full((1, 1), self.k.meta["batch"], INDEX)
             elif op == "iota":
                 v = np.broadcast_to(np.arange(x.arg, dtype=INDEX), (self.L, x.arg))
             elif op in ("load", "vload"):

@@ -68,7 +68,7 @@ def test_narrowing():
 
 AVX2_RUN = textwrap.dedent("""
     import numpy as np, tilefuse as tx, tilefuse.numpy as tnp, tilefuse.nn as nn
-    from tilefuse.backends.llvm.compile import get_target, default_params, render_ir
+    from tilefuse.backends.llvm.compile import get_target, kernel_ir
     cpu = tx.get_device("cpu")
     info = cpu.info
     assert not [f for f in info.features if f.startswith(("avx512", "amx", "avx10"))], info.features
@@ -97,7 +97,7 @@ AVX2_RUN = textwrap.dedent("""
     f32 = np.dtype(np.float32)
     k = Kernel("k", (Buffer("x", f32, 4096), Buffer("y", f32, 4096)), 1, (4096,), (),
                (Store(1, affine([1]), load(0, affine([1]), f32) * 2.0),))
-    mod = llvm.parse_assembly(render_ir(k, "f", default_params(k, info)))
+    mod = llvm.parse_assembly(kernel_ir(k, info))
     target.optimize(mod)
     asm = target.tm.emit_assembly(mod)
     assert "ymm" in asm and "zmm" not in asm

@@ -437,13 +437,13 @@ def test_math_is_vectorised():
     """The float32 functions compile to SIMD code with no calls (what makes them fast)."""
     import llvmlite.binding as llvm
 
-    from tilefuse.backends.llvmir.render import render
+    from tilefuse.backends.llvm.compile import kernel_ir
     t = get_target(host_info())
     v = K.load(0, K.idx(0), F32)
     e = v
     for op in ("exp", "log", "tanh", "erf", "sin", "logistic", "log1p", "expm1"):
         e = K.binary("add", e, K.unary(op, v))
-    mod = llvm.parse_assembly(render(kernel([(F32, 4096)], [F32], (4096,), [e]), "f", t.vector_bits))
+    mod = llvm.parse_assembly(kernel_ir(kernel([(F32, 4096)], [F32], (4096,), [e]), host_info()))
     mod.triple, mod.data_layout = t.triple, t.data_layout
     t.optimize(mod)
     text = str(mod)

@@ -651,7 +651,7 @@ def test_signed_overflow_wraps(be, dtype):
 
 @pytest.mark.parametrize("shape,axes", [((2, 300_000), (1,)), ((300_000, 2), (0,))])
 def test_long_sums_are_blocked(be, shape, axes):
-    """A float sum adds SUM_BLOCK values per accumulator, then moves the partial sum up: 3e5
+    """A float sum adds a block of values per accumulator, then flushes it into a total: 3e5
     tenths come within 1e-5 of the exact sum (added in order: 3e-4 off)."""
     x = np.full(shape, 0.1, F32)
     k = reduce_kernel(f"long_sum{axes[0]}", shape, axes, "sum")

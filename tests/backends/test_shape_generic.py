@@ -1,6 +1,7 @@
-"""Shape-generic CPU kernels: a kernel's cache text (llvmir/render.cache_text) holds only what
-its code depends on (not the first parallel extent, a batch size; not the axes merged into one
-loop), so a new batch size reuses compiled code.
+"""Shape-generic CPU kernels: a kernel's cache text (ir/kernel/schedule.code_text) holds only what
+the scheduler's code depends on (not the first axis's extent, a batch size, which the code reads
+at run time: tile.batch; not how the axes it merged into one made it up), so a new batch size
+reuses compiled code.
 
 The structural guard: for every kernel of real programs lowered at several batch sizes, whenever
 two kernels share a cache text they render to the same LLVM IR. A renderer that starts reading
@@ -16,7 +17,9 @@ import tilefuse.nn as nn
 import tilefuse.numpy as tnp
 from conftest import assert_close
 from tilefuse.backends.llvm import compile as lc
-from tilefuse.backends.llvmir.render import cache_text, render
+from tilefuse.backends.llvmir.tile import print_tile
+from tilefuse.ir.kernel.schedule import code_text, schedule
+from tilefuse.runtime.hardware import host_info, target_of
 from tilefuse.runtime.compiler import _front
 from tilefuse.validate.programs import layernorm, softmax
 
@@ -69,7 +72,8 @@ def test_equal_cache_text_means_equal_code():
             for k in _kernels(f, make(n)):
                 if not k.size:
                     continue
-                text, code = cache_text(k), render(k, "f")
+                t, s = target_of(host_info()), lc.scheduled(k, host_info())[0]
+                text, code = code_text(k, t, s), print_tile(schedule(k, t, s), "f")
                 if text in by_text:
                     shared += 1
                     assert by_text[text] == code, f"{k.name}: equal cache text, different code"
