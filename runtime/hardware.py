@@ -223,4 +223,5 @@ def target_of(info: DeviceInfo):
                   shared_bytes=0 if cpu else info.local_mem_bytes, max_group=max(1, info.max_work_group),
                   warp=max(1, info.sub_group), l1_bytes=caches.l1_bytes, l2_bytes=caches.l2_bytes,
                   l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)),
-                  mma=tuple(MMA(*m) for m in info.extra.get("mma", ())))  # (the backend's table: MMA's fields)
+                  mma=tuple(MMA(*m) for m in info.extra.get("mma", ())),  # (the backend's table: MMA's fields)
+                  driver_compiled=info.kind == "opencl")

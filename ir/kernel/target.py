@@ -35,3 +35,5 @@ class Target:
     l3_bytes: int = 0
     fp16: bool = True           # arithmetic on float16 (else storage only: computed in float32)
     mma: tuple = ()             # MMA instructions, best first
+    driver_compiled: bool = False  # kernels are built by the device driver's compiler (OpenCL: any
+    #                                vendor, any version), not tilefuse's own LLVM pipeline
