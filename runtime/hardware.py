@@ -228,4 +228,4 @@ def target_of(info: DeviceInfo):
                   # 4 registers in flight: the transcendental chains are latency-bound (tanh/sigmoid/
                   # exp chain on one znver3 core: 3.0 ns a point one vector at a time, 2.1 with 4)
                   unroll=4 if info.kind == "cpu" else 1, runtime_batch=info.kind == "cpu",
-                  atomics=info.kind != "cpu")
+                  atomics=info.kind != "cpu", driver_compiled=info.kind == "opencl")

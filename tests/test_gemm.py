@@ -304,7 +304,8 @@ def test_packed_schedules_compute_the_same(device, rng, pack_a):
 
 def test_packed_defaults_follow_the_problem_and_the_target():
     """Registers set the register tile, L1 the K blocks (a 16-bit C keeps one), L2 the panels;
-    A is packed where reading it in place costs (16 bits, k strided); what cannot run is refused."""
+    A is packed where reading it in place costs (16 bits, k strided, a driver's compiler); what
+    cannot run is refused."""
     from tilefuse.ir.kernel import gemm
     from tilefuse.ir.kernel.matmul import MatmulLayout
     from tilefuse.ir.kernel.target import Target
@@ -325,6 +326,9 @@ def test_packed_defaults_follow_the_problem_and_the_target():
             assert p.kc * p.nc * 4 <= t.l2_bytes // 2
         assert gemm.default_schedule(spec(1024, 1024, 4096), t).kc > 0  # K in blocks
         assert gemm.default_schedule(spec(1000, 1000, 4096, BF16), t).kc == 0  # a 16-bit C: one block
+    # a driver's compiler (OpenCL) gets A packed: one pointer at constant offsets in the micro-kernel
+    driver = replace(avx512, driver_compiled=True)
+    assert gemm.default_schedule(spec(2048, 128, 128), driver).pack_a
     s = spec(64, 64, 4096, BF16)
     assert "partial sums" in gemm.GemmSchedule(False, 4, 1, 16, mc=8, nc=16, kc=512).check(s, avx512)
     assert "scratch" in gemm.GemmSchedule(False, 4, 1, 16, mc=8, nc=512, kc=0).check(spec(64, 512, 1 << 20), avx512)

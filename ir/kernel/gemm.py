@@ -175,8 +175,11 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     # block amortises the round trip of C's partial sums); one block for a 16-bit C
     kc_most = max(64, 2 * target.l1_bytes // (4 * nr) // 16 * 16) if spec.out_dtype == F32 else 0
     kc, _ = _k_blocks(lay.k, kc_most)
-    # A packed where its elements cost more to read in place: 16 bits (converted once) or k strided
-    pack_a = lay.dtype != F32 or lay.a_strides[2] != 1
+    # A packed where its elements cost more to read in place: 16 bits (converted once), k strided, or
+    # a driver's compiler, which may not keep the wm clamped row addresses in integer registers
+    # across the k loop (PoCL's LLVM 15 moved them into vector registers and spilled the register
+    # tile); a packed micro-panel is one pointer at constant offsets, whatever the compiler
+    pack_a = lay.dtype != F32 or lay.a_strides[2] != 1 or target.driver_compiled
     # the packed panel of B (kc x nc floats) stays in L2 beside the micro-kernel's traffic
     nc_most = max(nr, (target.l2_bytes // 2) // (4 * kc) // nr * nr)
     mc, nc = _task_blocks(spec, wm, nr, kc, nc_most, pack_a, target.cores)

@@ -40,3 +40,5 @@ class Target:
     #                             chains in flight together); 1 where the printer's vectors are capped
     runtime_batch: bool = False  # the printer takes the first axis's extent at run time (tile.batch):
     #                              code holds no batch size, so a new one reuses compiled kernels
+    driver_compiled: bool = False  # kernels are built by the device driver's compiler (OpenCL: any
+    #                                vendor, any version), not tilefuse's own LLVM pipeline
