@@ -22,8 +22,7 @@ Op semantics every renderer implements (ir/kernel/interp.py is the reference):
 - integer `div`/`rem` are C's (truncating; `rem` takes the dividend's sign, as float `rem` = fmod);
   division by zero is undefined (the lowering guards it where the primitive defines it).
   Integer `add`/`sub`/`mul`/`neg`/`shift_left` wrap around (two's complement, as numpy's): a
-  renderer whose language leaves signed overflow undefined (C) computes them unsigned, except
-  where `value_range` proves that no overflow can happen (index arithmetic).
+  renderer whose language leaves signed overflow undefined (C) computes them unsigned.
 - long float `sum` reductions are blocked (ir/kernel/schedule.py: BLOCK): an accumulator (or a
   vector lane of one) adds a block of values, then its partial sum is flushed into a compensated
   total: the rounding error grows with the block and the number of blocks, not with n.
@@ -517,59 +516,3 @@ def pp_kernel(k: Kernel) -> str:
         lines.append(f"  store{'+' if st.mode == 'add' else ''} {k.buffers[st.buffer].name}"
                      f"[{names[st.offset]}] = {names[st.value]}")
     return "\n".join(lines)
-
-
-# ---- what renderers share: alignment and ranges of integer expressions --------------------------
-
-def known_multiple(n: KExpr, leaves: dict | None = None) -> int:
-    """A positive m such that the integer n is a multiple of m at every point, from its form;
-    `leaves` gives what is known of idx/ridx nodes (a vector base: its width), else 1."""
-    leaves = leaves or {}
-    memo: dict = {}
-    for x in n.toposort():
-        if x in leaves:
-            m = leaves[x]
-        elif x.op == "const" and isinstance(x.arg, (int, np.integer)) and not isinstance(x.arg, bool):
-            m = abs(int(x.arg)) or 1 << 62
-        elif x.op in ("add", "sub"):
-            m = int(np.gcd(memo[x.src[0]], memo[x.src[1]]))
-        elif x.op == "mul":
-            m = min(memo[x.src[0]] * memo[x.src[1]], 1 << 62)
-        elif x.op == "cast" and np.dtype(x.dtype).kind in "iu" and np.dtype(x.src[0].dtype).kind in "iu":
-            m = memo[x.src[0]]
-        else:
-            m = 1
-        memo[x] = m
-    return memo[n]
-
-
-def value_range(n: KExpr, shape, reduce_shape) -> tuple | None:
-    """(lo, hi) bounds of an integer expression of idx/ridx and constants over the index
-    spaces, or None where it reads anything else (a load, a division)."""
-    memo: dict = {}
-    for x in n.toposort():
-        r = None
-        if x.op == "const" and np.dtype(x.dtype).kind in "iu":
-            r = (int(x.arg), int(x.arg))
-        elif x.op in ("idx", "ridx"):
-            ext = (shape if x.op == "idx" else reduce_shape)
-            r = (0, max(0, int(ext[x.arg]) - 1)) if x.arg < len(ext) else None
-        elif x.op in ("add", "sub", "mul") and all(memo.get(s) for s in x.src):
-            (a, b), (c, d) = memo[x.src[0]], memo[x.src[1]]
-            if x.op == "add":
-                r = (a + c, b + d)
-            elif x.op == "sub":
-                r = (a - d, b - c)
-            else:
-                ps = (a * c, a * d, b * c, b * d)
-                r = (min(ps), max(ps))
-        elif x.op == "neg" and memo.get(x.src[0]):
-            r = (-memo[x.src[0]][1], -memo[x.src[0]][0])
-        elif x.op == "cast" and np.dtype(x.dtype).kind in "iu" and memo.get(x.src[0]):
-            r = memo[x.src[0]]
-        if r is not None and np.dtype(x.dtype).kind in "iu":
-            info = np.iinfo(x.dtype)
-            if r[0] < info.min or r[1] > info.max:
-                r = None  # it may wrap: nothing is known of it
-        memo[x] = r
-    return memo[n]
