@@ -114,7 +114,7 @@ class Target:
             mod.verify()
             # the scheduler's kernels hold their vectors already: LLVM's vectorisers would only
             # spend compile time on them (a third of a cold training step's)
-            self.optimize(mod, vectorize=SCHEDULED not in text)
+            self.optimize(mod, vectorize=not text.startswith(SCHEDULED))
             return self.tm.emit_object(mod)
         except RuntimeError as e:
             raise CompileError(f"LLVM could not compile kernel {fn_name}: {e}", backend="llvm",
