@@ -39,7 +39,8 @@ def gemm_build(kernel, device, backend, params: dict | None = None):
     why = sched.check(spec, t)
     if why is not None:
         raise ValueError(f"GEMM schedule {sched}: {why}")
-    return backend.compile_tile(gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs), device)
+    return backend.compile_tile(gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs,
+                                           t.runtime_batch), device)
 
 
 def _key(kernel) -> tuple[str, str]:
@@ -106,9 +107,10 @@ def _attention_tiles(kernel, device, params):
         return None
     if sched.vec and np.dtype(kernel.buffers[0].dtype).itemsize > 4:  # the CPU form's vectors of float64 (16 lanes
         return None  # of float32's width) the LLVM tile printer refuses: the decomposition runs
-    build = attention.build_backward if sp.bwd else attention.build_forward
-    tks = build(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)
-    tks = tks if sp.bwd else [tks]
+    if sp.bwd:
+        tks = attention.build_backward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+    else:
+        tks = [attention.build_forward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)]
     try:
         for tk in tks:
             check_fits(tk, device.info)

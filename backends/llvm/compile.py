@@ -188,18 +188,18 @@ class CompiledKernel:
     """A tile kernel's machine code: `ck(buffers)` runs its `tasks` grid points to completion on
     numpy buffers given in the order of its buffers (any dtype, C-contiguous; read as flat arrays),
     over the pool's threads in chunks of tasks (`bounds`; None: on the calling thread). After the
-    buffers' addresses the function reads the first axis's extent, `batch` (tile.batch).
+    buffers' addresses the function reads the run-time `sizes` (tile.size).
     `tile`: the tile kernel, or a function that makes it (for llvm_ir)."""
 
-    def __init__(self, kernel, fn_name: str, address: int, tasks: int, batch: int, threads: int,
+    def __init__(self, kernel, fn_name: str, address: int, tasks: int, sizes: tuple, threads: int,
                  bounds: list | None, target: Target, tile):
         self.kernel, self.name, self.address, self._tile = kernel, fn_name, address, tile
         self._fn = KernelFn(address)
         self._target = target
-        self._size, self._batch = tasks, batch
+        self._size, self._sizes = tasks, tuple(sizes)
         self._nbytes = [b.size * np.dtype(b.dtype).itemsize for b in kernel.buffers]
         self._views = [ctypes.c_char * max(n, 1) for n in self._nbytes]
-        self._ptrs_t = ctypes.c_void_p * (len(self._nbytes) + 1)
+        self._ptrs_t = ctypes.c_void_p * (len(self._nbytes) + max(1, len(self._sizes)))
         self._last = (None, None)  # (addresses, their argument array) of the last call
         self.threads = threads if bounds and self._size > 1 else 1
         self._launch = get_pool(threads).launcher(self._fn, bounds) if self.threads > 1 else None
@@ -211,7 +211,7 @@ class CompiledKernel:
         return llvm_text(self._tile() if made else self._tile, self.name, self._target, made)
 
     def _args(self, addrs):
-        return self._ptrs_t(*addrs, self._batch)
+        return self._ptrs_t(*addrs, *self._sizes)
 
     def __call__(self, buffers) -> None:
         if len(buffers) != len(self._nbytes):
@@ -415,8 +415,8 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = No
     address = load_tile(tile, key, fn_name, info, kernel) if kernel.size else 0
     tasks = grid_points(kernel, t, s)
     threads, bounds = split(tasks, kernel, info.compute_units)
-    batch = (laid_out(kernel, t).shape or (1,))[0]
-    return CompiledKernel(kernel, fn_name, address, tasks, batch, threads, bounds, get_target(info), tile)
+    sizes = ((laid_out(kernel, t).shape or (1,))[0],)
+    return CompiledKernel(kernel, fn_name, address, tasks, sizes, threads, bounds, get_target(info), tile)
 
 
 def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
@@ -425,8 +425,8 @@ def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
     fn_name = "tf_tile_" + key[:24]
     n = tasks(tk)
     threads, bounds = split(n, None, info.compute_units)
-    return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), n, 0, threads, bounds,
-                          get_target(info), tk)
+    return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), n, tk.meta.get("sizes", ()), threads,
+                          bounds, get_target(info), tk)
 
 
 def memory_cache_stats() -> dict:

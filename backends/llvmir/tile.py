@@ -8,7 +8,8 @@ scratch (a task's packed panel, on the stack). A CPU schedule has no work-items 
 memory; lanes would run as serial loops, so a kernel with a barrier is refused. Expressions go
 through the op tables of ops.py, over scalars or vectors of any width (LLVM splits them into
 registers); gathers and scatters go lane by lane. After the buffers' pointers, `buffers` holds
-the first axis's extent (tile.batch), which the scheduler's kernels read instead of a constant.
+the run-time sizes (tile.size: the first axis's extent, GEMM's M and K, ...), which kernels read
+instead of constants so that one code serves every batch size.
 The printer decides nothing: the vectors, loops and blocks are the scheduler's."""
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class _Printer(PrintedValues):
         self.fn = self.function(fn_name)
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.ops = Ops(self.b)
-        self._batch = None
+        self._sizes: dict = {}  # i -> the run-time size i, read once
         self.width: dict = {}
         self.memo: list[dict] = [{}]
         self.env: dict = {}  # variable name -> i64 value (unrolled: a constant)
@@ -129,8 +130,8 @@ class _Printer(PrintedValues):
             raise AssertionError("the CPU has no warp matrix-multiply-accumulate (mma)")
         if op == "iota":
             return ir.Constant(ir.VectorType(I64, w), list(range(w)))
-        if op == "batch":
-            return self.batch()
+        if op == "size":
+            return self.size(n.arg)
         if op == "load" and w > 1:  # a gather: a load per lane
             offs, v = self._val(n.src[0]), ir.Constant(self.vt(d, w), ir.Undefined)
             for i in range(w):
@@ -229,14 +230,14 @@ class _Printer(PrintedValues):
         self.b.ret_void()
         return str(self.mod)
 
-    def batch(self):
-        """The first axis's extent (tile.batch): the slot after the buffers' pointers, read once."""
-        if self._batch is None:
+    def size(self, i: int):
+        """Run-time size i (tile.size): slot i after the buffers' pointers, read once."""
+        if i not in self._sizes:
             with self.b.goto_entry_block():
                 self.b.position_at_start(self.fn.entry_basic_block)
-                raw = self.b.load(self.b.gep(self.fn.args[0], [_i(len(self.k.buffers))]))
-                self._batch = self.b.ptrtoint(raw, I64)
-        return self._batch
+                raw = self.b.load(self.b.gep(self.fn.args[0], [_i(len(self.k.buffers) + i)]))
+                self._sizes[i] = self.b.ptrtoint(raw, I64)
+        return self._sizes[i]
 
     def buffer(self, i: int, mt):
         """A pointer to global buffer i's elements (of memory type mt)."""

@@ -19,7 +19,7 @@ from tilefuse.ir import dtypes, primitives as P
 from .gemm import _add, _and, _ceil, _fp, _i, _lt, _min, _mul, _x
 from .ir import KExpr, binary, cast, const, select, unary
 from .lower import strides
-from .tile import Alloc, Barrier, If, Range, Store, TileKernel, broadcast, hmax, hsum, iota, tload, var, vload
+from .tile import Alloc, Barrier, If, Range, Store, TileKernel, broadcast, hmax, hsum, iota, size, tload, var, vload
 
 
 @dataclass(frozen=True)
@@ -384,7 +384,8 @@ def build_forward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
                       meta={"attention": (sp, sched)})
 
 
-def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> list:
+def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int,
+                   runtime_sizes: bool = False) -> list:
     """dq, dk, dv packed into one result (the primitive's layout), as three tile kernels run in
     order, every result element with one writer (no atomics):
       stats: per query row, m and 1/l (the forward's row statistics, recomputed) and
@@ -393,9 +394,10 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
              P = exp(s - m)/l, dv += P do, dS = P (do·v - D), dk += dS q scale;
       dq:    a work-item per query row, its statistics read, dq += dS k scale over the key
              blocks.
-    (The CPU form: _backward_cpu.)"""
+    (The CPU form: _backward_cpu; runtime_sizes: the target takes sizes at run time, and the CPU
+    form reads where dk and dv start as tile.size 0 and 1, so one code serves every batch size.)"""
     if sched.cpu:
-        return _backward_cpu(sp, sched, name, buffers, n_inputs)
+        return _backward_cpu(sp, sched, name, buffers, n_inputs, runtime_sizes)
     a = _Tiles(sp, sched, buffers, n_inputs)
     f, bq, bk = a.f, a.bq, a.bk
     o_buf, do_buf, res = n_inputs - 2, n_inputs - 1, n_inputs
@@ -748,7 +750,8 @@ def _forward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, 
     return TileKernel(name, tuple(buffers), n_inputs, body, meta={"attention": (sp, sched)})
 
 
-def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int) -> list:
+def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, n_inputs: int,
+                  runtime_sizes: bool) -> list:
     """The backward's CPU form: the stats, dkdv and dq kernels; per_head: one kernel, a task per
     batch index computing its rows' statistics into scratch, then per key block dk and dv, and dq
     added into its rows of the result (the only writer: no atomics)."""
@@ -756,6 +759,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
     bq, bk, R, w, dp, dvp = a.bq, a.bk, a.R, a.w, a.dp, a.dvp
     o_buf, do_buf, res = n_inputs - 2, n_inputs - 1, n_inputs
     q_res, k_res = sp.sizes
+    dk_at, dv_at = (size(0), size(1)) if runtime_sizes else (q_res, q_res + k_res)
+    sizes = {"sizes": (q_res, q_res + k_res)} if runtime_sizes else {}
     blk, kb, ib, i, c = var("blk"), var("kb"), var("ib"), var("ci"), var("cc")
     nqb = _ceil(sp.sq, bq)
     sqp = nqb * bq
@@ -815,7 +820,7 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
                 a.mm("dq", dq_at, "s", lambda r, x: _add(_mul(_add(_mul(ib, R), r), bk), x),
                      "kr", lambda x, v: _add(_mul(x, dp), _mul(v, w)), bk, dp // w,
                      first=lambda r, v: a.vld("dq", dq_at(r, v))))),)),
-        a.store_rows(res, 0, "dq", row0, bq, sp.sq, sp.d, sp.rows[0], 0, lambda i_: const(sp.scale, a.f)),)))
+        a.store_rows(res, 0, "dq", row0, bq, sp.sq, sp.d, sp.rows[0], 0, lambda i_: const(sp.scale, a.f)),)), meta=dict(sizes))
 
     # dkdv: per key block, over the query blocks that see it: Pᵀ and dSᵀ with vectors along the
     # queries, dv += Pᵀ do, dk += dSᵀ q (per_head: and dq += dS k)
@@ -875,8 +880,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
                     a.mm("dk", kv_at(dp), "dst", t_at, *q_rows, bq, dp // w,
                          first=lambda r, v: a.vld("dk", kv_at(dp)(r, v))),)),
                 *dq_update(q0))),
-            a.store_rows(res, 1, "dk", key0, bk, sp.sk, sp.d, sp.rows[1], q_res, lambda i_: const(sp.scale, a.f)),
-            a.store_rows(res, 2, "dv", key0, bk, sp.sk, sp.dv, sp.rows[2], q_res + k_res, lambda i_: a.one))
+            a.store_rows(res, 1, "dk", key0, bk, sp.sk, sp.d, sp.rows[1], dk_at, lambda i_: const(sp.scale, a.f)),
+            a.store_rows(res, 2, "dv", key0, bk, sp.sk, sp.dv, sp.rows[2], dv_at, lambda i_: a.one))
     tiles = dict(kr=bk * dp, vr=bk * dvp, qt=sp.d * bq, dot=sp.dv * bq, qs=bq * dp, dos=bq * dvp, ml=3 * bq,
                  pt=bk * bq, dst=bk * bq, dk=bk * dp, dv=bk * dvp)
 
@@ -915,14 +920,14 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         body = inner
         for z, n in reversed(list(zip(a.zs, sp.batch))):
             body = (Range(z.arg, n, "grid", body),)
-        return [TileKernel(name + "_heads", tuple(buffers), n_inputs, body)]
+        return [TileKernel(name + "_heads", tuple(buffers), n_inputs, body, meta=dict(sizes))]
 
     stats = TileKernel(name + "_stats", tuple(buffers), n_inputs, a.grid1(nqb, (
         *a.allocs(qs=bq * dp, kt=sp.d * bk, s=bq * bk, ml=3 * bq),
-        *stats_sweep(row0, lambda which, r_, v: Store(res, a.stats_at(r_, which), v), True))))
+        *stats_sweep(row0, lambda which, r_, v: Store(res, a.stats_at(r_, which), v), True))), meta=dict(sizes))
     key0 = _mul(blk, bk)
     dkdv = TileKernel(name + "_dkdv", tuple(buffers), n_inputs, a.grid1(_ceil(sp.sk, bk), (
         *a.allocs(**tiles),
         *key_block_body(key0, lambda which, qr: select(_lt(qr, sp.sq), a.ld(
-            res, a.stats_at(_min(qr, sp.sq - 1), which)), a.zero), lambda q0: ()))))
+            res, a.stats_at(_min(qr, sp.sq - 1), which)), a.zero), lambda q0: ()))), meta=dict(sizes))
     return [stats, dkdv, dq]

@@ -23,8 +23,8 @@ from .ir import INDEX, Buffer, KExpr, binary, cast, const, select, unary
 from .lower import epilogue_expr, iadd, imul
 from .matmul import MatmulLayout, matmul_layout
 from .target import Target
-from .tile import (MMA_LAYOUTS, WARP, Alloc, Barrier, If, Range, Store, TileKernel, broadcast, mma, tload, var,
-                   vload)
+from .tile import (MMA_LAYOUTS, WARP, Alloc, Barrier, If, Range, Store, TileKernel, broadcast, mma, size, tload,
+                   var, vload)
 
 F32 = np.dtype(np.float32)
 PAD = 8  # elements between the MMA form's k-contiguous panel rows (16 bytes: rows start in other banks)
@@ -111,7 +111,8 @@ class GemmSchedule:
         kc, blocks = _k_blocks(spec.layout.k, self.kc)
         if blocks > 1 and spec.out_dtype != F32:
             return f"K in {blocks} blocks: the partial sums need a float32 C, not {spec.out_dtype}"
-        scratch = 4 * kc * (self.nc + self.wm * self.pack_a)
+        kc_alloc = _k_depth(spec, self, target.runtime_batch)
+        scratch = 4 * kc_alloc * (self.nc + self.wm * self.pack_a)
         if scratch > SCRATCH_BYTES:
             return f"packed panels of {scratch} bytes exceed the {SCRATCH_BYTES} bytes of a task's scratch"
         return None
@@ -152,6 +153,37 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _sized(spec: GemmSpec, runtime: bool) -> bool:
+    """Whether the packed form reads M (and K in blocks) as run-time sizes: where the target takes
+    sizes at run time and the product is one matrix, whose rows are where a batch's rows go
+    (x @ W over batch x sequence rows); N, the strides and a batched product's M stay constants."""
+    return runtime and spec.layout.batch == 1
+
+
+def _k_sized(spec: GemmSpec, sched: GemmSchedule, runtime: bool) -> bool:
+    """Whether K is a run-time size too: K in more than one block of at most kc (the weight
+    gradient's K is the batch's rows), whose partial sums a float32 C holds. A K of one block,
+    the model's width more often, stays a constant: that code neither reads C back nor keeps to a
+    loop count it cannot see."""
+    return _sized(spec, runtime) and 0 < sched.kc < spec.layout.k and spec.out_dtype == F32
+
+
+def _k_depth(spec: GemmSpec, sched: GemmSchedule, runtime: bool) -> int:
+    """The packed panels' depth: the schedule's kc where K is a run-time size, else K's block."""
+    return sched.kc if _k_sized(spec, sched, runtime) else _k_blocks(spec.layout.k, sched.kc)[0]
+
+
+RUNTIME_SIZES = ("m", "k", "row_blocks", "mc_tiles", "k_blocks", "k_depth")
+
+
+def launch_sizes(spec: GemmSpec, sched: GemmSchedule) -> dict:
+    """The packed form's sizes for one launch (RUNTIME_SIZES: tile.size(i) is the i-th)."""
+    lay = spec.layout
+    kd, blocks = _k_blocks(lay.k, sched.kc)
+    return {"m": lay.m, "k": lay.k, "row_blocks": _ceil(lay.m, sched.mc), "mc_tiles": sched.mc // sched.wm,
+            "k_blocks": blocks, "k_depth": kd}
+
+
 def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     """The parameters the target's description implies (the tuner may find better ones)."""
     lay = spec.layout
@@ -175,27 +207,35 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     # block amortises the round trip of C's partial sums); one block for a 16-bit C
     kc_most = max(64, 2 * target.l1_bytes // (4 * nr) // 16 * 16) if spec.out_dtype == F32 else 0
     kc, _ = _k_blocks(lay.k, kc_most)
+    generic = _sized(spec, target.runtime_batch)
+    # where sizes come at run time, kc bounds the blocks whatever K is (the code keeps to K's blocks)
+    kc_field = kc_most if generic and kc_most else (kc if kc < lay.k else 0)
     # A packed where its elements cost more to read in place: 16 bits (converted once), k strided, or
     # a driver's compiler, which may not keep the wm clamped row addresses in integer registers
     # across the k loop (PoCL's LLVM 15 moved them into vector registers and spilled the register
     # tile); a packed micro-panel is one pointer at constant offsets, whatever the compiler
     pack_a = lay.dtype != F32 or lay.a_strides[2] != 1 or target.driver_compiled
     # the packed panel of B (kc x nc floats) stays in L2 beside the micro-kernel's traffic
-    nc_most = max(nr, (target.l2_bytes // 2) // (4 * kc) // nr * nr)
-    mc, nc = _task_blocks(spec, wm, nr, kc, nc_most, pack_a, target.cores)
-    return GemmSchedule(False, wm, wn, vec, mc=mc, nc=nc, kc=kc if kc < lay.k else 0, pack_a=pack_a)
+    # (K at run time: the panel's depth is kc_most, whatever this K's blocks are)
+    depth = kc_most if generic and 0 < kc_most < lay.k and spec.out_dtype == F32 else kc
+    nc_most = max(nr, (target.l2_bytes // 2) // (4 * depth) // nr * nr)
+    mc, nc = _task_blocks(spec, wm, nr, nc_most, pack_a, target.cores, generic)
+    return GemmSchedule(False, wm, wn, vec, mc=mc, nc=nc, kc=kc_field, pack_a=pack_a)
 
 
-def _task_blocks(spec: GemmSpec, wm: int, nr: int, kc: int, nc_most: int, pack_a: bool, cores: int):
+def _task_blocks(spec: GemmSpec, wm: int, nr: int, nc_most: int, pack_a: bool, cores: int, generic_m: bool):
     """(mc, nc): the task blocks whose longest thread finishes first. The thread pool runs the
     tasks (batch, column block, row block: the last fastest) in one contiguous chunk per core;
     a task costs its micro-tiles' multiply-adds and its reads of A and B (each task packs its own
-    panel of B and reads its rows of A: more tasks balance better but read more), in multiply-adds."""
+    panel of B and reads its rows of A: more tasks balance better but read more), in multiply-adds.
+    generic_m: M is a run-time size (_sized), so nc, which the code keeps, depends on N alone (the
+    fewest column blocks) and mc, a run-time size too, balances the rows."""
     lay = spec.layout
     per_elem_b = 4 if lay.b_strides[2] == 1 else 16  # whole vectors, or element by element
     per_elem_a = 16 if pack_a and lay.a_strides[2] != 1 else 4  # element by element, or along k
     best = None
-    for bn in range(_ceil(lay.n, nc_most), min(_ceil(lay.n, nr), _ceil(lay.n, nc_most) + 8) + 1):
+    fewest = _ceil(lay.n, nc_most)
+    for bn in range(fewest, fewest + 1 if generic_m else min(_ceil(lay.n, nr), fewest + 8) + 1):
         nc = _ceil(_ceil(lay.n, bn), nr) * nr
         for bm in range(1, min(_ceil(lay.m, wm), 4 * cores) + 1):
             mc = _ceil(_ceil(lay.m, bm), wm) * wm
@@ -266,7 +306,10 @@ def _add(*xs) -> KExpr:
 
 
 def _mul(a, k) -> KExpr:
-    return imul(_x(a), k) if not isinstance(k, KExpr) else binary("mul", _x(a), k)
+    a = _x(a)
+    if isinstance(k, KExpr):
+        return _i(0) if a.op == "const" and a.arg == 0 else binary("mul", a, k)
+    return imul(a, k)
 
 
 def _min(a: KExpr, b) -> KExpr:
@@ -286,11 +329,26 @@ def _fp(x: KExpr) -> KExpr:
     return cast(x, dtypes.compute_dtype(x.dtype))
 
 
+def _sub(a, b):
+    return a - b if not isinstance(a, KExpr) and not isinstance(b, KExpr) else binary("sub", _x(a), _x(b))
+
+
+def _times(a, b):
+    """a * b for ints or index expressions (run-time sizes)."""
+    if not isinstance(a, KExpr) and not isinstance(b, KExpr):
+        return a * b
+    if isinstance(a, KExpr) and isinstance(b, KExpr):
+        return binary("mul", a, b)
+    return _mul(a, b) if isinstance(a, KExpr) else _mul(b, a)
+
+
 class _Gemm:
-    def __init__(self, spec: GemmSpec, sched: GemmSchedule, kernel_buffers: tuple):
+    def __init__(self, spec: GemmSpec, sched: GemmSchedule, kernel_buffers: tuple, runtime: bool = False):
         self.s, self.p, self.bufs = spec, sched, kernel_buffers
         self.lay = spec.layout
         self.acc = spec.acc_dtype
+        self.runtime = not sched.shared and _sized(spec, runtime)
+        self.m = size(0) if self.runtime else self.lay.m  # M: a run-time size, or a constant
 
     def a_at(self, z, row, k) -> KExpr:
         sab, sam, sak = self.lay.a_strides
@@ -306,26 +364,44 @@ class _Gemm:
             return cast(acc, self.s.out_dtype)
         lay, xs = self.lay, []
         for buf, full in self.s.extras:
-            off = _add(_mul(z, lay.m * lay.n), _mul(row, lay.n), col) if full else col
+            off = _add(_mul(z, _times(self.m, lay.n)), _mul(row, lay.n), col) if full else col
             dt = np.dtype(self.bufs[buf].dtype)
             xs.append(_fp(vload(buf, off, dt, lanes) if lanes > 1 else tload(buf, off, dt)))
         return cast(epilogue_expr(self.s.epilogue, [acc, *xs]), self.s.out_dtype)
 
     def c_offset(self, z, row, col) -> KExpr:
-        return _add(_mul(z, self.lay.m * self.lay.n), _mul(row, self.lay.n), col)
+        return _add(_mul(z, _times(self.m, self.lay.n)), _mul(row, self.lay.n), col)
 
     # -- the CPU form -----------------------------------------------------------------------
     def packed(self) -> tuple:
+        """The CPU form. Where the target takes sizes at run time and the product is one matrix
+        (self.runtime), M, the row blocks and (_k_sized) K's blocks are tile.size values
+        (launch_sizes) and the grid is one Range of tasks: a new batch size, which changes M (or
+        the weight gradient's K), reuses the code."""
         lay, p = self.lay, self.p
-        wm, wn, vec, mc, nc = p.wm, p.wn, p.vec, p.mc, p.nc
-        kc, blocks = _k_blocks(lay.k, p.kc)
+        wm, wn, vec = p.wm, p.wn, p.vec
         nr = wn * vec
-        z, jc, ic, pc = var("z"), var("jc"), var("ic"), var("pc")
-        jr, k, jj = var("jr"), var("k"), var("jj")
-        k0 = _mul(pc, kc) if blocks > 1 else _i(0)
-        kcur = _min(_add(_mul(pc, -kc), lay.k), kc) if blocks > 1 else lay.k
+        rt, M = self.runtime, self.m
+        sizes = launch_sizes(self.s, p)
+        d = {n: size(i) for i, n in enumerate(RUNTIME_SIZES)} if rt else sizes
+        k_sized = _k_sized(self.s, p, rt)
+        kc_alloc = _k_depth(self.s, p, rt)
+        K, blocks, kd = (d["k"], d["k_blocks"], d["k_depth"]) if k_sized else (lay.k, sizes["k_blocks"], kc_alloc)
+        multi = k_sized or blocks > 1  # the code of K in blocks
+        mc, nc = _times(d["mc_tiles"], wm), p.nc
+        col_blocks = _ceil(lay.n, nc)
+        pc, jr, k, jj = var("pc"), var("jr"), var("k"), var("jj")
+        if rt:  # one matrix: tasks (column block, row block: the last fastest) from one grid index
+            task = var("task")
+            ic = binary("rem", task, d["row_blocks"])
+            jc = binary("div", task, d["row_blocks"]) if col_blocks > 1 else _i(0)
+            z = _i(0)
+        else:
+            z, jc, ic = var("z"), var("jc"), var("ic")
+        k0 = _mul(pc, kd) if multi else _i(0)
+        kcur = _min(_sub(K, _mul(pc, kd)), kd) if multi else lay.k
         col = _add(_mul(jc, nc), _mul(jr, nr), jj)
-        panel_at = lambda col_in_strip: _add(_mul(_add(_mul(jr, kc), k), nr), col_in_strip)  # noqa: E731
+        panel_at = lambda col_in_strip: _add(_mul(_add(_mul(jr, kd), k), nr), col_in_strip)  # noqa: E731
         packed_b = select(_lt(col, lay.n), _fp(self.b_at(z, _add(k0, k), _min(col, lay.n - 1))),
                           const(0, self.acc))
         edge = Range("jj", nr, "serial", (Store("bp", panel_at(jj), packed_b),))
@@ -354,12 +430,12 @@ class _Gemm:
         ir, i, j, t = var("ir"), var("i"), var("j"), var("t")
         row0 = _add(_mul(ic, mc), _mul(ir, wm))
         col0 = _add(_mul(jc, nc), _mul(jr, nr))
-        a_in_place = _fp(self.a_at(z, _min(_add(row0, i), lay.m - 1), _add(k0, k)))
+        a_in_place = _fp(self.a_at(z, _min(_add(row0, i), _sub(M, 1)), _add(k0, k)))
         pack_a = ()
         if p.pack_a:  # A's micro-panel in float32 (16-bit inputs converted once), copied along
             # A's contiguous axis: row by row (wm streams along k, as A itself), or k-major
             if lay.a_strides[2] == 1:
-                ap_at = _add(_mul(i, kc), k)
+                ap_at = _add(_mul(i, kd), k)
                 pack_a = (Range("i", wm, "unroll", (Range("k", kcur, "serial", (Store("ap", ap_at, a_in_place),)),)),)
             else:
                 ap_at = _add(_mul(k, wm), i)
@@ -369,7 +445,7 @@ class _Gemm:
             a_elem = a_in_place
         zero = broadcast(const(0, self.acc), vec)
         acc_at = lambda i_, j_: _mul(_add(_mul(i_, wn), j_), vec)  # noqa: E731
-        b_vec = vload("bp", _add(_mul(_add(_mul(jr, kc), k), nr), _mul(j, vec)), self.acc, vec)
+        b_vec = vload("bp", _add(_mul(_add(_mul(jr, kd), k), nr), _mul(j, vec)), self.acc, vec)
         fma = binary("add", vload("acc", acc_at(i, j), self.acc, vec),
                      binary("mul", broadcast(a_elem, vec), b_vec))
         micro = (
@@ -380,43 +456,46 @@ class _Gemm:
         # a register tile inside C stores whole vectors (its epilogue printed once per vector);
         # one across C's edge goes to scratch and out element by element, in loops (a lane loop
         # over the registers would index them at run time: they would stay in memory)
-        inside_c = _and(_lt(_add(row0, wm - 1), lay.m), _lt(_add(col0, nr - 1), lay.n))
-        whole = Range("i", wm, "unroll", (Range("j", wn, "unroll", self._store_c(
-            blocks, pc, vload("acc", acc_at(i, j), self.acc, vec), z, _add(row0, i), _add(col0, _mul(j, vec)), vec)),))
+        store_c = lambda *a: self._store_c(multi, blocks, pc, *a)  # noqa: E731
+        inside_c = _and(_lt(_add(row0, wm - 1), M), _lt(_add(col0, nr - 1), lay.n))
+        whole = Range("i", wm, "unroll", (Range("j", wn, "unroll", store_c(
+            vload("acc", acc_at(i, j), self.acc, vec), z, _add(row0, i), _add(col0, _mul(j, vec)), vec)),))
         spill = Range("t", wm * wn, "unroll", (Store("edge", _mul(t, vec), vload("acc", _mul(t, vec), self.acc, vec)),))
         row, c, lane = _add(row0, i), _add(col0, _mul(j, vec)), var("l")
         at, in_row = acc_at(i, j), _lt(_add(c, vec - 1), lay.n)
         by_vector = Range("j", wn, "serial", (
-            If(in_row, self._store_c(blocks, pc, vload("edge", at, self.acc, vec), z, row, c, vec)),
-            If(unary("not", in_row), (Range("l", vec, "unroll", (If(_lt(_add(c, lane), lay.n), self._store_c(
-                blocks, pc, tload("edge", _add(at, lane), self.acc), z, row, _add(c, lane), 1)),)),)),))
-        elementwise = Range("i", wm, "serial", (If(_lt(row, lay.m), (by_vector,)),))
+            If(in_row, store_c(vload("edge", at, self.acc, vec), z, row, c, vec)),
+            If(unary("not", in_row), (Range("l", vec, "unroll", (If(_lt(_add(c, lane), lay.n), store_c(
+                tload("edge", _add(at, lane), self.acc), z, row, _add(c, lane), 1)),)),)),))
+        elementwise = Range("i", wm, "serial", (If(_lt(row, M), (by_vector,)),))
         store = (If(inside_c, (whole,)), If(unary("not", inside_c), (spill, elementwise)))
         block = pack + (
-            Range("ir", mc // wm, "serial", (If(_lt(row0, lay.m), pack_a + (
+            Range("ir", d["mc_tiles"], "serial", (If(_lt(row0, M), pack_a + (
                 Range("jr", nc // nr, "serial", (
                     If(_lt(col0, lay.n), micro + store),)),)),)),)
         body = (
-            Alloc("bp", self.acc, kc * nc, "scratch"),
-            *((Alloc("ap", self.acc, wm * kc, "scratch"),) if p.pack_a else ()),
+            Alloc("bp", self.acc, kc_alloc * nc, "scratch"),
+            *((Alloc("ap", self.acc, wm * kc_alloc, "scratch"),) if p.pack_a else ()),
             Alloc("acc", self.acc, wm * wn * vec, "register"),
             Alloc("edge", self.acc, wm * wn * vec, "scratch"),
-            *((Range("pc", blocks, "serial", block),) if blocks > 1 else block),
+            *((Range("pc", blocks, "serial", block),) if multi else block),
         )
+        if rt:
+            return (Range("task", col_blocks * sizes["row_blocks"], "grid", body),)
         return (Range("z", lay.batch, "grid", (
-            Range("jc", _ceil(lay.n, nc), "grid", (
-                Range("ic", _ceil(lay.m, mc), "grid", body),)),)),)
+            Range("jc", col_blocks, "grid", (
+                Range("ic", sizes["row_blocks"], "grid", body),)),)),)
 
-    def _store_c(self, blocks: int, pc, acc: KExpr, z, row, col, lanes: int) -> tuple:
+    def _store_c(self, multi: bool, blocks, pc, acc: KExpr, z, row, col, lanes: int) -> tuple:
         """The statements that store a K block's sums at C[z, row, col .. col+lanes): the
         epilogue of the product after the last block; before it, the partial sums, which the
         next block adds to (C is float32 then: check)."""
         off = self.c_offset(z, row, col)
-        if blocks == 1:
+        if not multi:
             return (Store(self.s.c, off, self.finish(acc, z, row, col, lanes)),)
         prev = vload(self.s.c, off, self.acc, lanes) if lanes > 1 else tload(self.s.c, off, self.acc)
         total = select(_lt(_i(0), pc), binary("add", acc, prev), acc)
-        last = _lt(pc, blocks - 1)
+        last = _lt(pc, _sub(blocks, 1))
         return (If(last, (Store(self.s.c, off, total),)),
                 If(unary("not", last), (Store(self.s.c, off, self.finish(total, z, row, col, lanes)),)))
 
@@ -538,12 +617,16 @@ class _Gemm:
                     Range("ty", ly, "lane", (Range("tx", lx, "lane", inner),)),)),)),)),)
 
 
-def build(spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple, n_inputs: int) -> TileKernel:
-    """The tile kernel of `spec` under `sched` over the kernel's `buffers`."""
-    g = _Gemm(spec, sched, buffers)
+def build(spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple, n_inputs: int,
+          runtime_sizes: bool = False) -> TileKernel:
+    """The tile kernel of `spec` under `sched` over the kernel's `buffers`; runtime_sizes: the
+    target takes sizes at run time (Target.runtime_batch), which the CPU form then reads."""
+    g = _Gemm(spec, sched, buffers, runtime_sizes)
     body = (g.shared_mma() if sched.mma else g.shared()) if sched.shared else g.packed()
-    return TileKernel(name, tuple(buffers), n_inputs, body,
-                      meta={"gemm": (spec, sched), "flops": spec.layout.flops})
+    meta = {"gemm": (spec, sched), "flops": spec.layout.flops}
+    if g.runtime:
+        meta["sizes"] = tuple(launch_sizes(spec, sched)[n] for n in RUNTIME_SIZES)
+    return TileKernel(name, tuple(buffers), n_inputs, body, meta=meta)
 
 
 __all__ = ["Buffer", "GemmSchedule", "GemmSpec", "build", "default_schedule", "gemm_spec", "params_of",

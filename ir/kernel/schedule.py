@@ -737,7 +737,7 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
     """The tile kernel of an index-space kernel on `target` (default_schedule unless given)."""
     s = sched or default_schedule(k, target)
     k = laid_out(k, target)
-    meta = {"kernel": k, "schedule": s, "batch": k.shape[0] if k.shape else 1}
+    meta = {"kernel": k, "schedule": s, "sizes": (k.shape[0] if k.shape else 1,)}
     if not k.size:  # nothing to compute: a kernel of no work-groups
         return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", 0, "grid", ()),), meta=meta)
     b = _Builder(k, s)

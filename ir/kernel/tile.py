@@ -23,9 +23,10 @@ Statements (a tree; `body` tuples nest):
   If(cond, body)
 Expressions are the kernel IR's KExpr nodes, plus:
   var(name)                       a Range's variable (int64)
-  batch()                         the extent of the index space's first axis, given at run time
-                                  (meta["batch"]): code that reads it instead of a constant serves
-                                  every batch size (Target.runtime_batch)
+  size(i)                         the i-th size given at run time (meta["sizes"][i]): code that
+                                  reads sizes instead of constants serves every batch size
+                                  (Target.runtime_batch); batch() = size(0), the index space's
+                                  first extent in the scheduler's kernels
   load(target, offset)            target as in Store (an int: a global buffer; a str: an Alloc);
                                   a vector offset gathers
   vload(target, offset, lanes)    `lanes` consecutive elements as a vector
@@ -55,7 +56,7 @@ from .ir import INDEX, Buffer, KExpr
 
 RANGE_KINDS = ("grid", "lane", "serial", "unroll")
 SCOPES = ("register", "scratch", "shared")
-TILE_OPS = ("var", "batch", "vload", "broadcast", "iota", "hsum", "hmax", "hmin", "mma")
+TILE_OPS = ("var", "size", "vload", "broadcast", "iota", "hsum", "hmax", "hmin", "mma")
 WARP = 32  # work-items of a warp (an mma's fragments spread over them)
 
 
@@ -80,8 +81,12 @@ def var(name: str) -> KExpr:
     return KExpr("var", INDEX, (), name)
 
 
+def size(i: int) -> KExpr:
+    return KExpr("size", INDEX, (), int(i))
+
+
 def batch() -> KExpr:
-    return KExpr("batch", INDEX, (), None)
+    return size(0)
 
 
 def tload(target, offset: KExpr, dtype) -> KExpr:
@@ -370,7 +375,7 @@ def check_tile(k: TileKernel) -> None:
                 assert a == b and a in ins and c == "float32", f"mma {x.arg} of {a} x {b} + {c}"
                 assert not in_if, "an mma under an If: its warp may not run it whole"
                 assert group % WARP == 0, f"an mma in work-groups of {group} work-items (whole warps: {WARP})"
-            elif x.op not in ("const", "batch", "broadcast", "iota", "hsum", "hmax", "hmin"):
+            elif x.op not in ("const", "size", "broadcast", "iota", "hsum", "hmax", "hmin"):
                 widths = {lanes_of(s, memo) for s in x.src} - {1}
                 assert len(widths) <= 1, f"{x.op} of operands of widths {widths}"
 
@@ -432,8 +437,8 @@ class _Group:
                 v = np.full((1, 1), x.arg, x.dtype)
             elif op == "var":
                 v = np.broadcast_to(np.asarray(self.env[x.arg], INDEX).reshape(-1, 1), (self.L, 1))
-            elif op == "batch":
-                v = np.full((1, 1), self.k.meta["batch"], INDEX)
+            elif op == "size":
+                v = np.full((1, 1), self.k.meta["sizes"][x.arg], INDEX)
             elif op == "iota":
                 v = np.broadcast_to(np.arange(x.arg, dtype=INDEX), (self.L, x.arg))
             elif op in ("load", "vload"):

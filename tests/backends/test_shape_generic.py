@@ -109,3 +109,59 @@ def test_an_empty_batch_then_a_full_one():
     for n in (0, 5, 0, 9):
         x = rng.standard_normal((n, 8)).astype(np.float32)
         assert_close(np.asarray(f(x)), np.tanh(x * 1.7 + 0.3) * 2.0)
+
+
+# ---- GEMM: M (and the weight gradient's K) at run time ------------------------------------------
+
+def _gemm_tiles(f, args):
+    """The shared GEMM's tile kernels of f's graph under the host's default schedules."""
+    from tilefuse.ir.kernel import gemm
+    t = target_of(host_info())
+    out = []
+    for k in _kernels(f, args):
+        spec = gemm.gemm_spec(k)
+        if spec is not None and spec.layout.flops:
+            s = gemm.default_schedule(spec, t)
+            if s.check(spec, t) is None:
+                out.append(gemm.build(spec, s, k.name, k.buffers, k.n_inputs, t.runtime_batch))
+    return out
+
+
+def linear_grads(w, x, dy):
+    """y = x @ w (M = the batch's rows) and its weight gradient xᵀ dy (K = the batch's rows)."""
+    return x @ w, x.T @ dy
+
+
+@pytest.mark.parametrize("rows, shared", [((100, 150, 300), 1), ((2500, 3100, 4200), 2)])
+def test_gemm_code_serves_every_batch_size(rows, shared):
+    """The packed GEMM reads M (and K in blocks) at run time: its tile kernels at several batch
+    sizes have one cache text, that text prints one LLVM IR, and the jitted products, run on one
+    compiled code, match numpy. A few rows are the weight gradient's K in one block, a constant
+    (only x @ w is shared); rows past any host's K block (2500 and more) put K in blocks, and
+    both products are shared."""
+    from tilefuse.backends.llvmir.tile import key_text
+    t = target_of(host_info())
+    if not t.runtime_batch:
+        pytest.skip("this CPU description takes no sizes at run time")
+    mk = lambda n: (rng.standard_normal((48, 40)).astype(np.float32),  # noqa: E731
+                    rng.standard_normal((n, 48)).astype(np.float32), rng.standard_normal((n, 40)).astype(np.float32))
+    texts = [[key_text(tk) for tk in _gemm_tiles(linear_grads, mk(n))] for n in rows]
+    assert len(texts[0]) == 2, "both products go to the shared GEMM"
+    assert len(set(texts[0]) & set(texts[1]) & set(texts[2])) == shared, "a new batch size changed the GEMM's code"
+    code = [{key_text(tk): print_tile(tk, "f") for tk in _gemm_tiles(linear_grads, mk(n))} for n in (rows[0], rows[2])]
+    assert all(code[1][text] == c for text, c in code[0].items() if text in code[1]), \
+        "equal cache text, different code"
+    old = tx.config.gemm
+    tx.config.gemm = "generated"
+    try:
+        jf = tx.jit(linear_grads, device="cpu")
+        for i, n in enumerate(rows):
+            w, x, dy = mk(n)
+            before = lc.memory_cache_stats()["kernels"]
+            y, gw = jf(w, x, dy)
+            assert_close(np.asarray(y), x @ w, rtol=1e-4, atol=1e-4)
+            assert_close(np.asarray(gw), x.T @ dy, rtol=1e-4, atol=1e-3 * np.sqrt(n))
+            if i:
+                assert lc.memory_cache_stats()["kernels"] - before <= 2 - shared, f"{n} rows: built again"
+    finally:
+        tx.config.gemm = old
