@@ -38,7 +38,9 @@ class Target:
     atomics: bool = True        # the printer has atomic adds (else adds with no owner axis run on one task)
     unroll: int = 1             # CPU: vector registers one step fills (vectors of lanes x unroll, their
     #                             chains in flight together); 1 where the printer's vectors are capped
-    runtime_batch: bool = False  # the printer takes the first axis's extent at run time (tile.batch):
-    #                              code holds no batch size, so a new one reuses compiled kernels
+    runtime_batch: bool = False  # the printer takes sizes at run time (tile.size: the first axis's
+    #                              extent, one matrix GEMM's M and K blocks, where the attention
+    #                              backward's dk and dv start): code holds no batch size, so a new
+    #                              one reuses compiled kernels
     driver_compiled: bool = False  # kernels are built by the device driver's compiler (OpenCL: any
     #                                vendor, any version), not tilefuse's own LLVM pipeline
