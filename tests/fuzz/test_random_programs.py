@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from fuzz_programs import assert_matches, budget, differentiable_programs, fuzz_settings, programs, ref_eval
+from fuzz_programs import assert_matches, budget, check_outputs, differentiable_programs, fuzz_settings, programs, ref_eval
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tilefuse.ir.core import eval_graph, typecheck_graph
@@ -26,9 +26,7 @@ INTERP = SimpleNamespace(kind="interp", name="interp")
 
 
 def check_program(prog, outs, what: str) -> None:
-    want = ref_eval(prog.graph, prog.args)
-    for i, (o, w, ex) in enumerate(zip(outs, want, prog.exact, strict=True)):
-        assert_matches(o, w, ex, prog.graph, f"{what}, output {i}\n{prog}")
+    check_outputs(outs, prog.graph, prog.args, prog.exact, f"{what}\n{prog}")
 
 
 def _as_function(graph):

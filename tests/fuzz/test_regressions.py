@@ -97,3 +97,45 @@ def test_regressions_on_every_device(device):
         got = [np.asarray(o) for o in device.compile(g)(args)]
         for o, want in zip(got, ref_eval(g, args), strict=True):
             assert_matches(o, want, True, g, f"{name} on {device}")
+
+
+# Programs whose 16-bit result depends on excess precision (README, Dtypes): fused, they keep
+# float32 values between operations, so they match the oracle with float32 intermediates
+# (fuzz_programs.ref_eval_wide), not the one that rounds after every equation; the fuzzer's check
+# takes either. name -> (inputs, steps, outputs, input values)
+EXCESS_PRECISION = {
+    # exp(6)² overflows float16 (NaN after * 0) but not float32 (0)
+    "f16_square_overflows_only_when_rounded": (
+        [("a", F16, (2,))],
+        [("c", "exp", ["a"], {}), ("e", "mul", ["a", "a"], {}), ("z", "sub", ["e", "e"], {}),
+         ("g", "integer_pow", ["c"], {"y": 2}), ("j", "mul", ["z", "g"], {})],
+        ["c", "j"],
+        [np.array([6.0, 1.0], np.float16)]),
+    # e - (a + e) with e = a exp(a) ~ 1240: float16's spacing there is 1, float32 keeps -a
+    "f16_cancellation_keeps_float32_digits": (
+        [("a", F16, (1, 1))],
+        [("c", "exp", ["a"], {}), ("e", "mul", ["a", "c"], {}), ("g", "add", ["a", "e"], {}),
+         ("h", "sub", ["e", "g"], {})],
+        ["g", "h"],
+        [np.array([[5.43]], np.float16)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXCESS_PRECISION))
+def test_excess_precision_matches_the_wide_oracle(name):
+    from fuzz_programs import check_outputs, ref_eval_wide
+    ins, steps, outs, args = EXCESS_PRECISION[name]
+    g = build(ins, steps, outs)
+    narrow, wide = ref_eval(g, args), ref_eval_wide(g, args)
+    assert not all(np.allclose(n.astype(np.float64), w.astype(np.float64), rtol=0.02, equal_nan=True)
+                   for n, w in zip(narrow, wide)), "the two oracles agree: the case tests nothing"
+    check_outputs(_run_interp(g, args), g, args, [False] * len(outs), f"{name} through the kernel interpreter")
+
+
+def test_excess_precision_on_every_device(device):
+    from fuzz_programs import check_outputs
+    for name in sorted(EXCESS_PRECISION):
+        ins, steps, outs, args = EXCESS_PRECISION[name]
+        g = build(ins, steps, outs)
+        got = [np.asarray(o) for o in device.compile(g)(args)]
+        check_outputs(got, g, args, [False] * len(outs), f"{name} on {device}")
