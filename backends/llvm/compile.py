@@ -25,12 +25,12 @@ import llvmlite
 import llvmlite.binding as llvm
 import numpy as np
 
-from tilefuse.backends.llvmir.tile import key_text, print_tile, tasks
+from tilefuse.backends.llvmir.tile import print_tile, tasks
 from tilefuse.ir.errors import CompileError, DeviceError
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.kernel import schedule as scheduler
-from tilefuse.ir.kernel.schedule import Schedule, code_text, default_schedule, grid_points, laid_out, schedule
-from tilefuse.ir.kernel.tile import TileKernel
+from tilefuse.ir.kernel.schedule import Schedule, code_text, default_schedule, grid_points, run_sizes, schedule
+from tilefuse.ir.kernel.tile import TileKernel, key_text
 from tilefuse.runtime import compile_cache
 from tilefuse.runtime.hardware import DeviceInfo, target_of
 
@@ -415,8 +415,8 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = No
     address = load_tile(tile, key, fn_name, info, kernel) if kernel.size else 0
     tasks = grid_points(kernel, t, s)
     threads, bounds = split(tasks, kernel, info.compute_units)
-    sizes = ((laid_out(kernel, t).shape or (1,))[0],)
-    return CompiledKernel(kernel, fn_name, address, tasks, sizes, threads, bounds, get_target(info), tile)
+    return CompiledKernel(kernel, fn_name, address, tasks, run_sizes(kernel, t, s), threads, bounds,
+                          get_target(info), tile)
 
 
 def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:

@@ -280,19 +280,6 @@ def tasks(k: TileKernel) -> int:
     return math.prod(int(r.extent) for r in k.grid())
 
 
-def key_text(k: TileKernel) -> str:
-    """The text that decides print_tile's code: the kernel without its name, its buffers' sizes
-    and its first grid Range's extent, none of which the printer reads (tasks arrive as
-    [start, end)), so a new batch size reuses compiled code."""
-    lines = pp_tile(k).split("\n")
-    lines[0] = "tile kernel (" + ", ".join(np.dtype(b.dtype).name for b in k.buffers) + f") inputs {k.n_inputs}"
-    grid = k.grid()
-    if grid:
-        assert lines[1] == f"  grid {grid[0].var} < {grid[0].extent}:", lines[1]
-        lines[1] = f"  grid {grid[0].var} < ?:"
-    return "\n".join(lines)
-
-
 def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm", vector_bits: int = 0) -> str:
     """LLVM IR of a tile kernel: fn_name(i8** buffers, i64 start, i64 end) over grid points (or
     the form a subclass of TilePrinter prints). vector_bits: the registers' width, given to LLVM
@@ -313,4 +300,4 @@ def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm",
 TilePrinter = _Printer
 
 
-__all__ = ["INDEX", "TilePrinter", "key_text", "print_tile", "tasks"]
+__all__ = ["INDEX", "TilePrinter", "print_tile", "tasks"]

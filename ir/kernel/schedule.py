@@ -66,7 +66,9 @@ from .tile import (
     hmin,
     hsum,
     iota,
+    key_text,
     lanes_of,
+    size,
     tload,
     var,
     vload,
@@ -385,9 +387,10 @@ def _combine(op: str, acc: KExpr, v: KExpr) -> KExpr:
 
 
 class _Builder:
-    def __init__(self, k: Kernel, sched: Schedule):
+    def __init__(self, k: Kernel, sched: Schedule, reduce_extent: KExpr | None = None):
         self.k, self.s = k, sched
         self.n_acc = 0
+        self.reduce_extent = reduce_extent  # the lone reduction axis's run-time extent (generic_reduction)
 
     def reduction(self, reds: list, I_env: dict, vector, stash=()) -> tuple[list, dict]:
         """Statements computing `reds` (one level) at the point I_env, and reduce -> value; also
@@ -396,13 +399,14 @@ class _Builder:
         if self.s.reduce_group > 1:
             return self._group_reduction(reds, I_env, stash)
         W = self.s.reduce_lanes if R[-1] >= self.s.reduce_lanes else 1
-        if vector is None and all(r.arg in VECTOR_REDUCE for r in reds) and \
+        n = self.reduce_extent  # (generic: one axis, in blocks and flushed whatever its extent)
+        if n is None and vector is None and all(r.arg in VECTOR_REDUCE for r in reds) and \
                 (W > 1 or (R[-1] > 2 * BLOCK and any(r.arg == "sum" and r.dtype.kind == "f" for r in reds))):
             return self._axis_reduction(reds, I_env, W, stash)
         env = dict(I_env)
         env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(len(R))})
         last = len(R) - 1
-        split = R[last] > BLOCK  # the last axis in blocks of BLOCK steps (else a flush after each of its runs)
+        split = n is not None or R[last] > BLOCK  # the last axis in blocks of BLOCK steps (else a flush after each of its runs)
         if split:
             rb, rv = var("rb"), var("rv")
             env[KExpr("ridx", INDEX, (), last)] = iadd(imul(rb, BLOCK), rv)
@@ -418,22 +422,25 @@ class _Builder:
         # steps (blocked summation, as _axis_reduction): a block is the last axis's split, or the
         # innermost axes that fit in one
         totals = {r: tuple(self._declare(r, accs[r]["w"]) for _ in range(3)) for r in reds
-                  if r.arg == "sum" and r.dtype.kind == "f" and math.prod(R) > 2 * BLOCK}
+                  if r.arg == "sum" and r.dtype.kind == "f" and (n is not None or math.prod(R) > 2 * BLOCK)}
         decls += [d for x in totals.values() for acc in x for d in acc["decl"]]
         flush = tuple(st for r in totals for st in self._kahan(totals[r], accs[r]["cur"], accs[r], accs[r]["w"]))
         flush_at = last if split else min(a for a in range(len(R)) if math.prod(R[a + 1:]) <= BLOCK)
         loops = tuple(updates)
         for a in reversed(range(len(R))):
             if a == last and split:
-                loops = (Range("rb", R[a] // BLOCK, "serial", (Range("rv", BLOCK, "serial", loops),) + flush),)
-                if R[a] % BLOCK:
-                    tail = {**env, KExpr("ridx", INDEX, (), last): iadd(ic(R[a] // BLOCK * BLOCK), var("rt"))}
+                blocks = binary("div", n, ic(BLOCK)) if n is not None else R[a] // BLOCK
+                loops = (Range("rb", blocks, "serial", (Range("rv", BLOCK, "serial", loops),) + flush),)
+                if n is not None or R[a] % BLOCK:
+                    done = imul(blocks, BLOCK) if n is not None else ic(R[a] // BLOCK * BLOCK)
+                    tail = {**env, KExpr("ridx", INDEX, (), last): iadd(done, var("rt"))}
                     steps = []
                     for r in reds:
                         b = substitute(list(r.src), tail, vector)
                         steps += self._update(r, accs[r], b[r.src[0]], b[r.src[1]] if len(r.src) > 1 else None)
                     steps += [self.store(st, tail, vector) for st in stash]
-                    loops += (Range("rt", R[a] % BLOCK, "serial", tuple(steps)),)
+                    loops += (Range("rt", binary("rem", n, ic(BLOCK)) if n is not None else R[a] % BLOCK,
+                                    "serial", tuple(steps)),)
                 continue
             if a == flush_at and totals:
                 loops += flush
@@ -717,6 +724,8 @@ def code_text(k: Kernel, target: Target, s: Schedule) -> str:
     its buffers' sizes and (Target.runtime_batch) its first extent, the schedule and the target.
     Equal text, equal tile kernel but for the grid's extent: a cache key that needs no tile kernel
     (tests/backends/test_shape_generic.py holds the scheduler to it)."""
+    if generic_reduction(k, target, s):  # (a handful of kernels: the tile kernel's own text)
+        return "generic reduction\n" + key_text(schedule(k, target, s))
     k = laid_out(k, target)
     generic = target.runtime_batch and target.max_group == 1  # (else a group's guard holds the extent)
     shape = ("?",) + tuple(k.shape[1:]) if generic and k.shape else tuple(k.shape)
@@ -733,14 +742,40 @@ def code_text(k: Kernel, target: Target, s: Schedule) -> str:
     return "\n".join(lines)
 
 
+GENERIC_REDUCE_MIN = 16  # steps from which a lone reduction axis's extent is read at run time
+
+
+def generic_reduction(k: Kernel, target: Target, s: Schedule) -> bool:
+    """Whether the kernel's reductions read their extent at run time (tile.size(1)), so a new
+    batch size reuses the code of a sum over the batch's rows (a bias's or a layer norm's
+    gradient): on targets that take sizes at run time, one (merged) reduction axis of at least
+    GENERIC_REDUCE_MIN steps, reduced one step at a time by one task per point, with no row
+    stores. Its code text is then the tile kernel's own (code_text)."""
+    if not (target.runtime_batch and target.max_group == 1 and k.reduce_shape) or k.row_stores:
+        return False
+    if s.serial or s.owner or s.reduce_group > 1 or s.reduce_lanes > 1:
+        return False
+    R = laid_out(k, target).reduce_shape
+    return len(R) == 1 and R[0] >= GENERIC_REDUCE_MIN
+
+
+def run_sizes(k: Kernel, target: Target, s: Schedule) -> tuple:
+    """The run-time sizes (tile.size) of schedule(k, target, s): the first axis's extent, and a
+    generic reduction's extent."""
+    lk = laid_out(k, target)
+    first = lk.shape[0] if lk.shape else 1
+    return (first, lk.reduce_shape[0]) if generic_reduction(k, target, s) else (first,)
+
+
 def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKernel:
     """The tile kernel of an index-space kernel on `target` (default_schedule unless given)."""
     s = sched or default_schedule(k, target)
+    sizes = run_sizes(k, target, s)
     k = laid_out(k, target)
-    meta = {"kernel": k, "schedule": s, "sizes": (k.shape[0] if k.shape else 1,)}
+    meta = {"kernel": k, "schedule": s, "sizes": sizes}
     if not k.size:  # nothing to compute: a kernel of no work-groups
         return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", 0, "grid", ()),), meta=meta)
-    b = _Builder(k, s)
+    b = _Builder(k, s, size(1) if len(sizes) > 1 else None)
     shape = tuple(k.shape)
     # the first axis's extent: read at run time where the printer takes it (tile.batch)
     n0 = batch() if target.runtime_batch and shape else ic(shape[0] if shape else 1)
@@ -834,5 +869,5 @@ def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKe
     return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
 
 
-__all__ = ["Schedule", "code_text", "default_schedule", "divmod_index", "grid_points", "laid_out", "merge_axes", "schedule",
-           "stride", "substitute"]
+__all__ = ["Schedule", "code_text", "default_schedule", "divmod_index", "generic_reduction", "grid_points", "laid_out",
+           "merge_axes", "run_sizes", "schedule", "stride", "substitute"]

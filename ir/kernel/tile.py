@@ -335,6 +335,19 @@ def pp_tile(k: TileKernel) -> str:
     return "\n".join(lines)
 
 
+def key_text(k: TileKernel) -> str:
+    """The text that decides a printer's code: the kernel without its name, its buffers' sizes
+    and its first grid Range's extent, none of which the CPU printer reads (tasks arrive as
+    [start, end)), so a new batch size reuses compiled code."""
+    lines = pp_tile(k).split("\n")
+    lines[0] = "tile kernel (" + ", ".join(np.dtype(b.dtype).name for b in k.buffers) + f") inputs {k.n_inputs}"
+    grid = k.grid()
+    if grid:
+        assert lines[1] == f"  grid {grid[0].var} < {grid[0].extent}:", lines[1]
+        lines[1] = f"  grid {grid[0].var} < ?:"
+    return "\n".join(lines)
+
+
 # ---- checking ------------------------------------------------------------------------------------
 
 def check_tile(k: TileKernel) -> None:

@@ -38,6 +38,12 @@ def col_and_row(x, b):
     return z.sum(0), z.max(-1), tnp.argmax(z, axis=-1), z.T * 2.0
 
 
+def bias_grads(x, dy):
+    """Sums over the batch's rows, as a bias's and a layer norm's gradients: at 70 rows a batch
+    entry, 140 to 2,310 steps (within one block of 1,024, past it, past two)."""
+    return dy.sum(0), (x * dy).sum(0), tnp.max(x, axis=0)
+
+
 def embed_grad(table, ids):
     return tx.grad(lambda t: (t[ids] ** 2).sum())(table)
 
@@ -54,6 +60,8 @@ PROGRAMS = {  # name: (function, arguments at batch size n)
                             rng.standard_normal((n, 10)).astype(np.float32))),
     "col_and_row": (col_and_row, lambda n: (rng.standard_normal((n, 9)).astype(np.float32),
                                             rng.standard_normal(9).astype(np.float32))),
+    "bias_grads": (bias_grads, lambda n: (rng.standard_normal((70 * n, 24)).astype(np.float32) * 1e3,
+                                          rng.standard_normal((70 * n, 24)).astype(np.float32))),
     "embed_grad": (embed_grad, lambda n: (rng.standard_normal((11, 8)).astype(np.float32),
                                           rng.integers(0, 11, (n, 3)).astype(np.int32))),
 }
@@ -139,7 +147,7 @@ def test_gemm_code_serves_every_batch_size(rows, shared):
     compiled code, match numpy. A few rows are the weight gradient's K in one block, a constant
     (only x @ w is shared); rows past any host's K block (2500 and more) put K in blocks, and
     both products are shared."""
-    from tilefuse.backends.llvmir.tile import key_text
+    from tilefuse.ir.kernel.tile import key_text
     t = target_of(host_info())
     if not t.runtime_batch:
         pytest.skip("this CPU description takes no sizes at run time")
