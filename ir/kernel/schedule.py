@@ -399,14 +399,15 @@ class _Builder:
         if self.s.reduce_group > 1:
             return self._group_reduction(reds, I_env, stash)
         W = self.s.reduce_lanes if R[-1] >= self.s.reduce_lanes else 1
-        n = self.reduce_extent  # (generic: one axis, in blocks and flushed whatever its extent)
+        n = self.reduce_extent  # (generic: the first axis's extent; flushed whatever it is)
         if n is None and vector is None and all(r.arg in VECTOR_REDUCE for r in reds) and \
                 (W > 1 or (R[-1] > 2 * BLOCK and any(r.arg == "sum" and r.dtype.kind == "f" for r in reds))):
             return self._axis_reduction(reds, I_env, W, stash)
         env = dict(I_env)
         env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(len(R))})
         last = len(R) - 1
-        split = n is not None or R[last] > BLOCK  # the last axis in blocks of BLOCK steps (else a flush after each of its runs)
+        n_last = n if last == 0 else None  # (the run-time extent is the last axis's: in blocks, whatever it is)
+        split = n_last is not None or R[last] > BLOCK  # the last axis in blocks of BLOCK steps (else a flush after each of its runs)
         if split:
             rb, rv = var("rb"), var("rv")
             env[KExpr("ridx", INDEX, (), last)] = iadd(imul(rb, BLOCK), rv)
@@ -429,22 +430,22 @@ class _Builder:
         loops = tuple(updates)
         for a in reversed(range(len(R))):
             if a == last and split:
-                blocks = binary("div", n, ic(BLOCK)) if n is not None else R[a] // BLOCK
+                blocks = binary("div", n_last, ic(BLOCK)) if n_last is not None else R[a] // BLOCK
                 loops = (Range("rb", blocks, "serial", (Range("rv", BLOCK, "serial", loops),) + flush),)
-                if n is not None or R[a] % BLOCK:
-                    done = imul(blocks, BLOCK) if n is not None else ic(R[a] // BLOCK * BLOCK)
+                if n_last is not None or R[a] % BLOCK:
+                    done = imul(blocks, BLOCK) if n_last is not None else ic(R[a] // BLOCK * BLOCK)
                     tail = {**env, KExpr("ridx", INDEX, (), last): iadd(done, var("rt"))}
                     steps = []
                     for r in reds:
                         b = substitute(list(r.src), tail, vector)
                         steps += self._update(r, accs[r], b[r.src[0]], b[r.src[1]] if len(r.src) > 1 else None)
                     steps += [self.store(st, tail, vector) for st in stash]
-                    loops += (Range("rt", binary("rem", n, ic(BLOCK)) if n is not None else R[a] % BLOCK,
+                    loops += (Range("rt", binary("rem", n_last, ic(BLOCK)) if n_last is not None else R[a] % BLOCK,
                                     "serial", tuple(steps)),)
                 continue
             if a == flush_at and totals:
                 loops += flush
-            loops = (Range(f"r{a}", R[a], "serial", loops),)
+            loops = (Range(f"r{a}", n if a == 0 and n is not None else R[a], "serial", loops),)
         for r, (t, c, _) in totals.items():
             results[r] = binary("add", t["cur"], binary("sub", accs[r]["cur"], c["cur"]))
         return decls + list(loops), results
@@ -746,17 +747,17 @@ GENERIC_REDUCE_MIN = 16  # steps from which a lone reduction axis's extent is re
 
 
 def generic_reduction(k: Kernel, target: Target, s: Schedule) -> bool:
-    """Whether the kernel's reductions read their extent at run time (tile.size(1)), so a new
-    batch size reuses the code of a sum over the batch's rows (a bias's or a layer norm's
-    gradient): on targets that take sizes at run time, one (merged) reduction axis of at least
-    GENERIC_REDUCE_MIN steps, reduced one step at a time by one task per point, with no row
-    stores. Its code text is then the tile kernel's own (code_text)."""
+    """Whether the kernel's reductions read their first axis's extent at run time (tile.size(1)),
+    so a new batch size reuses the code of a sum over the batch's rows (a bias's or a layer norm's
+    gradient): on targets that take sizes at run time, a first reduction axis (after merging) of
+    at least GENERIC_REDUCE_MIN steps, reduced one step at a time by one task per point, with no
+    row stores. Its code text is then the tile kernel's own (code_text)."""
     if not (target.runtime_batch and target.max_group == 1 and k.reduce_shape) or k.row_stores:
         return False
     if s.serial or s.owner or s.reduce_group > 1 or s.reduce_lanes > 1:
         return False
     R = laid_out(k, target).reduce_shape
-    return len(R) == 1 and R[0] >= GENERIC_REDUCE_MIN
+    return bool(R) and R[0] >= GENERIC_REDUCE_MIN
 
 
 def run_sizes(k: Kernel, target: Target, s: Schedule) -> tuple:
