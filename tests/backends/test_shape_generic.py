@@ -45,6 +45,13 @@ def bias_grads(x, dy):
     return dy.sum(0), (x * dy).sum(0), tnp.max(x, axis=0), (x.reshape(-1, 7, 24) * dy[:7]).sum((0, 1))
 
 
+def attention_grads(q, k, v):
+    """The fused attention's backward (the CPU form's packed dq, dk, dv, whose dk and dv start
+    at offsets that grow with the batch)."""
+    return tx.grad(lambda q, k, v: (nn.dot_product_attention(q, k, v, causal=True) ** 2).sum(),
+                   argnums=(0, 1, 2))(q, k, v)
+
+
 def embed_grad(table, ids):
     return tx.grad(lambda t: (t[ids] ** 2).sum())(table)
 
@@ -63,6 +70,8 @@ PROGRAMS = {  # name: (function, arguments at batch size n)
                                             rng.standard_normal(9).astype(np.float32))),
     "bias_grads": (bias_grads, lambda n: (rng.standard_normal((70 * n, 24)).astype(np.float32) * 1e3,
                                           rng.standard_normal((70 * n, 24)).astype(np.float32))),
+    "attention_grads": (attention_grads, lambda n: tuple(rng.standard_normal((n, 40, 2, 16)).astype(np.float32)
+                                                        for _ in range(3))),
     "embed_grad": (embed_grad, lambda n: (rng.standard_normal((11, 8)).astype(np.float32),
                                           rng.integers(0, 11, (n, 3)).astype(np.int32))),
 }
@@ -174,3 +183,27 @@ def test_gemm_code_serves_every_batch_size(rows, shared):
                 assert lc.memory_cache_stats()["kernels"] - before <= 2 - shared, f"{n} rows: built again"
     finally:
         tx.config.gemm = old
+
+
+def test_attention_code_serves_every_batch_size():
+    """The shared FlashAttention's tile kernels, forward and the CPU form's backward (whose dk and
+    dv start at run-time offsets), print one cache text at every batch size the scheduler gives
+    one schedule (it picks a task per head from twice the cores' batch entries)."""
+    from tilefuse.ir.kernel import attention
+    from tilefuse.ir.kernel.tile import key_text
+    from tilefuse.runtime import tiled
+    from tilefuse.runtime.device import get_device
+    if not target_of(host_info()).runtime_batch:
+        pytest.skip("this CPU description takes no sizes at run time")
+    cpu = get_device("cpu")
+    f, make = PROGRAMS["attention_grads"]
+    by_schedule: dict = {}
+    for n in BATCHES:
+        ks = [k for k in _kernels(f, make(n)) if tiled._attention_kernels(k, cpu)]
+        tks = [tk for k in ks for tk in tiled._attention_kernels(k, cpu)]
+        scheds = repr([attention.default_attention_schedule(tiled._attention_spec(k), target_of(cpu.info)) for k in ks])
+        by_schedule.setdefault(scheds, []).append(sorted(key_text(tk) for tk in tks))
+    shared = [texts for texts in by_schedule.values() if len(texts) > 1]
+    assert shared, "no two batch sizes took one schedule"
+    for texts in shared:
+        assert len(texts[0]) >= 2 and all(t == texts[0] for t in texts), "a new batch size changed the code"
