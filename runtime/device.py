@@ -314,9 +314,7 @@ def _apply_primitive(prim, values, params) -> list:
     if backend_apply is not None:
         out_avals = prim.abstract_eval(*avals, **params)  # first: the shape rule names mistakes
         bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]
-        outs = backend_apply(prim, params, bufs, dev)
-        return [Array(np.asarray(o, a.dtype) if not isinstance(o, np.ndarray) or o.dtype != a.dtype
-                      else o, a, dev) for o, a in zip(outs, out_avals)]
+        return _results(backend_apply(prim, params, bufs, dev), out_avals, dev)
     # (hashed once, by the lookup: a TypeError there is an unhashable parameter)
     key = None if subgraphs(params) else (prim, tuple(sorted(params.items())), avals, dev)
     try:  # (a body traced anew each call, as with subgraphs, would never hit again)
@@ -341,10 +339,15 @@ def _apply_primitive(prim, values, params) -> list:
     if exe is INTERPRETED:  # numpy on host views of the operands
         out_avals = prim.abstract_eval(*avals, **params)
         host = [v.numpy() if type(v) is Array else np.asarray(v, a.dtype) for v, a in zip(values, avals)]
-        outs = _ref_backend().apply_primitive(prim, params, host, dev)
-        put = dev.backend.put
-        return [Array(put(np.asarray(o, a.dtype), dev), a, dev) for o, a in zip(outs, out_avals)]
+        return _results(_ref_backend().apply_primitive(prim, params, host, dev), out_avals, dev, dev.backend.put)
     return exe(values)
+
+
+def _results(outs, avals, dev, put=None) -> list:
+    """An operation's numpy results as Arrays of their avals' dtypes on dev: the buffers
+    themselves (the backend's own numpy results), or copied into dev's buffers by `put`."""
+    outs = [np.asarray(o, a.dtype) for o, a in zip(outs, avals)]  # (no copy where the dtype is right)
+    return [Array(o if put is None else put(o, dev), a, dev) for o, a in zip(outs, avals)]
 
 
 INTERPRETED = "interpreted"  # an eager cache entry: the operation runs on the interpreter (tiered.interprets)

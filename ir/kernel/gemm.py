@@ -111,7 +111,7 @@ class GemmSchedule:
         kc, blocks = _k_blocks(spec.layout.k, self.kc)
         if blocks > 1 and spec.out_dtype != F32:
             return f"K in {blocks} blocks: the partial sums need a float32 C, not {spec.out_dtype}"
-        kc_alloc = _k_depth(spec, self, target.runtime_batch)
+        kc_alloc = _k_depth(spec, self.kc, target.runtime_batch)
         scratch = 4 * kc_alloc * (self.nc + self.wm * self.pack_a)
         if scratch > SCRATCH_BYTES:
             return f"packed panels of {scratch} bytes exceed the {SCRATCH_BYTES} bytes of a task's scratch"
@@ -160,17 +160,17 @@ def _sized(spec: GemmSpec, runtime: bool) -> bool:
     return runtime and spec.layout.batch == 1
 
 
-def _k_sized(spec: GemmSpec, sched: GemmSchedule, runtime: bool) -> bool:
+def _k_sized(spec: GemmSpec, kc: int, runtime: bool) -> bool:
     """Whether K is a run-time size too: K in more than one block of at most kc (the weight
     gradient's K is the batch's rows), whose partial sums a float32 C holds. A K of one block,
     the model's width more often, stays a constant: that code neither reads C back nor keeps to a
     loop count it cannot see."""
-    return _sized(spec, runtime) and 0 < sched.kc < spec.layout.k and spec.out_dtype == F32
+    return _sized(spec, runtime) and 0 < kc < spec.layout.k and spec.out_dtype == F32
 
 
-def _k_depth(spec: GemmSpec, sched: GemmSchedule, runtime: bool) -> int:
-    """The packed panels' depth: the schedule's kc where K is a run-time size, else K's block."""
-    return sched.kc if _k_sized(spec, sched, runtime) else _k_blocks(spec.layout.k, sched.kc)[0]
+def _k_depth(spec: GemmSpec, kc: int, runtime: bool) -> int:
+    """The packed panels' depth under a schedule's kc: kc where K is a run-time size, else K's block."""
+    return kc if _k_sized(spec, kc, runtime) else _k_blocks(spec.layout.k, kc)[0]
 
 
 RUNTIME_SIZES = ("m", "k", "row_blocks", "mc_tiles", "k_blocks", "k_depth")
@@ -216,9 +216,7 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
     # tile); a packed micro-panel is one pointer at constant offsets, whatever the compiler
     pack_a = lay.dtype != F32 or lay.a_strides[2] != 1 or target.driver_compiled
     # the packed panel of B (kc x nc floats) stays in L2 beside the micro-kernel's traffic
-    # (K at run time: the panel's depth is kc_most, whatever this K's blocks are)
-    depth = kc_most if generic and 0 < kc_most < lay.k and spec.out_dtype == F32 else kc
-    nc_most = max(nr, (target.l2_bytes // 2) // (4 * depth) // nr * nr)
+    nc_most = max(nr, (target.l2_bytes // 2) // (4 * _k_depth(spec, kc_field, target.runtime_batch)) // nr * nr)
     mc, nc = _task_blocks(spec, wm, nr, nc_most, pack_a, target.cores, generic)
     return GemmSchedule(False, wm, wn, vec, mc=mc, nc=nc, kc=kc_field, pack_a=pack_a)
 
@@ -349,6 +347,7 @@ class _Gemm:
         self.acc = spec.acc_dtype
         self.runtime = not sched.shared and _sized(spec, runtime)
         self.m = size(0) if self.runtime else self.lay.m  # M: a run-time size, or a constant
+        self.mn = _times(self.m, self.lay.n)  # a matrix's elements (a batched C's stride)
 
     def a_at(self, z, row, k) -> KExpr:
         sab, sam, sak = self.lay.a_strides
@@ -364,13 +363,13 @@ class _Gemm:
             return cast(acc, self.s.out_dtype)
         lay, xs = self.lay, []
         for buf, full in self.s.extras:
-            off = _add(_mul(z, _times(self.m, lay.n)), _mul(row, lay.n), col) if full else col
+            off = _add(_mul(z, self.mn), _mul(row, lay.n), col) if full else col
             dt = np.dtype(self.bufs[buf].dtype)
             xs.append(_fp(vload(buf, off, dt, lanes) if lanes > 1 else tload(buf, off, dt)))
         return cast(epilogue_expr(self.s.epilogue, [acc, *xs]), self.s.out_dtype)
 
     def c_offset(self, z, row, col) -> KExpr:
-        return _add(_mul(z, _times(self.m, self.lay.n)), _mul(row, self.lay.n), col)
+        return _add(_mul(z, self.mn), _mul(row, self.lay.n), col)
 
     # -- the CPU form -----------------------------------------------------------------------
     def packed(self) -> tuple:
@@ -382,10 +381,10 @@ class _Gemm:
         wm, wn, vec = p.wm, p.wn, p.vec
         nr = wn * vec
         rt, M = self.runtime, self.m
-        sizes = launch_sizes(self.s, p)
+        sizes = self.sizes = launch_sizes(self.s, p)
         d = {n: size(i) for i, n in enumerate(RUNTIME_SIZES)} if rt else sizes
-        k_sized = _k_sized(self.s, p, rt)
-        kc_alloc = _k_depth(self.s, p, rt)
+        k_sized = _k_sized(self.s, p.kc, rt)
+        kc_alloc = _k_depth(self.s, p.kc, rt)
         K, blocks, kd = (d["k"], d["k_blocks"], d["k_depth"]) if k_sized else (lay.k, sizes["k_blocks"], kc_alloc)
         multi = k_sized or blocks > 1  # the code of K in blocks
         mc, nc = _times(d["mc_tiles"], wm), p.nc
@@ -625,7 +624,7 @@ def build(spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple, n_inpu
     body = (g.shared_mma() if sched.mma else g.shared()) if sched.shared else g.packed()
     meta = {"gemm": (spec, sched), "flops": spec.layout.flops}
     if g.runtime:
-        meta["sizes"] = tuple(launch_sizes(spec, sched)[n] for n in RUNTIME_SIZES)
+        meta["sizes"] = tuple(g.sizes[n] for n in RUNTIME_SIZES)
     return TileKernel(name, tuple(buffers), n_inputs, body, meta=meta)
 
 

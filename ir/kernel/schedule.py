@@ -430,18 +430,20 @@ class _Builder:
         loops = tuple(updates)
         for a in reversed(range(len(R))):
             if a == last and split:
-                blocks = binary("div", n_last, ic(BLOCK)) if n_last is not None else R[a] // BLOCK
+                if n_last is None:  # (whole blocks, then the rest: counts, or run-time values)
+                    blocks, rest, done = R[a] // BLOCK, R[a] % BLOCK, ic(R[a] // BLOCK * BLOCK)
+                else:
+                    blocks, rest = binary("div", n_last, ic(BLOCK)), binary("rem", n_last, ic(BLOCK))
+                    done = imul(blocks, BLOCK)
                 loops = (Range("rb", blocks, "serial", (Range("rv", BLOCK, "serial", loops),) + flush),)
-                if n_last is not None or R[a] % BLOCK:
-                    done = imul(blocks, BLOCK) if n_last is not None else ic(R[a] // BLOCK * BLOCK)
+                if n_last is not None or rest:
                     tail = {**env, KExpr("ridx", INDEX, (), last): iadd(done, var("rt"))}
                     steps = []
                     for r in reds:
                         b = substitute(list(r.src), tail, vector)
                         steps += self._update(r, accs[r], b[r.src[0]], b[r.src[1]] if len(r.src) > 1 else None)
                     steps += [self.store(st, tail, vector) for st in stash]
-                    loops += (Range("rt", binary("rem", n_last, ic(BLOCK)) if n_last is not None else R[a] % BLOCK,
-                                    "serial", tuple(steps)),)
+                    loops += (Range("rt", rest, "serial", tuple(steps)),)
                 continue
             if a == flush_at and totals:
                 loops += flush
