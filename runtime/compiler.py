@@ -25,6 +25,7 @@ from tilefuse.ir.primitives import CONTROL_FLOW
 
 from . import dispatch, frontend_cache, profiler, tiered
 from .config import config
+from .memory import Spares
 from .planner import Interval, plan_buffers
 
 
@@ -299,10 +300,16 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
     # the hot path of every call: keep it lean
     if not views and len(outs_spec) == 1:  # no temporaries, one output: most calls of small programs
         ((out_slot, out_bytes),) = outs_spec
+        spares = Spares(free, device) if out_bytes <= Spares.LIMIT else None
+        take = spares.take if spares is not None else (lambda: None)
+        keep = spares.bufs.append if spares is not None else (lambda buf: None)
 
         def run_one(buffers):
             slots = [*buffers, *tail]
-            slots[out_slot] = buf = alloc(out_bytes, device)
+            buf = take()
+            if buf is None:
+                buf = alloc(out_bytes, device)
+            slots[out_slot] = buf
             try:
                 prof = profiler.active
                 for fn, gather in steps if prof is None else prof.steps(steps, launches, device):
@@ -310,6 +317,7 @@ def _program(g: Graph, b: _Builder, const_bufs: list, out_slots: list[int]) -> P
             except BaseException:
                 free(buf, device)
                 raise
+            keep(buf)
             return [buf]
 
     def run(buffers):

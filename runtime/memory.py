@@ -8,7 +8,9 @@ OutOfMemoryError and stays as it was."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import weakref
 from typing import Any, Callable
 
 from tilefuse.ir.errors import OutOfMemoryError
@@ -137,6 +139,7 @@ class PoolAllocator:
             lock.release()
 
     def _release_cached(self) -> None:
+        reclaim_spares()  # (a program's spare outputs the caller dropped are free blocks too)
         cached, self._free = self._free, {}
         for cls, blocks in cached.items():
             for b in blocks:
@@ -155,12 +158,64 @@ class PoolAllocator:
             self._s["peak_bytes_in_use"] = self._s["bytes_in_use"]
 
     def stats(self) -> dict:
+        reclaim_spares()
         with self._lock:
             out = dict(self._s)
             out["bytes_cached"] = sum(c * len(b) for c, b in self._free.items())
             out["live_blocks"] = len(self._live)
             out["limit"] = self.limit
             return out
+
+
+class Spares:
+    """A program's small output buffers, kept for its next calls: a call takes one back only when
+    nothing but this list refers to it any more (the caller dropped its Array; the reference
+    count says so, as numpy's elision of temporaries decides), which spares that call the pool's
+    allocation and the wrapping of a new buffer. A numpy view holds its buffer (numpy never makes
+    a non-array owner the base of a view), a view of a device buffer its parent, so a buffer that
+    anything can still read is never written. Spares the caller dropped go back to the pool when
+    its figures are read or memory runs short (reclaim_spares)."""
+    LIMIT = 64 << 10  # bytes: larger outputs go back to the pool at once, as before
+    __slots__ = ("bufs", "free", "device", "__weakref__")
+
+    def __init__(self, free: Callable, device):
+        self.bufs, self.free, self.device = [], free, device
+        _spares.add(self)
+
+    def take(self):
+        """A dropped buffer to write again, or None (list.pop: one thread gets each)."""
+        bufs = self.bufs
+        if bufs:
+            try:
+                buf = bufs.pop()
+            except IndexError:  # another thread took the last one
+                return None
+            if sys.getrefcount(buf) == 2:  # this frame's reference and the argument's
+                return buf
+        return None
+
+    def reclaim(self) -> None:
+        keep = []
+        while True:
+            try:
+                buf = self.bufs.pop()
+            except IndexError:
+                break
+            if sys.getrefcount(buf) == 2:
+                self.free(buf, self.device)
+            else:
+                keep.append(buf)
+            del buf
+        self.bufs.extend(keep)
+
+
+_spares: weakref.WeakSet = weakref.WeakSet()
+
+
+def reclaim_spares() -> None:
+    """Every program's spare outputs that their callers dropped, back to their pools."""
+    for s in list(_spares):
+        s.reclaim()
 
 
 class PoolBuffer:

@@ -154,3 +154,52 @@ def test_cpu_pool_limit(monkeypatch):
         be.alloc(600 << 10)
     del a
     assert be.alloc(900 << 10).nbytes == 900 << 10
+
+
+# ---- a program's spare outputs (runtime/memory.py Spares) ---------------------------------------
+
+def test_a_dropped_output_is_written_again_and_a_held_one_never(device):
+    """A small output the caller dropped serves the next call; one still held, through its Array,
+    a numpy view or a memoryview, keeps its values while the program runs again."""
+    import tilefuse as tx
+    f = tx.jit(lambda a, b: a * b + 1)
+    x = tx.device_put(np.arange(16, dtype=np.float32), device)
+    k = [tx.device_put(np.float32(i), device) for i in range(8)]
+    f(x, k[1])
+    calls = device.memory_stats().get("alloc_calls")
+    y = f(x, k[2])
+    del y
+    z = f(x, k[3])
+    if calls is not None:  # (a device with a pool)
+        assert device.memory_stats()["alloc_calls"] == calls + 1  # the second call wrote the first's buffer
+    np.testing.assert_array_equal(np.asarray(z), np.arange(16) * 3 + 1)
+
+    held = f(x, k[4])
+    again = f(x, k[5])  # z and held are alive: neither is written
+    np.testing.assert_array_equal(np.asarray(z), np.arange(16) * 3 + 1)
+    np.testing.assert_array_equal(np.asarray(held), np.arange(16) * 4 + 1)
+    np.testing.assert_array_equal(np.asarray(again), np.arange(16) * 5 + 1)
+
+    if device.kind == "cpu":  # views of the buffer itself
+        view, mem = np.asarray(held)[3:], memoryview(np.asarray(again))
+        del held, again
+        f(x, k[6]), f(x, k[7])
+        np.testing.assert_array_equal(view, np.arange(3, 16) * 4 + 1)
+        np.testing.assert_array_equal(np.frombuffer(mem, np.float32), np.arange(16) * 5 + 1)
+
+
+def test_dropped_spares_are_back_in_the_pool_when_figures_are_read():
+    import tilefuse as tx
+    dev = tx.devices("cpu")[0]
+    f = tx.jit(lambda a: a - 1)
+    x = tx.device_put(np.ones(64, np.float32), dev)
+    f(x)
+    gc.collect()
+    before = dev.memory_stats()["bytes_in_use"]
+    ys = [f(x) for _ in range(4)]  # each held: four buffers, all kept as spares too
+    assert dev.memory_stats()["bytes_in_use"] == before + 4 * 256
+    del ys
+    assert dev.memory_stats()["bytes_in_use"] == before
+    big = tx.jit(lambda a: a + 1)(np.ones(1 << 15, np.float32))  # past Spares.LIMIT: not kept
+    del big
+    assert dev.memory_stats()["bytes_in_use"] == before
