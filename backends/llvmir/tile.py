@@ -22,7 +22,7 @@ from tilefuse.ir.errors import CompileError
 from tilefuse.ir.kernel.ir import INDEX, KExpr
 from tilefuse.ir.kernel.tile import Barrier, If, PrintedValues, Range, Store, TileKernel, lanes_of, pp_tile
 
-from .irutil import _like, counted_loop, splat
+from .irutil import _like, counted_loop, no_unroll, splat
 from .ops import BF16, BINARY_OPS, BOOL, CMP, F16, I8, TYPES, UNARY_OPS, Ops, _constant, convert, is_float, is_unsigned
 from .vecmath import I64
 
@@ -198,7 +198,9 @@ class _Printer(PrintedValues):
                 def body_fn(i, _, s=s):
                     self.env[s.var] = i
                     self.block(s.body)
-                counted_loop(self.b, _i(0), hi, body_fn, name=s.var)
+                _, latch = counted_loop(self.b, _i(0), hi, body_fn, name=s.var)
+                if not isinstance(hi, ir.Constant):  # a run-time trip count (tile.size)
+                    no_unroll(latch)
             elif isinstance(s, Store):
                 w = self.lanes(s.value)
                 if self.lanes(s.offset) > 1:  # a scatter: a store per lane (of one value, or a vector's)

@@ -185,6 +185,27 @@ def test_gemm_code_serves_every_batch_size(rows, shared):
         tx.config.gemm = old
 
 
+def test_run_time_trip_counts_stay_rolled():
+    """Loops over a run-time size carry LLVM's no-unroll hint (their remainder loops cost compile
+    time, not speed); loops of constant trip count do not, and the IR is valid LLVM."""
+    import llvmlite.binding as llvm
+    from tilefuse.ir.kernel.ir import KExpr
+    from tilefuse.ir.kernel.tile import Range, walk
+    if not target_of(host_info()).runtime_batch:
+        pytest.skip("this CPU description takes no sizes at run time")
+    w, x, dy = (rng.standard_normal(s).astype(np.float32) for s in ((48, 40), (2500, 48), (2500, 40)))
+    for tk in _gemm_tiles(linear_grads, (w, x, dy)):
+        text = print_tile(tk, "f")
+        llvm.parse_assembly(text).verify()
+        sized = [r for r in walk(tk.body) if isinstance(r, Range) and r.kind != "unroll" and isinstance(r.extent, KExpr)]
+        assert sized, "the GEMM of 2,500 rows has a loop over a run-time size"
+        assert 0 < text.count("!llvm.loop !") <= len(sized)
+        assert 'llvm.loop.unroll.disable' in text
+    x = rng.standard_normal((4, 16, 8)).astype(np.float32)
+    for tk in _gemm_tiles(lambda a, b: a @ tnp.swapaxes(b, 1, 2), (x, x)):  # a batched product: constants
+        assert "llvm.loop" not in print_tile(tk, "f")
+
+
 def test_attention_code_serves_every_batch_size():
     """The shared FlashAttention's tile kernels, forward and the CPU form's backward (whose dk and
     dv start at run-time offsets), print one cache text at every batch size the scheduler gives
