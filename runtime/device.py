@@ -132,6 +132,7 @@ class Executable:
         self.graph, self.device, self.program = graph, device, program
         self.in_avals = [v.aval for v in graph.invars]
         self.out_avals = [v.aval for v in graph.outvars]
+        self._single = self.out_avals[0] if len(self.out_avals) == 1 else None
         self._run = getattr(program, "_run", program)  # a Program's __call__ is its _run: one frame less
 
     def __call__(self, leaves: Sequence) -> list[Array]:
@@ -141,9 +142,13 @@ class Executable:
         bufs = []
         for x, a in zip(leaves, self.in_avals):
             bufs.append(x._buf if type(x) is Array and x.device is dev else dev.buffer_of(x, a))
-        result = []
-        for b, a in zip(self._run(bufs), self.out_avals):
-            result.append(Array(b, a, dev))
+        outs = self._run(bufs)
+        if self._single is not None:
+            result = [Array(outs[0], self._single, dev)]
+        else:
+            result = []
+            for b, a in zip(outs, self.out_avals):
+                result.append(Array(b, a, dev))
         if config.debug_nans:
             check_nans(self.graph, [np.asarray(x) for x in leaves], result)
         return result
