@@ -4,6 +4,7 @@ objects."""
 from __future__ import annotations
 
 import math
+from dataclasses import astuple
 from typing import Callable
 
 import numpy as np
@@ -596,21 +597,72 @@ def _fused_attention_impl(q, k, v, *bias, scale, causal, dims):
 fused_attention = Primitive("fused_attention", _fused_attention_rule, _fused_attention_impl)
 
 
-def _fused_attention_bwd_rule(q, k, v, *rest, scale, causal, dims):
-    bias = rest[0] if len(rest) == 3 else None
-    out, dout = rest[-2:]
+# fused_attention_stats: fused_attention that also returns its rows' softmax statistics, for the
+# backward to read instead of recomputing them (one product of q kᵀ fewer). Made only by the
+# pass that pairs a forward with its backward (ir/passes/attention.attention_stats). The stats
+# are (batch..., Sq, 2) in the compute dtype, canonical batch order: per query row m, the max
+# of its visible scores (0 where it sees no key), and 1/l, l = Σ exp(s - m) (0 where it sees none).
+
+def attention_stats_aval(q, dims) -> ShapedArray:
+    shape = tuple(q.shape[a] for a in dims[0][:-1]) + (2,)
+    return ShapedArray(shape, dtypes.compute_dtype(q.dtype))
+
+
+def _fused_attention_stats_rule(q, k, v, *bias, scale, causal, dims):
+    out = _attention_check("fused_attention_stats", q, k, v, bias[0] if bias else None, dims)
+    return out, attention_stats_aval(q, dims)
+
+
+def attention_row_stats(s) -> tuple:
+    """numpy: (m, 1/l) of scores s (batch..., Sq, Sk), -inf masking out, as the stats define."""
+    m = np.max(s, axis=-1)
+    m = np.where(np.isfinite(m), m, 0)
+    total = np.sum(np.exp(s - m[..., None]), axis=-1)
+    return m, np.where(total > 0, 1 / np.where(total > 0, total, 1), 0)
+
+
+def _fused_attention_stats_impl(q, k, v, *bias, scale, causal, dims):
+    b = bias[0] if bias else None
+    s = _canonical(q, dims[0]) @ np.swapaxes(_canonical(k, dims[1]), -1, -2) * scale
+    if b is not None:
+        s = s + b
+    if causal:
+        s = np.where(np.tri(*s.shape[-2:], s.shape[-1] - s.shape[-2], dtype=bool), s, -np.inf)
+    stats = np.stack(attention_row_stats(s), axis=-1).astype(attention_stats_aval(q, dims).dtype)
+    return _fused_attention_impl(q, k, v, *bias, scale=scale, causal=causal, dims=dims), stats
+
+
+fused_attention_stats = Primitive("fused_attention_stats", _fused_attention_stats_rule,
+                                  _fused_attention_stats_impl, multiple_results=True, compile_only=True)
+
+
+def attention_bwd_operands(q, rest, stats: bool):
+    """fused_attention_bwd's operands after q, k, v: ([bias], out, dout[, stats]) -> (bias, out,
+    dout, stats), absent ones None."""
+    if stats:
+        *rest, st = rest
+    else:
+        st = None
+    return (rest[0] if len(rest) == 3 else None), rest[-2], rest[-1], st
+
+
+def _fused_attention_bwd_rule(q, k, v, *rest, scale, causal, dims, stats=False):
+    bias, out, dout, st = attention_bwd_operands(q, rest, stats)
     want = _attention_check("fused_attention_bwd", q, k, v, bias, dims)
     if out.shape != want.shape or dout.shape != want.shape:
         raise shape_error("fused_attention_bwd", f"out and dout must have shape {want.shape}",
                           out, dout)
+    if st is not None and (st.shape, st.dtype) != astuple(attention_stats_aval(q, dims))[:2]:
+        raise shape_error("fused_attention_bwd", "stats must be fused_attention_stats' second result", st)
     return ShapedArray((q.size + k.size + v.size,), q.dtype)
 
 
-def _fused_attention_bwd_impl(q, k, v, *rest, scale, causal, dims):
+def _fused_attention_bwd_impl(q, k, v, *rest, scale, causal, dims, stats=False):
     """dq, dk, dv of fused_attention (FlashAttention's formulas, in float32), packed flat into
-    one array (one result keeps the primitive differentiable like any other)."""
-    bias = rest[0] if len(rest) == 3 else None
-    out, dout = (_canonical(x, dims[0]) for x in rest[-2:])
+    one array (one result keeps the primitive differentiable like any other). stats: the last
+    operand is the forward's row statistics (fused_attention_stats), which the reference ignores."""
+    bias, out, dout, _ = attention_bwd_operands(q, rest, stats)
+    out, dout = (_canonical(x, dims[0]) for x in (out, dout))
     p = attention_probs(q, k, bias, scale, causal, dims)
     qc, kc, vc = (_canonical(x, d) for x, d in zip((q, k, v), dims))
     dv = np.swapaxes(p, -1, -2) @ dout

@@ -16,7 +16,7 @@ from tilefuse.ir.passes.attention import decomposed_graph
 
 from .planner import Interval, plan_buffers
 
-DECOMPOSITIONS = {P.fused_attention: decomposed_graph, P.fused_attention_bwd: decomposed_graph}
+DECOMPOSITIONS = {p: decomposed_graph for p in (P.fused_attention, P.fused_attention_stats, P.fused_attention_bwd)}
 
 
 def _nbytes(aval) -> int:

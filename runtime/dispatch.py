@@ -23,7 +23,7 @@ log = logging.getLogger("tilefuse.dispatch")
 
 KERNEL_KINDS = ("elementwise", "reduce", "dot_general", "fused_gemm", "gather", "scatter_add",
                 "concatenate", "pad", "arg_reduce", "copy")
-TEMPLATE_KINDS = ("fused_attention", "fused_attention_bwd")  # whole primitives, see composite.py
+TEMPLATE_KINDS = ("fused_attention", "fused_attention_stats", "fused_attention_bwd")  # whole primitives, see composite.py
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ def eqn_cost(prim, params: dict, inputs, outputs) -> tuple[float, float]:
     name = prim.name
     if not floats or name in _EQN_NO_FLOPS or not outputs:
         return 0.0, nbytes
-    if name in ("fused_attention", "fused_attention_bwd"):
+    if name in ("fused_attention", "fused_attention_stats", "fused_attention_bwd"):
         return _attention_flops(inputs, params) * (2.5 if name.endswith("bwd") else 1.0), nbytes
     if name == "dot_general":
         (lc, _), _ = params["dimension_numbers"]

@@ -76,7 +76,7 @@ def _attention_spec(kernel):
     """The Spec of a fused_attention(_bwd) kernel the builders take, or None: a feature axis that
     is not the last, empty operands, a backward in 16 bits (its row statistics wait in the result)."""
     eqns = kernel.meta.get("eqns", ())
-    if len(eqns) != 1 or eqns[0].prim not in (P.fused_attention, P.fused_attention_bwd):
+    if len(eqns) != 1 or eqns[0].prim not in (P.fused_attention, P.fused_attention_stats, P.fused_attention_bwd):
         return None
     e = eqns[0]
     if not all(a.aval.size > 0 for a in e.inputs) or \
@@ -147,7 +147,7 @@ _attention_kinds: list[str] = []
 def register_attention(device_kind: str, priority: int) -> None:
     """The shared FlashAttention (ir/kernel/attention.py), forward and backward, on `device_kind`,
     searched by the tuner in attention.space."""
-    for kind in ("fused_attention", "fused_attention_bwd"):
+    for kind in dispatch.TEMPLATE_KINDS:
         dispatch.register(dispatch.Implementation(
             "tile_attention", kind, _attention_build, (device_kind,),
             lambda kernel, device: _attention_kernels(kernel, device) is not None, priority))

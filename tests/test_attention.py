@@ -210,8 +210,9 @@ def test_dot_product_attention_is_one_fused_op():
 
 def test_written_out_attention_under_grad_becomes_the_fused_backward(device, rng):
     """jit(grad) of attention written out: the forward becomes fused_attention and the backward
-    autodiff wrote (dV = Pᵀ·dO, dS = P·(dP - rowsum(dP·P)), dS·k, dSᵀ·q) fused_attention_bwd;
-    no S x S matmul is left, and the gradients are the unfused graph's. The form
+    autodiff wrote (dV = Pᵀ·dO, dS = P·(dP - rowsum(dP·P)), dS·k, dSᵀ·q) fused_attention_bwd,
+    which reads the forward's row statistics (fused_attention_stats); no S x S matmul is left,
+    and the gradients are the unfused graph's. The form
     examples/train_transformer.py would write (tnp.where causal mask, scale after the matmul,
     (B, H, S, D)) under value_and_grad, and the plain numpy softmax with the scale divided."""
     s = 9
@@ -228,8 +229,11 @@ def test_written_out_attention_under_grad_becomes_the_fused_backward(device, rng
         graph = run_passes(traced)  # devices without the attention kernels decompose it later
         squares = [e for e in graph.eqns if e.prim.name in ("dot_general", "fused_gemm")
                    and e.outputs[0].aval.shape[-2:] == (s, s)]
-        assert graph.count("fused_attention") == 1 and graph.count("fused_attention_bwd") == 1 \
+        assert graph.count("fused_attention_stats") == 1 and graph.count("fused_attention_bwd") == 1 \
             and not squares, f"{name}:\n{graph}"
+        (fwd,) = [e for e in graph.eqns if e.prim is P.fused_attention_stats]
+        (bwd,) = [e for e in graph.eqns if e.prim is P.fused_attention_bwd]
+        assert bwd.params["stats"] and bwd.inputs[-1] is fwd.outputs[1], f"{name}:\n{graph}"
         value, grads = tx.jit(loss)(q, k, v)
         want = _evaluate(_unfused(traced), [q, k, v])
         for got, w in zip([value, *grads], want):
@@ -253,7 +257,7 @@ def test_backward_when_others_read_the_weights_or_a_bias_gradient_is_wanted(rng)
     for name, f in cases.items():
         traced = tx.make_graph(f)(q, k, v, bias)
         g = run_passes(traced)
-        assert g.count("fused_attention") == 1, f"{name}:\n{g}"
+        assert g.count("fused_attention") + g.count("fused_attention_stats") == 1, f"{name}:\n{g}"
         for got, want in zip(_evaluate(g, [q, k, v, bias]), _evaluate(_unfused(traced), [q, k, v, bias])):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -278,6 +282,41 @@ def test_backward_fused_per_layer_and_with_a_mask_argument(rng):
         for got, want in zip(_evaluate(g, [q, k, v, mask]), _evaluate(_unfused(traced), [q, k, v, mask])):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
+
+
+def test_the_backward_reads_the_statistics_of_its_own_forward_only(rng):
+    """attention_stats pairs a fused_attention_bwd with the forward whose result it reads as `out`,
+    on the same operands and parameters (a structural match): the forward becomes
+    fused_attention_stats and the backward reads its statistics; a backward whose `out` comes from
+    a forward of another scale is left alone. The statistics are the reference's (m, 1/l), and
+    the graph computes what it did."""
+    from tilefuse.ir.passes.attention import attention_stats
+    from tilefuse.tracer.core import bind1
+    q, k, v = (rng.standard_normal((2, 5, 3, 4)).astype(np.float32) for _ in range(3))
+    params = dict(causal=True, dims=((0, 2, 1, 3),) * 3)
+
+    def f(q, k, v):
+        out = bind1(P.fused_attention, q, k, v, scale=0.5, **params)
+        other = bind1(P.fused_attention, q, k, v, scale=0.25, **params)
+        paired = bind1(P.fused_attention_bwd, q, k, v, out, other, scale=0.5, **params)
+        unpaired = bind1(P.fused_attention_bwd, q, k, v, other, out, scale=0.5, **params)
+        return paired, unpaired
+    g = tx.make_graph(f)(q, k, v)
+    h = attention_stats(g)
+    assert h.count("fused_attention_stats") == 1 and h.count("fused_attention") == 1, h
+    (fwd,) = [e for e in h.eqns if e.prim is P.fused_attention_stats]
+    assert fwd.params["scale"] == 0.5
+    bwds = [e for e in h.eqns if e.prim is P.fused_attention_bwd]
+    assert [e.params.get("stats", False) for e in bwds] == [True, False]
+    assert bwds[0].inputs[-1] is fwd.outputs[1]
+    for got, want in zip(_evaluate(h, [q, k, v]), _evaluate(g, [q, k, v])):
+        np.testing.assert_array_equal(got, want)
+    _, stats = fwd.prim.impl(q, k, v, **fwd.params)
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k) * 0.5
+    s = np.where(np.tri(5, 5, dtype=bool), s, -np.inf)
+    m = s.max(-1)
+    np.testing.assert_allclose(stats[..., 0], m, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats[..., 1], 1 / np.exp(s - m[..., None]).sum(-1), rtol=1e-5)
 
 # ---- memory ----------------------------------------------------------------------------------------
 
@@ -312,7 +351,7 @@ def test_written_out_attention_differentiated_through_jit_is_fused(device, rng):
     loss = lambda q, k, v: (tnp.sin(att(q, k, v)) ** 2).sum()  # noqa: E731
     grad = tx.grad(loss, argnums=(0, 1, 2))
     g = run_passes(tx.make_graph(grad)(q, k, v))
-    assert g.count("fused_attention") == 1 and g.count("fused_attention_bwd") == 1, g
+    assert g.count("fused_attention_stats") == 1 and g.count("fused_attention_bwd") == 1, g
     with _on_ref():  # eager: every primitive on its own, no rewrite
         want = [np.asarray(x) for x in tx.grad(lambda q, k, v: (tnp.sin(nn.softmax(q @ _t(k) * C) @ v) ** 2)
                                                .sum(), argnums=(0, 1, 2))(q, k, v)]

@@ -38,6 +38,7 @@ class Spec:
     rows: tuple      # element strides between sequence positions of q, k, v, out
     bias_strides: tuple  # bias strides along Sq and Sk (0: broadcast)
     sizes: tuple     # elements of q and k: where dk and dv start in the backward's packed result
+    stats: bool = False  # the forward writes its rows' (m, 1/l) (fused_attention_stats), the backward reads them
 
     @property
     def nb(self) -> int:
@@ -52,7 +53,8 @@ def spec_of(eqn) -> Spec:
     q, k, v = (a.aval for a in eqn.inputs[:3])
     dims = eqn.params["dims"]
     bwd = eqn.prim is P.fused_attention_bwd
-    has_bias = len(eqn.inputs) == (6 if bwd else 4)
+    stats = eqn.prim is P.fused_attention_stats or (bwd and eqn.params.get("stats", False))
+    has_bias = len(eqn.inputs) == (6 + stats if bwd else 4)
     out_shape = list(q.shape)
     out_shape[dims[0][-1]] = v.shape[dims[2][-1]]
     shapes = (q.shape, k.shape, v.shape, tuple(out_shape))
@@ -70,7 +72,7 @@ def spec_of(eqn) -> Spec:
     return Spec(bwd, tuple(q.shape[a] for a in dims[0][:-2]), q.shape[dims[0][-2]],
                 k.shape[dims[1][-2]], q.shape[dims[0][-1]], v.shape[dims[2][-1]],
                 float(eqn.params["scale"]), bool(eqn.params["causal"]), has_bias,
-                tuple(batch_strides), rows, bias_strides, (q.size, k.size))
+                tuple(batch_strides), rows, bias_strides, (q.size, k.size), stats)
 
 
 # ---- FlashAttention written once, as tile kernels -----------------------------------------------
@@ -245,6 +247,9 @@ class _Tiles:
         self.feat = "unroll" if max(sp.d, sp.dv) <= 128 else "serial"  # (unrolled: rows in registers)
         self.zs = [var(f"z{i}") for i in range(len(sp.batch))]
         self.zero, self.one, self.ninf = const(0, self.f), const(1, self.f), const(-np.inf, self.f)
+        # the backward's inputs end with o, do (and the forward's statistics, where it reads them)
+        self.o_buf, self.do_buf = n_inputs - 2 - sp.stats, n_inputs - 1 - sp.stats
+        self.st_buf = (n_inputs - 1 if sp.bwd else n_inputs + 1) if sp.stats else None
 
     def at(self, op: int, row, col, row_stride: int) -> KExpr:
         """Operand op's (q, k, v, out, bias) element (row, col) at this batch index."""
@@ -343,6 +348,25 @@ class _Tiles:
         rowc = _min(row, self.sp.sq - 1)
         return Range("c", n, self.feat, (Store(name, c, self.ld(buf, self.at(op, rowc, c, row_stride))),))
 
+    def row_stat(self, row, which) -> KExpr:
+        """Where fused_attention_stats keeps row's statistic `which` (0: m, 1: 1/l) at this batch
+        index: (batch..., Sq, 2), the batch axes row-major."""
+        sp = self.sp
+        t = _add(0, *(_mul(z, int(np.prod(sp.batch[i + 1:], dtype=np.int64))) for i, z in enumerate(self.zs)))
+        return _add(_mul(_add(_mul(t, sp.sq), row), 2), which)
+
+    def read_stat(self, row, which) -> KExpr:
+        """The forward's statistic of row (0 past the sequence)."""
+        return select(_lt(row, self.sp.sq), self.ld(self.st_buf, self.row_stat(_min(row, self.sp.sq - 1), which)),
+                      self.zero)
+
+    def write_stats(self, row, m: KExpr, l_: KExpr) -> tuple:
+        """The forward's statistics of row from its running max and sum (fused_attention_stats)."""
+        dt = self.buffers[self.st_buf].dtype
+        return (Store(self.st_buf, self.row_stat(row, 0), cast(select(binary("eq", m, self.ninf), self.zero, m), dt)),
+                Store(self.st_buf, self.row_stat(row, 1), cast(select(binary("gt", l_, self.zero),
+                                                                      binary("div", self.one, l_), self.zero), dt)))
+
     def stats_at(self, row, which) -> KExpr:
         """Where the backward keeps row's (m, 1/l, D) until dq is written: the row's own first 3
         elements of dq in the packed result (only the row's dq writer overwrites them)."""
@@ -378,7 +402,8 @@ def build_forward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         If(_lt(row, sp.sq), (Range("c", sp.dv, a.feat, (
             Store(out, a.at(3, row, c, sp.rows[3]),
                   cast(binary("div", a.reg("o", c), select(binary("gt", l_, a.zero), l_, a.one)),
-                       buffers[out].dtype)),)),)),
+                       buffers[out].dtype)),)),
+            *(a.write_stats(row, a.reg("ml", 0), l_) if sp.stats else ()))),
     )
     return TileKernel(name, tuple(buffers), n_inputs, a.grid(_ceil(sp.sq, a.bq), "r", a.bq, inner),
                       meta={"attention": (sp, sched)})
@@ -400,7 +425,7 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
         return _backward_cpu(sp, sched, name, buffers, n_inputs, runtime_sizes)
     a = _Tiles(sp, sched, buffers, n_inputs)
     f, bq, bk = a.f, a.bq, a.bk
-    o_buf, do_buf, res = n_inputs - 2, n_inputs - 1, n_inputs
+    o_buf, do_buf, res = a.o_buf, a.do_buf, n_inputs
     r, c, i = var("r"), var("c"), var("i")
     blk = var("blk")
     row = _add(_mul(blk, bq), r)
@@ -417,10 +442,16 @@ def build_backward(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple
         a.load_row("qv", 0, 0, row, sp.d, sp.rows[0]), a.load_row("dov", do_buf, 3, row, sp.dv, sp.rows[3]),
         Store("ml", _i(0), a.ninf), Store("ml", _i(1), a.zero), *d_row("dd"),
     )
-    stats = TileKernel(name + "_stats", tuple(buffers), n_inputs, a.grid(_ceil(sp.sq, bq), "r", bq, (
-        *row_head, *a.key_blocks(row, r, lambda j, p: ()),
-        If(_lt(row, sp.sq), tuple(Store(res, a.stats_at(row, w), v)
-                                  for w, v in enumerate((m, linv, a.reg("dd", 0))))),)))
+    if sp.stats:  # the forward's statistics read, D computed
+        stats_body = (Alloc("dov", f, sp.dv, "register"), Alloc("dd", f, 1, "register"),
+                      a.load_row("dov", do_buf, 3, row, sp.dv, sp.rows[3]), *d_row("dd"),
+                      If(_lt(row, sp.sq), tuple(Store(res, a.stats_at(row, w), v) for w, v in enumerate(
+                          (a.read_stat(row, 0), a.read_stat(row, 1), a.reg("dd", 0))))))
+    else:
+        stats_body = (*row_head, *a.key_blocks(row, r, lambda j, p: ()),
+                      If(_lt(row, sp.sq), tuple(Store(res, a.stats_at(row, w), v)
+                                                for w, v in enumerate((m, linv, a.reg("dd", 0))))))
+    stats = TileKernel(name + "_stats", tuple(buffers), n_inputs, a.grid(_ceil(sp.sq, bq), "r", bq, stats_body))
 
     # dq: the row's statistics read (its own dq elements: only this work-item writes them, after
     # the barriers), then a sweep over the key blocks
@@ -736,6 +767,8 @@ def _forward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple, 
                 a.scores(ib, b_at=kt_at), *a.scores_softmax(row0, ib, key0, True), pv)),), kt=not whole),
         a.store_rows(n_inputs, 3, "o", row0, bq, sp.sq, sp.dv, sp.rows[3], 0,
                      lambda i: select(binary("gt", l_(i), a.zero), binary("div", a.one, l_(i)), a.zero)),
+        *((Range("ci", bq, "serial", (If(_lt(_add(row0, var("ci")), sp.sq), a.write_stats(
+            _add(row0, var("ci")), a.reg("ml", var("ci")), l_(var("ci")))),)),) if sp.stats else ()),
     )
     allocs = a.allocs(**{k: n for k, n in _cpu_scratch(sp, sched).items()})
     if not whole:
@@ -757,7 +790,7 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
     added into its rows of the result (the only writer: no atomics)."""
     a = _Cpu(sp, sched, buffers, n_inputs)
     bq, bk, R, w, dp, dvp = a.bq, a.bk, a.R, a.w, a.dp, a.dvp
-    o_buf, do_buf, res = n_inputs - 2, n_inputs - 1, n_inputs
+    o_buf, do_buf, res = a.o_buf, a.do_buf, n_inputs
     q_res, k_res = sp.sizes
     dk_at, dv_at = (size(0), size(1)) if runtime_sizes else (q_res, q_res + k_res)
     sizes = {"sizes": (q_res, q_res + k_res)} if runtime_sizes else {}
@@ -767,7 +800,8 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
 
     def stats_sweep(row0, store, guard: bool, kt_at=None) -> tuple:
         """Per query row of the block m (0 where no key is visible), 1/l and D = do·o, each
-        written by store(which, row, value) (guard: rows inside the sequence only)."""
+        written by store(which, row, value) (guard: rows inside the sequence only); m and 1/l
+        the forward's where it passes them (sp.stats), else recomputed by a sweep over the keys."""
         m, l_ = a.reg("ml", i), a.reg("ml", _add(i, bq))
         row = _add(row0, i)
         o_at = lambda c_: a.at(3, _min(row, sp.sq - 1), c_, sp.rows[3])  # noqa: E731
@@ -776,16 +810,22 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
                                _fp(vload(do_buf, o_at(_mul(c, w)), buffers[do_buf].dtype, w))))
         else:
             term = binary("mul", a.ld(o_buf, o_at(c)), a.ld(do_buf, o_at(c)))
+        if sp.stats:
+            m_row, linv_row = a.read_stat(row, 0), a.read_stat(row, 1)
+        else:
+            m_row = select(binary("eq", m, a.ninf), a.zero, m)
+            linv_row = select(binary("gt", l_, a.zero), binary("div", a.one, l_), a.zero)
         per_row = (Store("mt", _i(0), a.zero), Range("cc", sp.dv // w if sp.dv % w == 0 else sp.dv, "serial", (
             Store("mt", _i(0), binary("add", a.reg("mt", 0), term)),)),
-            store(0, row, select(binary("eq", m, a.ninf), a.zero, m)),
-            store(1, row, select(binary("gt", l_, a.zero), binary("div", a.one, l_), a.zero)),
-            store(2, row, a.reg("mt", 0)))
+            store(0, row, m_row), store(1, row, linv_row), store(2, row, a.reg("mt", 0)))
+        rows = Range("ci", bq, "serial", (If(_lt(row, sp.sq), per_row),) if guard else per_row)
+        if sp.stats:
+            return (rows,)
         return (*a.row_head(row0, False),
                 a.key_block(row0, (Range("ib", bq // R, "serial", (
                     a.scores(ib, b_at=kt_at), *a.scores_softmax(row0, ib, _mul(kb, bk), False))),),
                             kt=kt_at is None),
-                Range("ci", bq, "serial", (If(_lt(row, sp.sq), per_row),) if guard else per_row))
+                rows)
 
     # dq: per query block, the statistics read; per key block dS = P (dP - D), dq += dS k
     row0 = _mul(blk, bq)
@@ -904,7 +944,7 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
             Store(res, a.at(0, i, c, sp.rows[0]), value(tload(res, a.at(0, i, c, sp.rows[0]), a.f))),)),))
         if hoist:
             tiles.update(qt=sp.d * qpitch, dot=sp.dv * qpitch)
-        k_whole, kp = _k_whole(sp, sched), _kpitch(sp, sched)
+        k_whole, kp = _k_whole(sp, sched) and not sp.stats, _kpitch(sp, sched)  # (k whole: for the statistics)
         kt_at = (lambda x, v: _add(_mul(x, kp), _mul(kb, bk), _mul(v, w))) if k_whole else None  # noqa: E731
         inner = (
             *a.allocs(st=3 * sqp, **tiles, kt=sp.d * (kp if k_whole else bk), s=bq * bk, dqs=bq * dp),

@@ -637,6 +637,7 @@ def _lower_template(region) -> list[LoweredKernel]:
 
 REGION_RULES: dict[str, Callable] = {
     "fused_attention": _lower_template,
+    "fused_attention_stats": _lower_template,
     "fused_attention_bwd": _lower_template,
     "scatter_add": _lower_scatter_add,
     "concatenate": _lower_concatenate,

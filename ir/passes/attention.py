@@ -55,8 +55,9 @@ class _Emit:
         return x if perm == tuple(range(len(perm))) else self(P.transpose, x, permutation=perm)
 
 
-def _probs(em: _Emit, qc, kc, bias, scale, causal, n):
-    """The attention weights (batch..., Sq, Sk) of canonical q, k: the unfused softmax."""
+def _probs(em: _Emit, qc, kc, bias, scale, causal, n, with_stats: bool = False):
+    """The attention weights (batch..., Sq, Sk) of canonical q, k: the unfused softmax (with_stats:
+    and the rows' statistics, as fused_attention_stats returns them)."""
     batch = tuple(range(n))
     s = em(P.dot_general, qc, kc, dimension_numbers=(((n + 1,), (n + 1,)), (batch, batch)))
     s = em(P.mul, s, em.full(scale, s))
@@ -74,13 +75,23 @@ def _probs(em: _Emit, qc, kc, bias, scale, causal, n):
     m = em(P.select, em(P.is_finite, m), m, em.full(0.0, m))
     e = em(P.exp, em(P.sub, s, em.expand(m, s)))
     total = em(P.reduce_sum, e, axes=(n + 1,))
-    total = em(P.select, em(P.gt, total, em.full(0.0, total)), total, em.full(1.0, total))
-    return em(P.div, e, em.expand(total, e))
+    seen = em(P.gt, total, em.full(0.0, total))
+    total = em(P.select, seen, total, em.full(1.0, total))
+    p = em(P.div, e, em.expand(total, e))
+    if not with_stats:
+        return p
+    # the rows' (m, 1/l) as fused_attention_stats defines them, in the compute dtype
+    linv = em(P.select, seen, em(P.div, em.full(1.0, total), total), em.full(0.0, total))
+    f = dtypes.compute_dtype(m.aval.dtype)
+    cols = [em(P.reshape, x if x.aval.dtype == f else em(P.convert_element_type, x, new_dtype=f),
+               new_sizes=x.aval.shape + (1,)) for x in (m, linv)]
+    return p, em(P.concatenate, *cols, dimension=n + 1)
 
 
 def decompose(eqn) -> tuple[list, list]:
-    """fused_attention or fused_attention_bwd (dq, dk, dv packed flat) as ordinary primitives:
-    (equations, outputs), over the equation's own input variables."""
+    """fused_attention(_stats) or fused_attention_bwd (dq, dk, dv packed flat) as ordinary
+    primitives: (equations, outputs), over the equation's own input variables. (The backward
+    recomputes the weights: a stats operand is not read.)"""
     em = _Emit()
     q, k, v, *rest = eqn.inputs
     scale, causal, dims = eqn.params["scale"], eqn.params["causal"], eqn.params["dims"]
@@ -88,12 +99,17 @@ def decompose(eqn) -> tuple[list, list]:
     batch = tuple(range(n))
     qc, kc, vc = (em.permute(x, d) for x, d in zip((q, k, v), dims))
     bwd = eqn.prim is P.fused_attention_bwd
-    bias = rest[0] if len(rest) == (3 if bwd else 1) else None
-    p = _probs(em, qc, kc, bias, scale, causal, n)
+    if bwd:
+        bias, out, dout, _ = P.attention_bwd_operands(q, rest, eqn.params.get("stats", False))
+    else:
+        bias = rest[0] if rest else None
+    stats = eqn.prim is P.fused_attention_stats
+    p = _probs(em, qc, kc, bias, scale, causal, n, stats)
     if not bwd:
+        p, st = p if stats else (p, None)
         o = em(P.dot_general, p, vc, dimension_numbers=(((n + 1,), (n,)), (batch, batch)))
-        return em.eqns, [em.permute(o, np.argsort(dims[0]))]
-    oc, doc = (em.permute(x, dims[0]) for x in rest[-2:])
+        return em.eqns, [em.permute(o, np.argsort(dims[0]))] + ([st] if stats else [])
+    oc, doc = (em.permute(x, dims[0]) for x in (out, dout))
     dv = em(P.dot_general, p, doc, dimension_numbers=(((n,), (n,)), (batch, batch)))
     dp = em(P.dot_general, doc, vc, dimension_numbers=(((n + 1,), (n + 1,)), (batch, batch)))
     di = em(P.reduce_sum, em(P.mul, doc, oc), axes=(n + 1,))
@@ -461,3 +477,30 @@ def fuse_attention(graph: Graph) -> Graph:
         rw.alias(e.outputs[0], hit.out)
         changed = True
     return simplify(rw.finish()) if changed else graph
+
+
+# ---- the forward's statistics for its backward ----------------------------------------------------
+
+def attention_stats(graph: Graph) -> Graph:
+    """fused_attention whose result a fused_attention_bwd of the same operands and parameters
+    reads (attention's gradient) -> fused_attention_stats, and that backward reads the forward's
+    row statistics instead of recomputing them (one product q kᵀ fewer). A structural match:
+    the backward's operands are the forward's, its `out` the forward's result."""
+    fwd = {e.outputs[0].id: i for i, e in enumerate(graph.eqns) if e.prim is P.fused_attention}
+    if not fwd:
+        return graph
+    eqns, stats = list(graph.eqns), {}
+    for i, e in enumerate(graph.eqns):
+        if e.prim is not P.fused_attention_bwd or e.params.get("stats", False):
+            continue
+        j = fwd.get(getattr(e.inputs[-2], "id", None))
+        f = None if j is None else graph.eqns[j]
+        if f is None or e.inputs[:len(f.inputs)] != f.inputs or len(e.inputs) != len(f.inputs) + 2 or \
+                any(e.params[k] != f.params[k] for k in ("scale", "causal", "dims")):
+            continue
+        if j not in stats:
+            fe, outs = new_eqn(P.fused_attention_stats, f.inputs, f.params, f.source)
+            eqns[j] = fe.replace(outputs=(f.outputs[0], outs[1]))
+            stats[j] = outs[1]
+        eqns[i] = e.replace(inputs=e.inputs + (stats[j],), params={**e.params, "stats": True})
+    return graph.replace(eqns=tuple(eqns)) if stats else graph

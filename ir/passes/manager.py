@@ -11,7 +11,7 @@ import weakref
 from typing import Callable, Sequence
 
 from ..core import Graph, typecheck_graph
-from .attention import fuse_attention
+from .attention import attention_stats, fuse_attention
 from .cse import cse
 from .dce import dce
 from .fold import fold_constants
@@ -33,6 +33,7 @@ PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("fuse_attention", fuse_attention),                    # softmax(q·kᵀ·scale + mask)·v -> one op
     ("fuse_gemm_epilogues", fuse_gemm_epilogues),          # dot + bias + activation -> fused_gemm
     ("cse_after", cse),                                    # rewrites expose new duplicates
+    ("attention_stats", attention_stats),                  # attention's backward reads its forward's stats
     ("dce_after", dce),                                    # and leave dead producers behind
     ("prune_after", prune_control_flow),                   # and loop constants nobody reads now
 )

@@ -76,7 +76,7 @@ def _check(case, device, g_rng):
     f = tx.jit(tx.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), device=device)
     (_, out), grads = f(q, k, v, *bias)
     impls = {l.kind: l.impl for l in f.lower(q, k, v, *bias).compile().program.launches}
-    assert impls["fused_attention"] == impls["fused_attention_bwd"] == "tile_attention", impls
+    assert impls["fused_attention_stats"] == impls["fused_attention_bwd"] == "tile_attention", impls
     x64 = [x.astype(np.float64) for x in (q, k, v, *bias)]
     (want,) = P.fused_attention.impl(*x64, **params)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
@@ -136,7 +136,7 @@ def test_dispatcher_chooses_the_tile_builders():
     q, k, v = (np.ones((1, 8, 2, 4), np.float32) for _ in range(3))
     kernels = _template_kernels(
         tx.grad(lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True).sum(), argnums=(0, 1, 2)), q, k, v)
-    assert sorted(k.meta["kind"] for k in kernels) == ["fused_attention", "fused_attention_bwd"]
+    assert sorted(k.meta["kind"] for k in kernels) == ["fused_attention_bwd", "fused_attention_stats"]
     for kernel in kernels:
         impl = dispatch.choose(kernel, dev)
         assert (impl.name, impl.device_kinds) == ("tile_attention", ("opencl",)), impl
@@ -155,5 +155,5 @@ def test_profiler_times_the_backward_as_one_launch():
     with profile() as prof:
         np.asarray(f(q, k, v)[0])
     records = {r.info.kind: r for r in prof.records if r.info.impl == "tile_attention"}
-    assert set(records) == {"fused_attention", "fused_attention_bwd"}, prof.records
+    assert set(records) == {"fused_attention_stats", "fused_attention_bwd"}, prof.records
     assert all(r.seconds > 0 for r in records.values())

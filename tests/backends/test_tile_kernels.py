@@ -98,17 +98,58 @@ def test_group_reductions_match_the_reference(device, case, group):
 
 # ---- FlashAttention's tile kernels (ir/kernel/attention.py) on every printer, in both forms ---------
 
-@pytest.mark.parametrize("form", ["gpu", "cpu"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_tile_kernels_match_the_primitive(device, causal, form):
-    """The forward and the three backward kernels printed and run by each backend in each form it
-    can hold (the GPU form on OpenCL CPU devices too: PoCL has local memory), ragged schedules, a
-    broadcast bias with -inf entries (gathered along the keys by the CPU form)."""
+def _run_attention_kernels(device, sched, params, q, k, v, bias, stats: bool, check: bool = False):
+    """The builders' forward, then backward kernels under `sched`, run on `device` against the
+    primitives' references: the output, the rows' statistics where `stats` (the forward as
+    fused_attention_stats, its statistics, as the device wrote them, read by the backward), and
+    dq, dk, dv packed. check: the schedule must fit the device's target."""
     import types
 
     from tilefuse.ir import primitives as P
-    from tilefuse.ir.kernel.attention import AttentionSchedule, build_backward, build_forward, spec_of
+    from tilefuse.ir.kernel.attention import build_backward, build_forward, spec_of
     from tilefuse.ir.kernel.ir import Buffer
+    rng = np.random.default_rng(3)
+    ops = [q, k, v] + ([] if bias is None else [bias])
+    fprim = P.fused_attention_stats if stats else P.fused_attention
+    wants = fprim.impl(*ops, **params)
+    out = wants[0]
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    (grads,) = P.fused_attention_bwd.impl(*ops, out, dout, **params)
+
+    def run(prim, prim_params, args, wants):
+        avals = [ShapedArray(a.shape, a.dtype) for a in args]
+        sp = spec_of(types.SimpleNamespace(prim=prim, params=prim_params,
+                                           inputs=[types.SimpleNamespace(aval=a) for a in avals]))
+        assert not check or sched.check(sp, target_of(device.info)) is None
+        bufs = tuple(Buffer(f"b{i}", a.dtype, a.size) for i, a in enumerate(args)) + \
+            tuple(Buffer(f"res{i}", w.dtype, w.size) for i, w in enumerate(wants))
+        tks = build_backward(sp, sched, "attn_bwd", bufs, len(args)) if sp.bwd else \
+            [build_forward(sp, sched, "attn", bufs, len(args))]
+        dev_bufs = [device.backend.put(np.ascontiguousarray(a).reshape(-1), device) for a in args]
+        res = [device.backend.put(np.full(w.size, np.nan, w.dtype), device) for w in wants]
+        for tk in tks:
+            device.backend.compile_tile(tk, device)(dev_bufs + res)
+        gots = [device.backend.to_host(r, ShapedArray((w.size,), w.dtype), device).reshape(w.shape)
+                for r, w in zip(res, wants)]
+        for what, got, want in zip(("backward",) if sp.bwd else ("output", "statistics"), gots, wants):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{what}, stats={stats}")
+        return gots
+    fwd = run(fprim, params, ops, wants)
+    if stats:
+        run(P.fused_attention_bwd, {**params, "stats": True}, [*ops, out, dout, fwd[1]], [grads])
+    else:
+        run(P.fused_attention_bwd, params, [*ops, out, dout], [grads])
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["recomputed", "stats"])
+@pytest.mark.parametrize("form", ["gpu", "cpu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_tile_kernels_match_the_primitive(device, causal, form, stats):
+    """The forward and the three backward kernels printed and run by each backend in each form it
+    can hold (the GPU form on OpenCL CPU devices too: PoCL has local memory), ragged schedules, a
+    broadcast bias with -inf entries (gathered along the keys by the CPU form); the backward's row
+    statistics recomputed, or the forward's read (fused_attention_stats)."""
+    from tilefuse.ir.kernel.attention import AttentionSchedule
     needs = {"shared"} if form == "gpu" else {"scratch", "vectors"}
     if not device.backend.tile_kernels or needs - device.backend.tile_prints:
         pytest.skip(f"{device.kind} prints no tile kernels with {', '.join(sorted(needs))}")
@@ -119,66 +160,27 @@ def test_attention_tile_kernels_match_the_primitive(device, causal, form):
     bias = rng.standard_normal((1, 3, 1, 9)).astype(np.float32)
     bias[0, 1, 0, 2] = -np.inf
     params = dict(scale=0.5, causal=causal, dims=((0, 1, 2, 3),) * 3)
-    (out,) = P.fused_attention.impl(q, k, v, bias, **params)
-    dout = rng.standard_normal(out.shape).astype(np.float32)
-    (grads,) = P.fused_attention_bwd.impl(q, k, v, bias, out, dout, **params)
     sched = AttentionSchedule(4, 4) if form == "gpu" else AttentionSchedule(4, 8, 4, 2, 2)
-    for fwd, args, want in ((True, [q, k, v, bias], out), (False, [q, k, v, bias, out, dout], grads)):
-        avals = [ShapedArray(a.shape, a.dtype) for a in args]
-        prim = P.fused_attention if fwd else P.fused_attention_bwd
-        sp = spec_of(types.SimpleNamespace(prim=prim, params=params,
-                                           inputs=[types.SimpleNamespace(aval=a) for a in avals]))
-        bufs = tuple(Buffer(f"b{i}", np.float32, a.size) for i, a in enumerate(args)) + \
-            (Buffer("res", np.float32, want.size),)
-        tks = [build_forward(sp, sched, "attn", bufs, len(args))] if fwd else \
-            build_backward(sp, sched, "attn_bwd", bufs, len(args))
-        dev_bufs = [device.backend.put(np.ascontiguousarray(a).reshape(-1), device) for a in args]
-        res = device.backend.put(np.zeros(want.size, np.float32), device)
-        for tk in tks:
-            device.backend.compile_tile(tk, device)(dev_bufs + [res])
-        got = device.backend.to_host(res, ShapedArray((want.size,), np.float32), device)
-        np.testing.assert_allclose(got, want.reshape(-1), rtol=2e-5, atol=2e-5,
-                                   err_msg="forward" if fwd else "backward")
+    _run_attention_kernels(device, sched, params, q, k, v, bias, stats)
 
 
+@pytest.mark.parametrize("stats", [False, True], ids=["recomputed", "stats"])
 @pytest.mark.parametrize("lengths", [(37, 70, 20), (70, 37, 20), (48, 70, 32)],
                          ids=["Sq<Sk", "Sq>Sk", "whole query blocks"])
 @pytest.mark.parametrize("per_head", [False, True])
-def test_attention_cpu_form_masks_are_exact(device, lengths, per_head):
+def test_attention_cpu_form_masks_are_exact(device, lengths, per_head, stats):
     """The CPU form's masks as printed (one 32-bit compare of the lanes with a bound per row, or per
     key in the backward's transposed scores): causal with Sq != Sk (rows that see no key when
     Sq > Sk), sequences that are not multiples of the blocks, full 16-lane vectors and a key block
     cut by the diagonal in the middle of a vector; masked scores never reach exp (exactly 0); whole
-    query blocks and features (the backward's q, do and dq rows used in place)."""
-    import types
-
-    from tilefuse.ir import primitives as P
-    from tilefuse.ir.kernel.attention import AttentionSchedule, build_backward, build_forward, spec_of
-    from tilefuse.ir.kernel.ir import Buffer
+    query blocks and features (the backward's q, do and dq rows used in place); the backward's
+    statistics recomputed or the forward's."""
+    from tilefuse.ir.kernel.attention import AttentionSchedule
     if not device.backend.tile_kernels or {"scratch", "vectors"} - device.backend.tile_prints:
         pytest.skip(f"{device.kind} prints no tile kernels with scratch and vectors")
     sq, sk, d = lengths
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((2, s, 3, f)).astype(np.float32) for s, f in ((sq, d), (sk, d), (sk, 16)))
     params = dict(scale=0.3, causal=True, dims=((0, 2, 1, 3),) * 3)
-    (out,) = P.fused_attention.impl(q, k, v, **params)
-    dout = rng.standard_normal(out.shape).astype(np.float32)
-    (grads,) = P.fused_attention_bwd.impl(q, k, v, out, dout, **params)
-    sched = AttentionSchedule(16, 32, 16, 4, 2, per_head)
-    for fwd, args, want in ((True, [q, k, v], out), (False, [q, k, v, out, dout], grads)):
-        avals = [ShapedArray(a.shape, a.dtype) for a in args]
-        prim = P.fused_attention if fwd else P.fused_attention_bwd
-        sp = spec_of(types.SimpleNamespace(prim=prim, params=params,
-                                           inputs=[types.SimpleNamespace(aval=a) for a in avals]))
-        assert sched.check(sp, target_of(device.info)) is None
-        bufs = tuple(Buffer(f"b{i}", np.float32, a.size) for i, a in enumerate(args)) + \
-            (Buffer("res", np.float32, want.size),)
-        tks = [build_forward(sp, sched, "attn", bufs, len(args))] if fwd else \
-            build_backward(sp, sched, "attn_bwd", bufs, len(args))
-        dev_bufs = [device.backend.put(np.ascontiguousarray(a).reshape(-1), device) for a in args]
-        res = device.backend.put(np.full(want.size, np.nan, np.float32), device)
-        for tk in tks:
-            device.backend.compile_tile(tk, device)(dev_bufs + [res])
-        got = device.backend.to_host(res, ShapedArray((want.size,), np.float32), device)
-        np.testing.assert_allclose(got, want.reshape(-1), rtol=2e-5, atol=2e-5,
-                                   err_msg="forward" if fwd else "backward")
+    _run_attention_kernels(device, AttentionSchedule(16, 32, 16, 4, 2, per_head), params, q, k, v, None, stats,
+                           check=True)

@@ -317,7 +317,7 @@ def test_transpose_that_reorders_free_axes_stays():
 def test_pipeline_order_is_the_documented_one():
     assert [n for n, _ in PIPELINE] == ["inline_calls", "dce", "prune_control_flow", "cse", "fold_constants",
                                         "simplify", "fold_transpose_into_dot", "hoist_loop_invariants",
-                                        "fuse_attention", "fuse_gemm_epilogues", "cse_after", "dce_after",
+                                        "fuse_attention", "fuse_gemm_epilogues", "cse_after", "attention_stats", "dce_after",
                                         "prune_after"]
 
 

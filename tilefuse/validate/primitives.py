@@ -454,7 +454,7 @@ assert len(OPS_BY_NAME) == len(OPS), "op record names must be unique"
 NO_VALUE_RECORD = {"debug_print", "tile_op"}  # an effect (tests/test_debug.py); a call (tests/test_tile_op.py)
 NO_VALUE_RECORD |= {"custom_vjp_call", "custom_jvp_call"}  # calls: tests/autodiff/test_custom.py
 # made by nn.dot_product_attention and the attention pattern pass: tests/test_attention.py
-NO_VALUE_RECORD |= {"fused_attention", "fused_attention_bwd"}
+NO_VALUE_RECORD |= {"fused_attention", "fused_attention_stats", "fused_attention_bwd"}
 NO_VALUE_RECORD |= {"cond", "while", "scan"}  # control flow, its bodies graphs: tests/test_lax.py
 
 
