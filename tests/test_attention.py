@@ -284,6 +284,24 @@ def test_backward_fused_per_layer_and_with_a_mask_argument(rng):
 
 
 
+def test_a_transposed_operand_is_read_in_place(rng):
+    """q @ swapaxes(k): fused_attention reads k itself (its feature axis last, the layout the tile
+    builders take), not a transposed copy, under jit and under grad (the rewrite before autodiff,
+    where fold_transpose_into_dot has not run); the values are the unfused graph's."""
+    q, k, v = (rng.standard_normal((2, 2, S, D)).astype(np.float32) for _ in range(3))
+
+    def f(q, k, v):
+        return nn.softmax(q @ _t(k) * C) @ tnp.swapaxes(_t(v), -1, -2)
+    for name, fn in (("jit", f), ("grad", tx.grad(lambda q, k, v: (f(q, k, v) ** 2).sum(), argnums=(0, 1, 2)))):
+        traced = tx.make_graph(fn)(q, k, v)
+        g = run_passes(traced)
+        fused = [e for e in g.eqns if e.prim.name.startswith("fused_attention")]
+        assert fused and g.count("transpose") == 0, f"{name}:\n{g}"
+        assert all(e.inputs[:3] == tuple(g.invars) and e.params["dims"] == ((0, 1, 2, 3),) * 3
+                   for e in fused), f"{name}:\n{g}"
+        for got, want in zip(_evaluate(g, [q, k, v]), _evaluate(_unfused(traced), [q, k, v])):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
 def test_the_backward_reads_the_statistics_of_its_own_forward_only(rng):
     """attention_stats pairs a fused_attention_bwd with the forward whose result it reads as `out`,
     on the same operands and parameters (a structural match): the forward becomes

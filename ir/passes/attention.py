@@ -372,6 +372,22 @@ def _operand_scale(m: _Matcher, a):
     return a, 1.0
 
 
+def _operand(m: _Matcher, a, dims: tuple, scaled: bool = True):
+    """An operand of the scores (scaled: by scalars too) or v, with its layout `dims`, seen
+    through transposes (swapaxes(k, -1, -2) read in place): (array, its layout, the scale)."""
+    c = 1.0
+    while True:
+        t = m.producer(a, "transpose")
+        if t is not None:
+            perm = t.params["permutation"]
+            a, dims = t.inputs[0], tuple(perm[i] for i in dims)
+            continue
+        b, f = _operand_scale(m, a) if scaled else (a, 1.0)
+        if b is a:
+            return a, dims, c
+        a, c = b, c * f
+
+
 def _layouts(d1, d2, v):
     """(q_dims, k_dims, v_dims) when the two dot_generals are attention's, else None."""
     (lc, rc), (lb, rb) = d1.params["dimension_numbers"]
@@ -416,8 +432,10 @@ def _match(m: _Matcher, d2):
     dims = _layouts(d1, d2, v)
     if dims is None:
         return None
-    q, cq = _operand_scale(m, d1.inputs[0])
-    k, ck = _operand_scale(m, d1.inputs[1])
+    q, qd, cq = _operand(m, d1.inputs[0], dims[0])
+    k, kd, ck = _operand(m, d1.inputs[1], dims[1])
+    v, vd, _ = _operand(m, v, dims[2], scaled=False)
+    dims = (qd, kd, vd)
     if not q.aval.dtype == k.aval.dtype == v.aval.dtype == x.aval.dtype:
         return None
     em = _Emit()
