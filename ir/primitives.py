@@ -4,7 +4,6 @@ objects."""
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
 from typing import Callable
 
 import numpy as np
@@ -570,14 +569,20 @@ def _canonical(x, d):
     return np.transpose(x, d).astype(np.float32 if x.dtype.itemsize < 4 else x.dtype)
 
 
-def attention_probs(q, k, bias, scale, causal, dims):
-    """numpy: the attention weights softmax(q kᵀ·scale + bias) in (batch..., Sq, Sk)."""
+def attention_scores(q, k, bias, scale, causal, dims):
+    """numpy: the scores q kᵀ·scale + bias, -inf where masked, in (batch..., Sq, Sk)."""
     s = _canonical(q, dims[0]) @ np.swapaxes(_canonical(k, dims[1]), -1, -2) * scale
     if bias is not None:
         s = s + bias
     sq, sk = s.shape[-2:]
     if causal:
         s = np.where(np.tri(sq, sk, sk - sq, dtype=bool), s, -np.inf)
+    return s
+
+
+def attention_probs(q, k, bias, scale, causal, dims):
+    """numpy: the attention weights softmax(q kᵀ·scale + bias) in (batch..., Sq, Sk)."""
+    s = attention_scores(q, k, bias, scale, causal, dims)
     m = np.max(s, axis=-1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0))
     total = np.sum(e, axis=-1, keepdims=True)
@@ -622,12 +627,7 @@ def attention_row_stats(s) -> tuple:
 
 
 def _fused_attention_stats_impl(q, k, v, *bias, scale, causal, dims):
-    b = bias[0] if bias else None
-    s = _canonical(q, dims[0]) @ np.swapaxes(_canonical(k, dims[1]), -1, -2) * scale
-    if b is not None:
-        s = s + b
-    if causal:
-        s = np.where(np.tri(*s.shape[-2:], s.shape[-1] - s.shape[-2], dtype=bool), s, -np.inf)
+    s = attention_scores(q, k, bias[0] if bias else None, scale, causal, dims)
     stats = np.stack(attention_row_stats(s), axis=-1).astype(attention_stats_aval(q, dims).dtype)
     return _fused_attention_impl(q, k, v, *bias, scale=scale, causal=causal, dims=dims), stats
 
@@ -636,7 +636,7 @@ fused_attention_stats = Primitive("fused_attention_stats", _fused_attention_stat
                                   _fused_attention_stats_impl, multiple_results=True, compile_only=True)
 
 
-def attention_bwd_operands(q, rest, stats: bool):
+def attention_bwd_operands(rest, stats: bool):
     """fused_attention_bwd's operands after q, k, v: ([bias], out, dout[, stats]) -> (bias, out,
     dout, stats), absent ones None."""
     if stats:
@@ -647,12 +647,13 @@ def attention_bwd_operands(q, rest, stats: bool):
 
 
 def _fused_attention_bwd_rule(q, k, v, *rest, scale, causal, dims, stats=False):
-    bias, out, dout, st = attention_bwd_operands(q, rest, stats)
+    bias, out, dout, st = attention_bwd_operands(rest, stats)
     want = _attention_check("fused_attention_bwd", q, k, v, bias, dims)
     if out.shape != want.shape or dout.shape != want.shape:
         raise shape_error("fused_attention_bwd", f"out and dout must have shape {want.shape}",
                           out, dout)
-    if st is not None and (st.shape, st.dtype) != astuple(attention_stats_aval(q, dims))[:2]:
+    want_st = attention_stats_aval(q, dims)
+    if st is not None and (st.shape, st.dtype) != (want_st.shape, want_st.dtype):
         raise shape_error("fused_attention_bwd", "stats must be fused_attention_stats' second result", st)
     return ShapedArray((q.size + k.size + v.size,), q.dtype)
 
@@ -661,7 +662,7 @@ def _fused_attention_bwd_impl(q, k, v, *rest, scale, causal, dims, stats=False):
     """dq, dk, dv of fused_attention (FlashAttention's formulas, in float32), packed flat into
     one array (one result keeps the primitive differentiable like any other). stats: the last
     operand is the forward's row statistics (fused_attention_stats), which the reference ignores."""
-    bias, out, dout, _ = attention_bwd_operands(q, rest, stats)
+    bias, out, dout, _ = attention_bwd_operands(rest, stats)
     out, dout = (_canonical(x, dims[0]) for x in (out, dout))
     p = attention_probs(q, k, bias, scale, causal, dims)
     qc, kc, vc = (_canonical(x, d) for x, d in zip((q, k, v), dims))

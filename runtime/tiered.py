@@ -10,10 +10,10 @@ estimated to take (at most AUTO_MOST_S), after which they wait for it (ski renta
 program ends before its compile would have; a long one pays a bounded price for a fast first
 call). True interprets until the compile ends. Operations outside jit tier the same way.
 
-Measured cold, end to end (benchmarks/bench_compile.py, 2 cores): five of its six programs in
-0.24-0.56 s where compiling first took 0.8-3.7 s (the op-by-op RNN: 1.7 s against 3.3 s); the
-char-GPT train step's first call 0.7 s instead of 4.1 s; its 300-step example 16.7 s against
-14.7 s compiling at once (the price of the fast first steps).
+Measured cold, end to end (benchmarks/bench_compile.py, 2 cores, AMD EPYC, 2026-12-04): its six
+programs in 0.19-1.08 s, each 0.23-0.76x the fastest of JAX's and PyTorch's time in the same run
+(the op-by-op RNN under grad, the slowest: 1.08 s against PyTorch's 1.43 s and JAX's 4.20 s); the
+char-GPT train step's first call (benchmarks/bench_train.py) 1.11 s against JAX's 2.24 s.
 Results are the interpreter's until the switch: the same numbers within float rounding (numpy's
 pairwise sums, its exp), not bit for bit. The compiled executable replaces the tiered one in
 the caches that hold it (when_compiled), so later calls pay nothing for the tiering.

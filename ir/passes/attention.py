@@ -100,7 +100,7 @@ def decompose(eqn) -> tuple[list, list]:
     qc, kc, vc = (em.permute(x, d) for x, d in zip((q, k, v), dims))
     bwd = eqn.prim is P.fused_attention_bwd
     if bwd:
-        bias, out, dout, _ = P.attention_bwd_operands(q, rest, eqn.params.get("stats", False))
+        bias, out, dout, _ = P.attention_bwd_operands(rest, eqn.params.get("stats", False))
     else:
         bias = rest[0] if rest else None
     stats = eqn.prim is P.fused_attention_stats
