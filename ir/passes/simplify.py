@@ -137,9 +137,76 @@ def sink_reshape(e: Eqn, rw: Rewriter):
 
 
 # The table: primitive name -> rules tried in order.
+def _is_pos_zero(rw: Rewriter, a) -> bool:
+    return _is(rw, a, 0.0) if dtypes.is_float(a.aval.dtype) else _is(rw, a, 0)
+
+
+def _pieces(rw: Rewriter, a):
+    """a as +0 padding around whole pieces along one axis: (axis, [(start, piece), ...]) where a
+    is pad(x) with a +0 fill, no interior padding and one padded axis, or a concatenate (seen
+    inside such a pad too) whose parts become the pieces; else None."""
+    p = _producer(rw, a, "pad")
+    axis, lo, src = None, 0, a
+    if p is not None:
+        cfg = p.params["padding_config"]
+        padded = [i for i, c in enumerate(cfg) if tuple(c) != (0, 0, 0)]
+        if len(padded) != 1 or cfg[padded[0]][2] != 0 or min(cfg[padded[0]][:2]) < 0 or \
+                not _is_pos_zero(rw, p.inputs[1]):
+            return None
+        axis, lo, src = padded[0], cfg[padded[0]][0], p.inputs[0]
+    c = _producer(rw, src, "concatenate")
+    if c is not None and axis in (None, c.params["dimension"]):
+        axis, parts = c.params["dimension"], c.inputs
+    elif p is not None:
+        parts = (src,)
+    else:
+        return None
+    out, start = [], lo
+    for x in parts:
+        out.append((start, x))
+        start += x.aval.shape[axis]
+    return axis, out
+
+
+def add_of_disjoint_pads(e: Eqn, rw: Rewriter):
+    """pad(a) + pad(b), +0-padded along one axis where a and b meet without overlapping -> one
+    pad of concatenate(a + 0, b + 0) (the gradient of slicing qkv into q, k and v writes three
+    pads and two full adds). Exact: inside a piece the sum is piece + 0.0 (+0 turns -0.0 into
+    +0.0, so the +0 is kept; it fuses into the concatenate), outside every piece 0 + 0."""
+    x, y = (_pieces(rw, a) for a in e.inputs)
+    out = e.outputs[0].aval
+    if x is None or y is None or x[0] != y[0] or \
+            any(a.aval.shape != out.shape or a.aval.dtype != out.dtype for a in e.inputs):
+        return None
+    axis = x[0]
+    pieces = sorted(x[1] + y[1], key=lambda s: s[0])
+    if any(s0 + a.aval.shape[axis] != s1 for (s0, a), (s1, _) in zip(pieces, pieces[1:])):
+        return None  # overlapping, or a gap between them
+    zero = literal(0, out.dtype)
+    eqns = []
+    parts = []
+    for _, a in pieces:
+        eqns.append(new_eqn(P.broadcast_in_dim, (zero,), {"shape": a.aval.shape, "broadcast_dimensions": ()})[0])
+        eqns.append(new_eqn(P.add, (a, eqns[-1].outputs[0]), {})[0])
+        parts.append(eqns[-1].outputs[0])
+    if len(parts) > 1:
+        eqns.append(new_eqn(P.concatenate, parts, {"dimension": axis})[0])
+    whole = eqns[-1].outputs[0]
+    lo = pieces[0][0]
+    hi = out.shape[axis] - lo - whole.aval.shape[axis]
+    cfg = tuple((lo, hi, 0) if i == axis else (0, 0, 0) for i in range(len(out.shape)))
+    last = new_eqn(P.pad, (whole, zero), {"padding_config": cfg})[0] if lo or hi else None
+    if last is None:
+        eqns[-1] = eqns[-1].replace(outputs=e.outputs)
+    else:
+        eqns.append(last.replace(outputs=e.outputs))
+    return eqns
+
+
 RULES: dict[str, list[Callable]] = {
     "mul": [right_identity(1), left_identity(1)],
-    "add": [right_identity(-0.0), left_identity(-0.0)],  # x + -0.0 is x; x + 0.0 is not for x = -0.0
+    # x + -0.0 is x; x + 0.0 is not for x = -0.0
+    "add": [right_identity(-0.0), left_identity(-0.0), add_of_disjoint_pads],
     "sub": [right_identity(0.0)],
     "div": [right_identity(1)],
     "transpose": [transpose_identity, transpose_of_transpose, layout_of_scalar_broadcast],

@@ -312,6 +312,37 @@ def test_transpose_that_reorders_free_axes_stays():
     assert_same(g, out)
 
 
+
+def test_a_sum_of_disjoint_pads_becomes_one_concatenate():
+    """pad(a) + pad(b) + pad(c) with +0 fills whose pieces meet along one axis (the gradient of
+    slicing qkv): one concatenate of the pieces plus 0, no pad and no full add left; exact, -0.0
+    included (x + 0.0 is +0.0 there, as before). Overlapping pieces, or a gap, are left alone."""
+    gb = GB((2, 1, 3), (2, 1, 3), (2, 1, 3))
+    a, b, c = gb.invars
+    pa = gb(P.pad, a, lit(0.0), padding_config=((0, 0, 0), (2, 0, 0), (0, 0, 0)))
+    pb = gb(P.pad, b, lit(0.0), padding_config=((0, 0, 0), (1, 1, 0), (0, 0, 0)))
+    pc = gb(P.pad, c, lit(0.0), padding_config=((0, 0, 0), (0, 2, 0), (0, 0, 0)))
+    g = gb.graph(gb(P.add, gb(P.add, pa, pb), pc))
+    out = dce(simplify(g))
+    assert out.count("pad") == 0 and out.count("concatenate") == 1, out
+    assert all(e.outputs[0].aval.shape == (2, 1, 3) for e in out.eqns if e.prim is P.add), out
+    args = [np.array([[[-0.0, 1.5, np.inf]], [[np.nan, -2.0, -0.0]]], np.float32)] * 3
+    for want, got in zip(ref_eval(g, args), ref_eval(out, args), strict=True):
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+        np.testing.assert_array_equal(got, want)
+    # pieces at 0 and 1 of 4 rows: their concatenation padded; overlapping pieces, or a gap
+    # between them, are left alone
+    gb = GB((2, 1, 3), (2, 1, 3))
+    a, b = gb.invars
+    pa = gb(P.pad, a, lit(0.0), padding_config=((0, 0, 0), (0, 3, 0), (0, 0, 0)))
+    pb = gb(P.pad, b, lit(0.0), padding_config=((0, 0, 0), (1, 2, 0), (0, 0, 0)))
+    overlap = gb(P.pad, b, lit(0.0), padding_config=((0, 0, 0), (0, 3, 0), (0, 0, 0)))
+    gap = gb(P.pad, b, lit(0.0), padding_config=((0, 0, 0), (2, 1, 0), (0, 0, 0)))
+    g = gb.graph(gb(P.add, pa, pb), gb(P.add, pa, overlap), gb(P.add, pa, gap))
+    out = dce(simplify(g))
+    assert out.count("concatenate") == 1 and out.count("pad") == 4 and out.count("add") == 4, out
+    assert_same(g, out)
+
 # ---- the pass manager ---------------------------------------------------------------------------
 
 def test_pipeline_order_is_the_documented_one():
