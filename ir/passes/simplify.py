@@ -186,11 +186,14 @@ def add_of_disjoint_pads(e: Eqn, rw: Rewriter):
     eqns = []
     parts = []
     for _, a in pieces:
+        added = _producer(rw, a, "add")
+        if added is not None and _is_pos_zero(rw, added.inputs[1]):  # + 0 already (an earlier rewrite's)
+            parts.append(a)
+            continue
         eqns.append(new_eqn(P.broadcast_in_dim, (zero,), {"shape": a.aval.shape, "broadcast_dimensions": ()})[0])
         eqns.append(new_eqn(P.add, (a, eqns[-1].outputs[0]), {})[0])
         parts.append(eqns[-1].outputs[0])
-    if len(parts) > 1:
-        eqns.append(new_eqn(P.concatenate, parts, {"dimension": axis})[0])
+    eqns.append(new_eqn(P.concatenate, parts, {"dimension": axis})[0])  # (two operands: two pieces at least)
     whole = eqns[-1].outputs[0]
     lo = pieces[0][0]
     hi = out.shape[axis] - lo - whole.aval.shape[axis]
