@@ -320,6 +320,82 @@ def _dot_jvp(ts, x, y, *, out, **params):
 vjp_rules[P.dot_general], jvp_rules[P.dot_general] = _dot_vjp, _dot_jvp
 
 
+# ---- convolution: its transposes are convolutions (JAX's rules, in its axis-spec form) -----------
+
+def _dilated(shape, dilation):
+    return [0 if s == 0 else 1 + d * (s - 1) for s, d in zip(shape, dilation)]
+
+
+def _swap_spec(spec):
+    """batch <-> feature (out feature <-> in feature for a filter)."""
+    return (spec[1], spec[0]) + tuple(spec[2:])
+
+
+def _split_axis(x, axis, size):
+    """Axis `axis` of x as (size, rest), the new axes at axis and axis + 1."""
+    shape = list(aval(x).shape)
+    shape[axis:axis + 1] = [size, shape[axis] // size]
+    return reshape(x, shape)
+
+
+def _merge_axis(x, src, dst):
+    """Axis src merged into axis dst (dst counted once src is removed), src the major part."""
+    perm = [i for i in range(aval(x).ndim) if i != src]
+    perm.insert(dst, src)
+    shape = [n for i, n in enumerate(aval(x).shape) if i != src]
+    shape[dst] *= aval(x).shape[src]
+    return reshape(transpose(x, perm), shape)
+
+
+def _conv_lhs_cotangent(ct, x, w, *, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                        feature_group_count, batch_group_count):
+    ls, rs, os_ = dimension_numbers
+    groups = max(feature_group_count, batch_group_count)
+    if groups > 1:  # the groups move from the filter's output features to its input features
+        w = _merge_axis(_split_axis(w, rs[0], groups), rs[0], rs[1])
+    k = _dilated([aval(w).shape[a] for a in rs[2:]], rhs_dilation)
+    xd = _dilated([aval(x).shape[a] for a in ls[2:]], lhs_dilation)
+    yd = _dilated([aval(ct).shape[a] for a in os_[2:]], window_strides)
+    before = [kk - lo - 1 for kk, (lo, _) in zip(k, padding)]
+    pads = tuple((b, xx + kk - 1 - yy - b) for b, xx, kk, yy in zip(before, xd, k, yd))
+    flipped = bind1(P.rev, w, dimensions=tuple(rs[2:]))
+    dx = bind1(P.conv, ct, flipped, window_strides=tuple(lhs_dilation), padding=pads,
+               lhs_dilation=tuple(window_strides), rhs_dilation=tuple(rhs_dilation),
+               dimension_numbers=(os_, _swap_spec(rs), ls), feature_group_count=groups, batch_group_count=1)
+    if batch_group_count > 1:
+        dx = _merge_axis(_split_axis(dx, ls[1], batch_group_count), ls[1], ls[0])
+    return dx
+
+
+def _conv_rhs_cotangent(ct, x, w, *, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                        feature_group_count, batch_group_count):
+    ls, rs, os_ = dimension_numbers
+    if aval(ct).size == 0:
+        return zeros(aval(w))
+    k = _dilated([aval(w).shape[a] for a in rs[2:]], rhs_dilation)
+    xd = _dilated([aval(x).shape[a] for a in ls[2:]], lhs_dilation)
+    yd = _dilated([aval(ct).shape[a] for a in os_[2:]], window_strides)
+    pads = tuple((lo, yy - xx + kk - lo - 1) for (lo, _), xx, kk, yy in zip(padding, xd, k, yd))
+    return bind1(P.conv, x, ct, window_strides=tuple(rhs_dilation), padding=pads,
+                 lhs_dilation=tuple(lhs_dilation), rhs_dilation=tuple(window_strides),
+                 dimension_numbers=(_swap_spec(ls), _swap_spec(os_), _swap_spec(rs)),
+                 feature_group_count=batch_group_count, batch_group_count=feature_group_count)
+
+
+def _conv_vjp(ct, x, w, *, out, needs, **params):
+    return (_conv_lhs_cotangent(ct, x, w, **params) if needs[0] else None,
+            _conv_rhs_cotangent(ct, x, w, **params) if needs[1] else None)
+
+
+def _conv_jvp(ts, x, w, *, out, **params):
+    tx, tw = ts
+    return add_any(None if tx is None else bind1(P.conv, tx, w, **params),
+                   None if tw is None else bind1(P.conv, x, tw, **params))
+
+
+vjp_rules[P.conv], jvp_rules[P.conv] = _conv_vjp, _conv_jvp
+
+
 # ---- indexing: gather and scatter-add are each other's transpose ------------------------------
 
 def _gather_vjp(ct, operand, indices, *, out, needs, axis):

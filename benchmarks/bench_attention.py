@@ -103,7 +103,7 @@ def tilefuse_cases(q, k, v, g, causal, device="cpu"):
 def _without_templates(device_kind):
     """The attention builders of a device kind unregistered: the dispatcher picks the composite."""
     from tilefuse.runtime import dispatch
-    impls = [i for kind in dispatch.TEMPLATE_KINDS for i in dispatch.candidates(kind, device_kind)
+    impls = [i for kind in dispatch.ATTENTION_KINDS for i in dispatch.candidates(kind, device_kind)
              if i.name != "composite"]
     for i in impls:
         dispatch.unregister(i)

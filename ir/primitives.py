@@ -525,6 +525,113 @@ def _fused_gemm_impl(lhs, rhs, *extras, dimension_numbers, preferred_element_typ
 fused_gemm = Primitive("fused_gemm", _fused_gemm_rule, _fused_gemm_impl, compile_only=True)
 
 
+# ---- convolution ----------------------------------------------------------------------------------
+#
+# conv(lhs, rhs; window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+#      feature_group_count, batch_group_count): JAX's conv_general_dilated (a cross-correlation).
+# dimension_numbers = (lhs_spec, rhs_spec, out_spec), axis tuples: lhs (batch, feature, spatial...),
+# rhs (out feature, in feature, spatial...), out (batch, feature, spatial...), so every layout
+# (NCHW, NHWC, OIHW, HWIO, ...) is read where it lies. padding: a (low, high) pair per spatial axis
+# of the lhs after its dilation (negative crops). feature groups: lhs features in G groups, group g
+# seen by output features g*O/G ..; batch groups (the filter gradient of a grouped convolution): the
+# lhs batch in B groups, group b making output features b*O/B .. (one of G, B is 1). The GEMM it is
+# runs as an implicit GEMM (ir/kernel/conv.py) that reads the windows where they lie.
+
+def conv_dims(lhs_shape, rhs_shape, *, window_strides, padding, lhs_dilation, rhs_dilation,
+              dimension_numbers, feature_group_count, batch_group_count) -> tuple:
+    """(N, C, spatial in, O, I, kernel spatial, output spatial) of a conv, read through the specs."""
+    ls, rs, _ = dimension_numbers
+    n, c = lhs_shape[ls[0]], lhs_shape[ls[1]]
+    o, i = rhs_shape[rs[0]], rhs_shape[rs[1]]
+    sp_in = tuple(lhs_shape[a] for a in ls[2:])
+    sp_k = tuple(rhs_shape[a] for a in rs[2:])
+    out = []
+    for x, k, s, (lo, hi), ld, rd in zip(sp_in, sp_k, window_strides, padding, lhs_dilation, rhs_dilation):
+        span = (x - 1) * ld + 1 + lo + hi if x else lo + hi
+        eff = (k - 1) * rd + 1
+        out.append(max(0, (span - eff) // s + 1) if span >= eff else 0)
+    return n, c, sp_in, o, i, sp_k, tuple(out)
+
+
+def _conv_rule(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+               feature_group_count, batch_group_count):
+    nd = lhs.ndim
+    specs = dimension_numbers
+    if rhs.ndim != nd or nd < 3 or len(specs) != 3 or \
+            any(sorted(s) != list(range(nd)) for s in specs):
+        raise shape_error("conv", f"dimension_numbers {specs} must order every axis of lhs and rhs "
+                          "of one rank >= 3", lhs, rhs)
+    ns = nd - 2
+    if not (len(window_strides) == len(padding) == len(lhs_dilation) == len(rhs_dilation) == ns) or \
+            min((*window_strides, *lhs_dilation, *rhs_dilation), default=1) < 1 or \
+            any(len(p) != 2 for p in padding):
+        raise shape_error("conv", f"needs {ns} positive strides and dilations and {ns} (low, high) "
+                          f"padding pairs, got strides {window_strides}, padding {padding}, dilations "
+                          f"{lhs_dilation}, {rhs_dilation}", lhs, rhs)
+    g, b = feature_group_count, batch_group_count
+    n, c, _, o, i, _, out = conv_dims(lhs.shape, rhs.shape, window_strides=window_strides, padding=padding,
+                                      lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+                                      dimension_numbers=specs, feature_group_count=g,
+                                      batch_group_count=b)
+    if g < 1 or b < 1 or (g > 1 and b > 1):
+        raise shape_error("conv", f"feature_group_count {g} and batch_group_count {b}: positive, "
+                          "one of them 1", lhs, rhs)
+    if c != i * g or o % g:
+        raise shape_error("conv", f"lhs has {c} features: the rhs's {i} input features times "
+                          f"feature_group_count {g}, dividing its {o} output features", lhs, rhs)
+    if n % b or o % b:
+        raise shape_error("conv", f"batch_group_count {b} must divide the lhs batch {n} and the "
+                          f"{o} output features", lhs, rhs)
+    if lhs.dtype != rhs.dtype or not dtypes.is_float(lhs.dtype):
+        raise dtype_error("conv", "lhs and rhs must be floats of one dtype", lhs, rhs)
+    shape = [0] * nd
+    for a, size in zip(specs[2], (n // b, o, *out)):
+        shape[a] = size
+    return ShapedArray(tuple(shape), lhs.dtype, _weak(lhs, rhs))
+
+
+def conv_windows(x, window_strides, padding, lhs_dilation, rhs_dilation, kernel, out):
+    """numpy: x (N, C, spatial...) dilated and padded, then per kernel tap the strided window of
+    the output's size: yields (tap, window (N, C, out spatial...))."""
+    cd = x.dtype
+    sp = x.shape[2:]
+    dil = [(s - 1) * d + 1 if s else 0 for s, d in zip(sp, lhs_dilation)]
+    full = np.zeros(x.shape[:2] + tuple(max(0, n + max(lo, 0) + max(hi, 0)) for n, (lo, hi) in zip(dil, padding)),
+                    cd)
+    full[(slice(None),) * 2 + tuple(slice(max(lo, 0), max(lo, 0) + n, d) for n, (lo, _), d
+                                    in zip(dil, padding, lhs_dilation))] = x
+    # negative padding crops
+    full = full[(slice(None),) * 2 + tuple(slice(max(-lo, 0), full.shape[2 + a] - max(-hi, 0))
+                                           for a, (lo, hi) in enumerate(padding))]
+    for tap in np.ndindex(*kernel):
+        yield tap, full[(slice(None),) * 2 + tuple(slice(t * d, t * d + (o - 1) * s + 1, s) if o else slice(0, 0)
+                                                   for t, d, o, s in zip(tap, rhs_dilation, out, window_strides))]
+
+
+def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+               feature_group_count, batch_group_count):
+    ls, rs, os_ = dimension_numbers
+    cd = dtypes.compute_dtype(lhs.dtype)
+    x = np.transpose(lhs, ls).astype(cd)
+    w = np.transpose(rhs, rs).astype(cd)
+    g, b = feature_group_count, batch_group_count
+    n, c = x.shape[:2]
+    o, i = w.shape[:2]
+    kernel = w.shape[2:]
+    out_sp = conv_dims(x.shape, w.shape, window_strides=window_strides, padding=padding,
+                       lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+                       dimension_numbers=(tuple(range(x.ndim)),) * 3, feature_group_count=g,
+                       batch_group_count=b)[-1]
+    y = np.zeros((b, n // b, g, o // (g * b)) + out_sp, cd)
+    wg = w.reshape((b, g, o // (g * b), i) + kernel)
+    for tap, win in conv_windows(x, window_strides, padding, lhs_dilation, rhs_dilation, kernel, out_sp):
+        xg = win.reshape((b, n // b, g, i) + out_sp)
+        y += np.einsum("bngc...,bgoc->bngo...", xg, wg[(Ellipsis,) + tap])
+    y = np.moveaxis(y, 0, 1).reshape((n // b, o) + out_sp)  # output feature (b, g, o) in that order
+    return np.transpose(y, np.argsort(os_)).astype(lhs.dtype)
+
+
+conv = Primitive("conv", _conv_rule, _conv_impl)
 
 
 # ---- fused attention (made by nn.dot_product_attention and the attention pattern pass) ----------

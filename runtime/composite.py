@@ -1,4 +1,4 @@
-"""The composite implementation: a template primitive (fused_attention, fused_attention_bwd) run
+"""The composite implementation: a template primitive (fused_attention, fused_attention_bwd, conv) run
 as the ordinary kernels of its decomposition, on any backend that renders the kernel IR.
 
 It is the fallback where a device has no template of its own (OpenCL, CUDA, and the CPU for
@@ -12,11 +12,12 @@ import numpy as np
 from tilefuse.ir import primitives as P
 from tilefuse.ir.kernel import lower_region
 from tilefuse.ir.passes import partition
-from tilefuse.ir.passes.attention import decomposed_graph
+from tilefuse.ir.passes import attention, conv
 
 from .planner import Interval, plan_buffers
 
-DECOMPOSITIONS = {p: decomposed_graph for p in (P.fused_attention, P.fused_attention_stats, P.fused_attention_bwd)}
+DECOMPOSITIONS = {P.fused_attention: attention.decomposed_graph, P.fused_attention_stats: attention.decomposed_graph,
+                  P.fused_attention_bwd: attention.decomposed_graph, P.conv: conv.decomposed_graph}
 
 
 def _nbytes(aval) -> int:

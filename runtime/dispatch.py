@@ -23,7 +23,8 @@ log = logging.getLogger("tilefuse.dispatch")
 
 KERNEL_KINDS = ("elementwise", "reduce", "dot_general", "fused_gemm", "gather", "scatter_add",
                 "concatenate", "pad", "arg_reduce", "copy")
-TEMPLATE_KINDS = ("fused_attention", "fused_attention_stats", "fused_attention_bwd")  # whole primitives, see composite.py
+ATTENTION_KINDS = ("fused_attention", "fused_attention_stats", "fused_attention_bwd")
+TEMPLATE_KINDS = ATTENTION_KINDS + ("conv",)  # whole primitives, see composite.py
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,9 @@ def _template(name: str, kinds, module: str, device_kind: str, priority: int) ->
                                 _lazy(module, "applies"), priority))
 
 
-# Attention: the shared FlashAttention tile builders register for the backends that print tile
-# kernels (runtime/tiled.py); everywhere the ordinary kernels of its decomposition
-# (runtime/composite.py) remain a candidate.
+# Attention and convolution: the shared tile builders (FlashAttention, the implicit GEMM) register
+# for the backends that print tile kernels (runtime/tiled.py); everywhere the ordinary kernels of
+# their decompositions (runtime/composite.py) remain a candidate.
 for _kind in TEMPLATE_KINDS:
     register(Implementation("composite", _kind, _lazy("tilefuse.runtime.composite", "build")))
 

@@ -147,7 +147,7 @@ _attention_kinds: list[str] = []
 def register_attention(device_kind: str, priority: int) -> None:
     """The shared FlashAttention (ir/kernel/attention.py), forward and backward, on `device_kind`,
     searched by the tuner in attention.space."""
-    for kind in dispatch.TEMPLATE_KINDS:
+    for kind in dispatch.ATTENTION_KINDS:
         dispatch.register(dispatch.Implementation(
             "tile_attention", kind, _attention_build, (device_kind,),
             lambda kernel, device: _attention_kernels(kernel, device) is not None, priority))

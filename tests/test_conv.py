@@ -11,7 +11,9 @@ import tilefuse as tx
 import tilefuse.numpy as tnp
 from tilefuse import nn
 from tilefuse.ir.errors import ShapeError, TilefuseError
+from tilefuse.ir import primitives as P
 from tilefuse.ir.passes import partition, run_passes
+from tilefuse.ir.passes.conv import decomposed_graph as conv_decomposition
 
 from conftest import assert_close
 
@@ -86,23 +88,33 @@ def test_conv2d_gradients(device, rng):
     tx.check_grads(tx.jit(conv), (x, w), modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
-def test_im2col_windows_are_read_in_place():
-    """Forward, the strided windows are read by the concatenate's kernels (one pass over the
-    patch matrix); backward, by the pads that put their cotangents back: no index-map-only
-    kernel writes a window to memory, and the GEMMs stay dot_generals for the shared GEMM."""
+def test_conv_is_one_primitive_and_its_gradients_are_convolutions():
+    """conv2d binds one conv; grad gives two more (the input's and the filter's cotangents), and
+    no im2col: the implicit GEMM reads the windows where they lie."""
     x, w = np.ones((2, 4, 6, 6), np.float32), np.ones((4, 2, 3, 3), np.float32)
 
     def f(x, w):
         return nn.conv2d(x, w, stride=2, padding=1, groups=2)
-    for fn, n_dots in ((f, 1), (tx.grad(lambda x, w: tnp.sum(f(x, w) ** 2), argnums=(0, 1)), 3)):
-        regions = partition(run_passes(tx.make_graph(fn)(x, w)))
-        kinds = [r.kind for r in regions]
-        assert kinds.count("dot_general") == n_dots, kinds
-        assert not any(r.kind == "fused" and {e.prim.name for e in r.eqns} & {"slice"} and
-                       all(e.prim.name in ("slice", "transpose", "reshape") for e in r.eqns)
-                       for r in regions), [str(r) for r in regions]
-        (concat,) = [r for r in regions if r.kind == "concatenate"]
-        assert [e.prim.name for e in concat.eqns].count("slice") == 9
+    for fn, n_convs in ((f, 1), (tx.grad(lambda x, w: tnp.sum(f(x, w) ** 2), argnums=(0, 1)), 3)):
+        kinds = [r.kind for r in partition(run_passes(tx.make_graph(fn)(x, w)))]
+        assert kinds.count("conv") == n_convs and "concatenate" not in kinds and "dot_general" not in kinds, kinds
+
+
+def test_the_composite_reads_the_windows_in_place():
+    """The decomposition (the composite implementation's) is the explicit im2col: the strided
+    windows are read by the concatenate's kernels (one pass over the patch matrix), no
+    index-map-only kernel writes a window, and the GEMM stays a dot_general for the shared GEMM."""
+    x, w = np.ones((2, 4, 6, 6), np.float32), np.ones((4, 2, 3, 3), np.float32)
+    (eqn,) = [e for e in tx.make_graph(lambda x, w: nn.conv2d(x, w, stride=2, padding=1, groups=2))(x, w).eqns
+              if e.prim is P.conv]
+    regions = partition(run_passes(conv_decomposition(eqn)))
+    kinds = [r.kind for r in regions]
+    assert kinds.count("dot_general") == 1, kinds
+    assert not any(r.kind == "fused" and {e.prim.name for e in r.eqns} & {"slice"} and
+                   all(e.prim.name in ("slice", "transpose", "reshape") for e in r.eqns)
+                   for r in regions), [str(r) for r in regions]
+    (concat,) = [r for r in regions if r.kind == "concatenate"]
+    assert [e.prim.name for e in concat.eqns].count("slice") == 9
 
 
 def test_conv2d_shape_errors():

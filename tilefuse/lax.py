@@ -495,51 +495,36 @@ def _conv_specs(dimension_numbers, nd: int):
 def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                          dimension_numbers=None, feature_group_count: int = 1, batch_group_count: int = 1,
                          precision=None, preferred_element_type=None):
-    """JAX's general convolution for 1 or 2 spatial axes: any layout (dimension_numbers as strings
-    like ('NHWC', 'HWIO', 'NHWC') or axis tuples), strides, padding ('SAME', 'VALID' or pairs,
-    negative ones crop), lhs dilation (a transposed convolution), rhs dilation, feature and batch
-    groups. It runs as tilefuse.nn.conv2d (an implicit GEMM). precision is accepted (Precision)."""
-    from tilefuse import nn
+    """JAX's general convolution over any number of spatial axes: any layout (dimension_numbers as
+    strings like ('NHWC', 'HWIO', 'NHWC') or axis tuples), read where it lies; strides, padding
+    ('SAME', 'VALID' or pairs, negative ones crop), lhs dilation (a transposed convolution), rhs
+    dilation, feature and batch groups. One conv primitive, run as an implicit GEMM.
+    precision is accepted (Precision)."""
     del precision
-    lhs, rhs = tnp.asarray(lhs), tnp.asarray(rhs)
+    dtype = tnp.result_type(lhs, rhs)
+    lhs, rhs = tnp.astype(tnp.asarray(lhs), dtype), tnp.astype(tnp.asarray(rhs), dtype)
     nd = get_aval(lhs).ndim
-    if get_aval(rhs).ndim != nd or nd not in (3, 4):
+    if get_aval(rhs).ndim != nd or nd < 3:
         raise ShapeError(with_user_line(
-            f"conv_general_dilated: supports 1 or 2 spatial axes with lhs and rhs of equal rank, got lhs "
-            f"{get_aval(lhs).shape} and rhs {get_aval(rhs).shape}"))
+            f"conv_general_dilated: lhs and rhs need one rank of at least 3 (batch, feature, spatial...), "
+            f"got lhs {get_aval(lhs).shape} and rhs {get_aval(rhs).shape}"))
     ls, rs, os_ = _conv_specs(dimension_numbers, nd)
-    x, w = tnp.transpose(lhs, ls), tnp.transpose(rhs, rs)  # (N, C, spatial...), (O, I, spatial...)
     n_sp = nd - 2
-    strides = tuple(window_strides)
-    ld = tuple(lhs_dilation or (1,) * n_sp)
-    rd = tuple(rhs_dilation or (1,) * n_sp)
+    strides = tuple(int(s) for s in window_strides)
+    ld = tuple(int(d) for d in (lhs_dilation or (1,) * n_sp))
+    rd = tuple(int(d) for d in (rhs_dilation or (1,) * n_sp))
     if not len(strides) == len(ld) == len(rd) == n_sp:
         raise ShapeError(with_user_line(f"conv_general_dilated: window_strides and dilations need {n_sp} "
                                         "entries (one per spatial axis)"))
-    in_sp = get_aval(x).shape[2:]
-    k_sp = get_aval(w).shape[2:]
+    in_sp = [get_aval(lhs).shape[a] for a in ls[2:]]
+    k_sp = [get_aval(rhs).shape[a] for a in rs[2:]]
     dilated = [(n - 1) * d + 1 if n else 0 for n, d in zip(in_sp, ld)]
     eff = [(k - 1) * d + 1 for k, d in zip(k_sp, rd)]
     pads = padtype_to_pads(dilated, eff, strides, padding) if isinstance(padding, str) else \
         _pairs("conv_general_dilated", padding, n_sp)
-    x = _pad(x, 0, [(0, 0, 0), (0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(pads, ld)])
-    if n_sp == 1:  # a unit height
-        x, w = tnp.expand_dims(x, 2), tnp.expand_dims(w, 2)
-        strides, rd = (1, *strides), (1, *rd)
-    g = int(batch_group_count)
-    if g == 1:
-        y = nn.conv2d(x, w, stride=strides, padding=0, dilation=rd, groups=int(feature_group_count))
-    else:  # batch groups: group k of the batch makes group k of the output features
-        nb, o = get_aval(x).shape[0], get_aval(w).shape[0]
-        if nb % g or o % g:
-            raise ShapeError(with_user_line(f"conv_general_dilated: batch_group_count {g} must divide the "
-                                            f"batch {nb} and the output features {o}"))
-        y = tnp.concatenate([nn.conv2d(x[k * nb // g:(k + 1) * nb // g], w[k * o // g:(k + 1) * o // g],
-                                       stride=strides, padding=0, dilation=rd,
-                                       groups=int(feature_group_count)) for k in range(g)], axis=1)
-    if n_sp == 1:
-        y = tnp.squeeze(y, 2)
-    y = tnp.transpose(y, tuple(np.argsort(os_)))
+    y = bind1(P.conv, lhs, rhs, window_strides=strides, padding=tuple((int(lo), int(hi)) for lo, hi in pads),
+              lhs_dilation=ld, rhs_dilation=rd, dimension_numbers=(tuple(ls), tuple(rs), tuple(os_)),
+              feature_group_count=int(feature_group_count), batch_group_count=int(batch_group_count))
     return y if preferred_element_type is None else tnp.astype(y, preferred_element_type)
 
 

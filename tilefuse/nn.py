@@ -281,11 +281,8 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, groups: int = 1):
     w (O, C / groups, KH, KW): (N, O, OH, OW). stride and dilation are ints or (h, w) pairs;
     padding is an int, an (h, w) pair, ((top, bottom), (left, right)), 'SAME' or 'VALID'.
 
-    An implicit GEMM built from primitives, so grad, jvp and vmap come with them and every backend
-    runs it: im2col is a pad and one strided slice per kernel tap, concatenated into (groups,
-    KH*KW*C/groups, N*OH*OW) (the concatenate's kernels read the windows in place, so the patch
-    matrix is written once), and a batched matmul (groups as its batch axis) with the weights is
-    the GEMM, which the GEMM template (or the vendor BLAS) takes on the CPU."""
+    One conv primitive (lax.conv_general_dilated's), run as an implicit GEMM that reads the windows
+    of x where they lie (ir/kernel/conv.py); its gradients are convolutions too."""
     dtype = tnp.result_type(x, w)
     x, w = tnp.astype(tnp.asarray(x), dtype), tnp.astype(tnp.asarray(w), dtype)
     shapes = f"x {tnp.shape(x)}, w {tnp.shape(w)}"
@@ -308,20 +305,9 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, groups: int = 1):
         raise ShapeError(with_user_line(
             f"conv2d: the kernel ({kh}, {kw}) spans ({eh}, {ew}) with dilation ({dh}, {dw}), more "
             f"than the padded input ({hp}, {wp}) ({shapes}, padding {pads})"))
-    oh, ow = (hp - eh) // sh + 1, (wp - ew) // sw + 1
-    g, og = groups, o // groups
-    if any(p for pair in pads for p in pair):
-        x = tnp.pad(x, ((0, 0), (0, 0)) + pads)
-    # one window per kernel tap, each a (groups, C/groups, N*OH*OW) block of the patch matrix
-    taps = [tnp.reshape(tnp.transpose(x[:, :, i * dh:i * dh + (oh - 1) * sh + 1:sh,
-                                          j * dw:j * dw + (ow - 1) * sw + 1:sw], (1, 0, 2, 3)),
-                        (g, cg, n * oh * ow))
-            for i in range(kh) for j in range(kw)]
-    patches = tnp.concatenate(taps, axis=1)  # rows ordered (tap, channel)
-    wm = tnp.reshape(tnp.transpose(tnp.reshape(w, (g, og, cg, kh * kw)), (0, 1, 3, 2)),
-                     (g, og, kh * kw * cg))
-    y = tnp.reshape(tnp.matmul(wm, patches), (g, og, n, oh, ow))
-    return tnp.reshape(tnp.transpose(y, (2, 0, 1, 3, 4)), (n, o, oh, ow))
+    return bind1(P.conv, x, w, window_strides=(sh, sw), padding=pads, lhs_dilation=(1, 1),
+                 rhs_dilation=(dh, dw), dimension_numbers=((0, 1, 2, 3),) * 3, feature_group_count=int(groups),
+                 batch_group_count=1)
 
 
 # ---- regularisation and attention --------------------------------------------------------------

@@ -336,6 +336,48 @@ def _attention_rule(prim, vals, bdims, *, scale, causal, dims):
     return [out], [0]
 
 
+def _fold_into(x, bdim: int, axis: int, groups: int):
+    """The examples of x (its batch axis bdim) merged into x's per-example axis `axis`, of size
+    groups * rest, between its groups and the rest: (groups, examples, rest) as one axis."""
+    x = moveaxis(x, bdim, 0)
+    s = _shape(x)
+    x = bind1(P.reshape, x, new_sizes=s[:axis + 1] + (groups, s[axis + 1] // groups) + s[axis + 2:])
+    x = moveaxis(x, 0, axis + 1)
+    s = _shape(x)
+    return bind1(P.reshape, x, new_sizes=s[:axis] + (s[axis] * s[axis + 1] * s[axis + 2],) + s[axis + 3:])
+
+
+def _unfold_from(y, axis: int, groups: int, n: int):
+    """_fold_into's inverse on a result: axis `axis` (groups, n examples, rest) -> the examples at
+    axis, the rest of that axis after them."""
+    s = _shape(y)
+    y = bind1(P.reshape, y, new_sizes=s[:axis] + (groups, n, s[axis] // (groups * n)) + s[axis + 1:])
+    y = moveaxis(y, axis + 1, axis)
+    return _merge_axes(y, axis + 1)
+
+
+def _conv_rule(vals, dims, **params):
+    """The examples join the lhs batch (inside its batch groups) or the output features (inside
+    their groups), or, both operands batched, become feature groups (JAX's rule)."""
+    (x, w), (bx, bw) = vals, dims
+    ls, rs, os_ = params["dimension_numbers"]
+    g, b = params["feature_group_count"], params["batch_group_count"]
+    n = _axis_size(vals, dims)
+    if bw is None:
+        y = bind1(P.conv, _fold_into(x, bx, ls[0], b), w, **params)
+        return [_unfold_from(y, os_[0], 1, n)], [os_[0]]
+    if bx is None:
+        y = bind1(P.conv, x, _fold_into(w, bw, rs[0], g * b), **params)
+        return [_unfold_from(y, os_[1], g * b, n)], [os_[1]]
+    if b == 1:
+        y = bind1(P.conv, _fold_into(x, bx, ls[1], 1), _fold_into(w, bw, rs[0], 1),
+                  **dict(params, feature_group_count=g * n))
+        return [_unfold_from(y, os_[1], 1, n)], [os_[1]]
+    ys = [bind1(P.conv, _index_in_dim(x, i, bx), _index_in_dim(w, i, bw), **params) for i in range(n)]
+    return [bind1(P.concatenate, *[bind1(P.reshape, y, new_sizes=(1,) + _shape(y)) for y in ys],
+                  dimension=0)], [0]
+
+
 batch_rules.update({
     P.iota: _iota_rule,
     P.broadcast_in_dim: _broadcast_in_dim_rule,
@@ -346,6 +388,7 @@ batch_rules.update({
     P.concatenate: _concatenate_rule,
     P.pad: _pad_rule,
     P.dot_general: _dot_general_rule,
+    P.conv: _conv_rule,
     P.gather: _gather_rule,
     P.scatter_add: _scatter_add_rule,
     P.debug_print: _debug_print_rule,

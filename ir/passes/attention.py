@@ -27,35 +27,10 @@ from .. import dtypes
 from .. import primitives as P
 from ..core import Graph, Literal, Var
 from .simplify import simplify
-from .util import Rewriter, literal, new_eqn
+from .util import Emit, Rewriter, literal, new_eqn
 
 
-class _Emit:
-    """Appends equations; `em(prim, *inputs, **params)` returns the output variable(s)."""
-
-    def __init__(self):
-        self.eqns: list = []
-
-    def __call__(self, prim, *inputs, **params):
-        e, outs = new_eqn(prim, inputs, params)
-        self.eqns.append(e)
-        return outs if prim.multiple_results else outs[0]
-
-    def full(self, value, like):
-        return self(P.broadcast_in_dim, literal(value, like.aval.dtype), shape=like.aval.shape,
-                    broadcast_dimensions=())
-
-    def expand(self, x, like):
-        """x (batch..., Sq) broadcast along the last axis of `like` (batch..., Sq, Sk)."""
-        return self(P.broadcast_in_dim, x, shape=like.aval.shape,
-                    broadcast_dimensions=tuple(range(x.aval.ndim)))
-
-    def permute(self, x, perm):
-        perm = tuple(int(p) for p in perm)
-        return x if perm == tuple(range(len(perm))) else self(P.transpose, x, permutation=perm)
-
-
-def _probs(em: _Emit, qc, kc, bias, scale, causal, n, with_stats: bool = False):
+def _probs(em: Emit, qc, kc, bias, scale, causal, n, with_stats: bool = False):
     """The attention weights (batch..., Sq, Sk) of canonical q, k: the unfused softmax (with_stats:
     and the rows' statistics, as fused_attention_stats returns them)."""
     batch = tuple(range(n))
@@ -92,7 +67,7 @@ def decompose(eqn) -> tuple[list, list]:
     """fused_attention(_stats) or fused_attention_bwd (dq, dk, dv packed flat) as ordinary
     primitives: (equations, outputs), over the equation's own input variables. (The backward
     recomputes the weights: a stats operand is not read.)"""
-    em = _Emit()
+    em = Emit()
     q, k, v, *rest = eqn.inputs
     scale, causal, dims = eqn.params["scale"], eqn.params["causal"], eqn.params["dims"]
     n = len(dims[0]) - 2
@@ -438,7 +413,7 @@ def _match(m: _Matcher, d2):
     dims = (qd, kd, vd)
     if not q.aval.dtype == k.aval.dtype == v.aval.dtype == x.aval.dtype:
         return None
-    em = _Emit()
+    em = Emit()
     bias = None
     if sc.bias is not None:
         src, small, outside = sc.bias

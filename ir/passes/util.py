@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes
+from .. import primitives as P
 from ..core import Eqn, Graph, Literal, ShapedArray, Var
 
 # Constants up to this many elements are folded into new constants; larger ones stay computed.
@@ -102,3 +103,28 @@ class Rewriter:
         return g.replace(constvars=g.constvars + tuple(self.new_constvars),
                          consts=tuple(g.consts) + tuple(self.new_consts),
                          eqns=tuple(self.eqns), outvars=outvars)
+
+
+class Emit:
+    """Appends equations; `em(prim, *inputs, **params)` returns the output variable(s)."""
+
+    def __init__(self):
+        self.eqns: list = []
+
+    def __call__(self, prim, *inputs, **params):
+        e, outs = new_eqn(prim, inputs, params)
+        self.eqns.append(e)
+        return outs if prim.multiple_results else outs[0]
+
+    def full(self, value, like):
+        return self(P.broadcast_in_dim, literal(value, like.aval.dtype), shape=like.aval.shape,
+                    broadcast_dimensions=())
+
+    def expand(self, x, like):
+        """x (batch..., Sq) broadcast along the last axis of `like` (batch..., Sq, Sk)."""
+        return self(P.broadcast_in_dim, x, shape=like.aval.shape,
+                    broadcast_dimensions=tuple(range(x.aval.ndim)))
+
+    def permute(self, x, perm):
+        perm = tuple(int(p) for p in perm)
+        return x if perm == tuple(range(len(perm))) else self(P.transpose, x, permutation=perm)

@@ -43,7 +43,7 @@ def _grad_fn(causal):
 def _attention_kernels(f, *args):
     graph = run_passes(tx.make_graph(f)(*args))
     return [lk.kernel for region in partition(graph) for lk in lower_region(region)
-            if lk.kernel.meta.get("kind") in dispatch.TEMPLATE_KINDS]
+            if lk.kernel.meta.get("kind") in dispatch.ATTENTION_KINDS]
 
 
 def test_the_dispatcher_chooses_the_shared_builder_on_an_offline_cuda_device():

@@ -127,7 +127,7 @@ def test_small_blocks_match_numpy(monkeypatch):
 def _template_kernels(f, *args):
     graph = run_passes(tx.make_graph(f)(*args))
     return [lk.kernel for region in partition(graph) for lk in lower_region(region)
-            if lk.kernel.meta.get("kind") in dispatch.TEMPLATE_KINDS]
+            if lk.kernel.meta.get("kind") in dispatch.ATTENTION_KINDS]
 
 
 def test_dispatcher_chooses_the_tile_builders():

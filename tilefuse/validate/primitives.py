@@ -229,6 +229,51 @@ def epilogue_fn(f, n_inputs: int, dtype=F32) -> P.ScalarFn:
     return P.ScalarFn(make_graph(f)(*[np.zeros((), dtype)] * n_inputs))
 
 
+def _conv_ref(x, w, *, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+              feature_group_count, batch_group_count):
+    """By the definition: per output position and kernel tap, the input position in the dilated,
+    padded lhs (skipped where it falls on a hole or outside), per group."""
+    ls, rs, os_ = dimension_numbers
+    d = x.dtype
+    cd = np.float64 if d == F64 else np.float32
+    x, w = np.transpose(x, ls).astype(cd), np.transpose(w, rs).astype(cd)
+    g, b = feature_group_count, batch_group_count
+    n, o, i = x.shape[0], w.shape[0], w.shape[1]
+    out = []
+    for size, k, s, (lo, hi), ld, rd in zip(x.shape[2:], w.shape[2:], window_strides, padding, lhs_dilation,
+                                            rhs_dilation):
+        span = (size - 1) * ld + 1 + lo + hi if size else lo + hi
+        out.append(max(0, (span - (k - 1) * rd - 1) // s + 1))
+    y = np.zeros((n // b, o) + tuple(out), cd)
+    og, nb = o // (g * b), n // b
+    for tap in np.ndindex(*w.shape[2:]):
+        idx, ok = [], np.ones(tuple(out), bool)
+        for a, (t, s, (lo, _), ld, rd, size) in enumerate(zip(tap, window_strides, padding, lhs_dilation,
+                                                              rhs_dilation, x.shape[2:])):
+            pos = np.arange(out[a]) * s + t * rd - lo  # in the dilated lhs
+            shape = [1] * len(out)
+            shape[a] = out[a]
+            ok = ok & ((pos >= 0) & (pos % ld == 0) & (pos // ld < size)).reshape(shape)
+            idx.append(np.clip(pos // ld, 0, max(size - 1, 0)).reshape(shape))
+        for grp in range(g * b):
+            rows = slice(grp * og, (grp + 1) * og)
+            xs = x[grp * nb:(grp + 1) * nb] if b > 1 else x[:, grp * i:(grp + 1) * i]
+            win = xs[(slice(None), slice(None)) + tuple(idx)] * ok
+            y[:, rows] += np.einsum("nc...,oc->no...", win, w[(rows, slice(None)) + tap])
+    return np.transpose(y, np.argsort(os_)).astype(d)
+
+
+def _conv(name, xs, ws, **params):
+    nd = len(xs) - 2
+    full = dict(window_strides=(1,) * nd, padding=((0, 0),) * nd, lhs_dilation=(1,) * nd,
+                rhs_dilation=(1,) * nd, dimension_numbers=(tuple(range(len(xs))),) * 3,
+                feature_group_count=1, batch_group_count=1)
+    full.update(params)
+    return Op(f"conv-{name}", P.conv, lambda r, s, d: [_rand(r, xs, d), _rand(r, ws, d)],
+              lambda x, w: _conv_ref(x, w, **full), FLOATS, shapes=[None], params=full,
+              tol={F32: (1e-5, 3e-5), F16: (1e-2, 5e-2), BF16: (3e-2, 2e-1)})
+
+
 def _gather(shape, ishape, axis):
     def args(r, s, d):
         n = shape[axis]
@@ -387,6 +432,13 @@ OPS = [
     _dot((2, 3, 4), (3, 4, 5), (((1, 2), (0, 1)), ((), ()))),
     _fused_gemm(F32),
     _fused_gemm(BF16),
+    _conv("nchw-s2-g2-dil", (2, 4, 9, 8), (6, 2, 3, 2), window_strides=(2, 1), padding=((1, 0), (2, 1)),
+          rhs_dilation=(1, 2), feature_group_count=2),
+    _conv("nhwc-hwio-same", (2, 7, 6, 3), (3, 3, 3, 5), padding=((1, 1), (1, 1)),
+          dimension_numbers=((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))),
+    _conv("1d-lhs-dilated-crop", (2, 3, 9), (4, 3, 3), padding=((2, -1),), lhs_dilation=(2,)),
+    _conv("batch-groups", (4, 3, 6, 5), (6, 3, 2, 2), window_strides=(1, 2), batch_group_count=2),
+    _conv("empty-out", (1, 2, 2, 2), (3, 2, 3, 3)),
     _gather((5, 3), (4,), 0),
     _gather((5, 3), (2, 2), 1),
     _gather((5,), (), 0),
