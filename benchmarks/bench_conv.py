@@ -1,7 +1,7 @@
-"""Convolution on the CPU: tilefuse.nn.conv2d (an implicit GEMM: im2col kernels feeding the shared
-GEMM, ir/kernel/gemm.py) against a numpy im2col (sliding windows + tensordot on BLAS)
-and torch.nn.functional.conv2d where importable, in one run; GFLOP/s of the median time and
-ratios to numpy. The GEMM benchmark's conv row (benchmarks/bench_gemm.py has the plain GEMMs).
+"""Convolution on the CPU: tilefuse.nn.conv2d (one conv primitive: the shared GEMM builder as an
+implicit GEMM, ir/kernel/conv.py) against a numpy im2col (sliding windows + tensordot on BLAS)
+and torch.nn.functional.conv2d where importable, in one run, timed in alternation; GFLOP/s of the
+median time and ratios to numpy. (benchmarks/bench_gemm.py has the plain GEMMs.)
 
     python benchmarks/bench_conv.py [--repeat 10] [--batch 8]
 
@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table, time_median  # noqa: E402
+from common import table, time_alternating  # noqa: E402
 
 LAYERS = [  # (name, C, O, kernel, stride, padding)
     ("3x3 conv C64->64", 64, 64, 3, 1, 1),
@@ -96,8 +96,8 @@ def run_case(n, c, o, k, s, p, backward, repeat):
     t = _torch(x, w, s, p, backward)
     if t is not None:
         fns["torch"] = t
-    return {who: flops / time_median(f, warmup=2, repeat=repeat, max_seconds=10).median / 1e9
-            for who, f in fns.items()}, impls
+    timings = time_alternating(fns, warmup=2, repeat=repeat, max_seconds=20)
+    return {who: flops / t.median / 1e9 for who, t in timings.items()}, impls
 
 
 def main():

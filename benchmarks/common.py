@@ -64,6 +64,31 @@ def time_median(fn: Callable[[], object], *, warmup: int = 2, repeat: int = 10,
     return Timing(tuple(samples))
 
 
+def time_alternating(fns: dict, *, warmup: int = 2, repeat: int = 10, block: int = 3, settle: float = 0.2,
+                     max_seconds: float | None = None) -> dict:
+    """time_median for several contenders in alternation: each round calls every one `block`
+    times in a row, so a slow spell of a noisy machine falls on all of them. Between two
+    contenders' blocks the machine rests `settle` seconds: the threads a library leaves spinning
+    after its calls (OpenBLAS's for about 0.1 s; OpenMP's) would otherwise halve the next one's
+    speed on two cores. {name: Timing}."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    start = time.perf_counter()
+    for _ in range(max(1, -(-repeat // block))):
+        for name, fn in fns.items():
+            if len(fns) > 1:
+                time.sleep(settle)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+    return {name: Timing(tuple(s)) for name, s in samples.items()}
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident set size so far, in MiB (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

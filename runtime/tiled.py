@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import TilefuseError
-from tilefuse.ir.kernel import attention, gemm
+from tilefuse.ir.kernel import attention, conv, gemm
 from tilefuse.ir.kernel.schedule import Schedule, default_schedule
 
 from . import dispatch, tuner
@@ -25,8 +25,13 @@ def _target(device):
     return target_of(device.info)
 
 
+def gemm_spec(kernel):
+    """The GEMM a kernel poses: a dot_general's or fused_gemm's, or a conv's implicit GEMM."""
+    return conv.conv_spec(kernel) if kernel.meta.get("kind") == "conv" else gemm.gemm_spec(kernel)
+
+
 def gemm_applies(kernel, device) -> bool:
-    spec = gemm.gemm_spec(kernel)
+    spec = gemm_spec(kernel)
     if spec is None or spec.layout.flops < MIN_FLOPS:
         return False
     t = _target(device)
@@ -34,7 +39,7 @@ def gemm_applies(kernel, device) -> bool:
 
 
 def gemm_build(kernel, device, backend, params: dict | None = None):
-    spec, t = gemm.gemm_spec(kernel), _target(device)
+    spec, t = gemm_spec(kernel), _target(device)
     sched = gemm.default_schedule(spec, t) if params is None else gemm.schedule_of(params, t)
     why = sched.check(spec, t)
     if why is not None:
@@ -45,7 +50,7 @@ def gemm_build(kernel, device, backend, params: dict | None = None):
 
 def _key(kernel) -> tuple[str, str]:
     """Problems alike in epilogue, operands' layout and dtypes share a signature; sizes by class."""
-    spec = gemm.gemm_spec(kernel)
+    spec = gemm_spec(kernel)
     lay = spec.layout
     sig = repr((spec.epilogue, lay.a_strides[2] == 1, lay.b_strides[2] == 1, lay.dtype.name,
                 spec.out_dtype.name, tuple(full for _, full in spec.extras)))
@@ -61,14 +66,17 @@ def register_gemm(device_kind: str, priority: int, chosen=None) -> None:
     for kind in ("dot_general", "fused_gemm"):
         dispatch.register(dispatch.Implementation("tile_gemm", kind, gemm_build, (device_kind,), applies,
                                                   priority))
+    # convolutions: the same builder as an implicit GEMM (ir/kernel/conv.py); the composite beside it
+    dispatch.register(dispatch.Implementation("tile_gemm", "conv", gemm_build, (device_kind,), gemm_applies,
+                                              priority))
     _gemm_kinds.append(device_kind)
     tuner.register(tuner.Template(
         "tile_gemm", "tile_gemm", tuple(_gemm_kinds),
-        lambda kernel, device: gemm.space(gemm.gemm_spec(kernel), _target(device)),
-        lambda kernel, device: gemm.params_of(gemm.default_schedule(gemm.gemm_spec(kernel), _target(device))),
+        lambda kernel, device: gemm.space(gemm_spec(kernel), _target(device)),
+        lambda kernel, device: gemm.params_of(gemm.default_schedule(gemm_spec(kernel), _target(device))),
         gemm_build,
         lambda params, kernel, device: gemm.schedule_of(params, _target(device)).check(
-            gemm.gemm_spec(kernel), _target(device)),
+            gemm_spec(kernel), _target(device)),
         _key, gemm_applies))
 
 

@@ -42,3 +42,41 @@ CASES = {
                  [u(11, 8, dtype=tx.bfloat16), u(8, 10, dtype=tx.bfloat16), u(10, dtype=tx.bfloat16)]),
     "K = 1": (lambda x, w: x @ w, [u(5, 1), u(1, 9)]),
 }
+
+
+def conv_kernel(f, args):
+    """The lowered conv kernel of f(*args) and its GemmSpec (the implicit GEMM), with its
+    arguments in buffer order."""
+    from tilefuse.ir.kernel.conv import conv_spec
+    g = run_passes(tx.make_graph(f)(*args))
+    pos = {v.id: i for i, v in enumerate(g.invars)}
+    for r in partition(g):
+        for lk in lower_region(r):
+            if lk.kernel.meta.get("kind") == "conv":
+                k = lk.kernel
+                ins = [np.ascontiguousarray(args[pos[v.id]]).reshape(-1) for v in lk.args[:k.n_inputs]]
+                return k, conv_spec(k), ins
+    raise AssertionError("no conv kernel")
+
+
+def _conv(**params):
+    return lambda x, w: tx.lax.conv_general_dilated(x, w, **params)
+
+
+# convolutions the implicit GEMM (ir/kernel/conv.py) reads in place: padding edges, rows that
+# straddle the vectors, strides, dilations, groups, crops, other layouts, 1-D and 3-D
+CONV_CASES = {
+    "3x3 padded": (_conv(window_strides=(1, 1), padding=((1, 1), (1, 1))), [u(2, 3, 6, 7), u(4, 3, 3, 3)]),
+    "strided, dilated, groups": (_conv(window_strides=(2, 1), padding=((1, 0), (2, 1)), rhs_dilation=(1, 2),
+                                       feature_group_count=2), [u(2, 4, 7, 9), u(6, 2, 3, 2)]),
+    "lhs dilated, batch groups, crop": (_conv(window_strides=(1, 1), padding=((1, -1), (2, 0)), lhs_dilation=(2, 1),
+                                              batch_group_count=2), [u(4, 3, 5, 6), u(4, 3, 2, 3)]),
+    "NHWC, HWIO": (_conv(window_strides=(1, 1), padding=((1, 1), (0, 2)), dimension_numbers=("NHWC", "HWIO", "NCHW")),
+                   [u(2, 6, 5, 3), u(3, 3, 3, 4)]),
+    "images in columns": (_conv(window_strides=(1, 1), padding=((1, 1), (1, 1)),
+                                dimension_numbers=((1, 0, 2, 3),) * 3), [u(3, 2, 5, 5), u(3, 4, 3, 3)]),
+    "1-D": (_conv(window_strides=(1,), padding=((2, 2),)), [u(2, 3, 11), u(5, 3, 3)]),
+    "3-D": (_conv(window_strides=(1, 1, 2), padding=((0, 0), (1, 1), (1, 0))), [u(1, 2, 3, 4, 6), u(3, 2, 2, 2, 3)]),
+    "bfloat16": (_conv(window_strides=(1, 1), padding=((1, 1), (1, 1))),
+                 [u(1, 3, 5, 6, dtype=tx.bfloat16), u(4, 3, 3, 3, dtype=tx.bfloat16)]),
+}

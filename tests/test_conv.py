@@ -88,6 +88,35 @@ def test_conv2d_gradients(device, rng):
     tx.check_grads(tx.jit(conv), (x, w), modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
+def test_the_implicit_gemm_runs_convolutions_their_gradients_and_vmap(device, rng):
+    """Sizes past the GEMM's threshold: the forward, both cotangent convolutions (lhs dilation for
+    the strided forward's input gradient, the filter gradient's images in the columns) and the
+    batching rule's feature groups all run as the implicit GEMM on every device that prints tile
+    kernels, and agree with the numpy reference through jit(grad) and vmap."""
+    x = rng.standard_normal((2, 8, 24, 24)).astype(np.float32)
+    w = (rng.standard_normal((16, 4, 3, 3)) / 6).astype(np.float32)
+    xs = rng.standard_normal((3, 1, 8, 10, 10)).astype(np.float32)
+    ws = (rng.standard_normal((3, 16, 8, 3, 3)) / 8).astype(np.float32)
+
+    def loss(x, w):
+        y = nn.conv2d(x, w, stride=2, padding=1, groups=2)
+        y = nn.conv2d(tnp.tanh(y), w, padding="SAME", groups=4)
+        return tnp.sum(y * y)
+
+    def f(x, w, xs, ws):
+        per_example = tx.vmap(lambda x, w: nn.conv2d(x, w, padding=1))(xs, ws)
+        return tx.value_and_grad(loss, argnums=(0, 1))(x, w), per_example
+    got = tx.jit(f, device=device)(x, w, xs, ws)
+    want = tx.jit(f, device="ref")(x, w, xs, ws)
+    for g, r in zip(tx.tree_util.tree_leaves(got), tx.tree_util.tree_leaves(want)):
+        r = np.asarray(r)
+        assert_close(g, r, np.float32, rtol=2e-4, atol=2e-4 * float(np.abs(r).max()))
+    if device.backend.tile_kernels:
+        impls = [(l.kind, l.impl) for l in tx.jit(f, device=device).lower(x, w, xs, ws).compile().program.launches
+                 if l.kind == "conv"]
+        assert len(impls) == 7 and {i for _, i in impls} == {"tile_gemm"}, impls
+
+
 def test_conv_is_one_primitive_and_its_gradients_are_convolutions():
     """conv2d binds one conv; grad gives two more (the input's and the filter's cotangents), and
     no im2col: the implicit GEMM reads the windows where they lie."""

@@ -40,6 +40,7 @@ class GemmSpec:
     b: int
     extras: tuple          # per extra: (buffer number, whether it has C's shape (else a row along n))
     c: int
+    conv: object = None    # a conv.ConvView: B is its patch matrix, read through the lhs (implicit GEMM)
 
     @property
     def acc_dtype(self) -> np.dtype:
@@ -157,7 +158,7 @@ def _sized(spec: GemmSpec, runtime: bool) -> bool:
     """Whether the packed form reads M (and K in blocks) as run-time sizes: where the target takes
     sizes at run time and the product is one matrix, whose rows are where a batch's rows go
     (x @ W over batch x sequence rows); N, the strides and a batched product's M stay constants."""
-    return runtime and spec.layout.batch == 1
+    return runtime and spec.layout.batch == 1 and spec.conv is None
 
 
 def _k_sized(spec: GemmSpec, kc: int, runtime: bool) -> bool:
@@ -350,10 +351,14 @@ class _Gemm:
         self.mn = _times(self.m, self.lay.n)  # a matrix's elements (a batched C's stride)
 
     def a_at(self, z, row, k) -> KExpr:
+        if self.s.conv is not None:
+            return tload(self.s.a, self.s.conv.a_offset(z, row, k), self.lay.dtype)
         sab, sam, sak = self.lay.a_strides
         return tload(self.s.a, _add(_mul(z, sab), _mul(row, sam), _mul(k, sak)), self.lay.dtype)
 
     def b_at(self, z, k, col) -> KExpr:
+        if self.s.conv is not None:
+            return self.s.conv.b_value(self.s.b, z, k, col)
         sbb, sbk, sbn = self.lay.b_strides
         return tload(self.s.b, _add(_mul(z, sbb), _mul(k, sbk), _mul(col, sbn)), self.lay.dtype)
 
@@ -369,6 +374,8 @@ class _Gemm:
         return cast(epilogue_expr(self.s.epilogue, [acc, *xs]), self.s.out_dtype)
 
     def c_offset(self, z, row, col) -> KExpr:
+        if self.s.conv is not None:
+            return self.s.conv.c_offset(z, row, col)
         return _add(_mul(z, self.mn), _mul(row, self.lay.n), col)
 
     # -- the CPU form -----------------------------------------------------------------------
@@ -405,7 +412,13 @@ class _Gemm:
                           const(0, self.acc))
         edge = Range("jj", nr, "serial", (Store("bp", panel_at(jj), packed_b),))
         strip_inside = _lt(_add(_mul(jc, nc), _mul(jr, nr), nr - 1), lay.n)
-        if self.lay.b_strides[2] == 1 and vec > 1:  # B's rows are contiguous: copy whole vectors
+        if self.s.conv is not None and vec > 1:  # the patches, a vector of columns at a time (zeros past N)
+            j = var("j")
+            c = _add(_mul(jc, nc), _mul(jr, nr), _mul(j, vec))
+            row_of = self.s.conv.b_pack(self.s.b, z, _add(k0, k), c, vec,
+                                        lambda v: Store("bp", panel_at(_mul(j, vec)), _fp(v)))
+            inside, strip_inside = Range("j", wn, "unroll", row_of), None
+        elif self.lay.b_strides[2] == 1 and vec > 1:  # B's rows are contiguous: copy whole vectors
             j = var("j")
             c = _add(_mul(jc, nc), _mul(jr, nr), _mul(j, vec))
             sbb, sbk, _ = self.lay.b_strides
@@ -417,7 +430,9 @@ class _Gemm:
                 Store("bp", panel_at(jj), _fp(self.b_at(z, _add(k0, k), col))),)),))
         else:
             inside = Range("jj", nr, "serial", (Store("bp", panel_at(jj), _fp(self.b_at(z, _add(k0, k), col))),))
-        if inside is None:
+        if strip_inside is None:
+            pack = (Range("jr", nc // nr, "serial", (Range("k", kcur, "serial", (inside,)),)),)
+        elif inside is None:
             pack = (Range("jr", nc // nr, "serial", (
                 If(strip_inside, (along_k,)),
                 If(unary("not", strip_inside), (Range("k", kcur, "serial", (edge,)),)),)),)

@@ -12,7 +12,7 @@ from tilefuse.ir.kernel.ir import INDEX, Buffer, binary, const
 from tilefuse.ir.kernel.target import Target
 from tilefuse.ir.kernel.tile import (Alloc, Barrier, If, Range, Store, TileKernel, check_tile, pp_tile, run_tile,
                                      tload, var)
-from gemm_cases import CASES, gemm_kernel
+from gemm_cases import CASES, CONV_CASES, conv_kernel, gemm_kernel
 
 R = np.random.default_rng(0)
 F32 = np.float32
@@ -167,3 +167,37 @@ def test_the_kernel_ir_math_library_matches_numpy():
     with np.errstate(all="ignore"):
         want = np.power(x_.astype(np.float64), y_.astype(np.float64)).astype(f32)
     np.testing.assert_allclose(got, want, rtol=3e-5, err_msg=str(list(zip(x_, y_, got, want))))
+
+
+# ---- convolution: the same builder as an implicit GEMM (ir/kernel/conv.py) ------------------------
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_implicit_gemm_matches_the_reference(case, schedule):
+    f, args = CONV_CASES[case]
+    k, spec, ins = conv_kernel(f, args)
+    assert spec is not None, case
+    sched = SCHEDULES[schedule](spec)
+    assert sched.check(spec, GPU if sched.shared else CPU) is None
+    tk = build(spec, sched, k.name, k.buffers, k.n_inputs)
+    check_tile(tk)
+    out = np.zeros(k.buffers[-1].size, k.buffers[-1].dtype)
+    run_tile(tk, ins + [out])
+    want = np.asarray(tx.jit(f, device="ref")(*args)).reshape(-1)
+    tol = 2e-2 if args[0].dtype != F32 else 1e-5
+    np.testing.assert_allclose(out.astype(F32), want.astype(F32), rtol=tol, atol=tol)
+
+
+def test_the_filter_gradient_puts_its_images_in_the_columns():
+    """The filter gradient's output (O, I, KH, KW) keeps each input feature's taps together: one
+    GEMM per group whose columns are (feature, tap), not a GEMM of KH·KW columns per feature."""
+    x, w = R.standard_normal((4, 8, 12, 12)).astype(F32), R.standard_normal((16, 8, 3, 3)).astype(F32)
+    g = tx.grad(lambda x, w: (tx.nn.conv2d(x, w, padding=1) ** 2).sum(), argnums=1)
+    from gemm_cases import conv_kernel as _ck  # noqa: F401
+    from tilefuse.ir.kernel import lower_region
+    from tilefuse.ir.kernel.conv import conv_spec
+    from tilefuse.ir.passes import partition, run_passes
+    specs = [conv_spec(lk.kernel) for r in partition(run_passes(tx.make_graph(g)(x, w)))
+             for lk in lower_region(r) if lk.kernel.meta.get("kind") == "conv"]
+    dw = [s for s in specs if s.conv.images_in_columns]
+    assert len(dw) == 1 and dw[0].layout.n == 8 * 9 and dw[0].layout.m == 16 and dw[0].layout.k == 4 * 12 * 12, specs
