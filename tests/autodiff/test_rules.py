@@ -43,6 +43,14 @@ def dot(contract, batch=((), ())):
     return lambda a, b: bind1(P.dot_general, a, b, dimension_numbers=(contract, batch))
 
 
+def conv(**params):
+    nd = len(params.get("padding", ((0, 0), (0, 0))))
+    full = dict(window_strides=(1,) * nd, padding=((0, 0),) * nd, lhs_dilation=(1,) * nd, rhs_dilation=(1,) * nd,
+                dimension_numbers=(tuple(range(nd + 2)),) * 3, feature_group_count=1, batch_group_count=1)
+    full.update(params)
+    return lambda x, w: bind1(P.conv, x, w, **full)
+
+
 IDX = np.array([0, 2, 2, 3], np.int32)
 IDX2 = np.array([[1, 0], [1, 1]], np.int32)
 PRED = np.array([[True, False, True], [False, False, True]])
@@ -111,6 +119,14 @@ CASES = [
      (u(1, 3, 2), u(1, 4, 2), u(1, 4, 3), u(1, 3, 4))),
     ("fused_attention_bwd", P.fused_attention_bwd, attention(causal=True, bwd=True),
      (u(1, 3, 2), u(1, 3, 2), u(1, 3, 2), u(1, 3, 2), u(1, 3, 2))),
+    # convolutions: the cotangents are convolutions (lhs dilation, batch groups: JAX's rules)
+    ("conv_strided_grouped", P.conv, conv(window_strides=(2, 1), padding=((1, 0), (2, 1)), rhs_dilation=(1, 2),
+                                          feature_group_count=2), (u(2, 4, 5, 6), u(4, 2, 2, 2))),
+    ("conv_lhs_dilated_batch_groups", P.conv, conv(padding=((1, -1), (0, 1)), lhs_dilation=(2, 1),
+                                                   batch_group_count=2), (u(4, 2, 3, 4), u(4, 2, 2, 2))),
+    ("conv_nhwc_1d", P.conv, conv(window_strides=(2,), padding=((1, 1),), dimension_numbers=((0, 2, 1), (2, 1, 0),
+                                                                                             (0, 2, 1))),
+     (u(2, 7, 3), u(3, 3, 2))),
     # the LAPACK primitives (their rules are JAX's; tests/test_linalg.py tests the public functions)
     ("solve", P.solve, binary(P.solve), (u(3, 3) + 3 * np.eye(3), u(3, 2))),
     ("triangular_solve", P.triangular_solve, lambda a, b: bind1(P.triangular_solve, a, b, lower=True,

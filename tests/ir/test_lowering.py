@@ -177,7 +177,8 @@ CASES["dynamic_update_slice"] = [C(f(5, 3), f(2, 3), np.array(4, I32), lit(0, I3
 HOST_ONLY = {"debug_print"}
 # tile_op calls are inlined before fusion, never lowered (tests/test_tile_op.py)
 INLINED = {"tile_op", "custom_vjp_call", "custom_jvp_call"}
-TEMPLATES = {"fused_attention", "fused_attention_stats", "fused_attention_bwd"}  # taken whole by implementations: tests/test_attention.py
+TEMPLATES = {"fused_attention", "fused_attention_stats", "fused_attention_bwd",  # taken whole by implementations:
+             "conv"}  # tests/test_attention.py, tests/test_conv.py
 # numpy on the host behind the dispatcher (runtime/host.py): tests/test_linalg.py, tests/ir/test_primitives.py
 TEMPLATES |= {p.name for p in HOST_PRIMITIVES}
 CONTROL = {"cond", "while", "scan"}  # steps that run their bodies' programs (runtime/control_flow.py): tests/test_lax.py
