@@ -530,7 +530,7 @@ class _Gemm:
         inside = _and(_lt(g, limit), _lt(gk, lay.k))
         gc, kc = _min(g, limit - 1), _min(gk, lay.k - 1)
         val = self.a_at(z, gc, kc) if a_side else self.b_at(z, kc, gc)
-        val = val if pitch else _fp(val)
+        val = cast(val, lay.dtype) if pitch else _fp(val)  # (a conv's patches come in the compute dtype)
         at = _add(_mul(q, pitch), kq) if pitch else _add(_mul(kq, rows), q)
         return Range("r", _ceil(tk * rows, nl), "serial", (
             If(_lt(e, tk * rows), (Store(name, at, select(inside, val, const(0, val.dtype))),)),))

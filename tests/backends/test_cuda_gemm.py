@@ -163,6 +163,60 @@ def test_every_mma_schedule_size_assembles_with_ptxas(arch):
     assert_assembles(texts, arch)
 
 
+# ---- convolutions: the same builder as an implicit GEMM (ir/kernel/conv.py) ---------------------
+
+CONV_ON_GPU = {  # past the GEMM threshold: float32 (FMA), float16 (mma.sync), the filter gradient
+    "f32 3x3": (lambda x, w: nn.conv2d(x, w, padding=1), (u(2, 8, 20, 20), u(16, 8, 3, 3))),
+    "f16 strided groups": (lambda x, w: nn.conv2d(x, w, stride=2, padding=1, groups=2),
+                           (u(2, 8, 30, 30, dtype=F16), u(32, 4, 3, 3, dtype=F16))),
+    "f32 filter gradient": (tx.grad(lambda x, w: tnp.sum(nn.conv2d(x, w, padding=1) ** 2), argnums=1),
+                            (u(4, 8, 16, 16), u(16, 8, 3, 3))),
+}
+
+
+@functools.cache
+def compiled_convs(arch: str) -> dict:
+    out = {}
+    for name, (fn, args) in CONV_ON_GPU.items():
+        prog = tx.jit(fn).lower(*args, device=offline_device(arch)).compile().program
+        for launch in prog.launches:
+            if launch.kind == "conv":
+                out[f"{name} {launch.name}"] = launch.impl, prog.sources()[f"{launch.name}.cuda"]
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_convolutions_take_the_shared_builder(arch):
+    got = compiled_convs(arch)
+    assert len(got) == 4, sorted(got)  # two forwards, and the gradient's forward and filter gradient
+    for name, (impl, ptx) in got.items():
+        assert impl == "tile_gemm" and ".shared" in ptx, name
+        assert ("mma.sync.aligned.m16n8k16" in ptx) == name.startswith("f16"), name
+
+
+@need_ptxas
+@pytest.mark.parametrize("arch", ARCHS)
+def test_convolutions_assemble_with_ptxas(arch):
+    assert_assembles({name: ptx for name, (_, ptx) in compiled_convs(arch).items()}, arch)
+
+
+@pytest.mark.parametrize("case", ["3x3 padded", "strided, dilated, groups", "lhs dilated, batch groups, crop",
+                                  "images in columns", "bfloat16"])
+def test_the_implicit_gemm_computes_convolutions_in_a_ptx_interpreter(case):
+    import ptxemu
+    from gemm_cases import CONV_CASES, conv_kernel
+    f, args = CONV_CASES[case]
+    k, spec, ins = conv_kernel(f, args)
+    dev = offline_device("sm_80")
+    tk = build(spec, GemmSchedule(True, 2, 2, 1, tm=8, tn=8, tk=4), k.name, k.buffers, k.n_inputs)
+    run = dev.backend.compile_tile(tk, dev)
+    out = np.zeros(k.buffers[-1].size, k.buffers[-1].dtype)
+    got = ptxemu.run(run.source, ins + [out], run.grid, run.block).astype(np.float32)
+    want = np.asarray(tx.jit(f, device="ref")(*args)).astype(np.float32).reshape(-1)
+    tol = 2e-2 if args[0].dtype != np.float32 else 1e-5
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
 def _one_mma(lanes: int, under_if: bool = False) -> TileKernel:
     """C[0:4] = mma of fragments read at offset 0 by every work-item (a type and structure check)."""
     zero = const(0, np.int64)

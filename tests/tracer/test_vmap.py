@@ -123,6 +123,12 @@ CASES += [
     Case(P.scatter_add, [(normal, (5, 3)), (indices(5), (4,)), (normal, (4, 3))], axis=0),
     Case(P.scatter_add, [(normal, (2, 5)), (indices(5), (2, 3)), (normal, (2, 2, 3))], axis=1,
          id="scatter_add_mid"),
+    Case(P.conv, [(normal, (2, 4, 5, 4)), (normal, (6, 2, 2, 3))], window_strides=(2, 1), padding=((1, 0), (1, 1)),
+         lhs_dilation=(1, 1), rhs_dilation=(1, 1), dimension_numbers=((0, 1, 2, 3),) * 3, feature_group_count=2,
+         batch_group_count=1),
+    Case(P.conv, [(normal, (5, 4, 3)), (normal, (2, 3, 4))], id="conv_nwc_batch_groups", window_strides=(1,),
+         padding=((1, -1),), lhs_dilation=(2,), rhs_dilation=(1,), dimension_numbers=((1, 2, 0), (2, 1, 0), (1, 2, 0)),
+         feature_group_count=1, batch_group_count=2),
     Case(P.fused_attention, [(normal, (2, 3, 4)), (normal, (2, 5, 4)), (normal, (2, 5, 3))],
          scale=0.5, causal=True, dims=((0, 1, 2),) * 3),
     Case(P.fused_attention, [(normal, (3, 2, 4)), (normal, (5, 2, 4)), (normal, (5, 2, 3)),
@@ -222,7 +228,7 @@ def test_jit_of_vmap_matches_loop(device, case):
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES
-                                  if c.prim in (P.gather, P.scatter_add, P.dot_general, P.pad)])
+                                  if c.prim in (P.gather, P.scatter_add, P.dot_general, P.pad, P.conv)])
 def test_nested_vmap_matches_double_loop(device, case):
     """vmap(vmap(f)) over two batch axes of every operand equals a double loop."""
     rng = np.random.default_rng(2)

@@ -21,6 +21,13 @@ def tolerance(dtype) -> tuple[float, float]:
     return 0, 0
 
 
+def tolerance_for(table: dict, dtype) -> tuple:
+    """(rtol, atol) a record's per-dtype table gives `dtype` (keys: dtypes or scalar types, as
+    np.float32 or ml_dtypes.bfloat16), (None, None) where it gives none."""
+    want = np.dtype(dtype)
+    return next((v for k, v in table.items() if np.dtype(k) == want), (None, None))
+
+
 @dataclass
 class Comparison:
     """One result against its reference, in `dtype`; rtol/atol None: tolerance(dtype)."""

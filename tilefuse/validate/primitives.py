@@ -21,7 +21,7 @@ from tilefuse.ir.core import ShapedArray
 from tilefuse.runtime.compiler import precompile
 from tilefuse.tracer.core import bind
 
-from .compare import Comparison
+from .compare import Comparison, tolerance_for
 
 F32, F64, F16, BF16 = np.float32, np.float64, np.float16, ml_dtypes.bfloat16
 I32, I64, BOOL = np.int32, np.int64, np.bool_
@@ -530,7 +530,7 @@ def comparisons(op: Op, dtype, device):
         (out_aval,) = op.prim.abstract_eval(*avals, **params)
         assert out_aval.shape == np.shape(want), f"{op} {shape}: rule gives {out_aval}"
         out_dtype = out_aval.dtype
-        rtol, atol = op.tol.get(dtype, (None, None))
+        rtol, atol = tolerance_for(op.tol, dtype)
         want = np.asarray(want, out_dtype)
 
         eager = bind(op.prim, *[tx.device_put(x, device) for x in xs], **params)[0]

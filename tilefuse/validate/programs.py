@@ -17,7 +17,7 @@ import tilefuse as tx
 import tilefuse.nn as nn
 import tilefuse.numpy as tnp
 
-from .compare import Comparison
+from .compare import Comparison, tolerance_for
 
 F32, F16, BF16, F64 = (np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16, np.float64))
 
@@ -183,7 +183,7 @@ def comparisons(prog: Program, dtype, device):
     want = tx.tree_leaves(tx.jit(prog.fn, device="ref")(*args))
     got = tx.tree_leaves(tx.jit(prog.fn, device=device)(*args))
     assert len(got) == len(want), f"{prog}: {len(got)} outputs, the reference has {len(want)}"
-    rtol, atol = prog.tol.get(dtype, (None, None))
+    rtol, atol = tolerance_for(prog.tol, dtype)
     for i, (g, w) in enumerate(zip(got, want)):
         assert isinstance(g, tx.Array) and g.device is tx.get_device(device), f"{prog}: output {i} device"
         w = np.asarray(w)
