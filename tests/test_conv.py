@@ -117,6 +117,27 @@ def test_the_implicit_gemm_runs_convolutions_their_gradients_and_vmap(device, rn
         assert len(impls) == 7 and {i for _, i in impls} == {"tile_gemm"}, impls
 
 
+def test_nhwc_convolutions_run_as_the_implicit_gemm_in_rows_it_reads_whole(device, rng):
+    """Flax's layouts (NHWC, HWIO): the conv_layouts pass gives the implicit GEMM an lhs with
+    contiguous rows and contiguous output positions (one transpose each way, exact); forward and
+    gradients against the reference."""
+    x = rng.standard_normal((2, 18, 18, 8)).astype(np.float32)
+    w = (rng.standard_normal((3, 3, 8, 16)) / 8).astype(np.float32)
+
+    def f(x, w):
+        y = tx.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return tnp.sum(tnp.tanh(y) ** 2)
+    g = tx.value_and_grad(f, argnums=(0, 1))
+    got, want = tx.jit(g, device=device)(x, w), tx.jit(g, device="ref")(x, w)
+    for a, b in zip(tx.tree_util.tree_leaves(got), tx.tree_util.tree_leaves(want)):
+        assert_close(a, b, np.float32, rtol=1e-4, atol=1e-4 * float(np.abs(np.asarray(b)).max()))
+    convs = [e for e in run_passes(tx.make_graph(g)(x, w)).eqns if e.prim is P.conv]
+    assert len(convs) == 3
+    for e in convs:
+        ls, _, os_ = e.params["dimension_numbers"]
+        assert ls[-1] == 3 and tuple(os_[2:]) == (2, 3), e.params["dimension_numbers"]
+
+
 def test_conv_is_one_primitive_and_its_gradients_are_convolutions():
     """conv2d binds one conv; grad gives two more (the input's and the filter's cotangents), and
     no im2col: the implicit GEMM reads the windows where they lie."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import primitives as P
 from ..core import Graph, Var
-from .util import Emit, literal
+from .util import Emit, literal, new_eqn
 
 
 def decompose(eqn) -> tuple[list, list]:
@@ -61,3 +61,39 @@ def decomposed_graph(eqn) -> Graph:
     ins = [Var(a.aval) for a in eqn.inputs]
     eqns, outs = decompose(eqn.replace(inputs=tuple(ins)))
     return Graph((), tuple(ins), tuple(eqns), tuple(outs))
+
+
+# ---- the layouts the implicit GEMM reads fast ------------------------------------------------------
+
+def _conv_layouts(e, rw):
+    """conv(x, w) whose lhs's last spatial axis is not its innermost (NHWC), or whose output's
+    positions are not its trailing axes in order (an NHWC result): the lhs transposed to
+    (batch, feature, spatial...) and the output computed so and transposed back. Exact (data
+    movement only): the implicit GEMM then loads whole vectors along the lhs's rows and stores
+    whole vectors of positions, where it would gather and scatter; a transpose costs one pass over
+    an operand, the convolution K passes."""
+    ls, rs, os_ = e.params["dimension_numbers"]
+    nd = len(ls)
+    canon = tuple(range(nd))
+    x_ok, y_ok = ls[-1] == nd - 1, tuple(os_[2:]) == canon[2:]
+    if x_ok and y_ok:
+        return None
+    x, w = e.inputs
+    eqns = []
+    if not x_ok:
+        t, (x,) = new_eqn(P.transpose, (x,), {"permutation": tuple(ls)}, e.source)
+        eqns.append(t)
+        ls = canon
+    params = dict(e.params, dimension_numbers=(tuple(ls), tuple(rs), os_ if y_ok else canon))
+    c, (y,) = new_eqn(P.conv, (x, w), params, e.source)
+    if y_ok:
+        return eqns + [c.replace(outputs=e.outputs)]
+    back, _ = new_eqn(P.transpose, (y,), {"permutation": tuple(int(a) for a in np.argsort(os_))}, e.source)
+    return eqns + [c, back.replace(outputs=e.outputs)]
+
+
+def conv_layouts(graph: Graph) -> Graph:
+    """Every conv reads an lhs whose rows are contiguous and writes contiguous positions
+    (_conv_layouts); transposes that meet another transpose merge."""
+    from .simplify import RULES, rewrite_with
+    return rewrite_with({"conv": [_conv_layouts], "transpose": RULES["transpose"]}, graph)

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from ..core import Graph, typecheck_graph
 from .attention import attention_stats, fuse_attention
+from .conv import conv_layouts
 from .cse import cse
 from .dce import dce
 from .fold import fold_constants
@@ -29,6 +30,7 @@ PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("fold_constants", fold_constants),                    # evaluate what is known now
     ("simplify", simplify),                                # x*1, double transposes, ...
     ("fold_transpose_into_dot", fold_transpose_into_dot),  # dot absorbs operand transposes
+    ("conv_layouts", conv_layouts),                        # conv reads NCHW-like rows, writes whole positions
     ("hoist_loop_invariants", hoist_loop_invariants),      # loop bodies' work on constants, once
     ("fuse_attention", fuse_attention),                    # softmax(q·kᵀ·scale + mask)·v -> one op
     ("fuse_gemm_epilogues", fuse_gemm_epilogues),          # dot + bias + activation -> fused_gemm
