@@ -590,22 +590,22 @@ def _conv_rule(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
     return ShapedArray(tuple(shape), lhs.dtype, _weak(lhs, rhs))
 
 
-def conv_windows(x, window_strides, padding, lhs_dilation, rhs_dilation, kernel, out):
-    """numpy: x (N, C, spatial...) dilated and padded, then per kernel tap the strided window of
-    the output's size: yields (tap, window (N, C, out spatial...))."""
-    cd = x.dtype
+def conv_patches(x, window_strides, padding, lhs_dilation, rhs_dilation, kernel, out):
+    """numpy: x (N, C, spatial...) dilated and padded (negative padding crops), then for every
+    kernel tap and output position the element it reads: (N, C, *kernel, *out), a strided view."""
     sp = x.shape[2:]
     dil = [(s - 1) * d + 1 if s else 0 for s, d in zip(sp, lhs_dilation)]
     full = np.zeros(x.shape[:2] + tuple(max(0, n + max(lo, 0) + max(hi, 0)) for n, (lo, hi) in zip(dil, padding)),
-                    cd)
+                    x.dtype)
     full[(slice(None),) * 2 + tuple(slice(max(lo, 0), max(lo, 0) + n, d) for n, (lo, _), d
                                     in zip(dil, padding, lhs_dilation))] = x
-    # negative padding crops
-    full = full[(slice(None),) * 2 + tuple(slice(max(-lo, 0), full.shape[2 + a] - max(-hi, 0))
-                                           for a, (lo, hi) in enumerate(padding))]
-    for tap in np.ndindex(*kernel):
-        yield tap, full[(slice(None),) * 2 + tuple(slice(t * d, t * d + (o - 1) * s + 1, s) if o else slice(0, 0)
-                                                   for t, d, o, s in zip(tap, rhs_dilation, out, window_strides))]
+    full = full[(slice(None),) * 2 + tuple(slice(max(-lo, 0), None) for lo, _ in padding)]  # crops
+    st = full.strides
+    # a view: tap t, position p of axis a at t·rhs_dilation + p·stride (numpy's window view)
+    return np.lib.stride_tricks.as_strided(
+        full, x.shape[:2] + tuple(kernel) + tuple(out),
+        st[:2] + tuple(st[2 + a] * d for a, d in enumerate(rhs_dilation)) +
+        tuple(st[2 + a] * s for a, s in enumerate(window_strides)), writeable=False)
 
 
 def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
@@ -622,13 +622,16 @@ def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
                        lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
                        dimension_numbers=(tuple(range(x.ndim)),) * 3, feature_group_count=g,
                        batch_group_count=b)[-1]
-    y = np.zeros((b, n // b, g, o // (g * b)) + out_sp, cd)
-    wg = w.reshape((b, g, o // (g * b), i) + kernel)
-    for tap, win in conv_windows(x, window_strides, padding, lhs_dilation, rhs_dilation, kernel, out_sp):
-        xg = win.reshape((b, n // b, g, i) + out_sp)
-        y += np.einsum("bngc...,bgoc->bngo...", xg, wg[(Ellipsis,) + tap])
-    y = np.moveaxis(y, 0, 1).reshape((n // b, o) + out_sp)  # output feature (b, g, o) in that order
-    return np.transpose(y, np.argsort(os_)).astype(lhs.dtype)
+    nb, og, taps, positions = n // b, o // (g * b), math.prod(kernel), math.prod(out_sp)
+    # im2col and one matmul per group (BLAS): patches (b, g, input feature x tap, image x position)
+    pt = conv_patches(x, window_strides, padding, lhs_dilation, rhs_dilation, kernel, out_sp)
+    ns = len(kernel)
+    pt = pt.reshape((b, nb, g, i) + pt.shape[2:])  # (splitting axes of a view: still a view)
+    order = (0, 2, 3) + tuple(range(4, 4 + ns)) + (1,) + tuple(range(4 + ns, 4 + 2 * ns))
+    pt = np.ascontiguousarray(pt.transpose(order)).reshape(b, g, i * taps, nb * positions)  # one copy
+    y = w.reshape(b, g, og, i * taps) @ pt
+    y = y.reshape(b, g, og, nb, positions).transpose(3, 0, 1, 2, 4)  # output features (b, g, o) in order
+    return np.transpose(y.reshape((nb, o) + out_sp), np.argsort(os_)).astype(lhs.dtype)
 
 
 conv = Primitive("conv", _conv_rule, _conv_impl)

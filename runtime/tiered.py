@@ -37,6 +37,8 @@ import weakref
 
 import numpy as np
 
+from tilefuse.ir import primitives as P
+
 from . import compile_child
 from .array import Array
 from .config import config
@@ -53,6 +55,9 @@ TIERED_KINDS = ("cpu", "opencl")
 COMPILE_S_PER_GRAPH = 0.03
 COMPILE_S_PER_EQUATION = 0.001
 COMPILE_S_PER_SIGNATURE = 0.015
+# a convolution is one equation but an implicit GEMM to build (0.12-0.2 s each, cold, 2 cores:
+# more than the dozen small kernels of its im2col that the fit above was made with)
+COMPILE_S_PER_CONV = 0.15
 # and at most AUTO_MOST_S: a program still calling after that is a long one, which the
 # interpreter only slows (its calls and the compile share the cores and the GIL: the char-GPT
 # example's 300 steps took 10 s compiled at once, 16 s interpreting for the whole estimate)
@@ -174,7 +179,7 @@ def compile(graph, device, eager: bool = False):
         return TieredExecutable(graph, device, build, _eager_budget)
     signatures = {(e.prim, *(v.aval for v in e.inputs)) for e in graph.eqns}
     estimate = COMPILE_S_PER_GRAPH + COMPILE_S_PER_EQUATION * len(graph.eqns) + \
-        COMPILE_S_PER_SIGNATURE * len(signatures)
+        COMPILE_S_PER_SIGNATURE * len(signatures) + COMPILE_S_PER_CONV * sum(s[0] is P.conv for s in signatures)
     return TieredExecutable(graph, device, build, Budget(min(estimate, AUTO_MOST_S)))
 
 
