@@ -48,7 +48,9 @@ def conv_kernel(f, args):
     """The lowered conv kernel of f(*args) and its GemmSpec (the implicit GEMM), with its
     arguments in buffer order."""
     from tilefuse.ir.kernel.conv import conv_spec
-    g = run_passes(tx.make_graph(f)(*args))
+    from tilefuse.ir.passes import PIPELINE
+    # the builder as the conv is written: without conv_layouts, which would transpose an NHWC lhs
+    g = run_passes(tx.make_graph(f)(*args), [p for p in PIPELINE if p[0] != "conv_layouts"])
     pos = {v.id: i for i, v in enumerate(g.invars)}
     for r in partition(g):
         for lk in lower_region(r):
