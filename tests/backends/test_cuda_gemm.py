@@ -99,11 +99,16 @@ def test_the_launch_is_one_block_per_tile_and_a_thread_per_register_tile():
                                   "bfloat16"])
 def test_the_ptx_computes_the_product_in_a_ptx_interpreter(case):
     """A ragged schedule (edges of every tile zero-filled) over tests/gemm_cases.py's problems."""
-    import ptxemu
     f, args = SMALL[case]
     k, ins = gemm_kernel(f, args)
+    _check_in_the_ptx_interpreter(f, args, k, gemm_spec(k), ins)
+
+
+def _check_in_the_ptx_interpreter(f, args, k, spec, ins):
+    """spec's kernel under a ragged shared schedule, printed for sm_80 and run by ptxemu, against `ref`."""
+    import ptxemu
     dev = offline_device("sm_80")
-    tk = build(gemm_spec(k), GemmSchedule(True, 2, 2, 1, tm=8, tn=8, tk=4), k.name, k.buffers, k.n_inputs)
+    tk = build(spec, GemmSchedule(True, 2, 2, 1, tm=8, tn=8, tk=4), k.name, k.buffers, k.n_inputs)
     run = dev.backend.compile_tile(tk, dev)
     out = np.zeros(k.buffers[-1].size, k.buffers[-1].dtype)
     got = ptxemu.run(run.source, ins + [out], run.grid, run.block).astype(np.float32)
@@ -203,18 +208,10 @@ def test_convolutions_assemble_with_ptxas(arch):
 @pytest.mark.parametrize("case", ["3x3 padded", "strided, dilated, groups", "lhs dilated, batch groups, crop",
                                   "images in columns", "bfloat16"])
 def test_the_implicit_gemm_computes_convolutions_in_a_ptx_interpreter(case):
-    import ptxemu
     from gemm_cases import CONV_CASES, conv_kernel
     f, args = CONV_CASES[case]
     k, spec, ins = conv_kernel(f, args)
-    dev = offline_device("sm_80")
-    tk = build(spec, GemmSchedule(True, 2, 2, 1, tm=8, tn=8, tk=4), k.name, k.buffers, k.n_inputs)
-    run = dev.backend.compile_tile(tk, dev)
-    out = np.zeros(k.buffers[-1].size, k.buffers[-1].dtype)
-    got = ptxemu.run(run.source, ins + [out], run.grid, run.block).astype(np.float32)
-    want = np.asarray(tx.jit(f, device="ref")(*args)).astype(np.float32).reshape(-1)
-    tol = 2e-2 if args[0].dtype != np.float32 else 1e-5
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    _check_in_the_ptx_interpreter(f, args, k, spec, ins)
 
 
 def _one_mma(lanes: int, under_if: bool = False) -> TileKernel:

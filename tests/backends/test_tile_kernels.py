@@ -24,8 +24,8 @@ SCHEDULES = {
 ROWS = ["plain", "B transposed", "batched einsum", "epilogue", "bfloat16"]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_gemm_tile_kernels_match_the_reference(device, schedule):
+def _schedule_held(device, schedule: str):
+    """The schedule (None: the device's default) when the device can hold its form, else skip."""
     if not device.backend.tile_kernels:
         pytest.skip(f"{device.kind} prints no tile kernels")
     sched = SCHEDULES[schedule]
@@ -34,46 +34,40 @@ def test_gemm_tile_kernels_match_the_reference(device, schedule):
     needs = {"shared"} if sched is not None and sched.shared else {"scratch", "vectors"} if sched else set()
     if needs - device.backend.tile_prints:
         pytest.skip(f"{device.kind}'s printer takes no {', '.join(sorted(needs - device.backend.tile_prints))}")
+    return sched
+
+
+def _check_built(device, sched, row, f, args, k, spec, ins):
+    """The builder's kernel of spec under sched (None: the default) on the device, against `ref`."""
+    s = default_schedule(spec, target_of(device.info)) if sched is None else sched
+    run = device.backend.compile_tile(build(spec, s, k.name, k.buffers, k.n_inputs), device)
+    bufs = [device.backend.put(x, device) for x in ins]
+    out = device.backend.put(np.zeros(k.buffers[-1].size, k.buffers[-1].dtype), device)
+    run(bufs + [out])
+    got = device.backend.to_host(out, ShapedArray((k.buffers[-1].size,), k.buffers[-1].dtype), device)
+    want = np.asarray(tx.jit(f, device="ref")(*args)).reshape(-1)
+    tol = 2e-2 if args[0].dtype != np.float32 else 1e-5
+    np.testing.assert_allclose(np.asarray(got, np.float32), want.astype(np.float32), rtol=tol, atol=tol,
+                               err_msg=f"{row} under {s}")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gemm_tile_kernels_match_the_reference(device, schedule):
+    sched = _schedule_held(device, schedule)
     for row in ROWS:
         f, args = CASES[row]
         k, ins = gemm_kernel(f, args)
-        spec = gemm_spec(k)
-        s = default_schedule(spec, target_of(device.info)) if sched is None else sched
-        run = device.backend.compile_tile(build(spec, s, k.name, k.buffers, k.n_inputs), device)
-        bufs = [device.backend.put(x, device) for x in ins]
-        out = device.backend.put(np.zeros(k.buffers[-1].size, k.buffers[-1].dtype), device)
-        run(bufs + [out])
-        got = device.backend.to_host(out, ShapedArray((k.buffers[-1].size,), k.buffers[-1].dtype), device)
-        want = np.asarray(tx.jit(f, device="ref")(*args)).reshape(-1)
-        tol = 2e-2 if args[0].dtype != np.float32 else 1e-5
-        np.testing.assert_allclose(np.asarray(got, np.float32), want.astype(np.float32), rtol=tol, atol=tol,
-                                   err_msg=f"{row} under {s}")
+        _check_built(device, sched, row, f, args, k, gemm_spec(k), ins)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_implicit_gemm_tile_kernels_match_the_reference(device, schedule):
     """Convolutions through the same builder (ir/kernel/conv.py): the patches gathered, vector
     loads along rows, masks at the edges and holes, in every form the device holds."""
-    if not device.backend.tile_kernels:
-        pytest.skip(f"{device.kind} prints no tile kernels")
-    sched = SCHEDULES[schedule]
-    if sched is not None and sched.shared and not device.info.local_mem_bytes:
-        pytest.skip(f"{device.name} has no shared memory")
-    needs = {"shared"} if sched is not None and sched.shared else {"scratch", "vectors"} if sched else set()
-    if needs - device.backend.tile_prints:
-        pytest.skip(f"{device.kind}'s printer takes no {', '.join(sorted(needs - device.backend.tile_prints))}")
+    sched = _schedule_held(device, schedule)
     for row, (f, args) in CONV_CASES.items():
         k, spec, ins = conv_kernel(f, args)
-        s = default_schedule(spec, target_of(device.info)) if sched is None else sched
-        run = device.backend.compile_tile(build(spec, s, k.name, k.buffers, k.n_inputs), device)
-        bufs = [device.backend.put(x, device) for x in ins]
-        out = device.backend.put(np.zeros(k.buffers[-1].size, k.buffers[-1].dtype), device)
-        run(bufs + [out])
-        got = device.backend.to_host(out, ShapedArray((k.buffers[-1].size,), k.buffers[-1].dtype), device)
-        want = np.asarray(tx.jit(f, device="ref")(*args)).reshape(-1)
-        tol = 2e-2 if args[0].dtype != np.float32 else 1e-5
-        np.testing.assert_allclose(np.asarray(got, np.float32), want.astype(np.float32), rtol=tol, atol=tol,
-                                   err_msg=f"{row} under {s}")
+        _check_built(device, sched, row, f, args, k, spec, ins)
 
 
 # ---- cooperative reductions: a work-group per point (GPU targets' long reductions) -------------

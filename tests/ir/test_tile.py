@@ -35,7 +35,12 @@ SCHEDULES = {
 def test_gemm_builder_matches_the_reference(case, schedule):
     f, args = CASES[case]
     k, ins = gemm_kernel(f, args)
-    spec = gemm_spec(k)
+    _check_on_the_reference(f, args, k, gemm_spec(k), ins, schedule)
+
+
+def _check_on_the_reference(f, args, k, spec, ins, schedule):
+    """The builder's kernel of spec under the named schedule, type-checked and run by run_tile,
+    against the `ref` backend."""
     sched = SCHEDULES[schedule](spec)
     assert sched.check(spec, GPU if sched.shared else CPU) is None
     tk = build(spec, sched, k.name, k.buffers, k.n_inputs)
@@ -177,15 +182,7 @@ def test_implicit_gemm_matches_the_reference(case, schedule):
     f, args = CONV_CASES[case]
     k, spec, ins = conv_kernel(f, args)
     assert spec is not None, case
-    sched = SCHEDULES[schedule](spec)
-    assert sched.check(spec, GPU if sched.shared else CPU) is None
-    tk = build(spec, sched, k.name, k.buffers, k.n_inputs)
-    check_tile(tk)
-    out = np.zeros(k.buffers[-1].size, k.buffers[-1].dtype)
-    run_tile(tk, ins + [out])
-    want = np.asarray(tx.jit(f, device="ref")(*args)).reshape(-1)
-    tol = 2e-2 if args[0].dtype != F32 else 1e-5
-    np.testing.assert_allclose(out.astype(F32), want.astype(F32), rtol=tol, atol=tol)
+    _check_on_the_reference(f, args, k, spec, ins, schedule)
 
 
 def test_the_filter_gradient_puts_its_images_in_the_columns():
@@ -193,7 +190,6 @@ def test_the_filter_gradient_puts_its_images_in_the_columns():
     GEMM per group whose columns are (feature, tap), not a GEMM of KH·KW columns per feature."""
     x, w = R.standard_normal((4, 8, 12, 12)).astype(F32), R.standard_normal((16, 8, 3, 3)).astype(F32)
     g = tx.grad(lambda x, w: (tx.nn.conv2d(x, w, padding=1) ** 2).sum(), argnums=1)
-    from gemm_cases import conv_kernel as _ck  # noqa: F401
     from tilefuse.ir.kernel import lower_region
     from tilefuse.ir.kernel.conv import conv_spec
     from tilefuse.ir.passes import partition, run_passes
