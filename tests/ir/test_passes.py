@@ -347,7 +347,7 @@ def test_a_sum_of_disjoint_pads_becomes_one_concatenate():
 
 def test_pipeline_order_is_the_documented_one():
     assert [n for n, _ in PIPELINE] == ["inline_calls", "dce", "prune_control_flow", "cse", "fold_constants",
-                                        "simplify", "fold_transpose_into_dot", "hoist_loop_invariants",
+                                        "simplify", "fold_transpose_into_dot", "conv_layouts", "hoist_loop_invariants",
                                         "fuse_attention", "fuse_gemm_epilogues", "cse_after", "attention_stats", "dce_after",
                                         "prune_after"]
 
