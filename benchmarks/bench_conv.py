@@ -6,8 +6,9 @@ median time and ratios to numpy. (benchmarks/bench_gemm.py has the plain GEMMs.)
     python benchmarks/bench_conv.py [--repeat 10] [--batch 8]
 
 Rows: ResNet-ish NCHW float32 layers at 32x32 (a 3x3 conv, a strided 3x3 downsampling conv, a
-1x1 projection), forward, and the 3x3 conv forward + backward (gradients of x and w: 3x the
-forward's FLOPs). numpy has no autodiff, so its backward row is left out."""
+1x1 projection), forward; the 3x3 conv with a bias per channel and relu (one fused_conv: the
+epilogue runs on the output tile); and the 3x3 conv forward + backward (gradients of x and w: 3x
+the forward's FLOPs). numpy has no autodiff, so its backward row is left out."""
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,7 @@ def _tilefuse(fn, args):
     dev_args = [tx.device_put(a, cpu) for a in args]
     f = tx.jit(fn, device=cpu)
     impls = {l.impl for l in f.lower(*dev_args).compile().program.launches
-             if l.kind in ("dot_general", "fused_gemm")}
+             if l.kind in ("dot_general", "fused_gemm", "conv", "fused_conv")}
 
     def run():
         out = f(*dev_args)
@@ -54,7 +55,7 @@ def _tilefuse(fn, args):
     return run, ",".join(sorted(impls))
 
 
-def _torch(x, w, stride, padding, backward):
+def _torch(x, w, b, stride, padding, backward):
     try:
         import torch
         import torch.nn.functional as F
@@ -62,9 +63,13 @@ def _torch(x, w, stride, padding, backward):
         return None
     tx_, tw = torch.from_numpy(x), torch.from_numpy(w)
     if not backward:
+        tb = None if b is None else torch.from_numpy(b)
+
         def run():
             with torch.no_grad():
-                F.conv2d(tx_, tw, stride=stride, padding=padding)
+                y = F.conv2d(tx_, tw, tb, stride=stride, padding=padding)
+                if tb is not None:
+                    F.relu(y, inplace=True)
         return run
     tx_.requires_grad_(True)
     tw.requires_grad_(True)
@@ -74,7 +79,7 @@ def _torch(x, w, stride, padding, backward):
     return run_bwd
 
 
-def run_case(n, c, o, k, s, p, backward, repeat):
+def run_case(n, c, o, k, s, p, backward, repeat, bias_relu=False):
     import tilefuse.numpy as tnp
     from tilefuse import grad, nn
     rng = np.random.default_rng(0)
@@ -82,18 +87,23 @@ def run_case(n, c, o, k, s, p, backward, repeat):
     w = (rng.standard_normal((o, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
     oh = _out(SIZE, k, s, p)
     flops = 2 * n * o * c * k * k * oh * oh * (3 if backward else 1)
+    b = rng.standard_normal(o).astype(np.float32) if bias_relu else None
     conv = lambda x, w: nn.conv2d(x, w, stride=s, padding=p)  # noqa: E731
     fn = grad(lambda x, w: tnp.sum(tnp.square(conv(x, w))), argnums=(0, 1)) if backward else conv
+    np_fn, args = (lambda: numpy_conv(x, w, s, p)), (x, w)
+    if bias_relu:
+        fn = lambda x, w, b: nn.relu(conv(x, w) + b[None, :, None, None])  # noqa: E731
+        np_fn, args = (lambda: np.maximum(numpy_conv(x, w, s, p) + b[None, :, None, None], 0)), (x, w, b)
     fns, impls = {}, ""
     if not backward:
-        want = numpy_conv(x, w, s, p)
-        fns["numpy"] = lambda: numpy_conv(x, w, s, p)
-    fns["tilefuse"], impls = _tilefuse(fn, (x, w))
+        want = np_fn()
+        fns["numpy"] = np_fn
+    fns["tilefuse"], impls = _tilefuse(fn, args)
     if not backward:  # the same numbers as numpy's
         import tilefuse as tx
-        got = np.asarray(tx.jit(conv, device="cpu")(x, w))
+        got = np.asarray(tx.jit(fn, device="cpu")(*args))
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
-    t = _torch(x, w, s, p, backward)
+    t = _torch(x, w, b, s, p, backward)
     if t is not None:
         fns["torch"] = t
     timings = time_alternating(fns, warmup=2, repeat=repeat, max_seconds=20)
@@ -109,11 +119,12 @@ def main():
     cpu = tx.get_device("cpu")
     print(f"device: {cpu.info.name}, {cpu.info.compute_units} cores; NCHW float32, "
           f"N={args.batch}, H=W={SIZE}\n")
-    cases = [(name, c, o, k, s, p, False) for name, c, o, k, s, p in LAYERS]
-    cases.append((LAYERS[0][0] + " fwd+bwd", *LAYERS[0][1:], True))
+    cases = [(name, c, o, k, s, p, False, False) for name, c, o, k, s, p in LAYERS]
+    cases.append((LAYERS[0][0] + " +bias, relu", *LAYERS[0][1:], False, True))
+    cases.append((LAYERS[0][0] + " fwd+bwd", *LAYERS[0][1:], True, False))
     rows, whos = [], ["numpy", "tilefuse", "torch"]
-    for name, c, o, k, s, p, bwd in cases:
-        g, impls = run_case(args.batch, c, o, k, s, p, bwd, args.repeat)
+    for name, c, o, k, s, p, bwd, bias_relu in cases:
+        g, impls = run_case(args.batch, c, o, k, s, p, bwd, args.repeat, bias_relu)
         base = g.get("numpy")
         cell = lambda who: "-" if who not in g else (  # noqa: E731
             f"{g[who]:.1f}" + (f" ({g[who] / base:.2f}x)" if base and who != "numpy" else ""))

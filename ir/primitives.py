@@ -637,6 +637,45 @@ def _conv_impl(lhs, rhs, *, window_strides, padding, lhs_dilation, rhs_dilation,
 conv = Primitive("conv", _conv_rule, _conv_impl)
 
 
+# fused_conv(lhs, rhs, *extras; <conv's parameters>, epilogue): epilogue(conv(lhs, rhs), *extras)
+# elementwise, made by the epilogue pass (ir/passes/gemm_epilogue.py) as fused_gemm is; an extra
+# has the output's shape or is a vector along its features (a bias), read per output feature.
+
+def conv_params(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k != "epilogue"}
+
+
+def _fused_conv_rule(lhs, rhs, *extras, epilogue, **params):
+    out = _conv_rule(lhs, rhs, **params)
+    if dtypes.compute_dtype(out.dtype) != np.float32:
+        raise dtype_error("fused_conv", "needs float32, float16 or bfloat16 operands", lhs, rhs)
+    feats = out.shape[params["dimension_numbers"][2][1]]
+    for x in extras:
+        if x.shape not in (out.shape, (feats,)) or x.dtype != out.dtype:
+            raise shape_error("fused_conv", f"an epilogue operand must be {out} or a vector of its {feats} features",
+                              lhs, rhs, *extras)
+    if not isinstance(epilogue, ScalarFn) or epilogue.in_dtypes != (np.dtype(out.dtype),) * (1 + len(extras)):
+        raise shape_error("fused_conv", f"the epilogue {epilogue!r} does not take the convolution and "
+                          f"{len(extras)} extras of dtype {out.dtype}", lhs, rhs, *extras)
+    return ShapedArray(out.shape, epilogue.out_dtype)
+
+
+def per_feature(x, shape, feature_axis: int):
+    """numpy: a vector of output features broadcast to the output's shape (an array of it: itself)."""
+    if x.shape == tuple(shape):
+        return x
+    return np.broadcast_to(x.reshape([-1 if a == feature_axis else 1 for a in range(len(shape))]), shape)
+
+
+def _fused_conv_impl(lhs, rhs, *extras, epilogue, **params):
+    y = _conv_impl(lhs, rhs, **params)  # the convolution as the graph had it
+    axis = params["dimension_numbers"][2][1]
+    return np.asarray(epilogue(y, *(per_feature(x, y.shape, axis) for x in extras)), epilogue.out_dtype)
+
+
+fused_conv = Primitive("fused_conv", _fused_conv_rule, _fused_conv_impl, compile_only=True)
+
+
 # ---- fused attention (made by nn.dot_product_attention and the attention pattern pass) ----------
 #
 # fused_attention(q, k, v[, bias]; scale, causal, dims) = softmax(q kᵀ·scale + bias, causal) v.

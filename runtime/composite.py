@@ -12,12 +12,13 @@ import numpy as np
 from tilefuse.ir import primitives as P
 from tilefuse.ir.kernel import lower_region
 from tilefuse.ir.passes import partition
-from tilefuse.ir.passes import attention, conv
+from tilefuse.ir.passes import attention, conv, gemm_epilogue
 
 from .planner import Interval, plan_buffers
 
 DECOMPOSITIONS = {P.fused_attention: attention.decomposed_graph, P.fused_attention_stats: attention.decomposed_graph,
-                  P.fused_attention_bwd: attention.decomposed_graph, P.conv: conv.decomposed_graph}
+                  P.fused_attention_bwd: attention.decomposed_graph, P.conv: conv.decomposed_graph,
+                  P.fused_conv: gemm_epilogue.unfused_graph}
 
 
 def _nbytes(aval) -> int:

@@ -24,7 +24,7 @@ log = logging.getLogger("tilefuse.dispatch")
 KERNEL_KINDS = ("elementwise", "reduce", "dot_general", "fused_gemm", "gather", "scatter_add",
                 "concatenate", "pad", "arg_reduce", "copy")
 ATTENTION_KINDS = ("fused_attention", "fused_attention_stats", "fused_attention_bwd")
-TEMPLATE_KINDS = ATTENTION_KINDS + ("conv",)  # whole primitives, see composite.py
+TEMPLATE_KINDS = ATTENTION_KINDS + ("conv", "fused_conv")  # whole primitives, see composite.py
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ def eqn_cost(prim, params: dict, inputs, outputs) -> tuple[float, float]:
         return 0.0, nbytes
     if name in ("fused_attention", "fused_attention_stats", "fused_attention_bwd"):
         return _attention_flops(inputs, params) * (2.5 if name.endswith("bwd") else 1.0), nbytes
-    if name == "conv":  # 2 per multiply-add: output elements x input features per group x taps
+    if name in ("conv", "fused_conv"):  # 2 per multiply-add: output elements x input features per group x taps
         rs = params["dimension_numbers"][1]
         w = inputs[1]
         return 2.0 * _size(outputs[0]) * int(np.prod([w.shape[a] for a in rs[1:]], dtype=np.int64)), nbytes

@@ -17,6 +17,7 @@ from tilefuse.ir.kernel.schedule import Schedule, default_schedule
 from . import dispatch, tuner
 from .hardware import check_fits, target_of
 
+CONV_KINDS = ("conv", "fused_conv")
 MIN_FLOPS = 1 << 18  # smaller products: the generic kernel is as fast and needs no tile padding
 _gemm_kinds: list[str] = []
 
@@ -27,7 +28,7 @@ def _target(device):
 
 def gemm_spec(kernel):
     """The GEMM a kernel poses: a dot_general's or fused_gemm's, or a conv's implicit GEMM."""
-    return conv.conv_spec(kernel) if kernel.meta.get("kind") == "conv" else gemm.gemm_spec(kernel)
+    return conv.conv_spec(kernel) if kernel.meta.get("kind") in CONV_KINDS else gemm.gemm_spec(kernel)
 
 
 def gemm_applies(kernel, device) -> bool:
@@ -67,8 +68,9 @@ def register_gemm(device_kind: str, priority: int, chosen=None) -> None:
         dispatch.register(dispatch.Implementation("tile_gemm", kind, gemm_build, (device_kind,), applies,
                                                   priority))
     # convolutions: the same builder as an implicit GEMM (ir/kernel/conv.py); the composite beside it
-    dispatch.register(dispatch.Implementation("tile_gemm", "conv", gemm_build, (device_kind,), gemm_applies,
-                                              priority))
+    for kind in CONV_KINDS:
+        dispatch.register(dispatch.Implementation("tile_gemm", kind, gemm_build, (device_kind,), gemm_applies,
+                                                  priority))
     _gemm_kinds.append(device_kind)
     tuner.register(tuner.Template(
         "tile_gemm", "tile_gemm", tuple(_gemm_kinds),

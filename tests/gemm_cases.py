@@ -45,8 +45,8 @@ CASES = {
 
 
 def conv_kernel(f, args):
-    """The lowered conv kernel of f(*args) and its GemmSpec (the implicit GEMM), with its
-    arguments in buffer order."""
+    """The lowered conv (or fused_conv) kernel of f(*args) and its GemmSpec (the implicit GEMM),
+    with its arguments in buffer order."""
     from tilefuse.ir.kernel.conv import conv_spec
     from tilefuse.ir.passes import PIPELINE
     # the builder as the conv is written: without conv_layouts, which would transpose an NHWC lhs
@@ -54,7 +54,7 @@ def conv_kernel(f, args):
     pos = {v.id: i for i, v in enumerate(g.invars)}
     for r in partition(g):
         for lk in lower_region(r):
-            if lk.kernel.meta.get("kind") == "conv":
+            if lk.kernel.meta.get("kind") in ("conv", "fused_conv"):
                 k = lk.kernel
                 ins = [np.ascontiguousarray(args[pos[v.id]]).reshape(-1) for v in lk.args[:k.n_inputs]]
                 return k, conv_spec(k), ins
@@ -81,4 +81,8 @@ CONV_CASES = {
     "3-D": (_conv(window_strides=(1, 1, 2), padding=((0, 0), (1, 1), (1, 0))), [u(1, 2, 3, 4, 6), u(3, 2, 2, 2, 3)]),
     "bfloat16": (_conv(window_strides=(1, 1), padding=((1, 1), (1, 1))),
                  [u(1, 3, 5, 6, dtype=tx.bfloat16), u(4, 3, 3, 3, dtype=tx.bfloat16)]),
+    # fused_conv: a bias per output feature (one value per GEMM row, per group) and a residual
+    "epilogue, groups": (lambda x, w, b, r: nn.relu(_conv(window_strides=(1, 1), padding=((1, 1), (1, 1)),
+                                                          feature_group_count=2)(x, w) + b[None, :, None, None]) + r,
+                         [u(2, 4, 5, 6), u(6, 2, 3, 3), u(6), u(2, 6, 5, 6)]),
 }

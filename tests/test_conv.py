@@ -113,8 +113,9 @@ def test_the_implicit_gemm_runs_convolutions_their_gradients_and_vmap(device, rn
         assert_close(g, r, np.float32, rtol=2e-4, atol=2e-4 * float(np.abs(r).max()))
     if device.backend.tile_kernels:
         impls = [(l.kind, l.impl) for l in tx.jit(f, device=device).lower(x, w, xs, ws).compile().program.launches
-                 if l.kind == "conv"]
+                 if l.kind in ("conv", "fused_conv")]
         assert len(impls) == 7 and {i for _, i in impls} == {"tile_gemm"}, impls
+        assert ("fused_conv", "tile_gemm") in impls, impls  # tanh(y), y * 2 * ...: epilogues
 
 
 def test_nhwc_convolutions_run_as_the_implicit_gemm_in_rows_it_reads_whole(device, rng):
@@ -138,6 +139,53 @@ def test_nhwc_convolutions_run_as_the_implicit_gemm_in_rows_it_reads_whole(devic
         assert ls[-1] == 3 and tuple(os_[2:]) == (2, 3), e.params["dimension_numbers"]
 
 
+def _fused_convs(fn, *args):
+    return [e for e in run_passes(tx.make_graph(fn)(*args)).eqns if e.prim in (P.conv, P.fused_conv)]
+
+
+def test_a_convolution_and_its_epilogue_are_one_kernel(device, rng):
+    """ResNet's block: conv + bias per channel (b[None, :, None, None] or a reshape) + relu + the
+    residual is one fused_conv whose extras are the bias vector and the residual, on every device
+    against float64; NHWC's bias (along the last axis) too. A broadcast along another axis
+    (a per-row value) is not a per-feature vector: it stays out of the epilogue."""
+    x = (rng.standard_normal((2, 8, 12, 12)) * np.exp(rng.uniform(-3, 3, (2, 8, 12, 12)))).astype(np.float32)
+    w = (rng.standard_normal((16, 8, 3, 3)) / 8).astype(np.float32)
+    b, r = rng.standard_normal(16).astype(np.float32), rng.standard_normal((2, 16, 12, 12)).astype(np.float32)
+    row = rng.standard_normal(12).astype(np.float32)
+    xh, wh = np.transpose(x, (0, 2, 3, 1)).copy(), np.transpose(w, (2, 3, 1, 0)).copy()
+
+    def block(x, w, b, r):
+        return tnp.maximum(nn.conv2d(x, w, padding=1) + b[None, :, None, None], 0) + r
+
+    def reshaped_bias(x, w, b):
+        return tnp.tanh(nn.conv2d(x, w, padding=1) + tnp.reshape(b, (1, 16, 1, 1)))
+
+    def nhwc(x, w, b):
+        y = tx.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return tnp.maximum(y + b, 0)
+
+    def per_row(x, w, row):
+        return nn.conv2d(x, w, padding=1) * row[None, None, :, None]
+
+    for fn, args, n_extras in ((block, (x, w, b, r), 2), (reshaped_bias, (x, w, b), 1)):
+        (e,) = _fused_convs(fn, *args)
+        assert e.prim is P.fused_conv and len(e.inputs) == 2 + n_extras, e
+        assert e.inputs[2].aval.shape == (16,), e  # the bias as a vector, not broadcast out
+    (e,) = _fused_convs(per_row, x, w, row)
+    assert e.prim is P.conv, e
+
+    want = np.maximum(np_conv2d(x, w, padding=((1, 1), (1, 1))) + b[None, :, None, None], 0)
+    got = tx.jit(lambda *a: (block(*a), reshaped_bias(*a[:3]), nhwc(xh, wh, b), per_row(x, w, row)),
+                 device=device)(x, w, b, r)
+    scale = float(np.abs(want).max())
+    assert_close(got[0], want + r, np.float32, rtol=1e-4, atol=1e-5 * scale)
+    assert_close(got[1], np.tanh(np_conv2d(x, w, padding=((1, 1), (1, 1))) + b[None, :, None, None]),
+                 np.float32, rtol=1e-4, atol=1e-5 * scale)
+    assert_close(got[2], np.transpose(want, (0, 2, 3, 1)), np.float32, rtol=1e-4, atol=1e-5 * scale)
+    assert_close(got[3], np_conv2d(x, w, padding=((1, 1), (1, 1))) * row[None, None, :, None], np.float32,
+                 rtol=1e-4, atol=1e-5 * scale * float(np.abs(row).max()))
+
+
 def test_conv_is_one_primitive_and_its_gradients_are_convolutions():
     """conv2d binds one conv; grad gives two more (the input's and the filter's cotangents), and
     no im2col: the implicit GEMM reads the windows where they lie."""
@@ -147,7 +195,8 @@ def test_conv_is_one_primitive_and_its_gradients_are_convolutions():
         return nn.conv2d(x, w, stride=2, padding=1, groups=2)
     for fn, n_convs in ((f, 1), (tx.grad(lambda x, w: tnp.sum(f(x, w) ** 2), argnums=(0, 1)), 3)):
         kinds = [r.kind for r in partition(run_passes(tx.make_graph(fn)(x, w)))]
-        assert kinds.count("conv") == n_convs and "concatenate" not in kinds and "dot_general" not in kinds, kinds
+        convs = kinds.count("conv") + kinds.count("fused_conv")  # y * 2: the forward's epilogue under grad
+        assert convs == n_convs and "concatenate" not in kinds and "dot_general" not in kinds, kinds
 
 
 def test_the_composite_reads_the_windows_in_place():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import dtypes
-from ..primitives import conv_dims
+from ..primitives import conv_dims, conv_params
 from .ir import INDEX, KExpr, binary, cast, const, select, unary
 from .lower import iadd, idiv, imod, imul, strides as row_major
 from .matmul import MatmulLayout
@@ -216,6 +216,10 @@ class ConvView:
         return (If(one_row, in_row), If(_not(one_row), (store(spread),)))
 
     # -- C: the output --------------------------------------------------------------------------
+    def feature(self, z, row) -> KExpr:
+        """The output feature of GEMM row `row` in batch z (a vector extra's index)."""
+        return iadd(imul(self._split_z(z)[1], self.out_feats), row)
+
     def c_offset(self, z, row, col) -> KExpr:
         image, group = self._split_z(z)
         base = imul(iadd(imul(group, self.out_feats), row), self.y_strides[1])
@@ -236,8 +240,8 @@ def _contiguous(strides, extents) -> bool:
 def view_of(eqn) -> ConvView | None:
     """The implicit GEMM of a conv equation, or None where its output's positions are not
     contiguous (the decomposition runs) or it is empty."""
-    p = eqn.params
-    x, w = (a.aval for a in eqn.inputs)
+    p = conv_params(eqn.params)
+    x, w = (a.aval for a in eqn.inputs[:2])
     y = eqn.outputs[0].aval
     ls, rs, os_ = p["dimension_numbers"]
     n, c, in_sp, o, i, k_sp, out_sp = conv_dims(x.shape, w.shape, **p)
@@ -257,12 +261,16 @@ def view_of(eqn) -> ConvView | None:
 
 
 def conv_spec(kernel):
-    """The GemmSpec of a conv kernel (buffers: lhs, rhs, output), or None (view_of)."""
+    """The GemmSpec of a conv or fused_conv kernel (buffers: lhs, rhs, the epilogue's extras, the
+    output), or None (view_of)."""
     from .gemm import GemmSpec
     eqns = kernel.meta.get("eqns", ())
-    if len(eqns) != 1 or eqns[0].prim.name != "conv":
+    if len(eqns) != 1 or eqns[0].prim.name not in ("conv", "fused_conv"):
         return None
-    v = view_of(eqns[0])
+    e = eqns[0]
+    v = view_of(e)
     if v is None:
         return None
-    return GemmSpec(v.layout(), np.dtype(eqns[0].outputs[0].aval.dtype), None, 1, 0, (), 2, conv=v)
+    out = e.outputs[0].aval
+    extras = tuple((i, x.aval.shape == out.shape) for i, x in enumerate(e.inputs[2:], start=2))
+    return GemmSpec(v.layout(), np.dtype(out.dtype), e.params.get("epilogue"), 1, 0, extras, len(e.inputs), conv=v)

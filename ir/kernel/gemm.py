@@ -38,7 +38,8 @@ class GemmSpec:
     epilogue: object       # a ScalarFn of (product, *extras), or None
     a: int                 # buffer numbers in the kernel
     b: int
-    extras: tuple          # per extra: (buffer number, whether it has C's shape (else a row along n))
+    extras: tuple          # per extra: (buffer number, whether it has C's shape (else a row along n;
+    #                        a conv's: a vector along its output features, the GEMM's rows))
     c: int
     conv: object = None    # a conv.ConvView: B is its patch matrix, read through the lhs (implicit GEMM)
 
@@ -366,10 +367,13 @@ class _Gemm:
         """The value stored at C[z, row, col .. col+lanes): the epilogue of the product."""
         if self.s.epilogue is None:
             return cast(acc, self.s.out_dtype)
-        lay, xs = self.lay, []
+        lay, xs, conv = self.lay, [], self.s.conv
         for buf, full in self.s.extras:
-            off = _add(_mul(z, self.mn), _mul(row, lay.n), col) if full else col
             dt = np.dtype(self.bufs[buf].dtype)
+            if conv is not None and not full:  # a conv's vector extra: one value per output feature
+                xs.append(broadcast(_fp(tload(buf, conv.feature(z, row), dt)), lanes))
+                continue
+            off = self.c_offset(z, row, col) if full else col
             xs.append(_fp(vload(buf, off, dt, lanes) if lanes > 1 else tload(buf, off, dt)))
         return cast(epilogue_expr(self.s.epilogue, [acc, *xs]), self.s.out_dtype)
 

@@ -640,6 +640,7 @@ REGION_RULES: dict[str, Callable] = {
     "fused_attention_stats": _lower_template,
     "fused_attention_bwd": _lower_template,
     "conv": _lower_template,
+    "fused_conv": _lower_template,
     "scatter_add": _lower_scatter_add,
     "concatenate": _lower_concatenate,
     "pad": _lower_pad,

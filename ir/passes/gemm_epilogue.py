@@ -1,5 +1,7 @@
-"""GEMM epilogue fusion: a dot_general and the elementwise computation that follows it become one
-fused_gemm, whose epilogue runs on the output tile while it is in registers or cache.
+"""GEMM epilogue fusion: a dot_general (a conv) and the elementwise computation that follows it become
+one fused_gemm (fused_conv), whose epilogue runs on the output tile while it is in registers or
+cache. A convolution's vector extras lie along its output features (a bias per channel), a
+dot_general's along its last axis.
 
 The decision is structural: from each dot_general the pass collects the elementwise equations
 whose operands are the product, values computed from it here, scalars (literals, uniform
@@ -81,8 +83,8 @@ class _Graph:
 class _Epilogue:
     """The candidate epilogue of one product y: its equations and how each operand is read."""
 
-    def __init__(self, G: _Graph, y: Var):
-        self.G, self.y = G, y
+    def __init__(self, G: _Graph, y: Var, axis: int):
+        self.G, self.y, self.axis = G, y, axis  # axis: where a vector extra lies (a GEMM's columns, a conv's features)
         self.below = G.descendants(y)
         self.shape, self.dtype = y.aval.shape, np.dtype(y.aval.dtype)
 
@@ -93,15 +95,29 @@ class _Epilogue:
         p = self.G.producer.get(a.id)
         if p is not None and p.prim is P.broadcast_in_dim:
             x = p.inputs[0]
-            if isinstance(x, Var) and x.aval.shape == self.shape[-1:] and \
-                    p.params["broadcast_dimensions"] == (len(self.shape) - 1,) and x.aval.dtype == self.dtype:
-                return x  # a row vector along the output's last axis (a bias)
-            return None  # a broadcast along other axes: fusing it would write it out whole
+            if isinstance(x, Var) and x.aval.shape == self.shape[self.axis:self.axis + 1] and \
+                    p.params["broadcast_dimensions"] == (self.axis,) and x.aval.dtype == self.dtype:
+                return x  # a vector along the output's columns or features (a bias)
+            return self._unit_axes_vector(x, p.params["broadcast_dimensions"])
         if a.aval.shape != self.shape:
             return None
         if p is not None and p.prim.elementwise and a.id not in self.G.outputs and a.id not in self.G.fused:
             return None  # an elementwise value is not written out unless needed: recompute it (_side)
         return a
+
+    def _unit_axes_vector(self, x, dims) -> Var | None:
+        """The vector v when x = reshape(v) holds it along the output's vector axis between unit
+        axes (a conv's bias as b[None, :, None, None]); else None (a broadcast along other axes:
+        fusing it would write it out whole)."""
+        want = self.shape[self.axis]
+        if not isinstance(x, Var) or x.aval.dtype != self.dtype or \
+                [n for n in x.aval.shape if n != 1] != [want] or dims[x.aval.shape.index(want)] != self.axis:
+            return None
+        r = self.G.producer.get(x.id)
+        v = r.inputs[0] if r is not None and r.prim is P.reshape else None
+        if not isinstance(v, Var) or v.aval.shape != (want,) or v.id in self.below:
+            return None
+        return v
 
     def _fusible(self, e: Eqn, gone: set) -> bool:
         return id(e) not in gone and e.prim.elementwise and not e.prim.effectful and \
@@ -193,20 +209,32 @@ class _Epilogue:
         return P.ScalarFn(Graph((), tuple(ins), tuple(body), (env[eqns[-1].outputs[0].id],))), extras
 
 
-def _fuse_from(G: _Graph, dot: Eqn, gone: set):
-    """The fused_gemm replacing dot and its epilogue, and the equations it consumes (the dot and
-    those computed from its product; none that an earlier rewrite took: `gone`). Equations the
-    epilogue recomputes from other values stay for their other readers (dce drops the rest)."""
-    ep = _Epilogue(G, dot.outputs[0])
+def _vector_axis(eqn: Eqn) -> int:
+    """The output axis a product's vector extras lie along: a GEMM's last (columns), a conv's features."""
+    if eqn.prim is P.conv:
+        return eqn.params["dimension_numbers"][2][1]
+    return eqn.outputs[0].aval.ndim - 1
+
+
+def _fuse_from(G: _Graph, prod: Eqn, gone: set):
+    """The fused_gemm (or fused_conv) replacing a dot_general (conv) and its epilogue, and the
+    equations it consumes (the product and those computed from it; none that an earlier rewrite
+    took: `gone`). Equations the epilogue recomputes from other values stay for their other
+    readers (dce drops the rest)."""
+    ep = _Epilogue(G, prod.outputs[0], _vector_axis(prod))
     found = ep.best(gone)
     if found is None:
         return None
     eqns, sink = found
     fn, extras = ep.scalar_fn(eqns)
-    params = {"dimension_numbers": dot.params["dimension_numbers"],
-              "preferred_element_type": dot.params.get("preferred_element_type"), "epilogue": fn}
-    fused = Eqn(P.fused_gemm, tuple(dot.inputs[:2]) + tuple(extras), (sink,), params, dot.source)
-    return fused, [dot] + [e for e in eqns if e.outputs[0].id in ep.below]
+    if prod.prim is P.conv:
+        prim, params = P.fused_conv, {**prod.params, "epilogue": fn}
+    else:
+        prim = P.fused_gemm
+        params = {"dimension_numbers": prod.params["dimension_numbers"],
+                  "preferred_element_type": prod.params.get("preferred_element_type"), "epilogue": fn}
+    fused = Eqn(prim, tuple(prod.inputs[:2]) + tuple(extras), (sink,), params, prod.source)
+    return fused, [prod] + [e for e in eqns if e.outputs[0].id in ep.below]
 
 
 def fuse_gemm_epilogues(graph: Graph) -> Graph:
@@ -214,7 +242,7 @@ def fuse_gemm_epilogues(graph: Graph) -> Graph:
     replaced: dict[int, Eqn] = {}  # id of an epilogue's last equation -> the fused equation
     gone: set[int] = set()
     for e in graph.eqns:
-        if e.prim is not P.dot_general or id(e) in gone or \
+        if e.prim not in (P.dot_general, P.conv) or id(e) in gone or \
                 np.dtype(e.outputs[0].aval.dtype).name not in FUSIBLE_DTYPES:
             continue
         r = _fuse_from(G, e, gone)
@@ -233,12 +261,12 @@ def fuse_gemm_epilogues(graph: Graph) -> Graph:
 # ---- the way back: a fused_gemm as dot_general and ordinary elementwise equations ---------------
 
 def unfused_graph(eqn: Eqn) -> Graph:
-    """A graph computing `eqn` (a fused_gemm) with dot_general and its epilogue's equations over
-    the same input and output variables: for a device whose GEMM takes no epilogue, and to check
-    the fused result against."""
+    """A graph computing `eqn` (a fused_gemm or fused_conv) with dot_general (conv) and its
+    epilogue's equations over the same input and output variables: for a device whose GEMM takes
+    no epilogue, and to check the fused result against."""
     lhs, rhs, *extras = eqn.inputs
     out = eqn.outputs[0]
-    shape, ndim = out.aval.shape, out.aval.ndim
+    shape = out.aval.shape
     eqns = []
 
     def emit(prim, *ins, **params):
@@ -246,10 +274,15 @@ def unfused_graph(eqn: Eqn) -> Graph:
         eqns.append(e)
         return o
     fn: P.ScalarFn = eqn.params["epilogue"]
-    y = emit(P.dot_general, lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
-             preferred_element_type=eqn.params["preferred_element_type"])
+    if eqn.prim is P.fused_conv:
+        y = emit(P.conv, lhs, rhs, **P.conv_params(eqn.params))
+        axis = eqn.params["dimension_numbers"][2][1]
+    else:
+        y = emit(P.dot_general, lhs, rhs, dimension_numbers=eqn.params["dimension_numbers"],
+                 preferred_element_type=eqn.params["preferred_element_type"])
+        axis = out.aval.ndim - 1
     full = [x if x.aval.shape == shape else
-            emit(P.broadcast_in_dim, x, shape=shape, broadcast_dimensions=(ndim - 1,)) for x in extras]
+            emit(P.broadcast_in_dim, x, shape=shape, broadcast_dimensions=(axis,)) for x in extras]
     env = {v.id: a for v, a in zip(fn.graph.invars, [y, *full])}
     for e in fn.graph.eqns:
         ins = [env[a.id] if isinstance(a, Var) else

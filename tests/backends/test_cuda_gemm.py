@@ -185,7 +185,7 @@ def compiled_convs(arch: str) -> dict:
     for name, (fn, args) in CONV_ON_GPU.items():
         prog = tx.jit(fn).lower(*args, device=offline_device(arch)).compile().program
         for launch in prog.launches:
-            if launch.kind == "conv":
+            if launch.kind in ("conv", "fused_conv"):
                 out[f"{name} {launch.name}"] = launch.impl, prog.sources()[f"{launch.name}.cuda"]
     return out
 
@@ -206,7 +206,7 @@ def test_convolutions_assemble_with_ptxas(arch):
 
 
 @pytest.mark.parametrize("case", ["3x3 padded", "strided, dilated, groups", "lhs dilated, batch groups, crop",
-                                  "images in columns", "bfloat16"])
+                                  "images in columns", "bfloat16", "epilogue, groups"])
 def test_the_implicit_gemm_computes_convolutions_in_a_ptx_interpreter(case):
     from gemm_cases import CONV_CASES, conv_kernel
     f, args = CONV_CASES[case]

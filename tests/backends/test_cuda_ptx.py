@@ -167,7 +167,7 @@ ALL = {**TABLE, **PROGRAMS}
 # whole primitives: the shared FlashAttention's PTX is checked in test_cuda_attention.py, the
 # implicit GEMM's (conv) in test_cuda_gemm.py, and where they do not apply they run as the kernels
 # of their decomposition (covered above)
-COMPOSITES = {"fused_attention", "fused_attention_stats", "fused_attention_bwd", "conv"}
+COMPOSITES = {"fused_attention", "fused_attention_stats", "fused_attention_bwd", "conv", "fused_conv"}
 # numpy on the host on every device (runtime/host.py): no kernel to render; tests/test_linalg.py
 COMPOSITES |= {p.name for p in P.HOST_PRIMITIVES}
 INLINED = {"tile_call", "custom_vjp_call", "custom_jvp_call"}  # replaced by its body before lowering (ir/passes/inline.py)

@@ -178,7 +178,7 @@ HOST_ONLY = {"debug_print"}
 # tile_op calls are inlined before fusion, never lowered (tests/test_tile_op.py)
 INLINED = {"tile_op", "custom_vjp_call", "custom_jvp_call"}
 TEMPLATES = {"fused_attention", "fused_attention_stats", "fused_attention_bwd",  # taken whole by implementations:
-             "conv"}  # tests/test_attention.py, tests/test_conv.py
+             "conv", "fused_conv"}  # tests/test_attention.py, tests/test_conv.py
 # numpy on the host behind the dispatcher (runtime/host.py): tests/test_linalg.py, tests/ir/test_primitives.py
 TEMPLATES |= {p.name for p in HOST_PRIMITIVES}
 CONTROL = {"cond", "while", "scan"}  # steps that run their bodies' programs (runtime/control_flow.py): tests/test_lax.py

@@ -274,6 +274,26 @@ def _conv(name, xs, ws, **params):
               tol={F32: (1e-5, 3e-5), F16: (1e-2, 5e-2), BF16: (3e-2, 2e-1)})
 
 
+def _fused_conv(name, xs, ws, dtype, **params):
+    """A convolution with its epilogue: max(y + b, 0) + r, b a bias per output feature and r a
+    residual of the output's shape, the epilogue written out in numpy after the definition."""
+    conv = _conv(name, xs, ws, **params)
+    full = conv.params
+    os_ = full["dimension_numbers"][2]
+    y_shape = _conv_ref(np.zeros(xs, F32), np.zeros(ws, F32), **full).shape
+    feats = y_shape[os_[1]]
+
+    def ref(x, w, b, r):
+        f = lambda a: a.astype(np.float32)  # noqa: E731
+        y = _conv_ref(x, w, **full).astype(np.float32)
+        return (np.maximum(y + P.per_feature(f(b), y.shape, os_[1]), 0) + f(r)).astype(x.dtype)
+    return Op(f"fused_conv-{name}", P.fused_conv,
+              lambda r, s, d: [_rand(r, xs, d), _rand(r, ws, d), _rand(r, (feats,), d), _rand(r, y_shape, d)],
+              ref, (dtype,), shapes=[None],
+              params=dict(full, epilogue=epilogue_fn(lambda y, b, r: tx.numpy.maximum(y + b, 0) + r, 3, dtype)),
+              tol=conv.tol)
+
+
 def _gather(shape, ishape, axis):
     def args(r, s, d):
         n = shape[axis]
@@ -439,6 +459,10 @@ OPS = [
     _conv("1d-lhs-dilated-crop", (2, 3, 9), (4, 3, 3), padding=((2, -1),), lhs_dilation=(2,)),
     _conv("batch-groups", (4, 3, 6, 5), (6, 3, 2, 2), window_strides=(1, 2), batch_group_count=2),
     _conv("empty-out", (1, 2, 2, 2), (3, 2, 3, 3)),
+    _fused_conv("nchw-s2-g2", (2, 4, 9, 8), (6, 2, 3, 3), F32, window_strides=(2, 1), padding=((1, 1), (0, 2)),
+                feature_group_count=2),
+    _fused_conv("nhwc-hwio", (2, 7, 6, 3), (3, 3, 3, 5), BF16, padding=((1, 1), (1, 1)),
+                dimension_numbers=((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))),
     _gather((5, 3), (4,), 0),
     _gather((5, 3), (2, 2), 1),
     _gather((5,), (), 0),
