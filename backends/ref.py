@@ -39,10 +39,13 @@ class RefBackend(Backend):
 
     def apply_primitive(self, prim, params, buffers, device=None):
         prof = profiler.active
-        with _numpy_memory(device):
+        try:  # (not _numpy_memory: every eager operation comes here, and a `with` costs more)
             if prof is not None:
                 return prof.call(device, prim, params, lambda: prim.impl(*buffers, **params), buffers)
             return prim.impl(*buffers, **params)
+        except MemoryError as e:
+            _numpy_memory(device).__exit__(type(e), e, None)
+            raise
 
 
 class _numpy_memory:

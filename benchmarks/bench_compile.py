@@ -312,7 +312,7 @@ PHASES = [  # (label, module, attribute)
     ("    parallel builds (workers)", "tilefuse.backends.llvm.parallel", "build_objects"),
     ("      start of workers", "tilefuse.backends.llvm.parallel._Worker", "__init__"),
     ("    kernel builds (dispatch)", "tilefuse.runtime.dispatch", "compile_kernel"),
-    ("      render LLVM IR", "tilefuse.backends.llvm.compile", "render_ir"),
+    ("      render LLVM IR", "tilefuse.backends.llvm.compile", "llvm_text"),
     ("      LLVM parse+opt+codegen", "tilefuse.backends.llvm.compile.Target", "compile_ir"),
     ("        LLVM optimisation", "tilefuse.backends.llvm.compile.Target", "optimize"),
     ("      link (JIT)", "tilefuse.backends.llvm.compile.Target", "load"),
@@ -460,7 +460,9 @@ def main():
                     shutil.rmtree(cache, ignore_errors=True)
                     os.makedirs(cache)
                     b = run(["--worker", prog, fw, "--breakdown"], cache)
-                    if "error" not in b:
+                    if "error" in b:
+                        print(f"{prog}: the breakdown failed: {b['error']}", file=sys.stderr)
+                    else:
                         breakdowns.append((prog, b))
             finally:
                 shutil.rmtree(cache, ignore_errors=True)

@@ -1,6 +1,8 @@
 """Dispatch overhead: a jitted `x + 1` on 8 float32s, microseconds per call over 10,000 calls,
 against numpy, and JAX / PyTorch (eager and compiled) when installed. The cache-hit path
-(flatten, key, lookup, launch) is what is measured."""
+(flatten, key, lookup, launch) is what is measured. And one operation outside jit, `x * x` on
+Arrays (eager: what grad without jit and notebook cells run, op by op), against PyTorch eager
+and JAX's op-by-op dispatch."""
 from __future__ import annotations
 
 import os
@@ -40,10 +42,12 @@ def main():
         if dev.kind in ("cpu", "ref"):
             with_dev = tx.jit(lambda a: a + 1, device=dev)
             rows.append((f"tilefuse jit ({dev}, numpy in)", per_call_us(with_dev, x)))
+        rows.append((f"tilefuse eager x * x ({dev})", per_call_us(lambda a: a * a, xd)))
     try:
         import torch
         xt = torch.ones(8)
         rows.append(("PyTorch eager", per_call_us(lambda a: a + 1, xt)))
+        rows.append(("PyTorch eager x * x", per_call_us(lambda a: a * a, xt)))
         try:
             ct = torch.compile(lambda a: a + 1)
             rows.append(("torch.compile", per_call_us(ct, xt)))
@@ -57,6 +61,7 @@ def main():
         jf = jax.jit(lambda a: a + 1)
         xj = jnp.ones(8)
         rows.append(("jax.jit", per_call_us(lambda a: jf(a).block_until_ready(), xj)))
+        rows.append(("JAX eager x * x", per_call_us(lambda a: (a * a).block_until_ready(), xj)))
     except ImportError:
         print("JAX not installed: skipped (pip install jax)")
     base = rows[0][1]

@@ -246,7 +246,7 @@ broadcast_in_dim = Primitive("broadcast_in_dim", _bcast_rule, _bcast_impl)
 
 
 def _reshape_rule(x, *, new_sizes):
-    if int(np.prod(new_sizes, dtype=np.int64)) != x.size or any(s < 0 for s in new_sizes):
+    if math.prod(new_sizes) != x.size or any(s < 0 for s in new_sizes):
         raise shape_error("reshape", f"cannot reshape to {tuple(new_sizes)}", x)
     return ShapedArray(tuple(new_sizes), x.dtype, x.weak_type)
 
@@ -356,7 +356,7 @@ def _pairwise_sum(x, axis):
     if x.dtype.kind != "f" or axis == tuple(range(x.ndim - len(axis), x.ndim)):
         return np.sum(x, axis=axis)
     keep = [a for a in range(x.ndim) if a not in axis]
-    n = int(np.prod([x.shape[a] for a in axis], dtype=np.int64))
+    n = math.prod(x.shape[a] for a in axis)
     rows = np.ascontiguousarray(np.transpose(x, keep + list(axis)))
     return np.sum(rows.reshape([x.shape[a] for a in keep] + [n]), axis=-1)
 
@@ -413,10 +413,10 @@ def _dot_impl(lhs, rhs, *, dimension_numbers, preferred_element_type=None):
     cd = dtypes.compute_dtype(lhs.dtype)
     l2 = np.transpose(lhs, (*lb, *lfree, *lc)).astype(cd, copy=False)
     r2 = np.transpose(rhs, (*rb, *rc, *rfree)).astype(cd, copy=False)
-    nb = int(np.prod([lhs.shape[i] for i in lb], dtype=np.int64))
-    m = int(np.prod([lhs.shape[i] for i in lfree], dtype=np.int64))
-    k = int(np.prod([lhs.shape[i] for i in lc], dtype=np.int64))
-    n = int(np.prod([rhs.shape[i] for i in rfree], dtype=np.int64))
+    nb = math.prod(lhs.shape[i] for i in lb)  # (math.prod: np.prod costs microseconds an eager matmul)
+    m = math.prod(lhs.shape[i] for i in lfree)
+    k = math.prod(lhs.shape[i] for i in lc)
+    n = math.prod(rhs.shape[i] for i in rfree)
     out = np.matmul(l2.reshape(nb, m, k), r2.reshape(nb, k, n))
     shape = [lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lfree] + [rhs.shape[i] for i in rfree]
     return out.reshape(shape).astype(preferred_element_type or lhs.dtype)

@@ -315,37 +315,49 @@ def apply_primitive(prim, values, params) -> list:
 def _apply_primitive(prim, values, params) -> list:
     dev = resolve_device(None, values)
     avals = tuple(aval_of_value(v) for v in values)
-    backend_apply = dev.backend.apply_primitive
-    if backend_apply is not None:
-        out_avals = prim.abstract_eval(*avals, **params)  # first: the shape rule names mistakes
-        bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]
-        return _results(backend_apply(prim, params, bufs, dev), out_avals, dev)
-    # (hashed once, by the lookup: a TypeError there is an unhashable parameter)
+    # (hashed once, by the lookup: a TypeError there is an unhashable parameter; a body traced
+    # anew each call, as with subgraphs, would never hit again)
     key = None if subgraphs(params) else (prim, tuple(sorted(params.items())), avals, dev)
-    try:  # (a body traced anew each call, as with subgraphs, would never hit again)
+    try:
         exe = _eager_cache.get(key) if key is not None else None
     except TypeError:
         key = exe = None
     if exe is None:
-        graph = one_equation_graph(prim, avals, params)
-        exe = INTERPRETED if tiered.interprets(graph, dev) else tiered.compile(graph, dev, eager=True)
-        if key is not None:
-            if hasattr(exe, "when_compiled"):
-                exe.when_compiled(lambda compiled: _swap_eager(key, exe, compiled))
-            with _eager_lock:
-                _eager_cache[key] = exe
-                while 0 < config.jit_cache_size < len(_eager_cache):
-                    _eager_cache.popitem(last=False)
-    elif exe is not INTERPRETED:  # (interpreted entries cost nothing to rebuild: no LRU order)
+        exe = _eager_entry(prim, avals, params, dev, key)
+    elif type(exe) is not Interpreted:  # (interpreted entries cost nothing to rebuild: no LRU order)
         try:
             _eager_cache.move_to_end(key)
         except KeyError:  # evicted meanwhile by another thread: this call still runs it
             pass
-    if exe is INTERPRETED:  # numpy on host views of the operands
-        out_avals = prim.abstract_eval(*avals, **params)
-        host = [v.numpy() if type(v) is Array else np.asarray(v, a.dtype) for v, a in zip(values, avals)]
-        return _results(_ref_backend().apply_primitive(prim, params, host, dev), out_avals, dev, dev.backend.put)
-    return exe(values)
+    if type(exe) is not Interpreted:
+        return exe(values)
+    backend_apply = dev.backend.apply_primitive
+    if backend_apply is not None:  # the device's own numpy (ref)
+        bufs = [dev.buffer_of(v, a) for v, a in zip(values, avals)]
+        return _results(backend_apply(prim, params, bufs, dev), exe.out_avals, dev)
+    # numpy on host views of the operands
+    host = [v.numpy() if type(v) is Array else np.asarray(v, a.dtype) for v, a in zip(values, avals)]
+    return _results(_ref_backend().apply_primitive(prim, params, host, dev), exe.out_avals, dev, dev.backend.put)
+
+
+def _eager_entry(prim, avals, params, dev, key):
+    """What an operation outside jit runs (cached under `key` where it has one): an Interpreted
+    entry (its results' avals, from the shape rule, which names a mistake first), or the
+    device's executable of the one-equation graph (tiered where that applies)."""
+    out_avals = prim.abstract_eval(*avals, **params)
+    if dev.backend.apply_primitive is not None:
+        exe = Interpreted(out_avals)
+    else:
+        graph = one_equation_graph(prim, avals, params, out_avals)
+        exe = Interpreted(out_avals) if tiered.interprets(graph, dev) else tiered.compile(graph, dev, eager=True)
+        if key is not None and hasattr(exe, "when_compiled"):
+            exe.when_compiled(lambda compiled: _swap_eager(key, exe, compiled))
+    if key is not None:
+        with _eager_lock:
+            _eager_cache[key] = exe
+            while 0 < config.jit_cache_size < len(_eager_cache):
+                _eager_cache.popitem(last=False)
+    return exe
 
 
 def _results(outs, avals, dev, put=None) -> list:
@@ -355,7 +367,13 @@ def _results(outs, avals, dev, put=None) -> list:
     return [Array(o if put is None else put(o, dev), a, dev) for o, a in zip(outs, avals)]
 
 
-INTERPRETED = "interpreted"  # an eager cache entry: the operation runs on the interpreter (tiered.interprets)
+class Interpreted:
+    """An eager cache entry: the operation runs on numpy (the ref device's own, or
+    tiered.interprets), its results' avals known from the first call's shape rule."""
+    __slots__ = ("out_avals",)
+
+    def __init__(self, out_avals):
+        self.out_avals = out_avals
 
 
 def _ref_backend():
@@ -368,9 +386,9 @@ def _swap_eager(key, tiered_exe, compiled) -> None:
             _eager_cache[key] = compiled
 
 
-def one_equation_graph(prim, avals, params) -> Graph:
+def one_equation_graph(prim, avals, params, out_avals=None) -> Graph:
     invars = tuple(Var(a) for a in avals)
-    outs = tuple(Var(a) for a in prim.abstract_eval(*avals, **params))
+    outs = tuple(Var(a) for a in (out_avals or prim.abstract_eval(*avals, **params)))
     return Graph((), invars, (Eqn(prim, invars, outs, params),), outs)
 
 

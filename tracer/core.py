@@ -164,9 +164,13 @@ class EvalTrace(Trace):
     pure = lift = staticmethod(lambda x: x)
 
     def process_primitive(self, prim, values, params):
-        if _eager_apply is None:
-            return prim.impl(*(np.asarray(v) for v in values), **params)
-        return _eager_apply(prim, values, params)
+        return _eval_primitive(prim, values, params)
+
+
+def _eval_primitive(prim, values, params) -> list:
+    if _eager_apply is None:
+        return prim.impl(*(np.asarray(v) for v in values), **params)
+    return _eager_apply(prim, values, params)
 
 
 _state = _TraceState()  # after EvalTrace: each thread's stack starts with it
@@ -213,7 +217,23 @@ def full_lower(val):
     return val.full_lower() if isinstance(val, Tracer) else val
 
 
+def is_eager(values) -> bool:
+    """Whether no transformation sees these values: operations on them run at once (eager)."""
+    if _state.dynamic is not None:
+        return False
+    for x in values:
+        if isinstance(x, Tracer):
+            return False
+    return True
+
+
 def bind(prim: Primitive, *args, **params) -> list:
+    if _state.dynamic is None and prim not in _CUSTOM:
+        for a in args:
+            if isinstance(a, Tracer):
+                break
+        else:  # no transformation sees these values: the bottom interpreter's (eager) fast path
+            return _eval_primitive(prim, list(args), params)
     trace = find_top_trace(args)
     tracers = [full_raise(trace, a) for a in args]
     if prim in _CUSTOM:  # a staged custom_vjp/custom_jvp function: its rule is the trace's again

@@ -18,7 +18,7 @@ from tilefuse.ir.errors import (ConcretizationError, DTypeError, OperandShapeErr
                                 is_internal, with_user_line)
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.device import default_device
-from tilefuse.tracer.core import Tracer, bind1, concrete_or_none, get_aval
+from tilefuse.tracer.core import Tracer, bind1, concrete_or_none, get_aval, is_eager
 
 
 
@@ -170,6 +170,8 @@ def broadcast_to(x, shape):
 
 def _broadcast_all(*xs, op: str | None = None):
     shape = broadcast_shapes(*(_aval(x).shape for x in xs), _op=op)
+    if is_eager(xs):  # a constant (x * 2.0) as numpy's broadcast view: no operation of its own
+        return [np.broadcast_to(x, shape) if isinstance(x, np.ndarray) else broadcast_to(x, shape) for x in xs]
     return [broadcast_to(x, shape) for x in xs]
 
 
@@ -182,16 +184,30 @@ def _wrap_result(x):
     return default_device().put(np.asarray(x), committed=False)
 
 
+def _as_is(x, to_float: bool):
+    """x's aval when x is an Array or a tracer that promotion would leave as it is (a float, or
+    any dtype where no float is asked for), else None: the operators' fast path, which skips the
+    general promotion and broadcasting (an eager operation's Python overhead is most of its time)."""
+    if type(x) is Array or isinstance(x, Tracer):
+        a = x.aval
+        if not to_float or a.dtype.kind == "f" or _dt.is_float(a.dtype):
+            return a
+    return None
+
+
 def _unary(prim, to_float=True, kinds=None):
     def f(x):
-        (x,) = _promote(x, to_float=to_float)
+        if _as_is(x, to_float) is None:
+            (x,) = _promote(x, to_float=to_float)
         return bind1(prim, x)
     return _named(f, prim.name)
 
 
 def _binary(prim, to_float=False, name=None):
     def f(x, y):
-        x, y = _broadcast_all(*_promote(x, y, to_float=to_float), op=f.__name__)
+        a, b = _as_is(x, to_float), _as_is(y, to_float)
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:  # (equal: nothing to do)
+            x, y = _broadcast_all(*_promote(x, y, to_float=to_float), op=f.__name__)
         return bind1(prim, x, y)
     return _named(f, name or prim.name)
 
