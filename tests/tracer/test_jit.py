@@ -54,6 +54,33 @@ def test_python_scalars_are_weak_and_share_a_trace():
     assert f(x, np.float32(2)).dtype == np.float32  # a numpy scalar is a strong 0-d array
 
 
+def test_operations_outside_jit_give_what_jit_gives(device):
+    """Eager operators take a fast path where operands need no promotion or broadcasting, and
+    broadcast numpy constants as views: the values, dtypes and weak types are jit's, for
+    Arrays, weak Python scalars (arguments too), numpy constants, broadcasting and int-to-float
+    promotion."""
+    f32 = tx.device_put(np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4), device)
+    weak = 1.5  # a Python scalar: weak (jit traces it as a weak 0-d argument)
+    i32 = tx.device_put(np.arange(12, dtype=np.int32).reshape(3, 4), device)
+    col = tx.device_put(np.arange(3, dtype=np.float32).reshape(3, 1), device)
+    cases = {
+        "same shapes": lambda a, w, i, c: a * a - a,
+        "unary": lambda a, w, i, c: tnp.tanh(a) + tnp.exp(-a),
+        "python scalars": lambda a, w, i, c: (a * 2.0, 3 - a, i * 2, i / 2),
+        "numpy scalar constant": lambda a, w, i, c: a * np.float32(2) + np.arange(4, dtype=np.float32),
+        "broadcast": lambda a, w, i, c: (a + c, c * a),
+        "promotion": lambda a, w, i, c: (a + i, tnp.sqrt(i), i + i),
+        "weak operands": lambda a, w, i, c: (w + a, i * w, tnp.maximum(a, w)),
+        "float16 with a scalar": lambda a, w, i, c: a.astype(np.float16) * 2.0,
+    }
+    for name, fn in cases.items():
+        eager = tx.tree_util.tree_leaves(fn(f32, weak, i32, col))
+        jitted = tx.tree_util.tree_leaves(tx.jit(fn)(f32, weak, i32, col))
+        for e, j in zip(eager, jitted):
+            assert (e.shape, e.dtype, e.weak_type) == (j.shape, j.dtype, j.weak_type), (name, e, j)
+            np.testing.assert_allclose(np.asarray(e, np.float64), np.asarray(j, np.float64), rtol=1e-6, err_msg=name)
+
+
 def test_pytree_arguments_and_outputs():
     @tx.jit
     def f(params, xs, opt=None):
