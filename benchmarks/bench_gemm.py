@@ -10,7 +10,8 @@ Rows: float32 squares, the transformer example's GEMMs (examples/train_transform
 seq 64, d_model 128, so M = 2048: the fused QKV projection, the attention output, the MLP, the
 head, and a weight gradient xᵀ·dy read transposed in place), one with a fused bias + GELU
 epilogue (numpy computes the same expression unfused), a batched q·kᵀ (128 products of 64 x 64 x 32,
-B read transposed), and bfloat16 inputs at N = 1024. The target: the generated kernel at N = 1024
+B read transposed), a weight applied to a batch of matrices (einsum 'ok,nkp->nop'), and bfloat16
+inputs at N = 1024. The target: the generated kernel at N = 1024
 reaches >= 80% of numpy's BLAS in the same run."""
 from __future__ import annotations
 
@@ -65,20 +66,22 @@ def _opencl() -> str | None:
         return None
 
 
-def _others(a, b, transposed: bool):
-    """PyTorch and JAX matmuls where importable: name -> timed callable."""
+def _others(a, b, transposed: bool, spec=None):
+    """PyTorch and JAX matmuls (einsums: `spec`) where importable: name -> timed callable."""
     out = {}
     try:
         import torch
         ta, tb = torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(b)
-        out["torch"] = (lambda: ta.T @ tb) if transposed else (lambda: ta @ tb)
+        out["torch"] = (lambda: torch.einsum(spec, ta, tb)) if spec else \
+            (lambda: ta.T @ tb) if transposed else (lambda: ta @ tb)
     except ImportError:
         pass
     try:
         import jax
         import jax.numpy as jnp
         ja, jb = jnp.asarray(a), jnp.asarray(b)
-        f = jax.jit((lambda x, y: x.T @ y) if transposed else (lambda x, y: x @ y))
+        f = jax.jit((lambda x, y: jnp.einsum(spec, x, y)) if spec else
+                    (lambda x, y: x.T @ y) if transposed else (lambda x, y: x @ y))
         out["jax"] = lambda: f(ja, jb).block_until_ready()
     except ImportError:
         pass
@@ -86,9 +89,9 @@ def _others(a, b, transposed: bool):
 
 
 def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, repeat=10,
-             clock=time.perf_counter, modes=("generated", "vendor"), others=True, batch=1):
+             clock=time.perf_counter, modes=("generated", "vendor"), others=True, batch=1, spec=None):
     """batch > 1: a batched product of (batch, m, k) and (batch, n, k) read transposed, the
-    attention scores' q·kᵀ."""
+    attention scores' q·kᵀ; or, with an einsum `spec`, of (m, k) and (batch, k, n)."""
     import tilefuse.numpy as tnp
     from tilefuse import nn
     rng = np.random.default_rng(0)
@@ -96,10 +99,15 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
     b = rng.standard_normal((k, n)).astype(dtype)
     bias = rng.standard_normal(n).astype(dtype)
     flops = 2 * batch * m * n * k
-    if batch > 1:
+    if batch > 1 and spec is None:
         a = rng.standard_normal((batch, m, k)).astype(dtype)
         b = rng.standard_normal((batch, n, k)).astype(dtype)
-    if epilogue:
+    if spec is not None:
+        b = rng.standard_normal((batch, k, n)).astype(dtype)
+        fn = lambda x, y: tnp.einsum(spec, x, y)
+        args = (a, b)
+        numpy_fn = lambda: np.einsum(spec, a, b, optimize=True)
+    elif epilogue:
         fn = lambda x, w, c: nn.gelu(tnp.matmul(x, w) + c)
         args = (a, b, bias)
         numpy_fn = lambda: _gelu_np(a @ b + bias)
@@ -118,8 +126,8 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
         fns[mode], impls[mode] = _tilefuse(mode, fn, args)
     if others and _opencl() and dtype == np.float32:  # the OpenCL template (PoCL: the same two cores)
         fns["opencl"], impls["opencl"] = _tilefuse("auto", fn, args, _opencl())
-    if others and dtype == np.float32 and not epilogue and batch == 1:
-        fns.update(_others(a, b, transposed))
+    if others and dtype == np.float32 and not epilogue and (batch == 1 or spec):
+        fns.update(_others(a, b, transposed, spec))
     times = interleaved(fns, repeat, clock)
     return {who: flops / t / 1e9 for who, t in times.items()}, impls
 
@@ -178,13 +186,17 @@ def main():
         cases += [(nm, m, n, k, t, np.float32, False) for nm, m, n, k, t in TRANSFORMER]
         cases.append(("gelu(x@W+b) (2048x128)@(128x512)", 2048, 512, 128, False, np.float32, True))
         cases.append(("batched 128x(64x32)@(32x64)ᵀ", 64, 64, 32, False, np.float32, False, 128))
+        # a weight on a batch of matrices: no strided GEMM reads the rhs as it lies (dot_layouts)
+        cases.append(("einsum ok,nkp->nop 8x(64x576)@(576x1024)", 64, 1024, 576, False, np.float32, False, 8,
+                      "ok,nkp->nop"))
     import ml_dtypes
     cases.append(("square 1024 bf16", 1024, 1024, 1024, False, np.dtype(ml_dtypes.bfloat16), False))
 
     rows, others = [], set()
-    for name, m, n, k, t, d, epi, *batch in cases:
+    for name, m, n, k, t, d, epi, *extra in cases:
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
-        g, impls = run_case(name, m, n, k, t, d, epi, args.repeat, clock, batch=batch[0] if batch else 1)
+        batch, spec = (list(extra) + [1, None][len(extra):])[:2]
+        g, impls = run_case(name, m, n, k, t, d, epi, args.repeat, clock, batch=batch, spec=spec)
         others |= set(g) - {"numpy", "generated", "vendor"}
         who = ("generated", "vendor", "opencl", "torch", "jax")
         rows.append([name, f"{g['numpy']:.0f}", *(_cell(g, w) for w in who)])

@@ -4,12 +4,11 @@ epilogue as one fused elementwise kernel. The generic kernel IR would run the wh
 as one loop nest: slower than the tiled GEMM the rewrite replaced."""
 from __future__ import annotations
 
-from tilefuse.ir.kernel.matmul import matmul_layout
+from tilefuse.ir.kernel.matmul import MIN_FLOPS, matmul_layout
 from tilefuse.ir.passes.gemm_epilogue import unfused_graph
 
 from .composite import run_graph
 
-MIN_FLOPS = 1 << 18  # smaller products: the one generic kernel is as fast as two launches
 
 
 def applies(kernel, device) -> bool:

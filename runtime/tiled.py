@@ -18,7 +18,7 @@ from . import dispatch, tuner
 from .hardware import check_fits, target_of
 
 CONV_KINDS = ("conv", "fused_conv")
-MIN_FLOPS = 1 << 18  # smaller products: the generic kernel is as fast and needs no tile padding
+from tilefuse.ir.kernel.matmul import MIN_FLOPS  # smaller products: the generic kernel  # noqa: E402
 _gemm_kinds: list[str] = []
 
 

@@ -14,6 +14,10 @@ import numpy as np
 from .lower import strides
 
 
+# products below this many FLOPs run as the generic kernel: as fast, and no tile padding
+MIN_FLOPS = 1 << 18
+
+
 @dataclass(frozen=True)
 class MatmulLayout:
     """Extents and element strides of C[b, m, n] = sum_k A[b, m, k] B[b, k, n]; C is dense
@@ -39,6 +43,16 @@ def _collapse(shape, strides, axes) -> tuple[int, int] | None:
         if strides[a] != strides[b] * shape[b]:
             return None
     return extent, (strides[axes[-1]] if axes else 0)
+
+
+def dot_axes(eqn) -> tuple[tuple, tuple]:
+    """A dot_general's operands' axes in GEMM order: (batch, free, contracting) of the lhs,
+    (batch, contracting, free) of the rhs."""
+    lhs, rhs = (v.aval for v in eqn.inputs[:2])
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lfree = tuple(i for i in range(lhs.ndim) if i not in lc and i not in lb)
+    rfree = tuple(i for i in range(rhs.ndim) if i not in rc and i not in rb)
+    return (*lb, *lfree, *lc), (*rb, *rc, *rfree)
 
 
 def matmul_layout(eqn) -> MatmulLayout | None:

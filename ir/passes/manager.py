@@ -19,7 +19,7 @@ from .fold import fold_constants
 from .gemm_epilogue import fuse_gemm_epilogues
 from .inline import inline_calls
 from .loops import hoist_loop_invariants, prune_control_flow
-from .simplify import fold_transpose_into_dot, simplify
+from .simplify import dot_layouts, fold_transpose_into_dot, simplify
 from .. import primitives as P
 
 PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
@@ -33,6 +33,7 @@ PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("conv_layouts", conv_layouts),                        # conv reads NCHW-like rows, writes whole positions
     ("hoist_loop_invariants", hoist_loop_invariants),      # loop bodies' work on constants, once
     ("fuse_attention", fuse_attention),                    # softmax(q·kᵀ·scale + mask)·v -> one op
+    ("dot_layouts", dot_layouts),                          # the other dots' operands as the GEMM reads them
     ("fuse_gemm_epilogues", fuse_gemm_epilogues),          # dot + bias + activation -> fused_gemm
     ("cse_after", cse),                                    # rewrites expose new duplicates
     ("attention_stats", attention_stats),                  # attention's backward reads its forward's stats

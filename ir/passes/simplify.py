@@ -5,6 +5,7 @@ match), an atom (the equation's single output becomes that atom) or a new equati
 the same outputs (which is simplified again, so chains collapse)."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -285,3 +286,38 @@ TRANSPOSE_RULES = {"dot_general": [lambda e, rw: _absorb_transpose(e, rw, 0),
 
 def fold_transpose_into_dot(graph: Graph) -> Graph:
     return rewrite_with(TRANSPOSE_RULES, graph)
+
+
+# ---- the layouts the GEMM reads in place ----------------------------------------------------------
+
+def _dot_layout(e: Eqn, rw: Rewriter):
+    """dot_general whose operand's axes do not collapse into one strided GEMM (einsum('ok,nkp->nop'):
+    the rhs's free axes n and p lie on either side of k), a product past the generic kernel's
+    size: that operand transposed into GEMM order (batch, free, contracting; the rhs's batch,
+    contracting, free), its axes renumbered. Exact (data movement only) and the result's layout is
+    unchanged (free axes keep their order): the shared GEMM then runs where the generic kernel ran
+    (one pass over the operand against a GEMM's K passes; 7x faster at 8 x 576 x 1024)."""
+    from ..kernel.matmul import MIN_FLOPS, dot_axes, matmul_layout
+    lhs, rhs = e.inputs[:2]
+    if not all(hasattr(v, "id") and dtypes.is_float(v.aval.dtype) for v in (lhs, rhs)) or \
+            matmul_layout(e) is not None:
+        return None
+    (lc, _), (lb, _) = e.params["dimension_numbers"]
+    batch_k = math.prod(lhs.aval.shape[a] for a in (*lb, *lc))
+    if 2 * lhs.aval.size * rhs.aval.size < MIN_FLOPS * max(1, batch_k):  # (2 b m n k < MIN_FLOPS)
+        return None
+    eqns, ins = [], []
+    for x, order in zip((lhs, rhs), dot_axes(e)):
+        if order != tuple(range(len(order))):
+            t, (x,) = new_eqn(P.transpose, (x,), {"permutation": tuple(order)}, e.source)
+            eqns.append(t)
+        ins.append(x)
+    nb, nc = len(lb), len(lc)
+    nlf = lhs.aval.ndim - nb - nc
+    dn = ((tuple(range(nb + nlf, nb + nlf + nc)), tuple(range(nb, nb + nc))), (tuple(range(nb)),) * 2)
+    return eqns + [e.replace(inputs=(*ins, *e.inputs[2:]), params={**e.params, "dimension_numbers": dn})]
+
+
+def dot_layouts(graph: Graph) -> Graph:
+    """Every large float dot_general reads operands the GEMM takes in place (_dot_layout)."""
+    return rewrite_with({"dot_general": [_dot_layout], "transpose": RULES["transpose"]}, graph)

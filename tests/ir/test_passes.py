@@ -312,6 +312,29 @@ def test_transpose_that_reorders_free_axes_stays():
     assert_same(g, out)
 
 
+def test_dot_layouts_transposes_an_operand_whose_axes_do_not_collapse():
+    """einsum('ok,nkp->nop'): the rhs's free axes n and p lie on either side of k, so no strided
+    GEMM reads it; dot_layouts transposes it to (k, n, p) and the GEMM takes the product (the
+    result's layout unchanged). Products that already collapse, below the generic kernel's size,
+    or of ints are left alone."""
+    from tilefuse.ir.kernel.matmul import matmul_layout
+    from tilefuse.ir.passes.simplify import dot_layouts
+    big = make(lambda a, b: tnp.einsum("ok,nkp->nop", a, b), (64, 96), (4, 96, 48))
+    out = dce(dot_layouts(big))
+    (dot,) = [e for e in out.eqns if e.prim is P.dot_general]
+    assert out.count("transpose") == 2 and matmul_layout(dot) is not None, out  # (and einsum's own)
+    assert_same(big, out)
+    batched = make(lambda a, b: tnp.einsum("bmk,kbn->bmn", a, b), (4, 40, 64), (64, 4, 50))
+    out = dce(dot_layouts(batched))
+    assert [matmul_layout(e) is not None for e in out.eqns if e.prim is P.dot_general] == [True], out
+    assert_same(batched, out)
+    for g in (make(lambda a, b: a @ b, (64, 96), (96, 48)),  # collapses already
+              make(lambda a, b: tnp.einsum("ok,nkp->nop", a, b), (4, 6), (2, 6, 5))):  # small
+        assert str(dot_layouts(g)) == str(g)
+    ints = tx.make_graph(lambda a, b: tnp.einsum("ok,nkp->nop", a, b))(np.ones((64, 96), np.int32),
+                                                                       np.ones((4, 96, 48), np.int32))
+    assert str(dot_layouts(ints)) == str(ints)
+
 
 def test_a_sum_of_disjoint_pads_becomes_one_concatenate():
     """pad(a) + pad(b) + pad(c) with +0 fills whose pieces meet along one axis (the gradient of
@@ -347,8 +370,8 @@ def test_a_sum_of_disjoint_pads_becomes_one_concatenate():
 
 def test_pipeline_order_is_the_documented_one():
     assert [n for n, _ in PIPELINE] == ["inline_calls", "dce", "prune_control_flow", "cse", "fold_constants",
-                                        "simplify", "fold_transpose_into_dot", "conv_layouts", "hoist_loop_invariants",
-                                        "fuse_attention", "fuse_gemm_epilogues", "cse_after", "attention_stats", "dce_after",
+                                        "simplify", "fold_transpose_into_dot", "conv_layouts",
+                                        "hoist_loop_invariants", "fuse_attention", "dot_layouts", "fuse_gemm_epilogues", "cse_after", "attention_stats", "dce_after",
                                         "prune_after"]
 
 
