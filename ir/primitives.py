@@ -500,19 +500,24 @@ class ScalarFn:
         return ScalarFn.from_rows, (self.to_rows(),)
 
 
+def _epilogue_rule(name: str, out: ShapedArray, vector: tuple, what: str, epilogue, lhs, rhs, *extras):
+    """The result of a product `out` (a GEMM's or a convolution's) through its epilogue: each extra
+    has out's shape or is `vector` (a row of it, a bias per feature), of out's float dtype."""
+    if dtypes.compute_dtype(out.dtype) != np.float32:
+        raise dtype_error(name, "needs float32, float16 or bfloat16 operands", lhs, rhs)
+    for x in extras:
+        if x.shape not in (out.shape, vector) or x.dtype != out.dtype:
+            raise shape_error(name, f"an epilogue operand must be {out} or {what}", lhs, rhs, *extras)
+    if not isinstance(epilogue, ScalarFn) or epilogue.in_dtypes != (np.dtype(out.dtype),) * (1 + len(extras)):
+        raise shape_error(name, f"the epilogue {epilogue!r} does not take the product and "
+                          f"{len(extras)} extras of dtype {out.dtype}", lhs, rhs, *extras)
+    return ShapedArray(out.shape, epilogue.out_dtype)
+
+
 def _fused_gemm_rule(lhs, rhs, *extras, dimension_numbers, preferred_element_type, epilogue):
     out = _dot_rule(lhs, rhs, dimension_numbers=dimension_numbers,
                     preferred_element_type=preferred_element_type)
-    if dtypes.compute_dtype(out.dtype) != np.float32:
-        raise dtype_error("fused_gemm", "needs float32, float16 or bfloat16 operands", lhs, rhs)
-    for x in extras:
-        if x.shape not in (out.shape, out.shape[-1:]) or x.dtype != out.dtype:
-            raise shape_error("fused_gemm", f"an epilogue operand must be {out} or a row of it",
-                              lhs, rhs, *extras)
-    if not isinstance(epilogue, ScalarFn) or epilogue.in_dtypes != (np.dtype(out.dtype),) * (1 + len(extras)):
-        raise shape_error("fused_gemm", f"the epilogue {epilogue!r} does not take the product and "
-                          f"{len(extras)} extras of dtype {out.dtype}", lhs, rhs, *extras)
-    return ShapedArray(out.shape, epilogue.out_dtype)
+    return _epilogue_rule("fused_gemm", out, out.shape[-1:], "a row of it", epilogue, lhs, rhs, *extras)
 
 
 def _fused_gemm_impl(lhs, rhs, *extras, dimension_numbers, preferred_element_type, epilogue):
@@ -647,17 +652,9 @@ def conv_params(params: dict) -> dict:
 
 def _fused_conv_rule(lhs, rhs, *extras, epilogue, **params):
     out = _conv_rule(lhs, rhs, **params)
-    if dtypes.compute_dtype(out.dtype) != np.float32:
-        raise dtype_error("fused_conv", "needs float32, float16 or bfloat16 operands", lhs, rhs)
     feats = out.shape[params["dimension_numbers"][2][1]]
-    for x in extras:
-        if x.shape not in (out.shape, (feats,)) or x.dtype != out.dtype:
-            raise shape_error("fused_conv", f"an epilogue operand must be {out} or a vector of its {feats} features",
-                              lhs, rhs, *extras)
-    if not isinstance(epilogue, ScalarFn) or epilogue.in_dtypes != (np.dtype(out.dtype),) * (1 + len(extras)):
-        raise shape_error("fused_conv", f"the epilogue {epilogue!r} does not take the convolution and "
-                          f"{len(extras)} extras of dtype {out.dtype}", lhs, rhs, *extras)
-    return ShapedArray(out.shape, epilogue.out_dtype)
+    return _epilogue_rule("fused_conv", out, (feats,), f"a vector of its {feats} features", epilogue, lhs, rhs,
+                          *extras)
 
 
 def per_feature(x, shape, feature_axis: int):
