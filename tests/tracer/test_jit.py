@@ -73,9 +73,11 @@ def test_operations_outside_jit_give_what_jit_gives(device):
         "weak operands": lambda a, w, i, c: (w + a, i * w, tnp.maximum(a, w)),
         "float16 with a scalar": lambda a, w, i, c: a.astype(np.float16) * 2.0,
     }
+    every = tx.jit(lambda *args: {name: fn(*args) for name, fn in cases.items()})(f32, weak, i32, col)  # one compile
     for name, fn in cases.items():
         eager = tx.tree_util.tree_leaves(fn(f32, weak, i32, col))
-        jitted = tx.tree_util.tree_leaves(tx.jit(fn)(f32, weak, i32, col))
+        jitted = tx.tree_util.tree_leaves(every[name])
+        assert len(eager) == len(jitted), name
         for e, j in zip(eager, jitted):
             assert (e.shape, e.dtype, e.weak_type) == (j.shape, j.dtype, j.weak_type), (name, e, j)
             np.testing.assert_allclose(np.asarray(e, np.float64), np.asarray(j, np.float64), rtol=1e-6, err_msg=name)
