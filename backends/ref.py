@@ -44,7 +44,7 @@ class RefBackend(Backend):
                 return prof.call(device, prim, params, lambda: prim.impl(*buffers, **params), buffers)
             return prim.impl(*buffers, **params)
         except MemoryError as e:
-            _numpy_memory(device).__exit__(type(e), e, None)
+            _raise_out_of_memory(device, e)
             raise
 
 
@@ -58,9 +58,15 @@ class _numpy_memory:
         return self
 
     def __exit__(self, kind, e, tb):
-        if kind is not None and issubclass(kind, MemoryError) and not isinstance(e, OutOfMemoryError):
-            raise OutOfMemoryError(f"{self.device or 'ref'}: numpy cannot allocate ({e})") from None
+        if kind is not None and issubclass(kind, MemoryError):
+            _raise_out_of_memory(self.device, e)
         return False
+
+
+def _raise_out_of_memory(device, e: MemoryError) -> None:
+    """numpy's MemoryError as the device's OutOfMemoryError (one that already is passes on)."""
+    if not isinstance(e, OutOfMemoryError):
+        raise OutOfMemoryError(f"{device or 'ref'}: numpy cannot allocate ({e})") from None
 
 
 def _apply(e, xs):

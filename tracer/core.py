@@ -228,12 +228,8 @@ def is_eager(values) -> bool:
 
 
 def bind(prim: Primitive, *args, **params) -> list:
-    if _state.dynamic is None and prim not in _CUSTOM:
-        for a in args:
-            if isinstance(a, Tracer):
-                break
-        else:  # no transformation sees these values: the bottom interpreter's (eager) fast path
-            return _eval_primitive(prim, list(args), params)
+    if prim not in _CUSTOM and is_eager(args):  # the bottom interpreter's fast path: no stack walk
+        return _eval_primitive(prim, list(args), params)
     trace = find_top_trace(args)
     tracers = [full_raise(trace, a) for a in args]
     if prim in _CUSTOM:  # a staged custom_vjp/custom_jvp function: its rule is the trace's again

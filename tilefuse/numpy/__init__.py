@@ -190,7 +190,7 @@ def _as_is(x, to_float: bool):
     general promotion and broadcasting (an eager operation's Python overhead is most of its time)."""
     if type(x) is Array or isinstance(x, Tracer):
         a = x.aval
-        if not to_float or a.dtype.kind == "f" or _dt.is_float(a.dtype):
+        if not to_float or _dt.is_float(a.dtype):
             return a
     return None
 
