@@ -5,17 +5,19 @@ import os
 import warnings
 
 from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError, TilefuseError
+from tilefuse.runtime import compile_cache
 
 # build options: plain IEEE semantics (no fast-math: NaN and inf must survive max/min/isnan)
 OPTIONS: tuple = ("-w",)  # warnings (e.g. the float16 ABI note without AVX-512) are noise
 
 
-def cache_dir() -> str:
-    """pyopencl's binary cache lives beside ours. PoCL and NVIDIA cache builds themselves (keyed
-    by source and device), so pyopencl skips its own cache there; other ICDs use this folder."""
-    root = os.environ.get("TILEFUSE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tilefuse")
-    return os.path.join(root, "opencl")
+def _device_id(cl_device) -> tuple:
+    """What decides a program binary besides its source: the device, its driver and platform,
+    and PoCL's code-generation settings (POCL_LLVM_CPU_NAME and the like; not where it caches)."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items()
+                       if k.startswith("POCL_") and k not in ("POCL_CACHE_DIR", "POCL_DEBUG")))
+    return (cl_device.name, cl_device.version, cl_device.driver_version, cl_device.platform.name,
+            cl_device.platform.version, env)
 
 
 _ALLOC_CODES = ("MEM_OBJECT_ALLOCATION_FAILURE", "OUT_OF_HOST_MEMORY", "INVALID_BUFFER_SIZE")
@@ -44,12 +46,20 @@ def translate(e: Exception, action: str, device, nbytes: int | None = None) -> T
 
 
 class ProgramCache:
-    """Built kernels in memory, keyed by (source, device); building goes through pyopencl, whose
-    binary cache (or the ICD's own) makes a second process skip the compiler. One program may
-    hold several kernels: PoCL spends most of a build in fixed costs, so a batch builds faster."""
+    """Built kernels in memory, keyed by (source, device), and program binaries on disk (the
+    compile cache's "opencl" namespace). PoCL caches builds itself, but a build it finds in its
+    cache still costs 30-50 ms, one from our binary about 2 ms with its launches (the binary holds
+    each kernel for any work-group size). Asking PoCL for the binary costs about 60 ms more (it
+    compiles those kernels), so it is kept from a program's second build on, in any process (a
+    marker records the first): a program built once, as most are in one run of the suite on a
+    cold machine, costs what it did (measured: the OpenCL numpy tests, cold, 304 s; keeping every
+    binary made them 364-386 s), and one built in every run of a script costs 2 ms from the third.
+    One program may hold several kernels: PoCL spends most of a build in fixed costs, so a batch
+    builds faster."""
 
     def __init__(self):
         self._mem: dict = {}
+        self._disk = None
         self.builds = 0  # program builds this process asked for (hits in memory do not count)
 
     def kernels(self, ctx, cl_device, source: str, names: list, kernel_text: str = "") -> list:
@@ -59,24 +69,71 @@ class ProgramCache:
         if got is not None:
             return got
         self.builds += 1
+        if self._disk is None:
+            self._disk = compile_cache.CompileCache("opencl", compile_cache.default_dir())
+        disk_key = compile_cache.make_key("opencl-program", source, OPTIONS, _device_id(cl_device))
+        prg = self._from_binary(ctx, cl_device, disk_key)
+        if prg is None:
+            prg = self._from_source(ctx, cl_device, source, names, kernel_text)
+            prg = self._keep_binary(cl, prg, ctx, cl_device, disk_key)
+        got = [cl.Kernel(prg, n) for n in names]
+        self._mem[key] = got
+        return got
+
+    def _keep_binary(self, cl, prg, ctx, cl_device, disk_key: str):
+        """Record a program's first build; store its binary at the second (and use the program
+        built from it: its launches compile nothing more)."""
+        if not self._disk.dir:
+            return prg
+        seen_key = compile_cache.make_key("opencl-built-once", disk_key)
+        if not self._disk.has(seen_key):
+            self._disk.store(seen_key, b"")
+            return prg
+        binary = _binary(cl, prg, cl_device)
+        if not binary:
+            return prg
+        self._disk.store(disk_key, binary)
+        return self._from_binary(ctx, cl_device, disk_key) or prg
+
+    def _from_binary(self, ctx, cl_device, disk_key: str):
+        """The program built from its binary in the disk cache, or None (absent, or one the driver
+        refuses: removed, to be rebuilt from source)."""
+        import pyopencl as cl
+        binary = self._disk.load(disk_key)
+        if binary is None:
+            return None
+        try:
+            return cl.Program(ctx, [cl_device], [binary]).build(options=list(OPTIONS))
+        except cl.Error:
+            self._disk.remove(disk_key)
+            return None
+
+    @staticmethod
+    def _from_source(ctx, cl_device, source: str, names: list, kernel_text: str):
+        import pyopencl as cl
         what = f"kernel {names[0]}" if len(names) == 1 else f"{len(names)} kernels"
         try:
             with warnings.catch_warnings():  # a non-empty build log is not an error
                 warnings.simplefilter("ignore", cl.CompilerWarning)
-                prg = cl.Program(ctx, source).build(options=list(OPTIONS), devices=[cl_device],
-                                                    cache_dir=cache_dir())
-            got = [cl.Kernel(prg, n) for n in names]
+                return cl.Program(ctx, source).build(options=list(OPTIONS), devices=[cl_device])
         except cl.Error as e:
             if _code_name(e) in _ALLOC_CODES + ("OUT_OF_RESOURCES",):
                 raise translate(e, f"build {what}", cl_device.name) from None
             raise CompileError(f"opencl: building {what} for {cl_device.name.strip()} failed; "
                                f"build log:\n{build_log(e)}", backend="opencl", kernel=kernel_text,
                                source=source) from None
-        self._mem[key] = got
-        return got
 
     def kernel(self, ctx, cl_device, source: str, name: str, kernel_text: str = ""):
         return self.kernels(ctx, cl_device, source, [name], kernel_text)[0]
+
+
+def _binary(cl, prg, cl_device) -> bytes:
+    """The program's binary for cl_device (b"" where the driver gives none)."""
+    try:
+        devices = prg.get_info(cl.program_info.DEVICES)
+        return bytes(prg.get_info(cl.program_info.BINARIES)[devices.index(cl_device)])
+    except (cl.Error, ValueError):
+        return b""
 
 
 def build_log(e: Exception) -> str:

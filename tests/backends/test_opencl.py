@@ -627,6 +627,45 @@ def test_compile_kernels_builds_a_batch_once(be, rng, monkeypatch):
     assert "good_one" not in info.value.source  # built again alone, to name the culprit
 
 
+
+def test_a_program_built_again_loads_from_its_binary(be, tmp_path, monkeypatch):
+    """The first build of a program leaves a marker, the second (another process: a new
+    ProgramCache) keeps its binary, the third builds from that binary without the compiler and
+    computes the same; a binary the driver refuses is removed and the program built from source."""
+    import pyopencl as cl
+    from tilefuse.backends.opencl import build
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))
+    st = be._state(DEV)
+    source = "__kernel void f(__global float *a) { size_t i = get_global_id(0); a[i] = a[i] * 3.0f + 1.0f; }"
+    sources = []
+    real = build.ProgramCache._from_source
+
+    def counted(*args):
+        sources.append(1)
+        return real(*args)
+    monkeypatch.setattr(build.ProgramCache, "_from_source", staticmethod(counted))
+
+    def run_f():
+        knl = build.ProgramCache().kernel(st.ctx, st.dev, source, "f")
+        x = np.arange(16, dtype=F32)
+        buf = cl.Buffer(st.ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=x)
+        knl(st.queue, (16,), None, buf)
+        out = np.empty_like(x)
+        cl.enqueue_copy(st.queue, out, buf)
+        np.testing.assert_array_equal(out, x * 3 + 1)
+        return sorted(p.name for p in (tmp_path / "opencl").iterdir() if p.name.endswith(".bin"))
+
+    assert len(run_f()) == 1 and len(sources) == 1  # the marker only
+    entries = run_f()
+    assert len(entries) == 2 and len(sources) == 2  # and the binary
+    assert len(run_f()) == 2 and len(sources) == 2  # from the binary: no compiler
+    disk = build.ProgramCache()
+    disk._disk = build.compile_cache.CompileCache("opencl", str(tmp_path))
+    key = build.compile_cache.make_key("opencl-program", source, build.OPTIONS, build._device_id(st.dev))
+    disk._disk.store(key, b"\x7fELF" + bytes(range(256)) * 4)  # checksummed, but not a binary
+    assert len(run_f()) == 2 and len(sources) == 3  # refused: built from source (a marker exists)
+    assert len(run_f()) == 2 and len(sources) == 3  # its binary kept again
+
 # ---- defined integer overflow; long sums (other vector widths: tests/backends/test_hardware.py) ----
 
 @pytest.mark.parametrize("dtype", [I32, I64])
