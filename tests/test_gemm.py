@@ -275,6 +275,28 @@ def test_auto_takes_the_generic_kernel_for_tiny_products_and_measures_the_rest(g
     assert _impls(tnp.matmul, big, big, device="cpu")[0] in ("tile_gemm", "vendor_gemm")
 
 
+
+def test_another_batch_size_takes_the_verdict_measured_for_its_product(gemm_mode, rng, monkeypatch, tmp_path):
+    """The vendor-or-generated verdict is measured once per shape class; a class that differs
+    only in its rows (another batch size of the same product) takes the verdict found for it
+    without measuring again; any other size is measured."""
+    from tilefuse.runtime import host_blas
+    gemm_mode("auto")
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))  # no verdicts on disk
+    monkeypatch.setattr(host_blas, "_measured", {})
+    monkeypatch.setattr(host_blas, "_by_rows", {})
+    measured = []
+    monkeypatch.setattr(host_blas, "_measure", lambda kernel, spec, device: measured.append(spec.layout.m) or "vendor")
+    w = rng.standard_normal((256, 192)).astype(F32)
+    for rows in (512, 128, 2048):
+        x = rng.standard_normal((rows, 256)).astype(F32)
+        assert _impls(tnp.matmul, x, w, device="cpu") == ["vendor_gemm"]
+        _check(tx.jit(tnp.matmul, device="cpu")(x, w), x @ w, 256)
+    assert measured == [512]
+    x = rng.standard_normal((512, 256)).astype(F32)
+    _impls(tnp.matmul, x, rng.standard_normal((256, 512)).astype(F32), device="cpu")  # another N
+    assert measured == [512, 512]
+
 def _run_schedule(device, f, args, sched):
     """f's GEMM kernel built by the shared builder under `sched` (None: the default) and run on
     `device`; None where the target refuses the schedule."""
