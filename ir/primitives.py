@@ -383,6 +383,13 @@ argmin = arg_reduction("argmin", np.argmin)
 
 # ---- contraction ------------------------------------------------------------------------
 
+def dot_free_axes(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> tuple[tuple, tuple]:
+    """A dot_general's free axes (neither contracting nor batch) of the lhs and of the rhs."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(i for i in range(lhs_ndim) if i not in lc and i not in lb),
+            tuple(i for i in range(rhs_ndim) if i not in rc and i not in rb))
+
+
 def _dot_rule(lhs, rhs, *, dimension_numbers, preferred_element_type=None):
     (lc, rc), (lb, rb) = dimension_numbers
     if len(lc) != len(rc) or len(lb) != len(rb):
@@ -399,17 +406,14 @@ def _dot_rule(lhs, rhs, *, dimension_numbers, preferred_element_type=None):
                               f"{lhs.shape[a]}, rhs axis {b} has {rhs.shape[b]}", lhs, rhs)
     if lhs.dtype != rhs.dtype:
         raise dtype_error("dot_general", "operands must have equal dtypes", lhs, rhs)
-    batch = [lhs.shape[a] for a in lb]
-    lfree = [n for i, n in enumerate(lhs.shape) if i not in lc and i not in lb]
-    rfree = [n for i, n in enumerate(rhs.shape) if i not in rc and i not in rb]
-    return ShapedArray(tuple(batch + lfree + rfree), preferred_element_type or lhs.dtype,
-                       _weak(lhs, rhs))
+    lfree, rfree = dot_free_axes(lhs.ndim, rhs.ndim, dimension_numbers)
+    shape = (*(lhs.shape[a] for a in lb), *(lhs.shape[a] for a in lfree), *(rhs.shape[a] for a in rfree))
+    return ShapedArray(shape, preferred_element_type or lhs.dtype, _weak(lhs, rhs))
 
 
 def _dot_impl(lhs, rhs, *, dimension_numbers, preferred_element_type=None):
     (lc, rc), (lb, rb) = dimension_numbers
-    lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
-    rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+    lfree, rfree = dot_free_axes(lhs.ndim, rhs.ndim, dimension_numbers)
     cd = dtypes.compute_dtype(lhs.dtype)
     l2 = np.transpose(lhs, (*lb, *lfree, *lc)).astype(cd, copy=False)
     r2 = np.transpose(rhs, (*rb, *rc, *rfree)).astype(cd, copy=False)

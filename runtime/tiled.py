@@ -12,13 +12,13 @@ import numpy as np
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import TilefuseError
 from tilefuse.ir.kernel import attention, conv, gemm
+from tilefuse.ir.kernel.matmul import MIN_FLOPS  # smaller products: the generic kernel
 from tilefuse.ir.kernel.schedule import Schedule, default_schedule
 
 from . import dispatch, tuner
 from .hardware import check_fits, target_of
 
 CONV_KINDS = ("conv", "fused_conv")
-from tilefuse.ir.kernel.matmul import MIN_FLOPS  # smaller products: the generic kernel  # noqa: E402
 _gemm_kinds: list[str] = []
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from .. import dtypes
+from .. import primitives as P
 from ..core import Literal, Var
 from ..errors import CompileError
 from .ir import (INDEX, Buffer, Kernel, KExpr, Store, binary, cast, const, iadd, ic, idiv, idx, imul, is_const,
@@ -360,8 +361,7 @@ def _arg_reduction(b, e, I):
 def _dot_general(b, e, I):
     lhs, rhs = e.inputs[:2]  # (fused_gemm's epilogue operands follow)
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
-    lfree = [i for i in range(lhs.aval.ndim) if i not in lc and i not in lb]
-    rfree = [i for i in range(rhs.aval.ndim) if i not in rc and i not in rb]
+    lfree, rfree = P.dot_free_axes(lhs.aval.ndim, rhs.aval.ndim, e.params["dimension_numbers"])
     if lc:
         b.set_reduce(tuple(lhs.aval.shape[a] for a in lc))
     nb, nl = len(lb), len(lfree)

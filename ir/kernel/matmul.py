@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..primitives import dot_free_axes
 from .lower import strides
 
 
@@ -50,8 +51,7 @@ def dot_axes(eqn) -> tuple[tuple, tuple]:
     (batch, contracting, free) of the rhs."""
     lhs, rhs = (v.aval for v in eqn.inputs[:2])
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lfree = tuple(i for i in range(lhs.ndim) if i not in lc and i not in lb)
-    rfree = tuple(i for i in range(rhs.ndim) if i not in rc and i not in rb)
+    lfree, rfree = dot_free_axes(lhs.ndim, rhs.ndim, eqn.params["dimension_numbers"])
     return (*lb, *lfree, *lc), (*rb, *rc, *rfree)
 
 
@@ -59,8 +59,7 @@ def matmul_layout(eqn) -> MatmulLayout | None:
     """The batched-GEMM view of a dot_general equation, or None where there is none."""
     lhs, rhs = (v.aval for v in eqn.inputs[:2])  # fused_gemm's epilogue operands follow
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lfree = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
-    rfree = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+    lfree, rfree = dot_free_axes(lhs.ndim, rhs.ndim, eqn.params["dimension_numbers"])
     ls, rs = strides(lhs.shape), strides(rhs.shape)
     groups = [_collapse(lhs.shape, ls, g) for g in (lb, lfree, lc)]
     groups += [_collapse(rhs.shape, rs, g) for g in (rb, rc, rfree)]
