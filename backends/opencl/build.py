@@ -75,12 +75,12 @@ class ProgramCache:
         prg = self._from_binary(ctx, cl_device, disk_key)
         if prg is None:
             prg = self._from_source(ctx, cl_device, source, names, kernel_text)
-            prg = self._keep_binary(cl, prg, ctx, cl_device, disk_key)
+            prg = self._keep_binary(prg, ctx, cl_device, disk_key)
         got = [cl.Kernel(prg, n) for n in names]
         self._mem[key] = got
         return got
 
-    def _keep_binary(self, cl, prg, ctx, cl_device, disk_key: str):
+    def _keep_binary(self, prg, ctx, cl_device, disk_key: str):
         """Record a program's first build; store its binary at the second (and use the program
         built from it: its launches compile nothing more)."""
         if not self._disk.dir:
@@ -89,24 +89,20 @@ class ProgramCache:
         if not self._disk.has(seen_key):
             self._disk.store(seen_key, b"")
             return prg
-        binary = _binary(cl, prg, cl_device)
+        binary = _binary(prg, cl_device)
         if not binary:
             return prg
         self._disk.store(disk_key, binary)
-        return self._from_binary(ctx, cl_device, disk_key) or prg
+        return _built(ctx, cl_device, binary) or prg
 
     def _from_binary(self, ctx, cl_device, disk_key: str):
         """The program built from its binary in the disk cache, or None (absent, or one the driver
         refuses: removed, to be rebuilt from source)."""
-        import pyopencl as cl
         binary = self._disk.load(disk_key)
-        if binary is None:
-            return None
-        try:
-            return cl.Program(ctx, [cl_device], [binary]).build(options=list(OPTIONS))
-        except cl.Error:
+        prg = None if binary is None else _built(ctx, cl_device, binary)
+        if binary is not None and prg is None:
             self._disk.remove(disk_key)
-            return None
+        return prg
 
     @staticmethod
     def _from_source(ctx, cl_device, source: str, names: list, kernel_text: str):
@@ -127,8 +123,18 @@ class ProgramCache:
         return self.kernels(ctx, cl_device, source, [name], kernel_text)[0]
 
 
-def _binary(cl, prg, cl_device) -> bytes:
+def _built(ctx, cl_device, binary: bytes):
+    """The program built from a binary, or None where the driver refuses it."""
+    import pyopencl as cl
+    try:
+        return cl.Program(ctx, [cl_device], [binary]).build(options=list(OPTIONS))
+    except cl.Error:
+        return None
+
+
+def _binary(prg, cl_device) -> bytes:
     """The program's binary for cl_device (b"" where the driver gives none)."""
+    import pyopencl as cl
     try:
         devices = prg.get_info(cl.program_info.DEVICES)
         return bytes(prg.get_info(cl.program_info.BINARIES)[devices.index(cl_device)])
