@@ -36,9 +36,8 @@ class Config:
         # recently used dropped first: each holds kernels and device constants; 0: no bound
         self.jit_cache_size: int = int(os.environ.get("TILEFUSE_JIT_CACHE_SIZE", "256") or 0)
         # a jitted graph's first calls run on the reference interpreter while its kernels compile
-        # in the background (runtime/tiered.py; CPU devices): "auto" for a graph not compiled
-        # before, while its interpreted calls took under half the compile's estimate; True until
-        # the compile is done; False: never
+        # in the background (runtime/tiered.py; CPU devices): "auto" while its interpreted calls
+        # took under the compile's estimate; True until the compile is done; False: never
         self.tiered: bool | str = _env_tiered()
         # a simulated hardware description (runtime/hardware.py): a dict, or a JSON file's path;
         # None reads TILEFUSE_HDI. Read when a device is first used.

@@ -126,7 +126,7 @@ def _built_key(k: str | None, device) -> str | None:
 
 def mark_built(k: str | None, device) -> None:
     """Record that the graph under key k compiled whole for `device` (its kernels are in the
-    caches): tiered execution then compiles it at once instead of interpreting (runtime/tiered.py)."""
+    caches): tiered execution's background build then needs no child process (runtime/tiered.py)."""
     bk = _built_key(k, device)
     if bk is not None and _cache().load(bk) is None:  # (a warm compile reads it, writes nothing)
         _cache().store(bk, b"{\"built\": true}")  # (JSON, as every entry of this cache)

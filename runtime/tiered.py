@@ -3,12 +3,15 @@ compile) while its kernels compile on a background thread; the calls after the c
 run the compiled program (`tx.config.tiered`, TILEFUSE_TIERED; "auto" by default on cpu and
 OpenCL devices).
 
-"auto": a graph compiled whole before (a marker beside the front-end cache, so also by an
-earlier process) compiles at once; another runs its first call on the interpreter alone, then
-starts its compile, and its calls keep interpreting until they took as long as the compile is
-estimated to take (at most AUTO_MOST_S), after which they wait for it (ski rental: a short
-program ends before its compile would have; a long one pays a bounded price for a fast first
-call). True interprets until the compile ends. Operations outside jit tier the same way.
+"auto": a graph runs its first call on the interpreter alone, then starts its compile, and its
+calls keep interpreting until they took as long as the compile is estimated to take (at most
+AUTO_MOST_S), after which they wait for it (ski rental: a short program ends before its compile
+would have; a long one pays a bounded price for a fast first call). True interprets until the
+compile ends. Operations outside jit tier the same way. A graph compiled whole before (a marker
+beside the front-end cache, so also by an earlier process) tiers too: even from warm caches its
+compile costs 3-6x an interpreted first call (bench_compile.py's programs: 16-600 ms against
+3-115 ms), and computing the marker's key, the graph's text, costs ~20 ms for 1,000 equations;
+the background build reads the marker and then skips the child process.
 
 Measured cold, end to end (benchmarks/bench_compile.py, 2 cores, AMD EPYC, 2026-12-04): its six
 programs in 0.19-1.08 s, each 0.23-0.76x the fastest of JAX's and PyTorch's time in the same run
@@ -164,17 +167,13 @@ def interprets(graph, device) -> bool:
 
 def compile(graph, device, eager: bool = False):
     """What a jitted graph's (or an operation's, `eager`) calls run: the compiled program where
-    tiering does not apply, or under "auto" where the graph compiled before (the caches hold
-    it); else a TieredExecutable."""
+    tiering does not apply; else a TieredExecutable."""
     build = lambda: device.compile(graph)  # noqa: E731
     if not applies(device):
         return build()
     device.check_graph(graph)  # (a dtype the device lacks: the compile's error, before interpreting)
     if config.tiered != "auto":
         return TieredExecutable(graph, device, build)
-    from .compiler import built_before
-    if built_before(graph, device):
-        return build()
     if eager:
         return TieredExecutable(graph, device, build, _eager_budget)
     signatures = {(e.prim, *(v.aval for v in e.inputs)) for e in graph.eqns}
@@ -207,7 +206,9 @@ class TieredExecutable:
             self._started = True
         try:
             if _worker and threading.current_thread() is _worker[0]:
-                compile_child.prebuild(self.graph, self.device)  # (then a warm build here)
+                from .compiler import built_before  # (compiler imports this module)
+                if not built_before(self.graph, self.device):  # (else the caches hold it)
+                    compile_child.prebuild(self.graph, self.device)  # (then a warm build here)
             self.compiled = self._build_fn()
         except Abandoned:
             pass

@@ -99,9 +99,14 @@ def test_exiting_mid_compile_exits_cleanly(tmp_path, linger):
     assert float(r.stdout.split()[-1]) == pytest.approx(64.0)
 
 
-def test_auto_compiles_a_graph_built_before_at_once(rng):
-    """"auto" (the default): a graph not compiled before interprets; once it compiled whole (here,
-    or in an earlier process on the same persistent cache), a new jit of it compiles at once."""
+def test_auto_tiers_a_graph_built_before_and_builds_it_without_the_child(rng, monkeypatch):
+    """"auto" (the default): a graph's first call interprets, even when the graph compiled whole
+    before (here, or in an earlier process on the same persistent cache): a compile from warm
+    caches costs several interpreted calls. Its background build then skips the child process."""
+    from tilefuse.runtime import compile_child
+    asked = []
+    prebuild = compile_child.prebuild
+    monkeypatch.setattr(compile_child, "prebuild", lambda g, d: asked.append(g) or prebuild(g, d))
     old = tx.config.tiered
     tx.config.tiered = "auto"
     try:
@@ -109,16 +114,17 @@ def test_auto_compiles_a_graph_built_before_at_once(rng):
 
         def model(x):
             return tnp.tanh(x @ w) * 3.0
-        first = tx.jit(model, device="cpu")
         x = rng.standard_normal((5, 8)).astype(np.float32)
-        np.testing.assert_allclose(np.asarray(first(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
-        (entry,) = first._cache.values()
-        assert isinstance(entry.executable, tiered.TieredExecutable)
-        entry.executable.wait()
-        again = tx.jit(model, device="cpu")  # the same graph, a new jit
-        np.testing.assert_allclose(np.asarray(again(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
-        (entry,) = again._cache.values()
-        assert not isinstance(entry.executable, tiered.TieredExecutable)
+        for built_before in (False, True):  # the second: the same graph, a new jit
+            f = tx.jit(model, device="cpu")
+            np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
+            (entry,) = f._cache.values()
+            exe = entry.executable
+            assert isinstance(exe, tiered.TieredExecutable)
+            assert exe._done.wait(120) and exe.compiled is not None  # built on the compile thread
+            assert entry.executable is exe.compiled  # (which then replaced it in the cache)
+            assert len(asked) == 1, asked  # the first build only
+            np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
     finally:
         tx.config.tiered = old
 
@@ -183,22 +189,24 @@ CHILD_SCRIPT = textwrap.dedent("""
     passes = compiler.run_passes
     compiler.run_passes = lambda *a, **k: runs.append(1) or passes(*a, **k)
     g = tx.jit(f, device="cpu")
-    y = np.asarray(g(x))
+    g(x)  # (interpreted)
     (entry,) = g._cache.values()
+    entry.executable.wait()
+    y = np.asarray(g(x))
     want = np.tanh(x @ w) * 3.0 + np.exp(x[:, :4])
     print(json.dumps({"ok": ok, "passes": len(runs), "close": bool(np.allclose(y, want, rtol=1e-5)),
-                      "tiered": isinstance(entry.executable, tiered.TieredExecutable)}))
+                      "built": compiler.built_before(getattr(graph, "graph", graph), tx.get_device("cpu"))}))
 """)
 
 
 def test_the_child_process_compiles_into_the_caches(tmp_path):
     """A background build compiles in a child process (no GIL shared with the interpreted calls):
     afterwards this process finds the front end, the kernels and the built marker in the caches,
-    so a jit of the same graph compiles at once and runs no pass."""
+    so its build of the same graph runs no pass."""
     env = dict(os.environ, TILEFUSE_CACHE_DIR=str(tmp_path), TILEFUSE_TIERED="auto")
     r = subprocess.run([sys.executable, "-c", CHILD_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.splitlines()[-1]) == {"ok": True, "passes": 0, "close": True, "tiered": False}
+    assert json.loads(r.stdout.splitlines()[-1]) == {"ok": True, "passes": 0, "close": True, "built": True}
 
 
 IDLE_SCRIPT = textwrap.dedent("""
