@@ -337,7 +337,7 @@ def _apply_primitive(prim, values, params) -> list:
         return _results(backend_apply(prim, params, bufs, dev), exe.out_avals, dev)
     # numpy on host views of the operands
     host = [v.numpy() if type(v) is Array else np.asarray(v, a.dtype) for v, a in zip(values, avals)]
-    return _results(_ref_backend().apply_primitive(prim, params, host, dev), exe.out_avals, dev, dev.backend.put)
+    return _results(_ref_backend().apply_primitive(prim, params, host, dev), exe.out_avals, dev, _host_result)
 
 
 def _eager_entry(prim, avals, params, dev, key):
@@ -365,6 +365,14 @@ def _results(outs, avals, dev, put=None) -> list:
     themselves (the backend's own numpy results), or copied into dev's buffers by `put`."""
     outs = [np.asarray(o, a.dtype) for o, a in zip(outs, avals)]  # (no copy where the dtype is right)
     return [Array(o if put is None else put(o, dev), a, dev) for o, a in zip(outs, avals)]
+
+
+def _host_result(out: np.ndarray, dev):
+    """An interpreted operation's numpy result as a buffer of a host-memory device: its own memory
+    where numpy made it for this result (no other array shares it: not a view of an operand, whose
+    buffer may be freed or donated), else a copy."""
+    buf = dev.backend.adopt(out, dev) if out.flags.owndata else None
+    return buf if buf is not None else dev.backend.put(out, dev)
 
 
 class Interpreted:

@@ -1,7 +1,7 @@
 """DLPack exchange on every device: Array.__dlpack__ (np.from_dlpack, torch.from_dlpack) and
 tx.from_dlpack (numpy arrays, torch tensors, Arrays), with memory shared exactly where promised:
-exports from host-memory devices (cpu, ref, PoCL), imports onto cpu (aligned, contiguous data)
-and ref; a copy everywhere else."""
+exports from host-memory devices (cpu, ref, PoCL), imports onto cpu (contiguous data, each element
+aligned) and ref; a copy everywhere else."""
 from __future__ import annotations
 
 import ctypes
@@ -100,8 +100,13 @@ def test_import_copies_strided_unaligned_and_narrow_data(device):
     base = _aligned((4, 8))
     base[...] = np.arange(32, dtype=np.float32).reshape(4, 8)
     # (source, whether the device may share it): strided data is always copied; data 4 bytes
-    # past a 64-byte boundary is shared only by ref (the CPU's kernels want aligned buffers)
-    for src, shared in ((base[:, ::2], False), (base.reshape(-1)[1:9], device.kind == "ref")):
+    # past a 64-byte boundary is shared by the devices that adopt host memory (their kernels need
+    # each element aligned, no more); data 2 bytes off its float32 alignment only by ref (numpy)
+    raw = _aligned((40,), np.uint8)
+    off_element = raw[2:34].view(np.float32)
+    off_element[...] = np.arange(8, dtype=np.float32)
+    for src, shared in ((base[:, ::2], False), (base.reshape(-1)[1:9], _adopts(device)),
+                        (off_element, device.kind == "ref")):
         a = tx.from_dlpack(src, device=device)
         assert np.array_equal(a.numpy(), src)
         src[0] = -1.0
@@ -112,6 +117,22 @@ def test_import_copies_strided_unaligned_and_narrow_data(device):
     small = np.arange(5, dtype=np.int8)
     a = tx.from_dlpack(small, device=device)
     assert a.dtype == np.int8 and np.array_equal(a.numpy(), small)  # (narrow ints keep their dtype, as in JAX)
+
+
+def test_kernels_compute_on_imported_memory_aligned_to_its_element_only(device, rng):
+    """Memory shared 4 bytes past a 64-byte boundary (the pool's blocks are on one): GEMM,
+    reductions and vectorised elementwise kernels read and write it at any offset."""
+    a_host = _aligned((33 * 47 + 1,))[1:].reshape(33, 47)
+    b_host = _aligned((47 * 29 + 1,))[1:].reshape(47, 29)
+    a_host[...] = rng.standard_normal((33, 47)) * 10
+    b_host[...] = rng.standard_normal((47, 29))
+    a, b = tx.from_dlpack(a_host, device=device), tx.from_dlpack(b_host, device=device)
+    if _adopts(device):
+        assert np.shares_memory(a.numpy(), a_host)
+    got = tx.jit(lambda x, y: [tnp.tanh(x @ y) * 3.0 + 1.0, tnp.sum(x * x, axis=1), tnp.exp(x / 10.0)])(a, b)
+    want = [np.tanh(a_host @ b_host) * 3.0 + 1.0, np.sum(a_host * a_host, axis=1), np.exp(a_host / 10.0)]
+    for g, w in zip(got, want):
+        assert_close(g, w, rtol=2e-5, atol=1e-4)
 
 
 def test_import_of_numpy_bfloat16(device):

@@ -14,7 +14,7 @@ from tilefuse.runtime.memory import PoolAllocator
 from tilefuse.runtime.tiled import register_attention, register_kernels
 
 from ..base import Backend
-from .buffer import ALIGN, Owner, interface, raw_alloc
+from .buffer import Owner, interface, raw_alloc
 from .compile import CompiledKernel, compile_kernel, compile_kernels, compile_tile, memory_cache_stats
 
 
@@ -98,9 +98,10 @@ class LLVMBackend(Backend):
         return True
 
     def adopt(self, host, device=None):
-        """host's memory as a buffer when it is C-contiguous and 64-byte aligned, as the pool's
-        blocks are (the kernels' vector loads may assume it); else None."""
-        if not host.flags.c_contiguous or host.ctypes.data % ALIGN:
+        """host's memory as a buffer when it is C-contiguous, writable and aligned to its element
+        (the kernels' loads and stores assume no more: llvmir/tile.py); else None. A buffer not
+        from the pool takes the kernels' slower address path (compile.py) and is never pooled."""
+        if not host.flags.c_contiguous or not host.flags.writeable or host.ctypes.data % host.dtype.itemsize:
             return None
         return host.reshape(-1).view(np.uint8)
 

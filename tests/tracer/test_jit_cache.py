@@ -13,6 +13,7 @@ import pytest
 
 import tilefuse as tx
 from tilefuse.runtime import device as device_mod
+from tilefuse.runtime import tiered
 
 
 @pytest.fixture
@@ -30,10 +31,12 @@ def bound(monkeypatch):
 
 
 def _compiled(f):
-    """Wait for f's compiled programs (under TILEFUSE_TIERED=1 calls interpret while they build):
+    """Wait for f's compiled programs (under TILEFUSE_TIERED=1 calls interpret while they build),
+    and for any build earlier tests left queued (it would allocate while memory is measured):
     these tests measure what compiled programs hold."""
     for e in list(f._cache.values()):
         getattr(e.executable, "wait", lambda: None)()
+    assert tiered.wait_idle(120)
 
 
 def _ones(n):

@@ -176,6 +176,54 @@ def test_eager_operations_interpret_when_small_and_tier_when_large(rng, monkeypa
         tx.config.tiered, tx.config.default_device = old, old_device
 
 
+def test_interpreted_operations_keep_their_results_apart_from_their_operands(rng):
+    """A small operation outside jit runs on numpy and keeps numpy's result as its buffer (no
+    copy); a result that is a view of an operand (reshape, slice, transpose) is copied, so no two
+    Arrays share memory."""
+    old, old_device = tx.config.tiered, tx.config.default_device
+    tx.config.tiered, tx.config.default_device = True, "cpu"
+    try:
+        host = rng.standard_normal((4, 6)).astype(np.float32) * 1e4
+        x = tx.device_put(host)
+        outs = {"x * 2": (x * 2.0, host * 2.0), "reshape": (tnp.reshape(x, (6, 4)), host.reshape(6, 4)),
+                "slice": (x[1:3], host[1:3]), "transpose": (x.T, host.T), "sum": (tnp.sum(x, axis=0), host.sum(0))}
+        for name, (y, want) in outs.items():
+            assert y.device is x.device, name
+            assert not np.shares_memory(y.numpy(), x.numpy()), name
+            np.testing.assert_allclose(y.numpy(), want, rtol=1e-6, err_msg=name)
+        del x
+        junk = [tx.device_put(np.full_like(host, 7.0)) for _ in range(4)]  # (x's block reused)
+        for name, (y, want) in outs.items():
+            np.testing.assert_allclose(y.numpy(), want, rtol=1e-6, err_msg=name)
+        del junk
+    finally:
+        tx.config.tiered, tx.config.default_device = old, old_device
+
+
+def test_an_operation_outside_jit_compiles_from_its_second_call(rng, monkeypatch):
+    """A large operation outside jit interprets; its kernel is compiled only once it is called
+    again (one called once, an initialisation, would never repay it), and then runs compiled."""
+    from tilefuse.runtime import device as device_mod
+    monkeypatch.setattr(tiered, "EAGER_INTERPRET_ELEMENTS", 0)
+    old, old_device = tx.config.tiered, tx.config.default_device
+    tx.config.tiered, tx.config.default_device = True, "cpu"
+    x = tx.device_put(rng.standard_normal((5, 9)).astype(np.float32) * 50)
+    try:
+        tx.clear_caches()
+        ys = [np.asarray(tnp.sin(x))]
+        (exe,) = device_mod._eager_cache.values()
+        assert isinstance(exe, tiered.TieredExecutable) and not exe._submitted
+        ys.append(np.asarray(tnp.sin(x)))
+        assert exe._submitted
+        exe.wait()
+        ys.append(np.asarray(tnp.sin(x)))
+        assert next(iter(device_mod._eager_cache.values())) is exe.compiled
+        for y in ys:
+            np.testing.assert_allclose(y, np.sin(np.asarray(x)), rtol=1e-5, atol=1e-6)
+    finally:
+        tx.config.tiered, tx.config.default_device = old, old_device
+
+
 CHILD_SCRIPT = textwrap.dedent("""
     import json, numpy as np, tilefuse as tx, tilefuse.numpy as tnp
     from tilefuse.runtime import compile_child, compiler, tiered
@@ -210,7 +258,7 @@ def test_the_child_process_compiles_into_the_caches(tmp_path):
 
 
 IDLE_SCRIPT = textwrap.dedent("""
-    import json, time, numpy as np, tilefuse as tx, tilefuse.numpy as tnp
+    import json, os, time, numpy as np, tilefuse as tx, tilefuse.numpy as tnp
     from tilefuse.runtime import compile_child, tiered
     tiered.CHILD_IDLE_S = 0.5
     x = np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4)
@@ -219,8 +267,9 @@ IDLE_SCRIPT = textwrap.dedent("""
     (entry,) = f._cache.values()
     entry.executable._done.wait(120)  # (built by the background thread, through the child)
     started = [p for p in compile_child._child]
+    nice = [os.getpriority(os.PRIO_PROCESS, p.pid) for p in started if p.poll() is None]
     time.sleep(2.0)
-    print(json.dumps({"started": len(started), "left": len(compile_child._child),
+    print(json.dumps({"started": len(started), "left": len(compile_child._child), "nice": nice,
                       "exited": all(p.poll() is not None for p in started),
                       "close": bool(np.allclose(f(x), np.tanh(x) * 2 + 1, rtol=1e-6, atol=1e-6))}))
 """)
@@ -228,8 +277,9 @@ IDLE_SCRIPT = textwrap.dedent("""
 
 def test_the_child_process_ends_when_idle(tmp_path):
     """A notebook that compiled once keeps no idle compile process: the child ends once no build
-    came for CHILD_IDLE_S, and the next cold graph would start another."""
+    came for CHILD_IDLE_S, and the next cold graph would start another. While it lives it runs at
+    the lowest CPU priority (the interpreted calls are what the user waits for)."""
     env = dict(os.environ, TILEFUSE_CACHE_DIR=str(tmp_path), TILEFUSE_TIERED="auto")
     r = subprocess.run([sys.executable, "-c", IDLE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.splitlines()[-1]) == {"started": 1, "left": 0, "exited": True, "close": True}
+    assert json.loads(r.stdout.splitlines()[-1]) == {"started": 1, "left": 0, "nice": [19], "exited": True, "close": True}
