@@ -191,6 +191,7 @@ def check_nans(graph: Graph, args, outputs) -> None:
 
 _backends: dict[str, object] = {}
 _devices: dict[str, list[Device]] = {}
+_by_name: dict[str, Device] = {}  # get_device's answers ("cpu", "opencl:0"): devices never go
 _unavailable: dict[str, str] = {}
 # the first use of a kind, from several threads at once, makes one backend and one Device per
 # device (arrays of two Device objects for one device could not be combined); re-entrant: a
@@ -236,6 +237,9 @@ def devices(kind: str | None = None, all: bool = False):
 def get_device(name) -> Device:
     if isinstance(name, Device):
         return name
+    dev = _by_name.get(name) if isinstance(name, str) else None
+    if dev is not None:  # (every operation outside jit asks for the default device by name)
+        return dev
     name = str(name)
     kind, _, idx = name.partition(":")
     if kind not in BACKEND_MODULES:
@@ -246,6 +250,7 @@ def get_device(name) -> Device:
     i = int(idx) if idx else 0
     if i >= len(devs):
         raise DeviceError(f"device {name!r} does not exist; {kind} has {len(devs)} device(s)")
+    _by_name[name] = devs[i]
     return devs[i]
 
 
