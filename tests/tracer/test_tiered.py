@@ -200,6 +200,25 @@ def test_interpreted_operations_keep_their_results_apart_from_their_operands(rng
         tx.config.tiered, tx.config.default_device = old, old_device
 
 
+def test_interpreted_calls_leave_a_core_to_a_compile_under_way(monkeypatch):
+    """While a build is queued or under way, an interpreted call runs numpy's BLAS on one core
+    fewer than the machine's (threadpoolctl), and on all of them otherwise."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+    def blas_threads():
+        return {p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"}
+    before = blas_threads()
+    if cores < 2 or not before or max(before) < 2:
+        pytest.skip(f"{cores} core(s), BLAS threads {before}: nothing to leave")
+    with tiered._leave_a_core():
+        assert blas_threads() == before  # no compile under way
+    monkeypatch.setattr(tiered, "_building", [True])
+    with tiered._leave_a_core():
+        assert blas_threads() == {min(t, cores - 1) for t in before}
+    assert blas_threads() == before
+
+
 def test_an_operation_outside_jit_compiles_from_its_second_call(rng, monkeypatch):
     """A large operation outside jit interprets; its kernel is compiled only once it is called
     again (one called once, an initialisation, would never repay it), and then runs compiled."""
