@@ -375,7 +375,7 @@ def _results(outs, avals, dev, put=None) -> list:
 def _host_result(out: np.ndarray, dev):
     """An interpreted operation's numpy result as a buffer of a host-memory device: its own memory
     where numpy made it for this result (no other array shares it: not a view of an operand, whose
-    buffer may be freed or donated), else a copy."""
+    pool block may be freed), else a copy."""
     buf = dev.backend.adopt(out, dev) if out.flags.owndata else None
     return buf if buf is not None else dev.backend.put(out, dev)
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import functools
 import math
 import os
@@ -126,17 +125,34 @@ def _blas_threads():
     return ThreadpoolController().select(user_api="blas")
 
 
-def _leave_a_core():
-    """Around an interpreted call while a compile runs: numpy's BLAS on one core fewer than the
-    machine's, so the compile has one. Beside a compile on 2 cores, OpenBLAS's two threads kept
-    waiting for each other: the char-GPT step's interpreted calls took 360-590 ms instead of 170,
-    and a new batch size ran compiled after 1.7-2.0 s instead of 1.46 s (threadpoolctl sets the
-    limit in ~8 us: no bigger than an interpreted call's bookkeeping)."""
-    if not (_queue or _building[0]):
-        return contextlib.nullcontext()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    pools = _blas_threads() if cores > 1 else None
-    return pools.limit(limits=cores - 1) if pools else contextlib.nullcontext()
+class _LeaveACore:
+    """Around an interpreted call while a compile is queued or under way: numpy's BLAS on one core
+    fewer than the machine's, so the compile has one. Beside a compile on 2 cores, OpenBLAS's two
+    threads kept waiting for each other: the char-GPT step's interpreted calls took 360-590 ms
+    instead of 170-250, and a new batch size ran compiled after 1.7-2.4 s instead of 1.25-1.36 s
+    (threadpoolctl sets the limit in ~8 us). Calls on several threads at once share one limit: the
+    first in sets it, the last out restores the pools (nested limits would restore out of order)."""
+
+    def __init__(self):
+        self._lock, self._inside, self._limit = threading.Lock(), 0, None
+
+    def __enter__(self):
+        with self._lock:
+            self._inside += 1
+            if self._inside == 1 and (_queue or _building[0]):
+                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                pools = _blas_threads() if cores > 1 else None
+                self._limit = pools.limit(limits=cores - 1) if pools else None
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0 and self._limit is not None:
+                self._limit.restore_original_limits()
+                self._limit = None
+
+
+_leave_a_core = _LeaveACore()
 
 
 def wait_idle(timeout: float | None = None) -> bool:
@@ -302,7 +318,7 @@ class TieredExecutable:
             return self.wait()(leaves)
         t = time.perf_counter()
         host = [np.asarray(x) if isinstance(x, Array) else x for x in leaves]
-        with _leave_a_core():
+        with _leave_a_core:
             outs = [self.device.put(np.asarray(o)) for o in self._ref(host)]
         self._budget.spent += time.perf_counter() - t
         with _wake:
