@@ -13,10 +13,12 @@ compile costs 3-6x an interpreted first call (bench_compile.py's programs: 16-60
 3-115 ms), and computing the marker's key, the graph's text, costs ~20 ms for 1,000 equations;
 the background build reads the marker and then skips the child process.
 
-Measured cold, end to end (benchmarks/bench_compile.py, 2 cores, AMD EPYC, 2026-12-04): its six
-programs in 0.19-1.08 s, each 0.23-0.76x the fastest of JAX's and PyTorch's time in the same run
-(the op-by-op RNN under grad, the slowest: 1.08 s against PyTorch's 1.43 s and JAX's 4.20 s); the
-char-GPT train step's first call (benchmarks/bench_train.py) 1.11 s against JAX's 2.24 s.
+Measured cold, end to end (benchmarks/bench_compile.py, 2 cores, Intel Xeon, 2026-12-05): its
+six programs in 0.20-0.85 s, each 0.19-0.69x the fastest of JAX's and PyTorch's time in the same
+run (the op-by-op RNN under grad, the slowest: 0.85 s against PyTorch's 1.24 s and JAX's 5.33 s);
+their first steps within 1-15 ms of the interpreter's own (`ref`); the char-GPT train step's first
+call (benchmarks/bench_train.py) 0.44 s against JAX's 2.89 s, and a new batch size of it
+compiled after 1.41 s against JAX's 2.37 s.
 Results are the interpreter's until the switch: the same numbers within float rounding (numpy's
 pairwise sums, its exp), not bit for bit. The compiled executable replaces the tiered one in
 the caches that hold it (when_compiled), so later calls pay nothing for the tiering.
