@@ -120,6 +120,10 @@ class Backend:
         """Build many kernels at once where that is faster than one by one (one OpenCL program;
         LLVM object code in worker processes); compile_kernel then finds them built."""
 
+    def compile_tiles(self, tiles, device) -> None:
+        """Build many builders' tile kernels at once where that is faster than one by one (LLVM
+        object code in worker processes); compile_tile then finds them built."""
+
     def synchronize(self, device) -> None:
         pass
 

@@ -23,7 +23,7 @@ from tilefuse.ir.passes import Dump, partition, run_passes
 from tilefuse.ir.passes.inline import inline_calls
 from tilefuse.ir.primitives import CONTROL_FLOW
 
-from . import dispatch, frontend_cache, profiler, tiered
+from . import dispatch, frontend_cache, host_blas, profiler, tiered
 from .config import config
 from .memory import Spares
 from .planner import Interval, plan_buffers
@@ -255,6 +255,7 @@ def _precompile(kernels: list[Kernel], device, backend) -> None:
     """Build, all at once, the kernels the dispatcher will give to the backend's own renderer:
     a backend that can build many faster than one by one (one OpenCL program for a graph; LLVM
     object code in parallel processes) in compile_kernels. add_kernel then finds them built."""
+    host_blas.prebuild(kernels, device)  # (the GEMMs that choosing times, built together)
     mine = []
     for k in kernels:
         tiered.check()  # (choosing may build and time a GEMM)

@@ -39,14 +39,18 @@ def gemm_applies(kernel, device) -> bool:
     return gemm.default_schedule(spec, t).check(spec, t) is None
 
 
-def gemm_build(kernel, device, backend, params: dict | None = None):
+def gemm_tile(kernel, device, params: dict | None = None):
+    """The shared GEMM's tile kernel for a GEMM kind kernel under the default schedule (or `params`)."""
     spec, t = gemm_spec(kernel), _target(device)
     sched = gemm.default_schedule(spec, t) if params is None else gemm.schedule_of(params, t)
     why = sched.check(spec, t)
     if why is not None:
         raise ValueError(f"GEMM schedule {sched}: {why}")
-    return backend.compile_tile(gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs,
-                                           t.runtime_batch), device)
+    return gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+
+
+def gemm_build(kernel, device, backend, params: dict | None = None):
+    return backend.compile_tile(gemm_tile(kernel, device, params), device)
 
 
 def _key(kernel) -> tuple[str, str]:

@@ -297,6 +297,43 @@ def test_another_batch_size_takes_the_verdict_measured_for_its_product(gemm_mode
     _impls(tnp.matmul, x, rng.standard_normal((256, 512)).astype(F32), device="cpu")  # another N
     assert measured == [512, 512]
 
+def test_the_gemms_the_choice_times_are_built_together_first(gemm_mode, rng, monkeypatch, tmp_path):
+    """The vendor-or-generated choice times the generated GEMM once per shape class: a graph's
+    GEMMs to time are built together first (in worker processes on the CPU), so that no timing
+    waits for its own kernel's build; the numbers are the products'."""
+    from tilefuse.backends.llvm import compile as llvm
+    from tilefuse.runtime import host_blas
+    gemm_mode("auto")
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))  # no verdicts on disk
+    monkeypatch.setenv("TILEFUSE_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(host_blas, "_measured", {})
+    monkeypatch.setattr(host_blas, "_by_rows", {})
+    timing, built_while_timing = [], []
+    measure, compile_ir = host_blas._measure, llvm.Target.compile_ir
+
+    def measure_counted(kernel, spec, device):
+        timing.append(spec.layout.n)
+        try:
+            return measure(kernel, spec, device)
+        finally:
+            timing.append(None)
+
+    def compile_counted(self, text, fn_name, what):
+        if timing and timing[-1] is not None and fn_name.startswith("tf_tile_"):  # (a builder's kernel)
+            built_while_timing.append(fn_name)
+        return compile_ir(self, text, fn_name, what)
+    monkeypatch.setattr(host_blas, "_measure", measure_counted)
+    monkeypatch.setattr(llvm.Target, "compile_ir", compile_counted)
+    c = np.float32(rng.uniform(1, 2))  # an epilogue no cache holds: its kernels are new
+    x = rng.standard_normal((512, 96)).astype(F32)
+    ws = [rng.standard_normal((96, n)).astype(F32) for n in (64, 128, 256, 512)]
+    got = tx.jit(lambda x, *ws: [tnp.tanh(x @ w) * c for w in ws], device="cpu")(x, *ws)
+    assert [n for n in timing if n is not None] == [64, 128, 256, 512]  # four shape classes timed
+    assert built_while_timing == []
+    for g, w in zip(got, ws):
+        _check(g, np.tanh(x @ w) * c, 96)
+
+
 def _run_schedule(device, f, args, sched):
     """f's GEMM kernel built by the shared builder under `sched` (None: the default) and run on
     `device`; None where the target refuses the schedule."""

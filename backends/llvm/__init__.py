@@ -15,7 +15,7 @@ from tilefuse.runtime.tiled import register_attention, register_kernels
 
 from ..base import Backend
 from .buffer import Owner, interface, raw_alloc
-from .compile import CompiledKernel, compile_kernel, compile_kernels, compile_tile, memory_cache_stats
+from .compile import CompiledKernel, compile_kernel, compile_kernels, compile_tile, compile_tiles, memory_cache_stats
 
 
 class LLVMBackend(Backend):
@@ -54,6 +54,9 @@ class LLVMBackend(Backend):
         compile_kernels(kernels, self.info_of(device))
 
     tile_kernels = True
+
+    def compile_tiles(self, tiles, device=None) -> None:
+        compile_tiles(tiles, self.info_of(device))
 
     def compile_tile(self, kernel, device=None):
         """A tile kernel printed as LLVM IR (llvmir/tile.py), compiled through the caches, on the pool."""

@@ -372,9 +372,25 @@ def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
             continue
         s, key, fn_name = scheduled(k, info)
         if key not in _memory and key not in todo and not target.cache.has(key):
-            todo[key] = (schedule(k, target_of(info), s), fn_name, info)  # (workers: for this description)
-    parallel.build_objects(todo, lambda tk, fn_name, _info: target.compile_ir(
-        llvm_text(tk, fn_name, target, True), fn_name, ""))  # (errors: compile_kernel reports them)
+            todo[key] = (schedule(k, target_of(info), s), fn_name, info, True)  # (workers: for this description)
+    _build_in_parallel(todo, target)
+
+
+def compile_tiles(tks: list[TileKernel], info: DeviceInfo) -> None:
+    """Build, in parallel worker processes, the object code of those builders' tile kernels
+    (GEMM, FlashAttention) that neither cache holds; compile_tile then finds it."""
+    target = get_target(info)
+    todo = {}
+    for tk in tks:
+        key, fn_name = _tile_key(tk, info)
+        if key not in _memory and key not in todo and not target.cache.has(key):
+            todo[key] = (tk, fn_name, info, False)
+    _build_in_parallel(todo, target)
+
+
+def _build_in_parallel(todo: dict, target: Target) -> None:
+    parallel.build_objects(todo, lambda tk, fn_name, _info, by_scheduler: target.compile_ir(
+        llvm_text(tk, fn_name, target, by_scheduler), fn_name, ""))  # (errors: the one-by-one build reports them)
 
 
 def load_tile(tk, key: str, fn_name: str, info: DeviceInfo, source=None) -> int:
@@ -419,10 +435,15 @@ def compile_kernel(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = No
                           get_target(info), tile)
 
 
+def _tile_key(tk: TileKernel, info: DeviceInfo) -> tuple[str, str]:
+    """A builder's tile kernel's cache key (its text) and symbol."""
+    key = compile_cache.make_key("tile", key_text(tk), get_target(info).fingerprint)
+    return key, "tf_tile_" + key[:24]
+
+
 def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
     """A builder's tile kernel (GEMM, FlashAttention), compiled through the caches, on the pool."""
-    key = compile_cache.make_key("tile", key_text(tk), get_target(info).fingerprint)
-    fn_name = "tf_tile_" + key[:24]
+    key, fn_name = _tile_key(tk, info)
     n = tasks(tk)
     threads, bounds = split(n, None, info.compute_units)
     return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), n, tk.meta.get("sizes", ()), threads,
@@ -434,4 +455,4 @@ def memory_cache_stats() -> dict:
     return {"kernels": len(_memory), **_counts}
 
 
-__all__ = ["compile_kernel", "compile_tile", "CompiledKernel", "Target", "get_target", "kernel_ir", "split"]
+__all__ = ["compile_kernel", "compile_tile", "compile_tiles", "CompiledKernel", "Target", "get_target", "kernel_ir", "split"]

@@ -62,7 +62,8 @@ class _Worker:
         return self.proc.poll() is None
 
     def build(self, job: tuple) -> bytes | None:
-        """Object code for (tile kernel, symbol, DeviceInfo), or None if the worker could not."""
+        """Object code for (tile kernel, symbol, DeviceInfo, made by the scheduler), or None if the
+        worker could not."""
         data = pickle.dumps(job)
         try:
             self.proc.stdin.write(len(data).to_bytes(8, "little") + data)
@@ -107,8 +108,8 @@ def _pool(n: int) -> list:
 
 
 def build_objects(todo: dict, local) -> None:
-    """Compile {cache key: (tile kernel, symbol, DeviceInfo)} into `_built`: this process (through
-    `local(tile kernel, symbol, info) -> object code`) and one worker per other core at once."""
+    """Compile {cache key: (tile kernel, symbol, DeviceInfo, made by the scheduler)} into `_built`:
+    this process (through `local(*job) -> object code`) and one worker per other core at once."""
     n = min(_worker_count(), len(todo)) - 1
     if len(todo) < MIN_KERNELS or n < 1:
         return
@@ -143,18 +144,19 @@ def build_objects(todo: dict, local) -> None:
 
 
 def _serve() -> None:
-    """The worker: requests (tile kernel, symbol, DeviceInfo) on stdin, object code on stdout
-    (for the parent's description of the CPU, which may be narrower than this host)."""
+    """The worker: requests (tile kernel, symbol, DeviceInfo, made by the scheduler) on stdin,
+    object code on stdout (for the parent's description of the CPU, which may be narrower than
+    this host)."""
     from tilefuse.backends.llvm.compile import get_target, llvm_text
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     while True:
         head = inp.read(8)
         if len(head) < 8:
             return
-        tk, fn_name, info = pickle.loads(_read(inp, int.from_bytes(head, "little")))
+        tk, fn_name, info, by_scheduler = pickle.loads(_read(inp, int.from_bytes(head, "little")))
         try:
             target = get_target(info)
-            status, payload = 0, target.compile_ir(llvm_text(tk, fn_name, target, True), fn_name, "")
+            status, payload = 0, target.compile_ir(llvm_text(tk, fn_name, target, by_scheduler), fn_name, "")
         except Exception as e:  # reported by compile_kernel, which compiles it again in-process
             status, payload = 1, str(e).encode()
         out.write(bytes([status]) + len(payload).to_bytes(8, "little") + payload)
