@@ -23,7 +23,7 @@ from tilefuse.ir.passes import Dump, partition, run_passes
 from tilefuse.ir.passes.inline import inline_calls
 from tilefuse.ir.primitives import CONTROL_FLOW
 
-from . import dispatch, frontend_cache, host_blas, profiler, tiered
+from . import dispatch, frontend_cache, host_blas, profiler, tiered, tuner
 from .config import config
 from .memory import Spares
 from .planner import Interval, plan_buffers
@@ -252,15 +252,22 @@ def precompile(graphs, device) -> None:
 
 
 def _precompile(kernels: list[Kernel], device, backend) -> None:
-    """Build, all at once, the kernels the dispatcher will give to the backend's own renderer:
+    """Build, all at once, the kernels the dispatcher will give to the backend's own renderer
+    and the builders' tile kernels (GEMM, FlashAttention) it will compile under their defaults:
     a backend that can build many faster than one by one (one OpenCL program for a graph; LLVM
-    object code in parallel processes) in compile_kernels. add_kernel then finds them built."""
+    object code in parallel processes) in compile_kernels and compile_tiles. add_kernel then
+    finds them built."""
     host_blas.prebuild(kernels, device)  # (the GEMMs that choosing times, built together)
-    mine = []
+    mine, tiles = [], []
     for k in kernels:
         tiered.check()  # (choosing may build and time a GEMM)
-        if dispatch.choose(k, device).build is dispatch.kernel_ir:
+        impl = dispatch.choose(k, device)
+        if impl.build is dispatch.kernel_ir:
             mine.append(k)
+        elif impl.tiles is not None and tuner.uses_defaults(impl, k, device):
+            tiles.extend(impl.tiles(k, device))
+    if tiles:
+        backend.compile_tiles(tiles, device)
     if len(mine) > 1:
         backend.compile_kernels(mine, device)
 

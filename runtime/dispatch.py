@@ -36,6 +36,9 @@ class Implementation:
     device_kinds: tuple = ("*",)  # "*": any device
     applies: Callable = lambda kernel, device: True
     priority: int = 0
+    # (kernel, device) -> the builders' tile kernels `build` compiles under its defaults, which a
+    # graph's compile builds together beforehand (Backend.compile_tiles); None: not a builder's
+    tiles: Callable | None = None
 
 
 _registry: dict[str, list[Implementation]] = {}

@@ -68,13 +68,14 @@ def register_gemm(device_kind: str, priority: int, chosen=None) -> None:
     backend takes it (beside a vendor library), by default wherever it applies."""
     def applies(kernel, device):
         return (chosen is None or chosen(kernel, device)) and gemm_applies(kernel, device)
+    tiles = lambda kernel, device: [gemm_tile(kernel, device)]  # noqa: E731
     for kind in ("dot_general", "fused_gemm"):
         dispatch.register(dispatch.Implementation("tile_gemm", kind, gemm_build, (device_kind,), applies,
-                                                  priority))
+                                                  priority, tiles))
     # convolutions: the same builder as an implicit GEMM (ir/kernel/conv.py); the composite beside it
     for kind in CONV_KINDS:
         dispatch.register(dispatch.Implementation("tile_gemm", kind, gemm_build, (device_kind,), gemm_applies,
-                                                  priority))
+                                                  priority, tiles))
     _gemm_kinds.append(device_kind)
     tuner.register(tuner.Template(
         "tile_gemm", "tile_gemm", tuple(_gemm_kinds),
@@ -164,7 +165,8 @@ def register_attention(device_kind: str, priority: int) -> None:
     for kind in dispatch.ATTENTION_KINDS:
         dispatch.register(dispatch.Implementation(
             "tile_attention", kind, _attention_build, (device_kind,),
-            lambda kernel, device: _attention_kernels(kernel, device) is not None, priority))
+            lambda kernel, device: _attention_kernels(kernel, device) is not None, priority,
+            lambda kernel, device: _attention_kernels(kernel, device) or []))
     _attention_kinds.append(device_kind)
     tuner.register(tuner.Template(
         "tile_attention", "tile_attention", tuple(_attention_kinds),

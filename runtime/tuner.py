@@ -332,6 +332,12 @@ def tuned_params(t: Template, kernel, device) -> tuple[tuple, dict | None]:
     return key, params
 
 
+def uses_defaults(impl, kernel, device) -> bool:
+    """Whether build() builds the kernel with the implementation's defaults (no tuned parameters)."""
+    t = template_for(impl.name, kernel, device)
+    return t is None or tuned_params(t, kernel, device)[1] is None
+
+
 def build(impl, kernel, device, backend):
     """Build a kernel with implementation `impl`: with tuned parameters when the database holds
     them for its template (and they build), else the implementation's defaults."""

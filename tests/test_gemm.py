@@ -297,41 +297,51 @@ def test_another_batch_size_takes_the_verdict_measured_for_its_product(gemm_mode
     _impls(tnp.matmul, x, rng.standard_normal((256, 512)).astype(F32), device="cpu")  # another N
     assert measured == [512, 512]
 
-def test_the_gemms_the_choice_times_are_built_together_first(gemm_mode, rng, monkeypatch, tmp_path):
-    """The vendor-or-generated choice times the generated GEMM once per shape class: a graph's
-    GEMMs to time are built together first (in worker processes on the CPU), so that no timing
-    waits for its own kernel's build; the numbers are the products'."""
+def test_a_graphs_gemms_are_built_together_first(gemm_mode, rng, monkeypatch, tmp_path):
+    """The builders' GEMM kernels of a graph are built together before any is used (in worker
+    processes on the CPU): first those the vendor-or-generated choice times (once per shape
+    class), so that no timing waits for its own kernel's build, then the rest (other epilogues
+    of a class); none is built on its own. The numbers are the products'."""
     from tilefuse.backends.llvm import compile as llvm
+    from tilefuse.backends.llvm import parallel
     from tilefuse.runtime import host_blas
     gemm_mode("auto")
     monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))  # no verdicts on disk
     monkeypatch.setenv("TILEFUSE_COMPILE_WORKERS", "2")
     monkeypatch.setattr(host_blas, "_measured", {})
     monkeypatch.setattr(host_blas, "_by_rows", {})
-    timing, built_while_timing = [], []
-    measure, compile_ir = host_blas._measure, llvm.Target.compile_ir
+    timed, together, alone = [], [0], []
+    measure, compile_ir, build_objects = host_blas._measure, llvm.Target.compile_ir, parallel.build_objects
 
     def measure_counted(kernel, spec, device):
-        timing.append(spec.layout.n)
+        timed.append(spec.layout.n)
+        return measure(kernel, spec, device)
+
+    def build_together(*a, **k):
+        together[0] += 1
         try:
-            return measure(kernel, spec, device)
+            return build_objects(*a, **k)
         finally:
-            timing.append(None)
+            together[0] -= 1
 
     def compile_counted(self, text, fn_name, what):
-        if timing and timing[-1] is not None and fn_name.startswith("tf_tile_"):  # (a builder's kernel)
-            built_while_timing.append(fn_name)
+        if not together[0] and fn_name.startswith("tf_tile_"):  # (a builder's kernel, on its own)
+            alone.append(fn_name)
         return compile_ir(self, text, fn_name, what)
     monkeypatch.setattr(host_blas, "_measure", measure_counted)
+    monkeypatch.setattr(parallel, "build_objects", build_together)
     monkeypatch.setattr(llvm.Target, "compile_ir", compile_counted)
-    c = np.float32(rng.uniform(1, 2))  # an epilogue no cache holds: its kernels are new
+    c = np.float32(rng.uniform(1, 2))  # epilogues no cache holds: their kernels are new
     x = rng.standard_normal((512, 96)).astype(F32)
-    ws = [rng.standard_normal((96, n)).astype(F32) for n in (64, 128, 256, 512)]
-    got = tx.jit(lambda x, *ws: [tnp.tanh(x @ w) * c for w in ws], device="cpu")(x, *ws)
-    assert [n for n in timing if n is not None] == [64, 128, 256, 512]  # four shape classes timed
-    assert built_while_timing == []
-    for g, w in zip(got, ws):
+    ws = [rng.standard_normal((96, n)).astype(F32) for n in (64, 128, 256, 512) for _ in range(2)]
+    got = tx.jit(lambda x, *ws: [tnp.tanh(x @ w) * c for w in ws[::2]] + [(x @ w) * c + 1.0 for w in ws[1::2]],
+                 device="cpu")(x, *ws)
+    assert timed == [64, 128, 256, 512]  # four shape classes timed, each once
+    assert alone == []
+    for g, w in zip(got[:4], ws[::2]):
         _check(g, np.tanh(x @ w) * c, 96)
+    for g, w in zip(got[4:], ws[1::2]):
+        _check(g, (x @ w) * c + 1.0, 96)
 
 
 def _run_schedule(device, f, args, sched):
