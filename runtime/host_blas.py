@@ -5,6 +5,7 @@ once per shape class. float16/bfloat16 operands are widened to float32 first (nu
 BLAS); a fused_gemm's epilogue runs after it in numpy. A backend takes it with register()."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 
@@ -67,6 +68,7 @@ MODES = ("auto", "generated", "vendor", "generic")  # generic: the kernel IR's l
 _measured: dict = {}  # shape class -> "generated" | "vendor"
 
 
+@functools.lru_cache(maxsize=1)
 def _digest() -> str:
     h = hashlib.sha256()
     for path in (__file__, gemm.__file__, tiled.__file__):
