@@ -143,8 +143,11 @@ class _LeaveACore:
             self._inside += 1
             if self._inside == 1 and (_queue or _building[0]):
                 cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-                pools = _blas_threads() if cores > 1 else None
-                self._limit = pools.limit(limits=cores - 1) if pools else None
+                try:  # (a speed-up only: whatever a BLAS library does, the call runs unlimited)
+                    pools = _blas_threads() if cores > 1 else None
+                    self._limit = pools.limit(limits=cores - 1) if pools else None
+                except Exception:  # noqa: BLE001
+                    self._limit = None
 
     def __exit__(self, *exc):
         with self._lock:
