@@ -365,30 +365,30 @@ def kernel_ir(kernel: Kernel, info: DeviceInfo, fn_name: str = "f") -> str:
 def compile_kernels(kernels: list[Kernel], info: DeviceInfo) -> None:
     """Build, in parallel worker processes, the object code of those of `kernels` (under their
     default schedules) that neither cache holds; compile_kernel then finds it."""
-    target = get_target(info)
-    todo = {}
-    for k in kernels:
-        if not k.size:
-            continue
-        s, key, fn_name = scheduled(k, info)
-        if key not in _memory and key not in todo and not target.cache.has(key):
-            todo[key] = (schedule(k, target_of(info), s), fn_name, info, True)  # (workers: for this description)
-    _build_in_parallel(todo, target)
+    def jobs():
+        for k in kernels:
+            if k.size:
+                s, key, fn_name = scheduled(k, info)  # (workers: for this description)
+                yield key, lambda: (schedule(k, target_of(info), s), fn_name, info, True)
+    _build_missing(jobs(), get_target(info))
 
 
 def compile_tiles(tks: list[TileKernel], info: DeviceInfo) -> None:
     """Build, in parallel worker processes, the object code of those builders' tile kernels
     (GEMM, FlashAttention) that neither cache holds; compile_tile then finds it."""
-    target = get_target(info)
+    def jobs():
+        for tk in tks:
+            key, fn_name = _tile_key(tk, info)
+            yield key, lambda: (tk, fn_name, info, False)
+    _build_missing(jobs(), get_target(info))
+
+
+def _build_missing(jobs, target: Target) -> None:
+    """Build in parallel the (cache key, job maker) jobs that no cache holds (each made once)."""
     todo = {}
-    for tk in tks:
-        key, fn_name = _tile_key(tk, info)
+    for key, make in jobs:
         if key not in _memory and key not in todo and not target.cache.has(key):
-            todo[key] = (tk, fn_name, info, False)
-    _build_in_parallel(todo, target)
-
-
-def _build_in_parallel(todo: dict, target: Target) -> None:
+            todo[key] = make()
     parallel.build_objects(todo, lambda tk, fn_name, _info, by_scheduler: target.compile_ir(
         llvm_text(tk, fn_name, target, by_scheduler), fn_name, ""))  # (errors: the one-by-one build reports them)
 
