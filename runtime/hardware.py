@@ -224,8 +224,9 @@ def target_of(info: DeviceInfo):
                   warp=max(1, info.sub_group), l1_bytes=caches.l1_bytes, l2_bytes=caches.l2_bytes,
                   l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)),
                   mma=tuple(MMA(*m) for m in info.extra.get("mma", ())),  # (the backend's table: MMA's fields)
-                  # the host's LLVM printer takes vectors of any width and the batch at run time;
-                  # 4 registers in flight: the transcendental chains are latency-bound (tanh/sigmoid/
-                  # exp chain on one znver3 core: 3.0 ns a point one vector at a time, 2.1 with 4)
-                  unroll=4 if info.kind == "cpu" else 1, runtime_batch=info.kind == "cpu",
+                  # the host's LLVM printer takes vectors of any width; 4 registers in flight: the
+                  # transcendental chains are latency-bound (tanh/sigmoid/exp chain on one znver3
+                  # core: 3.0 ns a point one vector at a time, 2.1 with 4). Sizes at run time: the
+                  # LLVM printer's and, on CPU devices, the OpenCL printer's (kernel parameters)
+                  unroll=4 if info.kind == "cpu" else 1, runtime_batch=info.kind == "cpu" or (cpu and info.kind == "opencl"),
                   atomics=info.kind != "cpu", driver_compiled=info.kind == "opencl")

@@ -16,12 +16,13 @@ from tilefuse.ir.errors import CompileError, DeviceError, OutOfMemoryError
 from tilefuse.runtime.config import config
 from tilefuse.runtime import hardware
 from tilefuse.runtime.hardware import DeviceInfo, host_info
+from tilefuse.ir.kernel.tile import key_text
 from tilefuse.runtime.memory import PoolAllocator, PoolBuffer
 from tilefuse.runtime.tiled import register_attention, register_gemm, register_kernels
 
 from ..base import Backend
 
-from ..cstyle import F64, print_tile
+from ..cstyle import F64, launch_shape, print_tile
 from .build import ProgramCache, translate
 
 INSTALL_HINT = ("install an OpenCL driver (ICD): on Debian/Ubuntu `apt-get install pocl-opencl-icd "
@@ -69,12 +70,19 @@ class _State:
 
 
 class TileLaunch:
-    """A built tile kernel: `run(buffers)` enqueues it with its workspace (scratch memory, made
-    at the first launch) and returns the event."""
+    """A built tile kernel launched over one tile kernel's grid: `run(buffers)` enqueues it with
+    its workspace (scratch memory, made at the first launch) and run-time sizes, and returns the
+    event. The code (printed, cl_kernel) may have been built for another batch size: its source
+    holds none (cstyle.key_text), the grid and the sizes are this tile kernel's."""
 
     def __init__(self, tk, printed, cl_kernel, state: _State):
         self.kernel, self.name, self.source = tk, printed.name, printed.source
-        self.global_size, self.local_size = printed.global_size, printed.local
+        groups, self.local_size, _ = launch_shape(tk)
+        self.groups = groups
+        self.global_size = tuple(g * n for g, n in zip(groups, self.local_size))
+        sizes = tuple(tk.meta.get("sizes", ()))
+        assert len(sizes) >= printed.sizes, f"{tk.name} reads {printed.sizes} run-time sizes, knows {sizes}"
+        self._sizes = [np.int64(v) for v in sizes[:printed.sizes]]
         self._p, self._knl, self._state = printed, cl_kernel, state
         self._ws = None
         self.last_event = None
@@ -113,10 +121,10 @@ class TileLaunch:
         args = [getattr(b, "mem", b) for b in buffers]
         if p.scratch_elems:
             if self._ws is None:
-                n = int(np.prod(p.groups)) * p.scratch_elems * np.dtype(p.scratch_dtype).itemsize
+                n = int(np.prod(self.groups)) * p.scratch_elems * np.dtype(p.scratch_dtype).itemsize
                 self._ws = PoolBuffer(st.pool.alloc(n), n, st.pool)
             args.append(self._ws.mem)
-        return args
+        return args + self._sizes
 
     def times(self) -> tuple[int, int]:
         """(start, end) of the last launch in device nanoseconds (waits for it)."""
@@ -195,10 +203,12 @@ class OpenCLBackend(Backend):
     tile_kernels = True
 
     @staticmethod
-    def _key(tk) -> tuple:
+    def _key(tk) -> str:
+        """The code's key: the tile kernel's text less its name, buffer sizes and first grid
+        extent, none of which the printed source holds (a new batch size reuses the build)."""
         key = tk.meta.get("opencl_key")
         if key is None:
-            key = tk.meta["opencl_key"] = ("tile", tk.name, str(tk))
+            key = tk.meta["opencl_key"] = key_text(tk)
         return key
 
     def _build_tiles(self, tks, device) -> None:
@@ -214,7 +224,7 @@ class OpenCLBackend(Backend):
         except CompileError:
             return
         for tk, p, knl in zip(todo, ps, knls):
-            st.kernels[self._key(tk)] = TileLaunch(tk, p, knl, st)
+            st.kernels[self._key(tk)] = p, knl
         if config.debug:
             print(f"[tilefuse opencl] {len(todo)} kernels built in {time.perf_counter() - t0:.3f} s", file=sys.stderr)
 
@@ -234,11 +244,11 @@ class OpenCLBackend(Backend):
             t0 = time.perf_counter()
             p = self._print(tk, st)
             knl = self.programs.kernel(st.ctx, st.dev, p.source, p.name, str(tk))
-            hit = st.kernels[key] = TileLaunch(tk, p, knl, st)
+            hit = st.kernels[key] = p, knl
             if config.debug:
                 print(f"[tilefuse opencl] tile kernel {p.name} built in {time.perf_counter() - t0:.3f} s\n"
                       f"{p.source}", file=sys.stderr)
-        return hit
+        return TileLaunch(tk, *hit, st)
 
     # ---- memory ----
     def alloc(self, nbytes: int, device) -> PoolBuffer:

@@ -696,9 +696,11 @@ class _Builder:
         return Store(st.buffer, off, val, mode=st.mode)
 
 
-def _units(k: Kernel, s: Schedule) -> tuple[int, int]:
+def _units(k: Kernel, s: Schedule, sized: bool = False) -> tuple[int, int]:
     """(units of work, work-items a work-group) of a laid-out kernel under a plain or owner
-    schedule: a unit is a point, or a vector of `lanes` along the last (owner) axis."""
+    schedule: a unit is a point, or a vector of `lanes` along the last (owner) axis. Work-groups
+    shrink to the units, unless `sized` (the first extent comes at run time: the code, which holds
+    the group's size, serves every extent; a small one leaves work-items idle)."""
     shape = tuple(k.shape)
     if s.owner:
         units = -(-shape[k.owner_axis] // s.lanes)
@@ -708,7 +710,23 @@ def _units(k: Kernel, s: Schedule) -> tuple[int, int]:
         units = math.prod(shape[:-1]) * -(-shape[-1] // s.lanes)
     else:
         units = max(1, math.prod(shape))
-    return units, max(1, min(s.group, units))
+    return units, max(1, s.group if sized else min(s.group, units))
+
+
+def _units_at(k: Kernel, s: Schedule, n0: KExpr) -> KExpr:
+    """_units' count as an index expression of the first axis's extent n0 (tile.batch where the
+    Target takes it at run time: a work-group's guard then holds no batch size)."""
+    shape, W = tuple(k.shape), s.lanes
+    if n0.op == "const" or not shape:
+        return ic(_units(k, s)[0])
+    ceil_n0 = binary("div", iadd(n0, ic(W - 1)), ic(W)) if W > 1 else n0
+    if s.owner:
+        return ceil_n0 if k.owner_axis == 0 else ic(_units(k, s)[0])
+    if W > 1 and s.group == 1 and len(shape) > 1:
+        return imul(n0, math.prod(shape[1:-1]))
+    if W > 1:
+        return ceil_n0 if len(shape) == 1 else imul(n0, math.prod(shape[1:-1]) * -(-shape[-1] // W))
+    return imul(n0, math.prod(shape[1:]))
 
 
 def grid_points(k: Kernel, target: Target, s: Schedule) -> int:
@@ -718,7 +736,7 @@ def grid_points(k: Kernel, target: Target, s: Schedule) -> int:
         return 1 if k.size else 0
     if s.reduce_group > 1:
         return max(1, math.prod(k.shape))
-    units, G = _units(k, s)
+    units, G = _units(k, s, target.runtime_batch)
     return -(-units // G)
 
 
@@ -730,7 +748,7 @@ def code_text(k: Kernel, target: Target, s: Schedule) -> str:
     if generic_reduction(k, target, s):  # (a handful of kernels: the tile kernel's own text)
         return "generic reduction\n" + key_text(schedule(k, target, s))
     k = laid_out(k, target)
-    generic = target.runtime_batch and target.max_group == 1  # (else a group's guard holds the extent)
+    generic = target.runtime_batch
     shape = ("?",) + tuple(k.shape[1:]) if generic and k.shape else tuple(k.shape)
     lines = [" ".join(np.dtype(b.dtype).name for b in k.buffers) + f" inputs {k.n_inputs} shape {shape} "
              f"reduce {tuple(k.reduce_shape)} {s} {target}"]
@@ -754,7 +772,7 @@ def generic_reduction(k: Kernel, target: Target, s: Schedule) -> bool:
     gradient): on targets that take sizes at run time, a first reduction axis (after merging) of
     at least GENERIC_REDUCE_MIN steps, reduced one step at a time by one task per point, with no
     row stores. Its code text is then the tile kernel's own (code_text)."""
-    if not (target.runtime_batch and target.max_group == 1 and k.reduce_shape) or k.row_stores:
+    if not (target.runtime_batch and k.reduce_shape) or k.row_stores:
         return False
     if s.serial or s.owner or s.reduce_group > 1 or s.reduce_lanes > 1:
         return False
@@ -794,7 +812,7 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
         body = (Range("g", points, "grid", (Range("l", s.reduce_group, "lane", b.point(divmod_index(var("g"), shape), None)),)),)
         return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
     W = s.lanes
-    units, G = _units(k, s)
+    units, G = _units(k, s, target.runtime_batch)
     g, lane = var("g"), var("l")
     if W > 1 and G == 1 and len(shape) > 1:  # a task a row: its whole vectors, then its ragged end
         outer, axis, v, t = divmod_index(g, shape[:-1]), KExpr("idx", INDEX, (), len(shape) - 1), var("v"), var("t")
@@ -824,7 +842,7 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
     else:
         inner = b.point(divmod_index(u, shape), None)
     if G > 1:
-        inner = (If(binary("lt", u, ic(units)), inner),)
+        inner = (If(binary("lt", u, _units_at(k, s, n0)), inner),)
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         body = (Range("g", units, "grid", inner),)
@@ -838,7 +856,7 @@ def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKe
     n = shape[a]
     others = [i for i in range(len(shape)) if i != a]
     W = s.lanes
-    units, G = _units(k, s)
+    units, G = _units(k, s, n0.op != "const")
     g, lane, u = var("g"), var("l"), var("u")
     unit = iadd(imul(g, G), lane) if G > 1 else g
     rest = divmod_index(u, [shape[i] for i in others])
@@ -865,7 +883,7 @@ def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKe
     else:
         inner = (Range("u", count, "serial", b.point(index(unit), None)),)
     if G > 1:
-        inner = (If(binary("lt", unit, ic(units)), inner),)
+        inner = (If(binary("lt", unit, _units_at(k, s, n0)), inner),)
         body = (Range("g", -(-units // G), "grid", (Range("l", G, "lane", inner),)),)
     else:
         body = (Range("g", units, "grid", inner),)

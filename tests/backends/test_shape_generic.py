@@ -1,12 +1,14 @@
-"""Shape-generic CPU kernels: a kernel's cache text (ir/kernel/schedule.code_text) holds only what
-the scheduler's code depends on (not the first axis's extent, a batch size, which the code reads
-at run time: tile.batch; not how the axes it merged into one made it up), so a new batch size
-reuses compiled code.
+"""Shape-generic kernels on the devices whose printer takes sizes at run time (the CPU's LLVM
+printer; the OpenCL C printer on CPU devices, as kernel parameters): a kernel's cache text
+(ir/kernel/schedule.code_text; a builder's tile kernel: tile.key_text) holds only what the
+scheduler's code depends on (not the first axis's extent, a batch size, which the code reads at
+run time: tile.batch; not how the axes it merged into one made it up), so a new batch size reuses
+compiled code.
 
 The structural guard: for every kernel of real programs lowered at several batch sizes, whenever
-two kernels share a cache text they render to the same LLVM IR. A renderer that starts reading
-the first extent fails here, not in a user's results. Then end to end: new batch sizes compile
-nothing new and match numpy."""
+two kernels share a cache text they print to the same code (LLVM IR, OpenCL C). A printer that
+starts reading the first extent fails here, not in a user's results. Then end to end: new batch
+sizes compile nothing new and match numpy."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +20,8 @@ import tilefuse.numpy as tnp
 from conftest import assert_close
 from tilefuse.backends.llvm import compile as lc
 from tilefuse.backends.llvmir.tile import print_tile
-from tilefuse.ir.kernel.schedule import code_text, schedule
+from tilefuse.ir.kernel.schedule import code_text, default_schedule, schedule
+from tilefuse.ir.kernel.tile import key_text
 from tilefuse.runtime.hardware import host_info, target_of
 from tilefuse.runtime.compiler import _front
 from tilefuse.validate.programs import layernorm, softmax
@@ -82,7 +85,34 @@ def _kernels(f, args):
     return [lk.kernel for lks in _front(g, True, cached=False)[0][2] for lk in lks if lk.kernel is not None]
 
 
-def test_equal_cache_text_means_equal_code():
+def _generic(device):
+    """The device's Target, or a skip where its printer takes no sizes at run time."""
+    if device.kind not in ("cpu", "opencl"):
+        pytest.skip(f"{device.name}: no shape-generic kernels (sizes are constants in its code)")
+    t = target_of(device.info)
+    if not t.runtime_batch:
+        pytest.skip(f"{device.name}: this description takes no sizes at run time")
+    return t
+
+
+def _code(device, tk) -> str:
+    """The code the device's printer makes of a tile kernel."""
+    if device.kind == "cpu":
+        return print_tile(tk, "f")
+    from tilefuse.backends.cstyle import print_tile as print_c
+    printed = print_c(tk)
+    return printed.source.replace(printed.name, "f")  # (the kernel's name: not code)
+
+
+def _built(device) -> int:
+    """Kernels' code built (or loaded) in this process for the device."""
+    if device.kind == "cpu":
+        return lc.memory_cache_stats()["kernels"]
+    return len(device.backend._state(device).kernels)
+
+
+def test_equal_cache_text_means_equal_code(device):
+    t = _generic(device)
     by_text: dict = {}
     shared = 0
     for f, make in PROGRAMS.values():
@@ -90,40 +120,43 @@ def test_equal_cache_text_means_equal_code():
             for k in _kernels(f, make(n)):
                 if not k.size:
                     continue
-                t, s = target_of(host_info()), lc.scheduled(k, host_info())[0]
-                text, code = code_text(k, t, s), print_tile(schedule(k, t, s), "f")
-                if text in by_text:
-                    shared += 1
-                    assert by_text[text] == code, f"{k.name}: equal cache text, different code"
-                by_text[text] = code
-    assert shared > 10, "few kernels were shared between batch sizes"
+                s = lc.scheduled(k, device.info)[0] if device.kind == "cpu" else default_schedule(k, t)
+                tk = schedule(k, t, s)
+                text, code = code_text(k, t, s), _code(device, tk)
+                for key in (text, key_text(tk)):  # (the LLVM backend keys by the first, OpenCL by the second)
+                    if key in by_text:
+                        shared += 1
+                        assert by_text[key] == code, f"{k.name}: equal cache text, different code"
+                    by_text[key] = code
+    assert shared > 20, "few kernels were shared between batch sizes"
 
 
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_new_batch_sizes_reuse_compiled_kernels(name):
+def test_new_batch_sizes_reuse_compiled_kernels(device, name):
     """Once every kernel of one batch size is built, a new batch size builds only the kernels
     whose code depends on it (reductions over the batch axis, constants such as 1/n)."""
+    _generic(device)
     f, make = PROGRAMS[name]
-    jf = tx.jit(f, device="cpu")
+    jf = tx.jit(f, device=device)
     for n in BATCHES:
         args = make(n)
-        before = lc.memory_cache_stats()["kernels"]
+        before = _built(device)
         got = jf(*args)
         want = tx.jit(f, device="ref")(*args)
         for a, b in zip(tx.tree_leaves(got), tx.tree_leaves(want)):
             b = np.asarray(b)  # float32 sums in another order: errors relative to the largest value
             assert_close(np.asarray(a), b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max(initial=0))))
-        built = lc.memory_cache_stats()["kernels"] - before
+        built = _built(device) - before
         total = len([k for k in _kernels(f, args) if k.size])
         if n != BATCHES[0]:
             assert built < total, f"batch {n}: all {total} kernels built again"
 
 
 
-def test_an_empty_batch_then_a_full_one():
+def test_an_empty_batch_then_a_full_one(device):
     """An empty kernel has the cache text of the same kernel at any batch size, and no code: it
     must not stand in the cache for them (it did: a null function pointer, a segfault)."""
-    f = tx.jit(lambda x: tnp.tanh(x * 1.7 + 0.3) * 2.0, device="cpu")
+    f = tx.jit(lambda x: tnp.tanh(x * 1.7 + 0.3) * 2.0, device=device)
     for n in (0, 5, 0, 9):
         x = rng.standard_normal((n, 8)).astype(np.float32)
         assert_close(np.asarray(f(x)), np.tanh(x * 1.7 + 0.3) * 2.0)
@@ -157,7 +190,6 @@ def test_gemm_code_serves_every_batch_size(rows, shared):
     compiled code, match numpy. A few rows are the weight gradient's K in one block, a constant
     (only x @ w is shared); rows past any host's K block (2500 and more) put K in blocks, and
     both products are shared."""
-    from tilefuse.ir.kernel.tile import key_text
     t = target_of(host_info())
     if not t.runtime_batch:
         pytest.skip("this CPU description takes no sizes at run time")
@@ -211,7 +243,6 @@ def test_attention_code_serves_every_batch_size():
     dv start at run-time offsets), print one cache text at every batch size the scheduler gives
     one schedule (it picks a task per head from twice the cores' batch entries)."""
     from tilefuse.ir.kernel import attention
-    from tilefuse.ir.kernel.tile import key_text
     from tilefuse.runtime import tiled
     from tilefuse.runtime.device import get_device
     if not target_of(host_info()).runtime_batch:
