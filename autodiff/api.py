@@ -10,7 +10,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
-from tilefuse.ir.errors import TilefuseError, TransformError, filter_traceback, with_user_line
+from tilefuse.ir.errors import TilefuseError, TransformError, for_user, with_user_line
 from tilefuse.tracer.core import bind1, bind_custom_jvp, bind_custom_vjp, get_aval, is_array_like
 from tilefuse.tracer.pytree import PyTreeDef, tree_flatten, tree_map, tree_unflatten
 
@@ -24,13 +24,13 @@ def _error(msg: str) -> TransformError:
 
 
 def _user_frames(fn: Callable) -> Callable:
-    """Re-raise tilefuse errors with our internal frames dropped from the traceback."""
+    """Re-raise tilefuse errors, and the user's own code's, with our internal frames dropped (errors.for_user)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        except Exception as e:  # (ours, or the user's code's: what the user sees)
+            raise for_user(e)
     return wrapper
 
 

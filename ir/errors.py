@@ -5,6 +5,7 @@ import functools
 import linecache
 import os
 import sys
+import sysconfig
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PARENT = os.path.dirname(_HERE)
@@ -16,6 +17,8 @@ else:
     INTERNAL_DIRS = tuple(os.path.join(_PARENT, d) + os.sep for d in
                           ("tilefuse", "ir", "tracer", "autodiff", "backends", "runtime"))
 _SKIP_FILES = ("contextlib.py", "functools.py", "<frozen")
+# Python's and installed packages' code (numpy's...): an exception raised there belongs to whoever called it
+_LIBRARY_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "purelib", "platlib")})
 
 
 @functools.lru_cache(maxsize=4096)  # asked for every frame of every traced operation
@@ -136,6 +139,27 @@ def without_user_line(e: BaseException) -> str:
     return str(e).split(_AT)[0]
 
 
+def for_user(e: BaseException) -> BaseException:
+    """What an API boundary (jit, grad, vmap, tile_op) re-raises: the exception with our internal
+    frames dropped from its traceback where it is the user's to read, as JAX filters its frames:
+    a tilefuse error (the exception it was raised from hidden too), or one their own code raised
+    inside a transformation (a TypeError in the traced function: its innermost frame is theirs).
+    An exception raised inside tilefuse is a bug: its traceback stays whole."""
+    if isinstance(e, TilefuseError):
+        e.__suppress_context__ = True
+    else:  # whose code raised it: the innermost frame that is neither a library's nor Python's
+        raised_in = None
+        tb = e.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_code.co_filename
+            if is_internal(name) or not name.startswith(_LIBRARY_DIRS):
+                raised_in = name
+            tb = tb.tb_next
+        if raised_in is None or is_internal(raised_in):
+            return e
+    return e.with_traceback(filter_traceback(e.__traceback__))
+
+
 def filter_traceback(tb):
     """Drop our internal frames from a traceback so users see their own lines."""
     frames = []
@@ -155,4 +179,4 @@ class NaNError(TilefuseError, FloatingPointError):
 
 
 __all__ = [n for n in dir() if n.endswith("Error")] + ["user_line", "user_frame", "with_user_line",
-                                                      "without_user_line", "filter_traceback"]
+                                                      "without_user_line", "filter_traceback", "for_user"]

@@ -46,6 +46,36 @@ def test_error_hierarchy():
     assert "k0" in str(err) and "define void" in str(err) and err.backend == "llvm"
 
 
+def test_the_users_own_errors_inside_transformations_hide_internal_frames():
+    """A builtin exception the traced function raises (a missing argument, a bad key) comes out of
+    jit, grad and vmap as it is, with only the user's frames (and one boundary's) in its traceback,
+    as JAX filters its own; an exception raised inside tilefuse (a bug) keeps every frame."""
+    def layer(params, x):
+        return x * params["scale"]
+
+    def loss(params, x):
+        return (layer(x) ** 2).sum()  # the user's mistake: params not passed
+
+    x = np.ones(3, np.float32)
+    for transformed in (tx.jit(tx.grad(loss)), tx.grad(loss), tx.vmap(loss, in_axes=(None, 0))):
+        with pytest.raises(TypeError, match="missing 1 required positional argument") as e:
+            transformed({"scale": np.float32(2.0)}, x)
+        _no_internal_frames(e)
+        assert traceback.extract_tb(e.tb)[-1].line.endswith("# the user's mistake: params not passed")
+    with pytest.raises(KeyError) as e:
+        tx.jit(lambda p, x: x * p["shift"])({"scale": np.float32(2.0)}, x)
+    _no_internal_frames(e)
+
+    from tilefuse.ir import primitives as P
+    try:  # a bug: our code calls a function of ours with arguments it does not take
+        P.mul.abstract_eval = E.user_frame
+        with pytest.raises(TypeError, match="positional argument") as e:
+            tx.jit(lambda x: x * 3.0)(x)
+    finally:
+        del P.mul.abstract_eval
+    assert sum(E.is_internal(f.filename) for f in traceback.extract_tb(e.tb)) > 2, "a bug's frames were cut"
+
+
 def test_shape_error_at_trace_time_names_op_shapes_and_line():
     def f(x, y):
         return x + y  # the bad add

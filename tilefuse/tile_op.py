@@ -35,7 +35,7 @@ from tilefuse.autodiff.vjp import vjp_flat
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Graph, ShapedArray, eval_graph
 from tilefuse.ir.errors import (ArgumentError, DTypeError, ShapeError, TilefuseError, TransformError,
-                                filter_traceback, with_user_line)
+                                for_user, with_user_line)
 from tilefuse.tracer.core import Tracer, bind, bind1, get_aval, is_array_like
 from tilefuse.tracer.staging import closed_graph
 from tilefuse.tracer.vmap import batch_rules, vmap
@@ -295,8 +295,8 @@ class TileOp:
     def __call__(self, *args, **kwargs):
         try:
             return self._call(args, kwargs)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        except Exception as e:  # (ours, or the user's code's: what the user sees)
+            raise for_user(e)
 
     def _call(self, args, kwargs):
         try:

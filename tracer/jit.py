@@ -13,7 +13,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir.core import Graph, ShapedArray, eval_graph
-from tilefuse.ir.errors import (ArgumentError, StaticArgumentError, TilefuseError, filter_traceback,
+from tilefuse.ir.errors import (ArgumentError, StaticArgumentError, TilefuseError, for_user,
                                  user_line)
 from tilefuse.ir.passes.manager import prepare_for_ad
 
@@ -174,7 +174,7 @@ class JitFunction:
         # The cache-hit path for plain positional arrays: a key made inline (no call per
         # argument), one dict lookup, the launch. Every argument a numpy array, an Array or a
         # Python scalar; anything else goes down the general path.
-        # A TilefuseError leaves with our frames cut from its traceback (this one boundary stays).
+        # An error leaves with our frames cut from its traceback (errors.for_user; this one boundary stays).
         try:
             if kwargs or self._general_only:
                 return self._call(args, kwargs, None)
@@ -197,8 +197,8 @@ class JitFunction:
             entry.used = next(_clock)
             outs = entry.executable(args)
             return outs[0] if entry.single else pytree.tree_unflatten(entry.out_tree, outs)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        except Exception as e:  # (ours, or the user's code's: what the user sees)
+            raise for_user(e)
 
     def _run(self, entry, leaves):
         outs = entry.executable(leaves)
@@ -383,8 +383,8 @@ class JitFunction:
         """Trace for these arguments without running: `.graph` and str() show the graph."""
         try:
             return self._lower(args, kwargs, device)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        except Exception as e:  # (ours, or the user's code's: what the user sees)
+            raise for_user(e)
 
     def _lower(self, args, kwargs, device) -> Lowered:
         dyn_args, dyn_kwargs, static = self._split(args, kwargs)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tilefuse.ir import primitives as P
-from tilefuse.ir.errors import TilefuseError, TransformError, filter_traceback, with_user_line
+from tilefuse.ir.errors import TilefuseError, TransformError, for_user, with_user_line
 from tilefuse.ir.primitives import Primitive
 
 from . import pytree
@@ -545,8 +545,8 @@ def vmap(f: Callable, in_axes=0, out_axes=0, *, axis_size: int | None = None) ->
     def batched(*args, **kwargs):
         try:
             return _vmap_call(f, in_axes, out_axes, axis_size, args, kwargs)
-        except TilefuseError as e:
-            raise e.with_traceback(filter_traceback(e.__traceback__)) from None
+        except Exception as e:  # (ours, or the user's code's: what the user sees)
+            raise for_user(e)
 
     return batched
 

@@ -293,7 +293,9 @@ IDLE_SCRIPT = textwrap.dedent("""
     (entry,) = f._cache.values()
     entry.executable._done.wait(120)  # (built by the background thread, through the child)
     started = [p for p in compile_child._child]
-    time.sleep(2.0)
+    until = time.monotonic() + 60  # (0.5 s idle, then its exit: longer on a loaded machine)
+    while time.monotonic() < until and (compile_child._child or any(p.poll() is None for p in started)):
+        time.sleep(0.1)
     print(json.dumps({"started": len(started), "left": len(compile_child._child),
                       "exited": all(p.poll() is not None for p in started),
                       "close": bool(np.allclose(f(x), np.tanh(x) * 2 + 1, rtol=1e-6, atol=1e-6))}))
