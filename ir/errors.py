@@ -30,26 +30,54 @@ def is_internal(filename: str) -> bool:
     return filename.startswith(INTERNAL_DIRS) or filename.endswith(_SKIP_FILES)
 
 
-def user_frame() -> tuple[str, int, str] | None:
-    """The innermost stack frame outside tilefuse: (file, line, source text)."""
-    frame = sys._getframe(1)
+# Asked for every traced operation (each equation records its user's line): whether a code
+# object is ours, and a line's text, are looked up once (bounded: a notebook makes new code)
+_ours: dict = {}
+_lines: dict = {}
+_MEMO_MOST = 1 << 14
+
+
+def _user_code_frame(frame):
+    """The innermost frame from `frame` outward whose code is not ours, or None."""
+    ours = _ours
     while frame is not None:
-        fn = frame.f_code.co_filename
-        # code that we generate (a dataclass's __init__) is named "<string>" but runs in our module
-        if not is_internal(fn) and not frame.f_globals.get("__name__", "").startswith("tilefuse."):
-            line = linecache.getline(fn, frame.f_lineno).strip()
-            return fn, frame.f_lineno, line
+        code = frame.f_code
+        mine = ours.get(code)
+        if mine is None:
+            if len(ours) > _MEMO_MOST:
+                ours.clear()
+            # code that we generate (a dataclass's __init__) is named "<string>" but runs in our module
+            mine = ours[code] = is_internal(code.co_filename) or \
+                frame.f_globals.get("__name__", "").startswith("tilefuse.")
+        if not mine:
+            return frame
         frame = frame.f_back
     return None
 
 
+def user_frame() -> tuple[str, int, str] | None:
+    """The innermost stack frame outside tilefuse: (file, line, source text)."""
+    frame = _user_code_frame(sys._getframe(1))
+    if frame is None:
+        return None
+    fn = frame.f_code.co_filename
+    return fn, frame.f_lineno, linecache.getline(fn, frame.f_lineno).strip()
+
+
 def user_line() -> str:
     """'file:line (source)' of the user's code that is running now, or ''."""
-    where = user_frame()
-    if where is None:
+    frame = _user_code_frame(sys._getframe(1))
+    if frame is None:
         return ""
-    fn, lineno, src = where
-    return f"{fn}:{lineno}" + (f"  `{src}`" if src else "")
+    key = (frame.f_code, frame.f_lineno)
+    text = _lines.get(key)
+    if text is None:
+        if len(_lines) > _MEMO_MOST:
+            _lines.clear()
+        fn = frame.f_code.co_filename
+        src = linecache.getline(fn, frame.f_lineno).strip()
+        text = _lines[key] = f"{fn}:{frame.f_lineno}" + (f"  `{src}`" if src else "")
+    return text
 
 
 class TilefuseError(Exception):

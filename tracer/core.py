@@ -181,8 +181,10 @@ _state = _TraceState()  # after EvalTrace: each thread's stack starts with it
 # ---- binding -------------------------------------------------------------------------------
 
 def find_top_trace(xs) -> Trace:
-    top = max((x._trace.main for x in xs if isinstance(x, Tracer)), default=_state.stack[0],
-              key=lambda m: m.level)
+    top = _state.stack[0]
+    for x in xs:  # (a loop, not max() over a generator: once per traced operation)
+        if isinstance(x, Tracer) and x._trace.main.level > top.level:
+            top = x._trace.main
     dynamic = _state.dynamic
     if dynamic is not None and dynamic.level > top.level:
         top = dynamic

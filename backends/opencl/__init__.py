@@ -56,8 +56,19 @@ class _State:
         # one per device: wrappers of the same cl.Kernel (the tuner's too) share its arguments
         self.launch_lock = threading.Lock()
         self.kernels: dict = {}
+        self._workspace: PoolBuffer | None = None
+        self._workspace_lock = threading.Lock()
         self.unaligned_views = 0
         self.pool = PoolAllocator(self._raw_alloc, lambda mem: mem.release(), name=info.name)
+
+    def workspace(self, nbytes: int) -> PoolBuffer:
+        """Scratch memory of at least nbytes, shared by every kernel of the device: its in-order
+        queue runs one kernel at a time (a launch bound to a smaller one keeps that alive)."""
+        with self._workspace_lock:
+            if self._workspace is None or self._workspace.nbytes < nbytes:
+                n = max(nbytes, 2 * self._workspace.nbytes if self._workspace else 0)
+                self._workspace = PoolBuffer(self.pool.alloc(n), n, self.pool)
+            return self._workspace
 
     def _raw_alloc(self, nbytes: int):
         try:
@@ -71,7 +82,7 @@ class _State:
 
 class TileLaunch:
     """A built tile kernel launched over one tile kernel's grid: `run(buffers)` enqueues it with
-    its workspace (scratch memory, made at the first launch) and run-time sizes, and returns the
+    its workspace (the device's scratch memory, _State.workspace) and run-time sizes, and returns the
     event. The code (printed, cl_kernel) may have been built for another batch size: its source
     holds none (cstyle.key_text), the grid and the sizes are this tile kernel's."""
 
@@ -121,8 +132,7 @@ class TileLaunch:
         args = [getattr(b, "mem", b) for b in buffers]
         if p.scratch_elems:
             if self._ws is None:
-                n = int(np.prod(self.groups)) * p.scratch_elems * np.dtype(p.scratch_dtype).itemsize
-                self._ws = PoolBuffer(st.pool.alloc(n), n, st.pool)
+                self._ws = st.workspace(int(np.prod(self.groups)) * p.scratch_elems * np.dtype(p.scratch_dtype).itemsize)
             args.append(self._ws.mem)
         return args + self._sizes
 

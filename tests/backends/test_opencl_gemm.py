@@ -87,3 +87,29 @@ def test_fused_epilogue_runs_in_the_store(form):
     y = lhs(x) @ rhs(w) + b
     want = 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3))) + r
     np.testing.assert_allclose(np.asarray(f(x, w, b, r)), want, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_share_one_workspace(monkeypatch):
+    """The packed GEMM's panels live in scratch memory: one workspace a device, grown to the
+    largest kernel's need and shared by every kernel (its in-order queue runs one at a time),
+    so GEMMs of several shapes, launched in turn and each at its own batch size, compute right."""
+    dev = _opencl()
+    if dev.backend.info_of(dev).extra.get("device_type") != "cpu":
+        pytest.skip("the packed (scratch) form runs on CPU devices")
+    st = dev.backend._state(dev)
+    real, given = type(st).workspace, {}
+
+    def workspace(self, nbytes):
+        ws = real(self, nbytes)
+        given[id(ws)] = ws
+        assert ws.nbytes >= nbytes
+        return ws
+    monkeypatch.setattr(type(st), "workspace", workspace)
+    rng = np.random.default_rng(2)
+    f = tx.jit(lambda a, b: a @ b, device=dev)
+    shapes = [((40, 64), (64, 48)), ((700, 300), (300, 200)), ((33, 64), (64, 48)), ((5, 300), (300, 200))]
+    args = [(rng.standard_normal(sa, np.float32), rng.standard_normal(sb, np.float32)) for sa, sb in shapes]
+    for _ in range(2):
+        for a, b in args:
+            np.testing.assert_allclose(np.asarray(f(a, b)), a @ b, rtol=1e-4, atol=1e-3)
+    assert 1 <= len(given) <= 2, f"{len(given)} workspaces for {len(shapes)} GEMMs"
