@@ -113,14 +113,8 @@ def launch_shape(k: TileKernel, dims: int = 3) -> tuple[tuple, tuple, list]:
 
 def sizes_read(k: TileKernel) -> int:
     """How many run-time sizes the kernel reads (1 + the highest tile.size it uses; 0: none)."""
-    seen, most = set(), -1
-    for st in _all_statements(k.body):
-        for root in expressions(st):
-            for n in root.toposort():
-                if n.op == "size" and n not in seen:
-                    seen.add(n)
-                    most = max(most, n.arg)
-    return most + 1
+    return 1 + max((n.arg for st in _all_statements(k.body) for root in expressions(st)
+                    for n in root.toposort() if n.op == "size"), default=-1)
 
 
 class _Printer(PrintedValues):

@@ -212,14 +212,9 @@ class OpenCLBackend(Backend):
 
     tile_kernels = True
 
-    @staticmethod
-    def _key(tk) -> str:
-        """The code's key: the tile kernel's text less its name, buffer sizes and first grid
-        extent, none of which the printed source holds (a new batch size reuses the build)."""
-        key = tk.meta.get("opencl_key")
-        if key is None:
-            key = tk.meta["opencl_key"] = key_text(tk)
-        return key
+    # the code's key: the tile kernel's text less its name, buffer sizes and first grid extent,
+    # none of which the printed source holds (a new batch size reuses the build)
+    _key = staticmethod(key_text)
 
     def _build_tiles(self, tks, device) -> None:
         """One program for several tile kernels (a batch that fails is left to compile_tile)."""

@@ -722,9 +722,7 @@ def _units_at(k: Kernel, s: Schedule, n0: KExpr) -> KExpr:
     ceil_n0 = binary("div", iadd(n0, ic(W - 1)), ic(W)) if W > 1 else n0
     if s.owner:
         return ceil_n0 if k.owner_axis == 0 else ic(_units(k, s)[0])
-    if W > 1 and s.group == 1 and len(shape) > 1:
-        return imul(n0, math.prod(shape[1:-1]))
-    if W > 1:
+    if W > 1:  # (a task a row, lanes with groups of one, has no guard)
         return ceil_n0 if len(shape) == 1 else imul(n0, math.prod(shape[1:-1]) * -(-shape[-1] // W))
     return imul(n0, math.prod(shape[1:]))
 

@@ -338,7 +338,15 @@ def pp_tile(k: TileKernel) -> str:
 def key_text(k: TileKernel) -> str:
     """The text that decides a printer's code: the kernel without its name, its buffers' sizes
     and its first grid Range's extent, none of which the CPU printer reads (tasks arrive as
-    [start, end)), so a new batch size reuses compiled code."""
+    [start, end)), so a new batch size reuses compiled code. Kept in k.meta: a build asks for it
+    as its cache key, its symbol and its source's head."""
+    got = k.meta.get("key_text")
+    if got is None or got[0] is not k.body:  # (a kernel made with dataclasses.replace shares meta)
+        got = k.meta["key_text"] = (k.body, _key_text(k))
+    return got[1]
+
+
+def _key_text(k: TileKernel) -> str:
     lines = pp_tile(k).split("\n")
     lines[0] = "tile kernel (" + ", ".join(np.dtype(b.dtype).name for b in k.buffers) + f") inputs {k.n_inputs}"
     grid = k.grid()
