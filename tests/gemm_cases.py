@@ -35,6 +35,8 @@ CASES = {
     "plain": (lambda x, w: x @ w, [u(13, 7), u(7, 19)]),
     "B transposed": (lambda x, w: x @ w.T, [u(13, 7), u(19, 7)]),
     "A transposed": (lambda x, w: x.T @ w, [u(7, 13), u(7, 19)]),
+    # A's micro-panels copied as vectors (wm rows at a time) but for the last, partial one
+    "A transposed, bfloat16": (lambda x, w: x.T @ w, [u(9, 29, dtype=tx.bfloat16), u(9, 19, dtype=tx.bfloat16)]),
     "batched einsum": (lambda q, k: tnp.einsum("bqd,bkd->bqk", q, k), [u(3, 5, 4), u(3, 6, 4)]),
     "epilogue": (lambda x, w, b, r: nn.gelu(x @ w + b) + r, [u(2, 9, 7), u(7, 21), u(21), u(2, 9, 21)]),
     "clamp epilogue": (lambda x, w: tnp.clip(x @ w * 40.0, -50.0, 50.0), [u(6, 5), u(5, 10)]),

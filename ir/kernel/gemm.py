@@ -27,6 +27,7 @@ from .tile import (MMA_LAYOUTS, WARP, Alloc, Barrier, If, Range, Store, TileKern
                    var, vload)
 
 F32 = np.dtype(np.float32)
+_POWERS = (16, 8, 4, 2, 1)
 PAD = 8  # elements between the MMA form's k-contiguous panel rows (16 bytes: rows start in other banks)
 
 
@@ -458,6 +459,17 @@ class _Gemm:
             else:
                 ap_at = _add(_mul(k, wm), i)
                 pack_a = (Range("k", kcur, "serial", (Range("i", wm, "unroll", (Store("ap", ap_at, a_in_place),)),)),)
+                if lay.a_strides[1] == 1 and self.s.conv is None:  # A's rows contiguous (A transposed):
+                    # a micro-panel's k-th column is wm adjacent elements, copied as vectors (of
+                    # powers of two: every printer's widths) where the panel lies inside M
+                    sab, _, sak = lay.a_strides
+                    at_k = _add(_mul(z, sab), row0, _mul(_add(k0, k), sak))
+                    pieces = [(sum(q for q in _POWERS if wm & q and q > w), w) for w in _POWERS if wm & w]
+                    copy = tuple(Store("ap", _add(_mul(k, wm), o), _fp(vload(self.s.a, _add(at_k, o), lay.dtype, w)
+                                                                        if w > 1 else tload(self.s.a, _add(at_k, o), lay.dtype)))
+                                 for o, w in pieces)
+                    whole_rows = _lt(_add(row0, wm - 1), M)
+                    pack_a = (If(whole_rows, (Range("k", kcur, "serial", copy),)), If(unary("not", whole_rows), pack_a))
             a_elem = tload("ap", ap_at, self.acc)
         else:
             a_elem = a_in_place

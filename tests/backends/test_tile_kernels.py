@@ -19,9 +19,10 @@ SCHEDULES = {
     "default": None,
     "packed, ragged": GemmSchedule(False, 3, 2, 4, mc=6, nc=8),
     "packed, scalar": GemmSchedule(False, 2, 3, 1, mc=4, nc=3),
+    "packed A, ragged": GemmSchedule(False, 5, 1, 4, mc=10, nc=8, pack_a=True),
     "shared, ragged": GemmSchedule(True, 2, 2, 1, tm=4, tn=8, tk=3),
 }
-ROWS = ["plain", "B transposed", "batched einsum", "epilogue", "bfloat16"]
+ROWS = ["plain", "B transposed", "A transposed", "A transposed, bfloat16", "batched einsum", "epilogue", "bfloat16"]
 
 
 def _schedule_held(device, schedule: str):

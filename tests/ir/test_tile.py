@@ -25,6 +25,7 @@ SCHEDULES = {
     "gpu default": lambda spec: default_schedule(spec, GPU),
     "cpu ragged": lambda spec: GemmSchedule(False, 3, 2, 4, mc=6, nc=8),
     "cpu scalar": lambda spec: GemmSchedule(False, 2, 3, 1, mc=4, nc=3),
+    "cpu packed A": lambda spec: GemmSchedule(False, 5, 1, 4, mc=10, nc=8, pack_a=True),
     "gpu ragged": lambda spec: GemmSchedule(True, 2, 2, 1, tm=4, tn=8, tk=3),
     "gpu one row": lambda spec: GemmSchedule(True, 1, 4, 1, tm=1, tn=16, tk=5),
 }
