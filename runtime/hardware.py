@@ -64,7 +64,7 @@ class DeviceInfo:
 KINDS = ("cpu", "opencl", "cuda", "ref")
 KEYS = frozenset({"vector_bits", "vector_widths", "fp16", "cpu_name", "cpu_features", "buffer_align",
                   "compute_units", "local_mem_bytes", "max_work_group", "l1_bytes", "l2_bytes",
-                  "l3_bytes"})
+                  "l3_bytes", "device_type"})
 # CPU target features that need 512-bit vectors or AVX-512 encodings
 WIDE_FEATURES = ("avx512*", "amx*", "avx10*", "evex512")
 
@@ -100,6 +100,10 @@ def description(kind: str) -> dict:
     if bad:
         raise TilefuseError(f"{where}: unknown keys {bad} in the hardware description (known: "
                          f"{', '.join(sorted(KEYS))}, and sections {', '.join(KINDS)})")
+    for section in [src] + [src[k] for k in KINDS if isinstance(src.get(k), dict)]:
+        if section.get("device_type", "gpu") != "gpu":
+            raise TilefuseError(f"{where}: device_type {section['device_type']!r}: a description can present a "
+                                "device as a \"gpu\" (its GPU layouts run on a CPU's OpenCL), nothing else")
     out = {k: v for k, v in src.items() if k in KEYS}
     out.update(src.get(kind) or {})
     return out
@@ -227,6 +231,6 @@ def target_of(info: DeviceInfo):
                   # the host's LLVM printer takes vectors of any width; 4 registers in flight: the
                   # transcendental chains are latency-bound (tanh/sigmoid/exp chain on one znver3
                   # core: 3.0 ns a point one vector at a time, 2.1 with 4). Sizes at run time: the
-                  # LLVM printer's and, on CPU devices, the OpenCL printer's (kernel parameters)
-                  unroll=4 if info.kind == "cpu" else 1, runtime_batch=info.kind == "cpu" or (cpu and info.kind == "opencl"),
+                  # LLVM printer's and the OpenCL printer's (kernel parameters; GPU devices too)
+                  unroll=4 if info.kind == "cpu" else 1, runtime_batch=info.kind in ("cpu", "opencl"),
                   atomics=info.kind != "cpu", driver_compiled=info.kind == "opencl")

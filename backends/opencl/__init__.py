@@ -341,7 +341,8 @@ def device_info(cl, platform, d) -> DeviceInfo:
     ext = tuple(sorted(d.extensions.split()))
     if desc.get("fp16") is False:
         ext = tuple(e for e in ext if e != "cl_khr_fp16")
-    is_cpu = bool(d.type & cl.device_type.CPU)
+    # a simulated description may present a CPU device as a GPU (the GPU layouts, run here)
+    is_cpu = bool(d.type & cl.device_type.CPU) and desc.get("device_type", "cpu") != "gpu"
     widths = {t: getattr(d, f"preferred_vector_width_{t}", 1) or 1 for t in TYPE_SIZES}
     for t, size in TYPE_SIZES.items():  # a simulated device: narrower vectors only
         if "vector_bits" in desc:

@@ -348,8 +348,12 @@ class _Gemm:
         self.s, self.p, self.bufs = spec, sched, kernel_buffers
         self.lay = spec.layout
         self.acc = spec.acc_dtype
-        self.runtime = not sched.shared and _sized(spec, runtime)
+        # M at run time in the packed form and the shared one without MMA (the MMA form's printer,
+        # PTX, takes no sizes)
+        self.runtime = not sched.mma and _sized(spec, runtime)
         self.m = size(0) if self.runtime else self.lay.m  # M: a run-time size, or a constant
+        # the shared form's K, a run-time size with M (the weight gradient's K is the batch's rows)
+        self.k = size(1) if self.runtime and sched.shared else self.lay.k
         self.mn = _times(self.m, self.lay.n)  # a matrix's elements (a batched C's stride)
 
     def a_at(self, z, row, k) -> KExpr:
@@ -542,9 +546,9 @@ class _Gemm:
             kq, q = binary("div", e, _i(rows)), binary("rem", e, _i(rows))
         g = _add(_mul(bm if a_side else bn, rows), q)
         gk = _add(_mul(k0, tk), kq)
-        limit = lay.m if a_side else lay.n
-        inside = _and(_lt(g, limit), _lt(gk, lay.k))
-        gc, kc = _min(g, limit - 1), _min(gk, lay.k - 1)
+        limit = self.m if a_side else lay.n
+        inside = _and(_lt(g, limit), _lt(gk, self.k))
+        gc, kc = _min(g, _sub(limit, 1)), _min(gk, _sub(self.k, 1))
         val = self.a_at(z, gc, kc) if a_side else self.b_at(z, kc, gc)
         val = cast(val, lay.dtype) if pitch else _fp(val)  # (a conv's patches come in the compute dtype)
         at = _add(_mul(q, pitch), kq) if pitch else _add(_mul(kq, rows), q)
@@ -628,7 +632,7 @@ class _Gemm:
             Alloc("bt", self.acc, tk * tn, "shared"),
             Alloc("acc", self.acc, wm * wn, "register"),
             Range("t", wm * wn, "unroll", (Store("acc", t, const(0, self.acc)),)),
-            Range("k0", _ceil(lay.k, tk), "serial", (
+            Range("k0", _ceil(lay.k, tk) if not self.runtime else binary("div", _add(self.k, tk - 1), _i(tk)), "serial", (
                 self.stage("at", tm, True, e, nl, k0, z, bm, bn), self.stage("bt", tn, False, e, nl, k0, z, bm, bn),
                 Barrier(),
                 Range("kk", tk, "serial", (
@@ -637,12 +641,13 @@ class _Gemm:
                                                     binary("mul", a, b))),)),)),)),
                 Barrier())),
             Range("i", wm, "unroll", (Range("j", wn, "unroll", (
-                If(_and(_lt(row, lay.m), _lt(col, lay.n)), (
+                If(_and(_lt(row, self.m), _lt(col, lay.n)), (
                     Store(self.s.c, self.c_offset(z, row, col),
                           self.finish(tload("acc", acc_at, self.acc), z, row, col, 1)),)),)),)),
         )
-        return (Range("z", lay.batch, "grid", (
-            Range("bm", _ceil(lay.m, tm), "grid", (
+        # the row blocks outermost: the first grid's extent, which a run-time M sets (tile.key_text)
+        return (Range("bm", _ceil(lay.m, tm), "grid", (
+            Range("z", lay.batch, "grid", (
                 Range("bn", _ceil(lay.n, tn), "grid", (
                     Range("ty", ly, "lane", (Range("tx", lx, "lane", inner),)),)),)),)),)
 
@@ -650,12 +655,13 @@ class _Gemm:
 def build(spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple, n_inputs: int,
           runtime_sizes: bool = False) -> TileKernel:
     """The tile kernel of `spec` under `sched` over the kernel's `buffers`; runtime_sizes: the
-    target takes sizes at run time (Target.runtime_batch), which the CPU form then reads."""
+    target takes sizes at run time (Target.runtime_batch), which the packed and shared forms then
+    read (one matrix's M and K, the packed form's in blocks)."""
     g = _Gemm(spec, sched, buffers, runtime_sizes)
     body = (g.shared_mma() if sched.mma else g.shared()) if sched.shared else g.packed()
     meta = {"gemm": (spec, sched), "flops": spec.layout.flops}
     if g.runtime:
-        meta["sizes"] = tuple(g.sizes[n] for n in RUNTIME_SIZES)
+        meta["sizes"] = tuple(g.sizes[n] for n in RUNTIME_SIZES) if not sched.shared else (spec.layout.m, spec.layout.k)
     return TileKernel(name, tuple(buffers), n_inputs, body, meta=meta)
 
 

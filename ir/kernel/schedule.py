@@ -224,6 +224,8 @@ def _reduce_group(k: Kernel, target: Target) -> int:
     """The work-group size for cooperative reductions on a GPU target (1: none): a power of two,
     for kernels whose reductions are long sums, products, maxima or minima."""
     n = math.prod(k.reduce_shape) if k.reduce_shape else 0
+    if _batch_reduction(k, target):  # its extent comes at run time: the form for any batch's rows
+        n = max(n, GROUP_REDUCE_MIN, 256)
     roots = [e for st in k.stores for e in (st.offset, st.value)]
     reds = [r for level in reduce_levels(roots) for r in level]
     if target.kind != "gpu" or n < GROUP_REDUCE_MIN or not reds or any(r.arg not in GROUP_REDUCE for r in reds):
@@ -580,11 +582,18 @@ class _Builder:
         indices l, l + G, ... (float sums in blocks of LANE_BLOCK steps flushed into a total), then the
         partials meet in shared memory, halving each step; every lane reads the result."""
         R, G, lane = self.k.reduce_shape, self.s.reduce_group, var("l")
-        n = math.prod(R)
-        T = -(-n // G)
-        nb, rem = (T // LANE_BLOCK, T % LANE_BLOCK) if T > LANE_BLOCK else (0, T)
+        if self.reduce_extent is None:
+            n = math.prod(R)
+            T = -(-n // G)
+            nb, rem = (T // LANE_BLOCK, T % LANE_BLOCK) if T > LANE_BLOCK else (0, T)
+            done = ic(nb * LANE_BLOCK)
+        else:  # (generic: the first axis's extent at run time; both loops, run-time counts)
+            n = imul(self.reduce_extent, math.prod(R[1:]))
+            T = binary("div", iadd(n, ic(G - 1)), ic(G))
+            nb, rem = binary("div", T, ic(LANE_BLOCK)), binary("rem", T, ic(LANE_BLOCK))
+            done = imul(nb, LANE_BLOCK)
         accs = {r: self._declare(r, 1) for r in reds}
-        totals, decls = self._totals(reds, nb > 0)
+        totals, decls = self._totals(reds, not isinstance(nb, int) or nb > 0)
         decls = [d for a in accs.values() for d in a["decl"]] + decls
 
         def steps_at(t: KExpr) -> tuple:
@@ -594,15 +603,16 @@ class _Builder:
             for r in reds:
                 body = substitute(list(r.src), env)
                 out += self._update(r, accs[r], body[r.src[0]], body[r.src[1]] if len(r.src) > 1 else None)
-            return (If(binary("lt", f, ic(n)), tuple(out) + tuple(self.store(st, env, None) for st in stash)),)
+            return (If(binary("lt", f, n if isinstance(n, KExpr) else ic(n)),
+                       tuple(out) + tuple(self.store(st, env, None) for st in stash)),)
         rb, rv, rr = var("rb"), var("rv"), var("rr")
         body: list = []
-        if nb:
+        if not isinstance(nb, int) or nb:
             flush = tuple(st for r in totals for st in self._kahan(totals[r], accs[r]["cur"], accs[r], 1))
             body.append(Range("rb", nb, "serial", (Range("rv", LANE_BLOCK, "serial",
                                                          steps_at(iadd(imul(rb, LANE_BLOCK), rv))),) + flush))
-        if rem:
-            body.append(Range("rr", rem, "serial", steps_at(iadd(ic(nb * LANE_BLOCK), rr))))
+        if not isinstance(rem, int) or rem:
+            body.append(Range("rr", rem, "serial", steps_at(iadd(done, rr))))
         tree, results, halve = [], {}, {}
         for r in reds:
             d, name = np.dtype(r.src[0].dtype), accs[r]["name"] + "s"
@@ -768,11 +778,15 @@ def generic_reduction(k: Kernel, target: Target, s: Schedule) -> bool:
     """Whether the kernel's reductions read their first axis's extent at run time (tile.size(1)),
     so a new batch size reuses the code of a sum over the batch's rows (a bias's or a layer norm's
     gradient): on targets that take sizes at run time, a first reduction axis (after merging) of
-    at least GENERIC_REDUCE_MIN steps, reduced one step at a time by one task per point, with no
-    row stores. Its code text is then the tile kernel's own (code_text)."""
+    at least GENERIC_REDUCE_MIN steps, reduced one step at a time by one task per point (or by a
+    work-group per point, a GPU's cooperative reduction), with no row stores. Its code text is then the tile kernel's own (code_text)."""
+    return not (s.serial or s.owner or s.reduce_lanes > 1) and _batch_reduction(k, target)
+
+
+def _batch_reduction(k: Kernel, target: Target) -> bool:
+    """generic_reduction's conditions on the kernel and target (the schedule's aside): the
+    scheduler lays such a reduction out for any extent (_reduce_group)."""
     if not (target.runtime_batch and k.reduce_shape) or k.row_stores:
-        return False
-    if s.serial or s.owner or s.reduce_group > 1 or s.reduce_lanes > 1:
         return False
     R = laid_out(k, target).reduce_shape
     return bool(R) and R[0] >= GENERIC_REDUCE_MIN
