@@ -223,12 +223,15 @@ GROUP_REDUCE_MIN = 512  # reduction sizes from which a GPU point takes a work-gr
 def _reduce_group(k: Kernel, target: Target) -> int:
     """The work-group size for cooperative reductions on a GPU target (1: none): a power of two,
     for kernels whose reductions are long sums, products, maxima or minima."""
+    if target.kind != "gpu":
+        return 1
     n = math.prod(k.reduce_shape) if k.reduce_shape else 0
-    if _batch_reduction(k, target):  # its extent comes at run time: the form for any batch's rows
-        n = max(n, GROUP_REDUCE_MIN, 256)
+    if _batch_reduction(k, target):  # its extent comes at run time: a form for any batch, chosen by
+        # the points alone (work-groups where too few points would leave the device idle)
+        n = GROUP_REDUCE_MIN if math.prod(k.shape) < 256 * target.cores else 0
     roots = [e for st in k.stores for e in (st.offset, st.value)]
     reds = [r for level in reduce_levels(roots) for r in level]
-    if target.kind != "gpu" or n < GROUP_REDUCE_MIN or not reds or any(r.arg not in GROUP_REDUCE for r in reds):
+    if n < GROUP_REDUCE_MIN or not reds or any(r.arg not in GROUP_REDUCE for r in reds):
         return 1
     G = 1 << (min(256, target.max_group, n).bit_length() - 1)
     while G > 1 and G * 16 * len(reds) > target.shared_bytes:
