@@ -48,6 +48,9 @@ class Dialect:
     local_id: str = "get_local_id({})"
     barrier: str = "barrier(CLK_LOCAL_MEM_FENCE);"
     dims: int = 3
+    let: str = "const {ty} {name} = {expr};"
+    loop: str = "for (long {v} = 0; {v} < {n}; {v}++) {{"
+    index: str = "{}L"  # an index literal
 
 
 OPENCL = Dialect()
@@ -219,10 +222,10 @@ class _Printer(PrintedValues):
 
     # the statements' spellings (another C-like language overrides these)
     def declare(self, name: str, ty: str, expr: str) -> str:
-        return f"const {ty} {name} = {expr};"
+        return self.d.let.format(ty=ty, name=name, expr=expr)
 
     def loop_head(self, v: str, extent: str) -> str:
-        return f"for (long {v} = 0; {v} < {extent}; {v}++) {{"
+        return self.d.loop.format(v=v, n=extent)
 
     def alloc_decl(self, a: Alloc) -> str | None:
         if a.name in self.whole:
@@ -237,7 +240,7 @@ class _Printer(PrintedValues):
         return None  # scratch: carved from the workspace
 
     def extent(self, n: int) -> str:
-        return f"{n}L"
+        return self.d.index.format(n)
 
     def ptr(self, target) -> tuple[str, np.dtype]:
         """The C pointer expression of a target and its element dtype."""

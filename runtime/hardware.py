@@ -206,8 +206,9 @@ def check_fits(tk, info: DeviceInfo) -> None:
     if limit and big > limit:
         raise OutOfMemoryError(f"{info.kind}: cannot allocate an array of {big} bytes for kernel {tk.name}: "
                                f"a buffer holds at most {limit} on {info.name}")
-    if cap and loop_trips(tk.body) > cap:
-        raise CompileError(f"{info.kind}: kernel {tk.name} runs a loop {loop_trips(tk.body)} times in one "
+    trips = loop_trips(tk.body, sizes=tuple(tk.meta.get("sizes", ()))) if cap else 0
+    if cap and trips > cap:
+        raise CompileError(f"{info.kind}: kernel {tk.name} runs a loop {trips} times in one "
                            f"work-item; {info.name} stops loops at {cap}", backend=info.kind, kernel=str(tk))
 
 
@@ -231,6 +232,6 @@ def target_of(info: DeviceInfo):
                   # the host's LLVM printer takes vectors of any width; 4 registers in flight: the
                   # transcendental chains are latency-bound (tanh/sigmoid/exp chain on one znver3
                   # core: 3.0 ns a point one vector at a time, 2.1 with 4). Sizes at run time: the
-                  # LLVM printer's and the OpenCL printer's (kernel parameters; GPU devices too)
-                  unroll=4 if info.kind == "cpu" else 1, runtime_batch=info.kind in ("cpu", "opencl"),
+                  # LLVM printer's, and where a backend declares it (OpenCL, WebGPU: parameters)
+                  unroll=4 if info.kind == "cpu" else 1, runtime_batch=info.kind == "cpu" or bool(info.extra.get("runtime_sizes")),
                   atomics=info.kind != "cpu", driver_compiled=info.kind == "opencl")

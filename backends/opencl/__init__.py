@@ -357,7 +357,7 @@ def device_info(cl, platform, d) -> DeviceInfo:
         sub_group = d.get_info(0x4003)  # CL_DEVICE_WARP_SIZE_NV
     peak = d.max_compute_units * ghz * 2 * (lanes if is_cpu else 64)  # a rough FMA estimate
     extra = {"platform": platform.name, "vendor": d.vendor.strip(), "version": d.version,
-             "driver_version": d.driver_version, "device_type": "cpu" if is_cpu else "gpu",
+             "driver_version": d.driver_version, "device_type": "cpu" if is_cpu else "gpu", "runtime_sizes": True,
              "fp64": "cl_khr_fp64" in ext,
              "fp16": "cl_khr_fp16" in ext,
              "int64_atomics": "cl_khr_int64_base_atomics" in ext,

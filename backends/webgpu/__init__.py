@@ -39,6 +39,8 @@ class Launch:
     def __init__(self, be, tk, printed, pipeline, layout):
         self.kernel, self.name, self.source = tk, printed.name, printed.source
         self.groups, self._be, self.pipeline, self._layout = printed.groups, be, pipeline, layout
+        n = int(np.prod([int(r.extent) for r in tk.grid()], dtype=np.int64))  # (the code holds no sizes)
+        self._sizes = be.put(np.array([n, *tk.meta.get("sizes", ())], np.int32))
 
     def __call__(self, buffers):
         stamps = Stamps(self._be) if profiler.active is not None and self._be.timestamps else None
@@ -48,7 +50,7 @@ class Launch:
     def bind(self, buffers):
         """A launch of no arguments on these buffers, their bind group made once (batch joins them)."""
         entries = [{"binding": i, "resource": {"buffer": b.mem, "offset": 0, "size": _ceil4(b.nbytes)}}
-                   for i, b in enumerate(buffers)]
+                   for i, b in enumerate([*buffers, self._sizes])]
         work = ((self, self._be.device.create_bind_group(layout=self._layout, entries=entries)),)
         return functools.partial(self._be.submit, work)  # (zero work-groups dispatch nothing)
 
@@ -110,7 +112,7 @@ class WebGPUBackend(Backend):
             local_mem_bytes=lim["max-compute-workgroup-storage-size"],
             max_work_group=min(lim["max-compute-invocations-per-workgroup"], lim["max-compute-workgroup-size-x"]),
             features=tuple(sorted(adapter.features)),
-            extra={"device_type": "gpu", "fp64": False, "unsupported": UNSUPPORTED, "fp16": "shader-f16" in adapter.features,
+            extra={"device_type": "gpu", "runtime_sizes": True, "fp64": False, "unsupported": UNSUPPORTED, "fp16": "shader-f16" in adapter.features,
                    "max_buffer": lim["max-storage-buffer-binding-size"], "adapter_type": info.get("adapter_type"),
                    # Mesa's llvmpipe ends any loop after 65535 trips per invocation (gallivm's limit)
                    "max_loop_trips": 65535 if "llvmpipe" in info.get("device", "") else None})
@@ -144,7 +146,7 @@ class WebGPUBackend(Backend):
             ro = wgpu.BufferBindingType.read_only_storage
             entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
                         "buffer": {"type": ro if f"var<storage, read> b{i}:" in p.source else wgpu.BufferBindingType.storage}}
-                       for i in range(len(tk.buffers))]
+                       for i in range(len(tk.buffers) + 1)]  # (+1: the sizes)
             layout = self.device.create_bind_group_layout(entries=entries)
             pipe = self.device.create_compute_pipeline(
                 layout=self.device.create_pipeline_layout(bind_group_layouts=[layout]),

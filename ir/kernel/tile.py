@@ -234,17 +234,35 @@ def walk(body):
             yield from walk(s.body)
 
 
-def loop_trips(body, outer: int = 1) -> int:
+def loop_trips(body, outer: int = 1, sizes: tuple = ()) -> int:
     """The most iterations one loop statement (a serial or unrolled Range) runs in one work-item,
-    over all the times its enclosing loops enter it (a variable extent counts as 1)."""
+    over all the times its enclosing loops enter it: an extent of run-time sizes (tile.size) at
+    `sizes`, one that varies from trip to trip (a loop variable in it) counted as 1."""
     most = 0
     for s in body:
         if isinstance(s, Range) and s.kind in ("serial", "unroll"):
-            n = outer * (s.extent if isinstance(s.extent, int) else 1)
-            most = max(most, n, loop_trips(s.body, n))
+            n = outer * (s.extent if isinstance(s.extent, int) else _value(s.extent, sizes) or 1)
+            most = max(most, n, loop_trips(s.body, n, sizes))
         elif isinstance(s, (Range, If)):
-            most = max(most, loop_trips(s.body, outer))
+            most = max(most, loop_trips(s.body, outer, sizes))
     return most
+
+
+_INT_OPS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+            "div": lambda a, b: a // b, "rem": lambda a, b: a % b, "min": min, "max": max}
+
+
+def _value(e: KExpr, sizes: tuple) -> int | None:
+    """An index expression of constants and run-time sizes, evaluated (None: it reads anything
+    else). Sizes are not negative, so division rounds as the printers' does."""
+    if e.op == "const":
+        return int(e.arg)
+    if e.op == "size":
+        return int(sizes[e.arg]) if e.arg < len(sizes) else None
+    if e.op in _INT_OPS and len(e.src) == 2:
+        a, b = (_value(x, sizes) for x in e.src)
+        return None if a is None or b is None or (e.op in ("div", "rem") and b == 0) else _INT_OPS[e.op](a, b)
+    return None
 
 
 def expressions(s) -> list[KExpr]:

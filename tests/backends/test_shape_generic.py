@@ -1,12 +1,12 @@
 """Shape-generic kernels on the devices whose printer takes sizes at run time (the CPU's LLVM
-printer; the OpenCL C printer on CPU devices, as kernel parameters): a kernel's cache text
+printer; the OpenCL C printer, as kernel parameters; WGSL, from a buffer): a kernel's cache text
 (ir/kernel/schedule.code_text; a builder's tile kernel: tile.key_text) holds only what the
 scheduler's code depends on (not the first axis's extent, a batch size, which the code reads at
 run time: tile.batch; not how the axes it merged into one made it up), so a new batch size reuses
 compiled code.
 
 The structural guard: for every kernel of real programs lowered at several batch sizes, whenever
-two kernels share a cache text they print to the same code (LLVM IR, OpenCL C). A printer that
+two kernels share a cache text they print to the same code (LLVM IR, OpenCL C, WGSL). A printer that
 starts reading the first extent fails here, not in a user's results. Then end to end: new batch
 sizes compile nothing new and match numpy."""
 from __future__ import annotations
@@ -87,8 +87,8 @@ def _kernels(f, args):
 
 def _generic(device):
     """The device's Target, or a skip where its printer takes no sizes at run time."""
-    if device.kind not in ("cpu", "opencl"):
-        pytest.skip(f"{device.name}: no shape-generic kernels (sizes are constants in its code)")
+    if not device.backend.tile_kernels:
+        pytest.skip(f"{device.name}: no shape-generic kernels (it prints no tile kernels)")
     t = target_of(device.info)
     if not t.runtime_batch:
         pytest.skip(f"{device.name}: this description takes no sizes at run time")
@@ -99,7 +99,10 @@ def _code(device, tk) -> str:
     """The code the device's printer makes of a tile kernel."""
     if device.kind == "cpu":
         return print_tile(tk, "f")
-    from tilefuse.backends.cstyle import print_tile as print_c
+    if device.kind == "webgpu":
+        from tilefuse.backends.webgpu.wgsl import print_wgsl as print_c
+    else:
+        from tilefuse.backends.cstyle import print_tile as print_c
     printed = print_c(tk)
     return printed.source.replace(printed.name, "f")  # (the kernel's name: not code)
 
@@ -108,6 +111,8 @@ def _built(device) -> int:
     """Kernels' code built (or loaded) in this process for the device."""
     if device.kind == "cpu":
         return lc.memory_cache_stats()["kernels"]
+    if device.kind == "webgpu":
+        return len(device.backend._pipelines)
     return len(device.backend._state(device).kernels)
 
 

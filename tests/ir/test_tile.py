@@ -121,12 +121,20 @@ def test_loop_trips_count_every_entry_of_a_loop():
     inner = Range("b", 5, "serial", (Store("x", const(0, INDEX), const(1.0, np.float32)),))
     body = (Range("g", 100, "grid", (Range("a", 3, "serial", (inner,)), Range("c", 7, "serial", ()))),)
     assert loop_trips(body) == 15 and loop_trips((inner,)) == 5 and loop_trips(()) == 0
+    # a run-time extent counts at the launch's sizes (a sum over a batch of 40,000 rows in blocks of
+    # 128), one that varies with a loop variable as one trip
+    from tilefuse.ir.kernel.tile import size, var
+    blocks = binary("div", binary("add", size(1), const(127, INDEX)), const(128, INDEX))
+    sized = (Range("rb", blocks, "serial", (Range("rv", 128, "serial", (inner,)),)),)
+    assert loop_trips(sized, sizes=(7, 40000)) == 313 * 128 * 5 and loop_trips(sized) == 128 * 5
+    assert loop_trips((Range("t", binary("sub", size(0), var("rb")), "serial", ()),), sizes=(9,)) == 1
     # a device's limits refuse the kernel with the reason (runtime/hardware.check_fits)
     import types
 
     from tilefuse.ir.errors import CompileError, OutOfMemoryError
     from tilefuse.runtime.hardware import DeviceInfo, check_fits
-    tk = types.SimpleNamespace(name="k", body=body, buffers=[types.SimpleNamespace(size=1000, dtype=np.float32)])
+    tk = types.SimpleNamespace(name="k", body=body, buffers=[types.SimpleNamespace(size=1000, dtype=np.float32)],
+                               meta={})
     check_fits(tk, DeviceInfo("webgpu", "gpu", extra={"max_buffer": 4000, "max_loop_trips": 15}))
     with pytest.raises(CompileError, match="runs a loop 15 times .* stops loops at 14"):
         check_fits(tk, DeviceInfo("webgpu", "gpu", extra={"max_loop_trips": 14}))
