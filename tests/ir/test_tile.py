@@ -123,7 +123,7 @@ def test_loop_trips_count_every_entry_of_a_loop():
     assert loop_trips(body) == 15 and loop_trips((inner,)) == 5 and loop_trips(()) == 0
     # a run-time extent counts at the launch's sizes (a sum over a batch of 40,000 rows in blocks of
     # 128), one that varies with a loop variable as one trip
-    from tilefuse.ir.kernel.tile import size, var
+    from tilefuse.ir.kernel.tile import size
     blocks = binary("div", binary("add", size(1), const(127, INDEX)), const(128, INDEX))
     sized = (Range("rb", blocks, "serial", (Range("rv", 128, "serial", (inner,)),)),)
     assert loop_trips(sized, sizes=(7, 40000)) == 313 * 128 * 5 and loop_trips(sized) == 128 * 5
