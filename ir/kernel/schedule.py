@@ -782,7 +782,8 @@ def generic_reduction(k: Kernel, target: Target, s: Schedule) -> bool:
     so a new batch size reuses the code of a sum over the batch's rows (a bias's or a layer norm's
     gradient): on targets that take sizes at run time, a first reduction axis (after merging) of
     at least GENERIC_REDUCE_MIN steps, reduced one step at a time by one task per point (or by a
-    work-group per point, a GPU's cooperative reduction), with no row stores. Its code text is then the tile kernel's own (code_text)."""
+    work-group per point, a GPU's cooperative reduction), with no row stores. Its code text is then
+    the tile kernel's own (code_text)."""
     return not (s.serial or s.owner or s.reduce_lanes > 1) and _batch_reduction(k, target)
 
 
