@@ -206,8 +206,7 @@ def check_fits(tk, info: DeviceInfo) -> None:
     if limit and big > limit:
         raise OutOfMemoryError(f"{info.kind}: cannot allocate an array of {big} bytes for kernel {tk.name}: "
                                f"a buffer holds at most {limit} on {info.name}")
-    trips = loop_trips(tk.body, sizes=tuple(tk.meta.get("sizes", ()))) if cap else 0
-    if cap and trips > cap:
+    if cap and (trips := loop_trips(tk.body, sizes=tuple(tk.meta.get("sizes", ())))) > cap:
         raise CompileError(f"{info.kind}: kernel {tk.name} runs a loop {trips} times in one "
                            f"work-item; {info.name} stops loops at {cap}", backend=info.kind, kernel=str(tk))
 

@@ -115,7 +115,7 @@ def _multiple(n) -> int:
 
 def launch_dims(k) -> tuple[int, int]:
     """(blocks, threads per block) of a tile kernel's launch."""
-    return math.prod(int(r.extent) for r in k.grid()), math.prod(int(r.extent) for r in k.lanes())
+    return k.points(), math.prod(int(r.extent) for r in k.lanes())
 
 
 __all__ = ["PTXTilePrinter", "launch_dims"]

@@ -25,7 +25,7 @@ import llvmlite
 import llvmlite.binding as llvm
 import numpy as np
 
-from tilefuse.backends.llvmir.tile import print_tile, tasks
+from tilefuse.backends.llvmir.tile import print_tile
 from tilefuse.ir.errors import CompileError, DeviceError
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.kernel import schedule as scheduler
@@ -444,7 +444,7 @@ def _tile_key(tk: TileKernel, info: DeviceInfo) -> tuple[str, str]:
 def compile_tile(tk: TileKernel, info: DeviceInfo) -> CompiledKernel:
     """A builder's tile kernel (GEMM, FlashAttention), compiled through the caches, on the pool."""
     key, fn_name = _tile_key(tk, info)
-    n = tasks(tk)
+    n = tk.points()
     threads, bounds = split(n, None, info.compute_units)
     return CompiledKernel(tk, fn_name, load_tile(tk, key, fn_name, info), n, tk.meta.get("sizes", ()), threads,
                           bounds, get_target(info), tk)

@@ -13,7 +13,6 @@ instead of constants so that one code serves every batch size.
 The printer decides nothing: the vectors, loops and blocks are the scheduler's."""
 from __future__ import annotations
 
-import math
 
 import llvmlite.ir as ir
 import numpy as np
@@ -278,10 +277,6 @@ def _walk(body):
             yield from _walk(s.body)
 
 
-def tasks(k: TileKernel) -> int:
-    return math.prod(int(r.extent) for r in k.grid())
-
-
 def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm", vector_bits: int = 0) -> str:
     """LLVM IR of a tile kernel: fn_name(i8** buffers, i64 start, i64 end) over grid points (or
     the form a subclass of TilePrinter prints). vector_bits: the registers' width, given to LLVM
@@ -302,4 +297,4 @@ def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm",
 TilePrinter = _Printer
 
 
-__all__ = ["INDEX", "TilePrinter", "print_tile", "tasks"]
+__all__ = ["INDEX", "TilePrinter", "print_tile"]

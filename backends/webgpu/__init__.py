@@ -39,8 +39,7 @@ class Launch:
     def __init__(self, be, tk, printed, pipeline, layout):
         self.kernel, self.name, self.source = tk, printed.name, printed.source
         self.groups, self._be, self.pipeline, self._layout = printed.groups, be, pipeline, layout
-        n = int(np.prod([int(r.extent) for r in tk.grid()], dtype=np.int64))  # (the code holds no sizes)
-        self._sizes = be.put(np.array([n, *tk.meta.get("sizes", ())], np.int32))
+        self._sizes = be.put(np.array([tk.points(), *tk.meta.get("sizes", ())], np.int32))  # (the code holds none)
 
     def __call__(self, buffers):
         stamps = Stamps(self._be) if profiler.active is not None and self._be.timestamps else None

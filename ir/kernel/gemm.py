@@ -468,12 +468,14 @@ class _Gemm:
                     # powers of two: every printer's widths) where the panel lies inside M
                     sab, _, sak = lay.a_strides
                     at_k = _add(_mul(z, sab), row0, _mul(_add(k0, k), sak))
-                    pieces = [(sum(q for q in _POWERS if wm & q and q > w), w) for w in _POWERS if wm & w]
-                    copy = tuple(Store("ap", _add(_mul(k, wm), o), _fp(vload(self.s.a, _add(at_k, o), lay.dtype, w)
-                                                                        if w > 1 else tload(self.s.a, _add(at_k, o), lay.dtype)))
-                                 for o, w in pieces)
+                    copy, o = [], 0
+                    for w in (q for q in _POWERS if wm & q):  # (at offset o, w elements: wm's binary digits)
+                        at = _add(at_k, o)
+                        v = vload(self.s.a, at, lay.dtype, w) if w > 1 else tload(self.s.a, at, lay.dtype)
+                        copy.append(Store("ap", _add(_mul(k, wm), o), _fp(v)))
+                        o += w
                     whole_rows = _lt(_add(row0, wm - 1), M)
-                    pack_a = (If(whole_rows, (Range("k", kcur, "serial", copy),)), If(unary("not", whole_rows), pack_a))
+                    pack_a = (If(whole_rows, (Range("k", kcur, "serial", tuple(copy)),)), If(unary("not", whole_rows), pack_a))
             a_elem = tload("ap", ap_at, self.acc)
         else:
             a_elem = a_in_place

@@ -595,8 +595,9 @@ class _Builder:
             T = binary("div", iadd(n, ic(G - 1)), ic(G))
             nb, rem = binary("div", T, ic(LANE_BLOCK)), binary("rem", T, ic(LANE_BLOCK))
             done = imul(nb, LANE_BLOCK)
+        blocked = not isinstance(nb, int) or nb > 0  # (a run-time count may be anything)
         accs = {r: self._declare(r, 1) for r in reds}
-        totals, decls = self._totals(reds, not isinstance(nb, int) or nb > 0)
+        totals, decls = self._totals(reds, blocked)
         decls = [d for a in accs.values() for d in a["decl"]] + decls
 
         def steps_at(t: KExpr) -> tuple:
@@ -610,7 +611,7 @@ class _Builder:
                        tuple(out) + tuple(self.store(st, env, None) for st in stash)),)
         rb, rv, rr = var("rb"), var("rv"), var("rr")
         body: list = []
-        if not isinstance(nb, int) or nb:
+        if blocked:
             flush = tuple(st for r in totals for st in self._kahan(totals[r], accs[r]["cur"], accs[r], 1))
             body.append(Range("rb", nb, "serial", (Range("rv", LANE_BLOCK, "serial",
                                                          steps_at(iadd(imul(rb, LANE_BLOCK), rv))),) + flush))

@@ -46,6 +46,7 @@ statement, as vectors of numpy (so Barrier needs nothing, and shared memory beha
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,6 +204,10 @@ class TileKernel:
             out.append(body[0])
             body = body[0].body
         return out
+
+    def points(self) -> int:
+        """Grid points: the work-groups (CPU tasks) a launch runs."""
+        return math.prod(int(r.extent) for r in self.grid())
 
     def lanes(self) -> list[Range]:
         """The work-group's dimensions (the lane Ranges directly under the grid)."""
