@@ -406,18 +406,18 @@ def _ints(name, *xs):
 
 
 def gcd(x1, x2):
-    """Greatest common divisor by Euclid's algorithm, unrolled to the dtype's worst case (the
-    steps of consecutive Fibonacci numbers)."""
+    """Greatest common divisor by Euclid's algorithm, run to the dtype's worst case (the steps of
+    consecutive Fibonacci numbers) as one loop (lax.fori_loop: one kernel that holds the loop), not
+    unrolled: 94 unrolled remainders took PoCL minutes to compile."""
+    from tilefuse import lax  # (tilefuse.lax imports this package)
     a, b = _ints("gcd", x1, x2)
-    a, b = tnp.abs(a), tnp.abs(b)
     steps = 47 if np.dtype(tnp._aval(a).dtype).itemsize <= 4 else 93
-    for _ in range(steps):
+
+    def euclid_step(_, ab):
+        a, b = ab
         zero = b == 0
-        a, b = (
-            tnp.where(zero, a, b),
-            tnp.where(zero, b, tnp.remainder(a, tnp.where(zero, tnp.ones_like(b), b))),
-        )
-    return a
+        return tnp.where(zero, a, b), tnp.where(zero, b, tnp.remainder(a, tnp.where(zero, tnp.ones_like(b), b)))
+    return lax.fori_loop(0, steps, euclid_step, (tnp.abs(a), tnp.abs(b)))[0]
 
 
 def lcm(x1, x2):
