@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 import tilefuse.numpy as tnp
-from tilefuse import nn
+from tilefuse import lax, nn
 from tilefuse.ir import dtypes as _dt
 
 __all__ = [
@@ -454,26 +454,27 @@ def boxcox1p(x, lmbda):
 
 def _gammainc_series(a, x, terms):
     """P(a, x) = x^a e^-x / Γ(a+1) Σ x^n / ((a+1)...(a+n))."""
-    term = tnp.ones_like(x)
-    total = tnp.ones_like(x)
-    for n in range(1, terms):
-        term = term * x / (a + n)
-        total = total + term
+    def add_term(n, c):
+        term, total = c
+        term = term * x / (a + tnp.astype(n, x.dtype))
+        return term, total + term
+    _, total = lax.fori_loop(1, terms, add_term, (tnp.ones_like(x), tnp.ones_like(x)))
     return tnp.exp(a * tnp.log(x) - x - gammaln(a + 1.0)) * total
 
 
 def _gammaincc_cf(a, x, terms):
     """Q(a, x) by its continued fraction (Legendre's, evaluated from the bottom)."""
     # Q = e^-x x^a / Γ(a) · 1/(x + 1 - a - 1(1-a)/(x + 3 - a - 2(2-a)/(x + 5 - a - ...)))
-    t = x + (2 * terms + 1) - a
-    for n in range(terms, 0, -1):
-        t = x + (2 * n - 1) - a - n * (n - a) / t
-    return tnp.exp(a * tnp.log(x) - x - gammaln(a)) / t
+    def level(i, t):
+        n = tnp.astype(terms - i, x.dtype)
+        return x + (2 * n - 1) - a - n * (n - a) / t
+    return tnp.exp(a * tnp.log(x) - x - gammaln(a)) / lax.fori_loop(0, terms, level, x + (2 * terms + 1) - a)
 
 
 def _terms(x):
     """Series terms (continued-fraction depth is half): to the dtype's precision for a, b up to
-    about a hundred; the loops are unrolled, so every term is kernel code."""
+    about a hundred. Each runs as a loop (lax.fori_loop, one kernel holding it): unrolled, its
+    terms made kernels PoCL took tens of seconds to compile."""
     return 80 if _is64(x) else 40
 
 
@@ -502,11 +503,12 @@ def gammaincc(a, x):
 
 def _betacf(a, b, x, terms):
     """The continued fraction of I_x(a, b) (Numerical Recipes' betacf, from the bottom)."""
-    t = tnp.ones_like(x)
-    for m in range(terms, 0, -1):
+    def level(i, t):
+        m = tnp.astype(terms - i, x.dtype)
         d_odd = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
         d_even = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        t = 1.0 + d_even / (1.0 + d_odd / t)
+        return 1.0 + d_even / (1.0 + d_odd / t)
+    t = lax.fori_loop(0, terms, level, tnp.ones_like(x))
     d1 = -(a + b) * x / (a + 1.0)
     return 1.0 / (1.0 + d1 / t)
 
