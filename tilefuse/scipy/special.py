@@ -175,9 +175,7 @@ def _erfc_positive(x):
     if _is64(x):  # the continued fraction erfc(x) = exp(-x²)/√π / (x + (1/2)/(x + 1/(x + (3/2)/(x + ...))))
         big = x >= 2.0
         xs = _safe(big, x, 2.0)
-        t = xs
-        for k in range(80, 0, -1):
-            t = xs + (k / 2.0) / t
+        t = lax.fori_loop(0, 80, lambda i, t: xs + tnp.astype(80 - i, xs.dtype) * 0.5 / t, xs)  # (a loop kernel)
         cf = tnp.exp(-xs * xs) / (math.sqrt(math.pi) * t)
         return tnp.where(big, cf, 1.0 - tnp.erf(x))
     t = 1.0 / (1.0 + 0.5 * x)  # Numerical Recipes' erfcc: relative error below 1.2e-7
