@@ -483,6 +483,19 @@ def test_value_dependent_shapes_need_size_under_jit(device):
     np.testing.assert_array_equal(tx.jit(lambda a: tnp.setdiff1d(a, np.array([3]), size=3, fill_value=0))(x), [1, 2, 0])
 
 
+def test_gcd_is_one_loop_to_the_worst_case(device):
+    """Euclid's steps run as one loop (unrolled, 47 remainders took PoCL minutes to compile), as
+    many as consecutive Fibonacci numbers need: the int32 and int8 extremes come out exact."""
+    loops = [e for e in tx.make_graph(tnp.gcd)(np.int32(4), np.int32(6)).eqns if e.prim.name == "scan"]
+    assert len(loops) == 1 and loops[0].params["length"] == 47
+    a = np.array([1836311903, -2**31 + 1, 0, -7, 2**31 - 1], np.int32)  # F46 and F45: 44 steps
+    b = np.array([1134903170, 2**30, 0, 0, 2**31 - 2], np.int32)
+    np.testing.assert_array_equal(tx.jit(tnp.gcd)(a, b), np.gcd(a, b))
+    i8 = np.array([-128, 89, 0, 126], np.int8), np.array([96, 55, -128, 36], np.int8)
+    np.testing.assert_array_equal(tx.jit(tnp.gcd)(*i8), np.gcd(*i8))
+    np.testing.assert_array_equal(tx.jit(tnp.lcm)(*i8[::-1]), np.lcm(*i8[::-1]))
+
+
 def test_host_files_never_unpickle(tmp_path, device):
     x = tnp.arange(4.0)
     f = tmp_path / "x.npy"

@@ -422,8 +422,9 @@ def gcd(x1, x2):
 
 def lcm(x1, x2):
     a, b = _ints("lcm", x1, x2)
-    g = gcd(a, b)
-    return tnp.where(g == 0, tnp.zeros_like(g), tnp.abs(a // tnp.where(g == 0, tnp.ones_like(g), g) * b))
+    a, b = tnp.abs(a), tnp.abs(b)
+    g = gcd(a, b)  # |a| (|b| / g): where it overflows, it wraps as numpy's and JAX's
+    return tnp.where(g == 0, tnp.zeros_like(g), a * (b // tnp.where(g == 0, tnp.ones_like(g), g)))
 
 
 def divmod(x1, x2):  # noqa: A001 (numpy's name)
