@@ -175,7 +175,7 @@ def _erfc_positive(x):
     if _is64(x):  # the continued fraction erfc(x) = exp(-x²)/√π / (x + (1/2)/(x + 1/(x + (3/2)/(x + ...))))
         big = x >= 2.0
         xs = _safe(big, x, 2.0)
-        t = lax.fori_loop(0, 80, lambda i, t: xs + tnp.astype(80 - i, xs.dtype) * 0.5 / t, xs)  # (a loop kernel)
+        t = _from_the_bottom(80, lambda k, t: xs + k * 0.5 / t, xs)
         cf = tnp.exp(-xs * xs) / (math.sqrt(math.pi) * t)
         return tnp.where(big, cf, 1.0 - tnp.erf(x))
     t = 1.0 / (1.0 + 0.5 * x)  # Numerical Recipes' erfcc: relative error below 1.2e-7
@@ -450,6 +450,12 @@ def boxcox1p(x, lmbda):
 # ---- incomplete gamma and beta ------------------------------------------------------------------
 
 
+def _from_the_bottom(depth: int, level, t):
+    """A continued fraction from its bottom: t = level(n, t) for n = depth, ..., 1 (n in t's
+    dtype), as one lax.fori_loop (one kernel holding the loop, not depth levels of kernel code)."""
+    return lax.fori_loop(0, depth, lambda i, t: level(tnp.astype(depth - i, tnp._aval(t).dtype), t), t)
+
+
 def _gammainc_series(a, x, terms):
     """P(a, x) = x^a e^-x / Γ(a+1) Σ x^n / ((a+1)...(a+n))."""
     def add_term(n, c):
@@ -463,10 +469,8 @@ def _gammainc_series(a, x, terms):
 def _gammaincc_cf(a, x, terms):
     """Q(a, x) by its continued fraction (Legendre's, evaluated from the bottom)."""
     # Q = e^-x x^a / Γ(a) · 1/(x + 1 - a - 1(1-a)/(x + 3 - a - 2(2-a)/(x + 5 - a - ...)))
-    def level(i, t):
-        n = tnp.astype(terms - i, x.dtype)
-        return x + (2 * n - 1) - a - n * (n - a) / t
-    return tnp.exp(a * tnp.log(x) - x - gammaln(a)) / lax.fori_loop(0, terms, level, x + (2 * terms + 1) - a)
+    t = _from_the_bottom(terms, lambda n, t: x + (2 * n - 1) - a - n * (n - a) / t, x + (2 * terms + 1) - a)
+    return tnp.exp(a * tnp.log(x) - x - gammaln(a)) / t
 
 
 def _terms(x):
@@ -501,12 +505,11 @@ def gammaincc(a, x):
 
 def _betacf(a, b, x, terms):
     """The continued fraction of I_x(a, b) (Numerical Recipes' betacf, from the bottom)."""
-    def level(i, t):
-        m = tnp.astype(terms - i, x.dtype)
+    def level(m, t):
         d_odd = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
         d_even = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
         return 1.0 + d_even / (1.0 + d_odd / t)
-    t = lax.fori_loop(0, terms, level, tnp.ones_like(x))
+    t = _from_the_bottom(terms, level, tnp.ones_like(x))
     d1 = -(a + b) * x / (a + 1.0)
     return 1.0 / (1.0 + d1 / t)
 
