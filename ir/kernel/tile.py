@@ -40,8 +40,9 @@ Expressions are the kernel IR's KExpr nodes, plus:
                                   Every work-item of the warp runs it (never under an If)
 Elementwise ops take operands of one width, or a scalar with a vector (a broadcast).
 
-`run_tile` is the reference: each work-group runs its work-items in lockstep, statement by
+`run_tile` is the reference: work-groups run their work-items in lockstep, statement by
 statement, as vectors of numpy (so Barrier needs nothing, and shared memory behaves as on a GPU);
+many work-groups run side by side as one batch of work-items, each with its own shared memory;
 `check_tile` is the type checker; `pp_tile` the printer."""
 from __future__ import annotations
 
@@ -459,17 +460,23 @@ def check_tile(k: TileKernel) -> None:
 # ---- the reference -------------------------------------------------------------------------------
 
 class _Group:
-    """One work-group in lockstep: every value is an array (L, W) over its L work-items."""
+    """Work-groups in lockstep: every value is an array (L, W) over the L work-items of G
+    work-groups side by side (work-item l belongs to group l // (L / G))."""
 
-    def __init__(self, k: TileKernel, arrays, env: dict, n_lanes: int):
-        self.k, self.arrays, self.env, self.L = k, arrays, env, n_lanes
-        self.mem: dict = {}  # alloc name -> (scope, array): (L, size) per work-item, (size,) shared
+    def __init__(self, k: TileKernel, arrays, env: dict, n_lanes: int, n_groups: int = 1):
+        self.k, self.arrays, self.env, self.L, self.G = k, arrays, env, n_lanes, n_groups
+        self.mem: dict = {}  # alloc name -> (scope, array): (L, size) per work-item, (G, size) shared
         self.rows = np.arange(n_lanes)[:, None]
+        self.group_rows = self.rows // (n_lanes // n_groups)
 
     def _mem(self, t):
         if isinstance(t, int):
             return "global", self.arrays[t]
         return self.mem[t]
+
+    def _rows(self, scope: str):
+        """The row of a work-item's own (register, scratch) or its group's (shared) memory."""
+        return self.group_rows if scope == "shared" else self.rows
 
     def value(self, n: KExpr, memo: dict, mask: np.ndarray) -> np.ndarray:
         """n's value on every work-item; loads are checked on the active ones (`mask`) only."""
@@ -493,14 +500,13 @@ class _Group:
                 else:
                     off = np.broadcast_to(src, (self.L, 1)) + np.arange(w)
                 scope, arr = self._mem(t)
-                per_item = scope in ("register", "scratch")
                 size = arr.shape[-1]
                 live = off[mask]
                 if live.size and (live.min() < 0 or live.max() >= size):
                     raise IndexError(f"tile kernel {self.k.name}: {op} of {t} at {live.min()}..{live.max()} "
                                      f"outside its {size} elements")
                 off = np.clip(off, 0, max(size - 1, 0))  # inactive work-items read anything
-                v = arr[self.rows, off] if per_item else arr[off]
+                v = arr[off] if scope == "global" else arr[self._rows(scope), off]
             elif op == "broadcast":
                 v = np.broadcast_to(memo[x.src[0]], (self.L, x.arg))
             elif op in ("hsum", "hmax", "hmin"):
@@ -528,7 +534,9 @@ class _Group:
     def mma(self, shape: str, a, b, c, mask) -> np.ndarray:
         """D = A B + C per warp: its work-items' fragments gathered into matrices, D scattered back."""
         (m, n, kk), widths, _, layout = MMA_LAYOUTS[shape]
-        assert self.L % WARP == 0 and mask.all(), f"mma: every work-item of a warp runs it ({self.L} work-items)"
+        warps = mask.reshape(-1, WARP) if self.L % WARP == 0 else None
+        assert warps is not None and (warps.all(1) | ~warps.any(1)).all(), \
+            f"mma: every work-item of a warp runs it ({self.L // self.G} work-items a group)"
         a, b, c = (np.broadcast_to(x, (self.L, w)).astype(np.float32) for x, w in zip((a, b, c), widths))
         at = [np.array([lay[f] for lay in layout]) for f in range(3)]  # (32, lanes, 2): row, column
         ra, rb, rc = ((x[..., 0], x[..., 1]) for x in at)
@@ -544,18 +552,20 @@ class _Group:
             return
         for s in body:
             if isinstance(s, Range):
-                extent = s.extent
-                if isinstance(extent, KExpr):
-                    ext = np.broadcast_to(self.value(extent, {}, mask), (self.L, 1))[mask]
-                    assert ext.size == 0 or (ext == ext.flat[0]).all(), \
+                extent, ext = s.extent, None
+                if isinstance(extent, KExpr):  # the same in a group's work-items, not across groups
+                    ext = np.broadcast_to(self.value(extent, {}, mask), (self.L, 1))[:, 0]
+                    by_group = np.where(mask, ext, -1).reshape(self.G, -1)
+                    hi = by_group.max(axis=1)
+                    assert ((by_group == hi[:, None]) | (by_group < 0)).all(), \
                         f"range {s.var}: its extent differs between work-items"
-                    extent = int(ext.flat[0]) if ext.size else 0
+                    extent = int(hi.max(initial=0))
                 for i in range(extent):
                     self.env[s.var] = i
-                    self.run(s.body, mask)
+                    self.run(s.body, mask if ext is None else mask & (ext > i))
                 self.env.pop(s.var, None)
             elif isinstance(s, Alloc):
-                shape = (s.size,) if s.scope == "shared" else (self.L, s.size)
+                shape = (self.G if s.scope == "shared" else self.L, s.size)
                 # fresh memory holds garbage: a read before a write shows up in results
                 fill = np.nan if np.dtype(s.dtype).kind == "f" else 0x5A
                 self.mem[s.name] = (s.scope, np.full(shape, fill).astype(s.dtype))
@@ -572,8 +582,8 @@ class _Group:
                 if sel.size and (sel.min() < 0 or sel.max() >= size):
                     raise IndexError(f"tile kernel {self.k.name}: store to {s.target} at "
                                      f"{sel.min()}..{sel.max()} outside its {size} elements")
-                if scope in ("register", "scratch"):
-                    arr[np.broadcast_to(self.rows, offs.shape)[mask], sel] = vals[mask]
+                if scope != "global":
+                    arr[np.broadcast_to(self._rows(scope), offs.shape)[mask], sel] = vals[mask]
                 elif s.mode == "add":
                     np.add.at(arr, sel.reshape(-1), vals[mask].reshape(-1).astype(arr.dtype))
                 else:
@@ -585,15 +595,22 @@ class _Group:
                 pass  # lockstep: every work-item has finished the statements before it
 
 
-def run_tile(k: TileKernel, arrays) -> None:
-    """Run a tile kernel on flat typed arrays (in k.buffers order), writing outputs in place."""
+def run_tile(k: TileKernel, arrays, max_lanes: int = 4096, max_bytes: int = 1 << 25) -> None:
+    """Run a tile kernel on flat typed arrays (in k.buffers order), writing outputs in place.
+    Work-groups run in batches (one numpy op per node and batch, not per group) of up to
+    `max_lanes` work-items whose Allocs take up to `max_bytes`; at least one group a batch."""
     grid, lanes = k.grid(), k.lanes()
     body = k.inner()
+    local, points = (np.array(list(itertools.product(*(range(r.extent) for r in rs))), INDEX)
+                     .reshape(math.prod(r.extent for r in rs), len(rs)) for rs in (lanes, grid))
+    per_group = max(1, len(local))
+    group_bytes = sum(a.size * np.dtype(a.dtype).itemsize * (1 if a.scope == "shared" else per_group)
+                      for a in k.allocs())
+    batch = max(1, min(max_lanes // per_group, max_bytes // max(group_bytes, 1)))
     with np.errstate(all="ignore"):
-        for g in itertools.product(*(range(r.extent) for r in grid)):
-            env = {r.var: i for r, i in zip(grid, g)}
-            ids = list(itertools.product(*(range(r.extent) for r in lanes)))
-            for d, r in enumerate(lanes):
-                env[r.var] = np.array([i[d] for i in ids], INDEX)
-            group = _Group(k, arrays, env, max(1, len(ids)))
+        for start in range(0, len(points), batch):
+            pts = points[start:start + batch]
+            env = {r.var: np.repeat(pts[:, d], per_group) for d, r in enumerate(grid)}
+            env.update({r.var: np.tile(local[:, d], len(pts)) for d, r in enumerate(lanes)})
+            group = _Group(k, arrays, env, len(pts) * per_group, len(pts))
             group.run(body, np.ones(group.L, bool))

@@ -114,6 +114,41 @@ def _f32(x):
     return cast(x, F32)
 
 
+def _groups_kernel(extent):
+    """Work-group g of 4 work-items: each writes s[t] = 10 g + t, then after the barrier sums
+    s[3 - t] over `extent` (a loop whose trips may depend on g) into out[4 g + t]."""
+    g, t = var("g"), var("t")
+    acc = "acc"
+    body = (Range("g", 5, "grid", (Range("t", 4, "lane", (
+        Alloc("s", np.dtype(F32), 4, "shared"),
+        Alloc(acc, np.dtype(F32), 1, "register"),
+        Store("s", t, _f32(binary("add", binary("mul", const(10, INDEX), g), t))),
+        Store(acc, const(0, INDEX), const(0.0, F32)),
+        Barrier(),
+        Range("i", extent, "serial", (
+            Store(acc, const(0, INDEX), binary("add", tload(acc, const(0, INDEX), F32),
+                                               tload("s", binary("sub", const(3, INDEX), t), F32))),)),
+        Store(0, binary("add", binary("mul", const(4, INDEX), g), t), tload(acc, const(0, INDEX), F32)),)),)),)
+    return TileKernel("groups", (Buffer("out0", np.dtype(F32), 20),), 0, body)
+
+
+def test_the_reference_runs_work_groups_side_by_side_as_one_at_a_time():
+    """run_tile batches work-groups (one numpy op per node for many groups): each keeps its own
+    shared memory, and a loop whose extent depends on the group runs each group's own trips;
+    batches of one group give the same numbers. Work-items of one group must agree on a loop's
+    extent (a barrier inside it would otherwise hang a GPU)."""
+    g = var("g")
+    k = _groups_kernel(binary("add", g, const(1, INDEX)))  # group g: g + 1 trips
+    check_tile(k)
+    want = np.array([(gi + 1) * (10 * gi + 3 - t) for gi in range(5) for t in range(4)], F32)
+    for max_lanes in (1, 8, 4096):
+        out = np.full(20, np.nan, F32)
+        run_tile(k, [out], max_lanes=max_lanes)
+        np.testing.assert_array_equal(out, want, err_msg=f"max_lanes={max_lanes}")
+    with pytest.raises(AssertionError, match="extent differs between work-items"):
+        run_tile(_groups_kernel(binary("add", var("t"), const(1, INDEX))), [np.zeros(20, F32)])
+
+
 def test_loop_trips_count_every_entry_of_a_loop():
     """A driver that caps a loop's trips per work-item (llvmpipe: 65535) counts them over every
     time the enclosing loops enter it: the WebGPU backend refuses past the cap, never truncates."""
