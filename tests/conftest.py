@@ -46,13 +46,21 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def device(request):
-    """The device under test, made the default for the test's duration."""
+    """The device under test, made the default for the test's duration. On PoCL, every program
+    the test built must have built with the declarations of its builtins alone (not opencl-c.h:
+    backends/opencl/prelude.py), or the test fails naming them."""
     old = tx.config.default_device
     tx.config.default_device = request.param
+    dev = tx.get_device(request.param)
+    programs = dev.backend.programs if dev.kind == "opencl" else None
+    seen = len(programs.header_builds) if programs is not None else 0
     try:
-        yield tx.get_device(request.param)
+        yield dev
     finally:
         tx.config.default_device = old
+    if programs is not None and len(programs.header_builds) > seen:
+        pytest.fail(f"PoCL built {programs.header_builds[seen:]} only with opencl-c.h: a builtin is missing "
+                    "from backends/opencl/prelude.py")
 
 
 @pytest.fixture

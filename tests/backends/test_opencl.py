@@ -5,6 +5,7 @@ Skips, with the reason, where no OpenCL platform is present. Several checks shar
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 
 import ml_dtypes
@@ -643,7 +644,7 @@ def test_a_program_built_again_loads_from_its_binary(be, tmp_path, monkeypatch):
     def counted(*args):
         sources.append(1)
         return real(*args)
-    monkeypatch.setattr(build.ProgramCache, "_from_source", staticmethod(counted))
+    monkeypatch.setattr(build.ProgramCache, "_from_source", counted)
 
     def run_f():
         knl = build.ProgramCache().kernel(st.ctx, st.dev, source, "f")
@@ -697,3 +698,58 @@ def test_long_sums_are_blocked(be, shape, axes):
     (y,) = run(be, k, x)
     exact = float(np.float32(0.1)) * shape[axes[0]]
     assert np.abs(y.astype(np.float64) / exact - 1).max() < 1e-5
+
+
+def _signatures(text: str) -> set:
+    """`ret name(param types)` of every function declaration in C text: attributes, parameter
+    names and spacing dropped."""
+    text = re.sub(r"__attribute__\(\(.*?\)\)|\b__(ovld|cnfn|purefn|conv|CL_\w+)\b", " ", text)
+    out = set()
+    for ret, name, params in re.findall(r"\b(\w+)\s+(\w+)\s*\(([^()]*)\)\s*;", text):
+        types = []
+        for p in params.split(","):
+            toks = re.findall(r"\w+|\*", p)
+            if len(toks) > 1 and re.fullmatch(r"[a-z_]\w*", toks[-1]) and toks[-1] not in _C_TYPES:
+                toks = toks[:-1]  # a parameter's name
+            types.append(" ".join(toks))
+        out.add(f"{ret} {name}({', '.join(types)})")
+    return out
+
+
+_C_TYPES = {t + w for t in ("char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "float", "double",
+                            "half") for w in ("", "2", "3", "4", "8", "16")} | {"size_t", "cl_mem_fence_flags", "void"}
+
+
+def test_pocl_builds_with_declarations_clang_spells_the_same_way():
+    """PoCL builds a program with the declarations of the builtins it calls in place of Clang's
+    opencl-c.h (backends/opencl/prelude.py): every one of them is declared in that header with
+    the same return and parameter types (a wrong return type would link and compute garbage),
+    for every builtin the printer may call."""
+    import glob
+
+    from tilefuse.backends.opencl.prelude import FLOAT_BINARY, FLOAT_UNARY, WORK_ITEM, with_declarations
+    headers = sorted(glob.glob("/usr/share/pocl/include/opencl-c.h") +
+                     glob.glob("/usr/lib/llvm-*/lib/clang/*/include/opencl-c.h"))
+    if not headers:
+        pytest.skip("no opencl-c.h here (PoCL's or Clang's) to compare the declarations with")
+    with open(headers[0]) as fh:
+        clang = _signatures(fh.read())
+    conversions = [f"convert_{t}{w}{s}" for t in ("int", "uchar", "long", "ulong", "float", "double", "char")
+                   for w in ("", "4", "16") for s in ("", "_rte", "_sat", "_sat_rtz")]
+    calls = sorted(FLOAT_UNARY | FLOAT_BINARY | WORK_ITEM) + conversions + [
+        "fma", "min", "max", "abs", "isnan", "isfinite", "select", "barrier", "atomic_add", "atomic_cmpxchg",
+        "atom_add", "atom_cmpxchg", "vload4", "vload16", "vstore8", "vstore16", "vload_half", "vload_half4",
+        "vstore_half_rte", "vstore_half16_rte"]
+    source = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" + " ".join(f"{c}(x);" for c in calls)
+    ours = _signatures(with_declarations(source).replace(source, ""))
+    assert len(ours) > 1000
+    missing = sorted(ours - clang)
+    assert not missing, f"{len(missing)} declarations not in {headers[0]}: {missing[:10]}"
+
+
+def test_the_suite_builds_every_pocl_program_without_the_header(be):
+    """Run last in this module: each program this process built on PoCL was built with the
+    declarations alone; one that needed opencl-c.h names a builtin prelude.py lacks."""
+    if "Portable Computing Language" not in be._state(DEV).dev.platform.name:
+        pytest.skip("not PoCL")
+    assert be.programs.builds > 10 and not be.programs.header_builds, be.programs.header_builds
