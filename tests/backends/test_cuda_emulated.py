@@ -2,7 +2,8 @@
 (ptxemu.emulated_device: the backend's pool, copies and launches, its PTX run by the interpreter)
 against the ref backend. Control flow as loop kernels, training gradients, the shared GEMM (its
 warp-MMA form for 16-bit operands) and FlashAttention (forward and backward) as the dispatcher
-picks them. Small programs only: the interpreter is slow."""
+picks them. Small programs: the interpreter runs a launch's threads as numpy arrays, far from a GPU's
+speed."""
 from __future__ import annotations
 
 import numpy as np
@@ -66,7 +67,7 @@ def test_programs_match_the_reference_on_an_emulated_cuda_device(emu, name):
 VIA_F32 = {f"{f}-float64" for f in ("log1p", "expm1", "tanh", "sin", "cos", "erf")} | {"elementwise chain-float64"}
 
 
-SHARDS = 12  # the table in twelve tests, so that the suite's workers share its two minutes
+SHARDS = 12  # the table in twelve tests, so that the suite's workers share it
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
