@@ -1,7 +1,8 @@
 """Compile latency: small public-style programs end to end, each in a fresh process, the way a
 new user meets them: cold (an empty TILEFUSE_CACHE_DIR) and warm (a second process on the cache
 the first one filled), against numpy (with autograd for the gradients), JAX and PyTorch (eager)
-where they are installed (absent ones are skipped), and tilefuse's own numpy interpreter (`ref`).
+where they are installed (absent ones are skipped), and tilefuse's own numpy interpreter (`ref`);
+tilefuse's `opencl` device too where one is (cold: PoCL's program cache empty as well).
 
     python benchmarks/bench_compile.py                      # every program, every framework
     python benchmarks/bench_compile.py --programs mlp,rnn --frameworks cpu,jax
@@ -29,7 +30,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from common import USER_TIERED, emit, fmt_seconds, run_worker, table  # noqa: E402
 
-FRAMEWORKS = ("numpy", "jax", "torch", "cpu", "ref")  # cpu / ref: tilefuse's devices
+FRAMEWORKS = ("numpy", "jax", "torch", "cpu", "opencl", "ref")
+CACHED = ("cpu", "opencl", "ref", "jax")  # tilefuse's devices and JAX: cold and warm columns
 
 
 # ---- the frameworks, behind one small interface -------------------------------------------------
@@ -381,6 +383,9 @@ def chain_worker(n: int, breakdown: bool) -> None:
 
 
 def _available(framework: str) -> bool:
+    if framework == "opencl":
+        import tilefuse as tx
+        return any(d.kind == "opencl" for d in tx.devices())
     mod = {"numpy": "autograd", "jax": "jax", "torch": "torch"}.get(framework)
     if mod is None:
         return True
@@ -423,8 +428,9 @@ def main():
     me = os.path.abspath(__file__)
 
     def run(argv, cache):
-        return run_worker([me, *argv], env={"TILEFUSE_CACHE_DIR": cache, "TILEFUSE_TIERED": USER_TIERED},
-                          timeout=args.timeout)
+        # (PoCL's own cache too: a new user's is empty)
+        return run_worker([me, *argv], env={"TILEFUSE_CACHE_DIR": cache, "POCL_CACHE_DIR": os.path.join(cache, "pocl"),
+                                            "TILEFUSE_TIERED": USER_TIERED}, timeout=args.timeout)
 
     if args.chain:
         rows = []
@@ -455,7 +461,7 @@ def main():
             cache = tempfile.mkdtemp(prefix="tf-bench-")
             try:
                 cold = run(["--worker", prog, fw], cache)
-                warm = run(["--worker", prog, fw], cache) if fw in ("cpu", "ref", "jax") else None
+                warm = run(["--worker", prog, fw], cache) if fw in CACHED else None
                 if args.breakdown and fw == "cpu":
                     shutil.rmtree(cache, ignore_errors=True)
                     os.makedirs(cache)
@@ -473,7 +479,7 @@ def main():
 
     headers = ["program"]
     for fw in frameworks:
-        headers += [f"{fw} cold", f"{fw} warm"] if fw in ("cpu", "ref", "jax") else [fw]
+        headers += [f"{fw} cold", f"{fw} warm"] if fw in CACHED else [fw]
     headers += ["cpu cold / best other", "loss spread"]
     rows = []
     for prog in args.programs.split(","):
@@ -481,7 +487,7 @@ def main():
         for fw in frameworks:
             cold, warm = results[prog, fw]
             row.append(_cell(cold))
-            if fw in ("cpu", "ref", "jax"):
+            if fw in CACHED:
                 row.append(_cell(warm))
             if cold and "error" not in cold:
                 losses.append(cold["loss"])

@@ -245,7 +245,7 @@ def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = Tr
 def precompile(graphs, device) -> None:
     """Build the kernels of several graphs at once, for callers that know what they will
     compile (the validation table's shapes of one operation): one OpenCL program for all of them
-    (PoCL spends about 0.2 s of fixed cost on every program it builds), the CPU's object code in
+    (PoCL spends some 30-40 ms of fixed cost on every program it builds), the CPU's object code in
     parallel. Compiling each graph later finds its kernels built."""
     kernels = [lk.kernel for graph in graphs for lks in _front(graph, config.fusion)[0][2] for lk in lks]
     _precompile(kernels, device, device.backend)

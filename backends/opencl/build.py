@@ -49,15 +49,13 @@ def translate(e: Exception, action: str, device, nbytes: int | None = None) -> T
 
 class ProgramCache:
     """Built kernels in memory, keyed by (source, device), and program binaries on disk (the
-    compile cache's "opencl" namespace). PoCL caches builds itself, but a build it finds in its
-    cache still costs 30-50 ms, one from our binary about 2 ms with its launches (the binary holds
-    each kernel for any work-group size). Asking PoCL for the binary costs about 60 ms more (it
-    compiles those kernels), so it is kept from a program's second build on, in any process (a
-    marker records the first): a program built once, as most are in one run of the suite on a
-    cold machine, costs what it did (measured: the OpenCL numpy tests, cold, 304 s; keeping every
-    binary made them 364-386 s), and one built in every run of a script costs 2 ms from the third.
-    One program may hold several kernels: PoCL spends most of a build in fixed costs, so a batch
-    builds faster.
+    compile cache's "opencl" namespace), kept from a program's second build on, in any process (a
+    marker records the first), for drivers that do not cache builds themselves.
+    Not on PoCL: it caches each program and each kernel it compiled at a launch, and asking it for
+    a binary compiles every kernel again for any work-group size (0.5 s for a GEMM), which made a
+    script's second run as slow as its first (an MLP's training on opencl:0, runs 1/2/3 of one
+    process each on the same caches: 10.1/12.9/0.95 s with binaries, 13.8/1.3/1.2 s without).
+    One program may hold several kernels: a build has fixed costs, so a batch builds faster.
     On PoCL a program is built with the declarations of the builtins it calls in place of
     opencl-c.h (backends/opencl/prelude.py: 40-50 ms a program instead of 150-200); one that
     builds only with the header is built with it and counted in `header_builds`."""
@@ -75,13 +73,16 @@ class ProgramCache:
         if got is not None:
             return got
         self.builds += 1
-        if self._disk is None:
-            self._disk = compile_cache.CompileCache("opencl", compile_cache.default_dir())
-        disk_key = compile_cache.make_key("opencl-program", source, OPTIONS, _device_id(cl_device))
-        prg = self._from_binary(ctx, cl_device, disk_key)
-        if prg is None:
+        if _is_pocl(cl_device):
             prg = self._from_source(ctx, cl_device, source, names, kernel_text)
-            prg = self._keep_binary(prg, ctx, cl_device, disk_key)
+        else:
+            if self._disk is None:
+                self._disk = compile_cache.CompileCache("opencl", compile_cache.default_dir())
+            disk_key = compile_cache.make_key("opencl-program", source, OPTIONS, _device_id(cl_device))
+            prg = self._from_binary(ctx, cl_device, disk_key)
+            if prg is None:
+                prg = self._from_source(ctx, cl_device, source, names, kernel_text)
+                prg = self._keep_binary(prg, ctx, cl_device, disk_key)
         got = [cl.Kernel(prg, n) for n in names]
         self._mem[key] = got
         return got
@@ -113,7 +114,7 @@ class ProgramCache:
     def _from_source(self, ctx, cl_device, source: str, names: list, kernel_text: str):
         import pyopencl as cl
         what = f"kernel {names[0]}" if len(names) == 1 else f"{len(names)} kernels"
-        pocl = cl_device.platform.name == "Portable Computing Language"
+        pocl = _is_pocl(cl_device)
         with warnings.catch_warnings():  # a non-empty build log is not an error
             warnings.simplefilter("ignore", cl.CompilerWarning)
             if pocl:
@@ -136,6 +137,10 @@ class ProgramCache:
 
     def kernel(self, ctx, cl_device, source: str, name: str, kernel_text: str = ""):
         return self.kernels(ctx, cl_device, source, [name], kernel_text)[0]
+
+
+def _is_pocl(cl_device) -> bool:
+    return cl_device.platform.name == "Portable Computing Language"
 
 
 def _built(ctx, cl_device, binary: bytes):
