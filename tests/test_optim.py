@@ -166,6 +166,27 @@ def test_state_is_a_pytree_and_updates_keep_dtypes():
     assert float(np.asarray(new["b"])[0]) == pytest.approx(-0.1, rel=1e-5)
 
 
+def test_adam_on_leaves_of_several_dtypes_equals_each_leaf_alone():
+    """The bias corrections are made once per compute dtype and shared by the leaves of that
+    dtype: a tree of float32, float64 and bfloat16 leaves updates each as it would alone."""
+    rng = np.random.default_rng(3)
+    params = {"a": rng.standard_normal(3).astype(np.float32), "d": rng.standard_normal(3),
+              "h": tnp.asarray(rng.standard_normal(2), tnp.bfloat16), "b": rng.standard_normal(4).astype(np.float32)}
+    opt = optim.adam(1e-2)
+    together, alone = (params, opt.init(params)), {k: ({k: v}, opt.init({k: v})) for k, v in params.items()}
+    for step in range(3):
+        grads = {k: tnp.asarray(rng.standard_normal(np.shape(v)), tnp.result_type(v)) for k, v in params.items()}
+        u, st = opt.update(grads, together[1])
+        together = (optim.apply_updates(together[0], u), st)
+        for k in params:
+            u, st = opt.update({k: grads[k]}, alone[k][1])
+            alone[k] = (optim.apply_updates(alone[k][0], u), st)
+    for k in params:
+        got, want = np.asarray(together[0][k]), np.asarray(alone[k][0][k])
+        assert got.dtype == want.dtype == np.asarray(params[k]).dtype
+        np.testing.assert_array_equal(got, want, err_msg=k)
+
+
 def test_weight_decay_needs_params():
     opt = optim.adamw(1e-2, weight_decay=0.1)
     p = {"w": np.ones(2, np.float32)}

@@ -152,12 +152,16 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         mu = tree_map(lambda g, m: b1 * m + (1.0 - b1) * g, updates, state.mu)
         nu = tree_map(lambda g, v: b2 * v + (1.0 - b2) * (g * g), updates, state.nu)
         count = state.count + 1
+        corrections: dict = {}  # compute dtype -> (c1, c2), made once for all leaves of that dtype
 
         def direction(m, v):
             # the bias corrections in the parameter's precision (float64 stays float64; 16-bit
             # floats use float32): 1 - 0.999**t loses 4 digits in float32 at small t
-            t = tnp.astype(count, _compute_dtype(m))
-            c1, c2 = 1.0 - tnp.power(b1, t), 1.0 - tnp.power(b2, t)
+            dt = _compute_dtype(m)
+            if dt not in corrections:
+                t = tnp.astype(count, dt)
+                corrections[dt] = 1.0 - tnp.power(b1, t), 1.0 - tnp.power(b2, t)
+            c1, c2 = corrections[dt]
             return tnp.astype((m / c1) / (tnp.sqrt(v / c2 + eps_root) + eps), m.dtype)
         return tree_map(direction, mu, nu), AdamState(count, mu, nu)
     return GradientTransformation(init, update)
