@@ -355,6 +355,13 @@ class _Printer(PrintedValues):
             series = f"({t} * ({c[0]} + {t} * ({c[1]} + {t} * {c[2]})))"
             series = f"({x} * ({one} + {series}))" if op == "sin" else f"({one} + {series})"  # (keeps -0.0)
             return f"select({FLOAT_FN[op]}({x}), {series}, fabs({x}) < {literal(2 ** -5, d)})"
+        if op == "tanh":
+            # past |x| = 9.01 (19.06 in double) tanh rounds to +-1; PoCL's gives 1 - 1 ulp there,
+            # and gelu's derivative, (1 - tanh^2) x ..., turned that into errors of 1e-5
+            big = literal(19.1 if d == F64 else 9.1, d)
+            if w == 1:
+                return f"(fabs({x}) > {big} ? sign({x}) : tanh({x}))"
+            return f"select(tanh({x}), sign({x}), fabs({x}) > {big})"
         if op in FLOAT_FN:
             return f"{FLOAT_FN[op]}({x})"
         if op == "neg":

@@ -163,3 +163,20 @@ def test_uint64_scalars_keep_their_dtype(device):
     small = tx.jit(lambda v: v * 2)(np.array([200], np.uint8))
     assert small.dtype == np.uint8 and int(small[0]) == 144
     assert (x + np.int64(1)).dtype == np.float64  # uint64 with a signed int: JAX's float64
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tanh_saturates_to_exactly_one(device, dtype):
+    """Past |x| = 9.01 (19.06 in float64) tanh rounds to +-1. PoCL's tanh gave 1 - 1 ulp there,
+    which the tanh-gelu's derivative, 0.5 (1 + tanh) + 0.5 x (1 - tanh^2) j', turned into
+    errors of 1e-5 (x j' ~ 200): the gradient at x = -12 must be exactly 0, at 12 exactly 1."""
+    from tilefuse import nn
+    x = np.array([-1e30, -70.0, -30.0, -12.0, 12.0, 30.0, 70.0, 1e30, 0.5, -0.0], dtype)
+    got = np.asarray(tx.jit(tnp.tanh)(x))
+    want = np.tanh(x.astype(np.float64)).astype(dtype)
+    np.testing.assert_array_equal(got[:8], want[:8])
+    np.testing.assert_allclose(got[8:], want[8:], rtol=4 * np.finfo(dtype).eps)
+    assert np.signbit(got[-1])
+    z = np.array([-12.0, 12.0], dtype)
+    grad = np.asarray(tx.jit(tx.grad(lambda t: nn.gelu(t).sum()))(z))
+    np.testing.assert_array_equal(grad, np.array([0.0, 1.0], dtype))

@@ -26,7 +26,7 @@ OV, CONST, PURE = "__attribute__((overloadable))", "__attribute__((overloadable,
     "__attribute__((overloadable, pure))"
 FLOAT_UNARY = {"exp", "log", "log1p", "expm1", "tanh", "sqrt", "rsqrt", "sin", "cos", "erf", "floor", "ceil",
                "rint", "fabs", "round", "trunc", "exp2", "log2", "tan", "atan", "asin", "acos", "sinh", "cosh",
-               "cbrt", "lgamma", "tgamma", "erfc"}
+               "cbrt", "lgamma", "tgamma", "erfc", "sign"}
 FLOAT_BINARY = {"pow", "fmod", "atan2", "fmax", "fmin", "copysign", "hypot"}
 WORK_ITEM = {"get_global_id", "get_local_id", "get_group_id", "get_num_groups", "get_local_size",
              "get_global_size", "get_global_offset"}
