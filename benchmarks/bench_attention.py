@@ -2,7 +2,8 @@
 tilefuse on `cpu` (nn.dot_product_attention, and the same attention written out with tnp and
 found by the pattern pass), on the first OpenCL device (nn.dot_product_attention through the shared
 FlashAttention tile builders, and the composite of ordinary kernels they replace), numpy's naive
-code, and PyTorch's scaled_dot_product_attention and JAX's jit where importable, in one run:
+code, and PyTorch's scaled_dot_product_attention and JAX's jit where importable, in one run,
+in alternation (each round times every contender once, after a rest and a few unmeasured calls):
 medians, GFLOP/s and ratios against tilefuse.
 
     python benchmarks/bench_attention.py [--seqs 256,1024] [--bhd 4,4,64] [--repeat 7] [--only fwd]
@@ -24,7 +25,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fmt_seconds, side_by_side, time_median  # noqa: E402
+from common import fmt_seconds, side_by_side, time_alternating  # noqa: E402
+
+SETTLE = 0.4  # seconds between contenders: OpenMP's (torch) and Eigen's (jax) threads spin after a call
+WARM_S = 0.05  # seconds of calls before each sample: the first calls after a rest run slowly
 
 B, H, D = 4, 4, 64
 
@@ -185,18 +189,19 @@ def main(argv=None):
                                     lambda: np_forward_backward(q, k, v, g, causal), None)
             cases.update(torch_cases(q, k, v, g, causal))
             cases.update(jax_cases(q, k, v, g, causal))
-            results = {}
-            for name, (fwd, both, extra) in cases.items():
-                r = {}
-                if args.only in (None, "fwd"):
-                    t = time_median(fwd, warmup=2, repeat=args.repeat, max_seconds=20).median
-                    r.update({"fwd": t, "fwd GFLOP/s": flops / t / 1e9})
-                if args.only in (None, "both"):
-                    t = time_median(both, warmup=1, repeat=args.repeat, max_seconds=30).median
-                    r.update({"fwd+bwd": t, "fwd+bwd GFLOP/s": 2.5 * flops / t / 1e9})
+            results = {name: {} for name in cases}
+            for phase, which, flop_scale in (("fwd", 0, 1.0), ("both", 1, 2.5)):
+                if args.only not in (None, phase):
+                    continue
+                times = time_alternating({name: c[which] for name, c in cases.items()}, warmup=2 - which,
+                                         repeat=args.repeat, block=1, settle=SETTLE, warm_s=WARM_S,
+                                         max_seconds=60 + 60 * which)
+                label = "fwd" if phase == "fwd" else "fwd+bwd"
+                for name, t in times.items():
+                    results[name].update({label: t.median, f"{label} GFLOP/s": flop_scale * flops / t.median / 1e9})
+            for name, (_, _, extra) in cases.items():
                 if extra is not None:
-                    r["extra MiB"] = extra
-                results[name] = r
+                    results[name]["extra MiB"] = extra
             metrics = [m for m in ("fwd", "fwd GFLOP/s", "fwd+bwd", "fwd+bwd GFLOP/s", "extra MiB")
                        if any(m in r for r in results.values())]
             print(side_by_side(results, metrics, baseline="tilefuse nn.dot_product_attention",

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table
+from common import table, time_alternating
 
 TRANSFORMER = [  # (name, M, N, K, A transposed)
     ("qkv (2048x128)@(128x384)", 2048, 384, 128, False),
@@ -128,38 +128,14 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
         fns["opencl"], impls["opencl"] = _tilefuse("auto", fn, args, _opencl())
     if others and dtype == np.float32 and not epilogue and (batch == 1 or spec):
         fns.update(_others(a, b, transposed, spec))
-    times = interleaved(fns, repeat, clock)
-    return {who: flops / t / 1e9 for who, t in times.items()}, impls
+    times = time_alternating(fns, warmup=2, repeat=repeat, block=1, settle=SETTLE, warm_s=WARM_S,
+                             sample_s=SAMPLE_S, clock=clock)
+    return {who: flops / t.median / 1e9 for who, t in times.items()}, impls
 
 
 SETTLE = 0.4  # seconds: OpenBLAS, OpenMP (torch) and Eigen (jax) threads spin after a call
 WARM_S = 0.03  # seconds of calls before timing: a core that was idle runs the next calls slowly
 SAMPLE_S = 0.01  # seconds of calls per sample (at least one call)
-
-
-def interleaved(fns: dict, repeat: int, clock=time.perf_counter) -> dict:
-    """Median seconds per call of each callable, measured in rounds (each once per round): on a
-    shared, noisy machine every contender sees the same moments of load. Between contenders a
-    pause lets the last one's spinning threads go to sleep, so that nobody is timed beside
-    another's; then each runs WARM_S of calls before its sample, as in a training loop: after
-    the pause the first calls of every contender run up to 1.6x slower (the idle cores of this
-    VM wake slowly; measured on 2048x128x384, numpy and the template alike)."""
-    samples = {who: [] for who in fns}
-    for f in fns.values():
-        f(), f()  # compiled, pages touched
-    for _ in range(repeat):
-        for who, f in fns.items():
-            time.sleep(SETTLE)
-            calls, until = 0, time.perf_counter() + WARM_S
-            while calls < 2 or time.perf_counter() < until:
-                f()
-                calls += 1
-            calls, start, until = 0, clock(), time.perf_counter() + SAMPLE_S
-            while calls < 1 or time.perf_counter() < until:
-                f()
-                calls += 1
-            samples[who].append((clock() - start) / calls)
-    return {who: statistics.median(ts) for who, ts in samples.items()}
 
 
 def _cell(g: dict, who: str) -> str:

@@ -65,12 +65,16 @@ def time_median(fn: Callable[[], object], *, warmup: int = 2, repeat: int = 10,
 
 
 def time_alternating(fns: dict, *, warmup: int = 2, repeat: int = 10, block: int = 3, settle: float = 0.2,
-                     max_seconds: float | None = None) -> dict:
-    """time_median for several contenders in alternation: each round calls every one `block`
-    times in a row, so a slow spell of a noisy machine falls on all of them. Between two
-    contenders' blocks the machine rests `settle` seconds: the threads a library leaves spinning
+                     warm_s: float = 0.0, sample_s: float = 0.0, max_seconds: float | None = None,
+                     clock: Callable[[], float] = time.perf_counter) -> dict:
+    """time_median for several contenders in alternation: each round gives every one `block`
+    samples in a row, so a slow spell of a noisy machine falls on all of them. Before each
+    contender's block the machine rests `settle` seconds: the threads a library leaves spinning
     after its calls (OpenBLAS's for about 0.1 s; OpenMP's) would otherwise halve the next one's
-    speed on two cores. {name: Timing}."""
+    speed on two cores. After the rest, `warm_s` seconds of calls go unmeasured, as in a loop of
+    calls: the first calls after a rest ran up to 1.6x slower on these VMs (idle cores wake
+    slowly). A sample is one call, or the mean of as many calls as take `sample_s` seconds (calls
+    too short to time one by one). {name: Timing}."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -80,10 +84,16 @@ def time_alternating(fns: dict, *, warmup: int = 2, repeat: int = 10, block: int
         for name, fn in fns.items():
             if len(fns) > 1:
                 time.sleep(settle)
-            for _ in range(block):
-                t0 = time.perf_counter()
+            calls, until = 0, time.perf_counter() + warm_s
+            while warm_s > 0 and (calls < 2 or time.perf_counter() < until):
                 fn()
-                samples[name].append(time.perf_counter() - t0)
+                calls += 1
+            for _ in range(block):
+                calls, t0, until = 0, clock(), time.perf_counter() + sample_s
+                while calls < 1 or time.perf_counter() < until:
+                    fn()
+                    calls += 1
+                samples[name].append((clock() - t0) / calls)
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
     return {name: Timing(tuple(s)) for name, s in samples.items()}
