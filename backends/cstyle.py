@@ -178,11 +178,7 @@ class _Printer(PrintedValues):
                 yield st.target, st.offset, lanes_of(st.value, self.width)
             for root in ([st.offset, st.value] if isinstance(st, Store) else [st.cond] if isinstance(st, If)
                          else [st.extent] if isinstance(st, Range) and isinstance(st.extent, KExpr) else []):
-                if root in seen:
-                    continue
-                for n in root.toposort():
-                    if n in seen:
-                        continue
+                for n in root.toposort(seen):
                     seen.add(n)
                     if n.op == "load":
                         yield n.arg, n.src[0], lanes_of(n.src[0], self.width)

@@ -39,8 +39,23 @@ def gemm_applies(kernel, device) -> bool:
     return gemm.default_schedule(spec, t).check(spec, t) is None
 
 
+def _built_once(kernel, what: str, device, params, build):
+    """build() for this kernel, device and schedule, kept in the kernel's meta: the dispatcher asks
+    whether a builder applies, a graph's batch build makes its tile kernels, then each launch's
+    build asks again; the same TileKernel object each time also keeps its printed key (key_text)."""
+    memo = kernel.meta.setdefault(what, {})
+    where = (getattr(device, "name", device), _target(device), repr(params))
+    if where not in memo:
+        memo[where] = build()
+    return memo[where]
+
+
 def gemm_tile(kernel, device, params: dict | None = None):
     """The shared GEMM's tile kernel for a GEMM kind kernel under the default schedule (or `params`)."""
+    return _built_once(kernel, "tile_gemm", device, params, lambda: _gemm_tile(kernel, device, params))
+
+
+def _gemm_tile(kernel, device, params):
     spec, t = gemm_spec(kernel), _target(device)
     sched = gemm.default_schedule(spec, t) if params is None else gemm.schedule_of(params, t)
     why = sched.check(spec, t)
@@ -104,13 +119,8 @@ def _attention_spec(kernel):
 def _attention_kernels(kernel, device, params: dict | None = None):
     """The FlashAttention tile kernels of a fused_attention (one) or fused_attention_bwd (one to
     three, run in order) kernel under the default schedule (or `params`), or None where the
-    builders do not apply, no schedule fits, or a kernel is past the device's limits. Built once
-    per device and schedule: the dispatcher asks whether it applies, then builds."""
-    memo = kernel.meta.setdefault("tile_attention", {})
-    where = (getattr(device, "name", device), repr(params))
-    if where not in memo:
-        memo[where] = _attention_tiles(kernel, device, params)
-    return memo[where]
+    builders do not apply, no schedule fits, or a kernel is past the device's limits."""
+    return _built_once(kernel, "tile_attention", device, params, lambda: _attention_tiles(kernel, device, params))
 
 
 def _attention_tiles(kernel, device, params):

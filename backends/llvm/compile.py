@@ -27,7 +27,7 @@ import numpy as np
 
 from tilefuse.backends.llvmir.tile import print_tile
 from tilefuse.ir.errors import CompileError, DeviceError
-from tilefuse.ir.kernel.ir import Kernel
+from tilefuse.ir.kernel.ir import Kernel, walk
 from tilefuse.ir.kernel import schedule as scheduler
 from tilefuse.ir.kernel.schedule import Schedule, code_text, default_schedule, grid_points, run_sizes, schedule
 from tilefuse.ir.kernel.tile import TileKernel, key_text
@@ -135,9 +135,10 @@ class Target:
         with self.lock:
             return self.cache.get_or_build(key, build, lambda obj: self.load(obj, fn_name, text, what))
 
-    def load(self, obj: bytes, fn_name: str, ir_text=None, kernel_text="", others=()) -> int:
+    def load(self, obj: bytes, fn_name: str, ir_text=None, kernel="", others=()) -> int:
         """Link object code into the JIT (once per symbol) and return the function's address;
-        `others`: more functions of the same object, then looked up in `loaded`."""
+        `others`: more functions of the same object, then looked up in `loaded`; `kernel`: what an
+        error names (printed then only: a kernel's text costs more than its link from the cache)."""
         with self.lock:
             hit = self.loaded.get(fn_name)
             if hit is None:
@@ -150,10 +151,10 @@ class Target:
                     addrs = {name: lib[name] for name in (fn_name, *others)}
                 except (RuntimeError, KeyError) as e:
                     raise CompileError(f"linking kernel {fn_name} failed: {e}", backend="llvm",
-                                       kernel=kernel_text, source=ir_text or "") from None
+                                       kernel=str(kernel), source=ir_text or "") from None
                 if not all(addrs.values()):
                     raise CompileError(f"the object code of kernel {fn_name} lacks a symbol of {list(addrs)}",
-                                       backend="llvm", kernel=kernel_text, source=ir_text or "")
+                                       backend="llvm", kernel=str(kernel), source=ir_text or "")
                 for name, addr in addrs.items():
                     self.loaded[name] = (addr, lib)
                 hit = self.loaded[fn_name]
@@ -292,7 +293,7 @@ def _estimate_ns(kernel: Kernel) -> float:
     """Ops inside a reduction run at every reduction point, the others (a GEMM's epilogue, a
     softmax's division) once a point: counting those per reduction point too sent 2 us kernels to
     the thread pool (estimated 22 us)."""
-    nodes = {n for st in kernel.stores for root in (st.offset, st.value) for n in root.toposort()}
+    nodes = set(walk([root for st in kernel.stores for root in (st.offset, st.value)]))
     inner = {n for r in nodes if r.op == "reduce" for s in r.src for n in s.toposort()}
     if kernel.row_stores:  # (stores that write whole rows run at every reduction point)
         inner = nodes
@@ -416,7 +417,7 @@ def load_tile(tk, key: str, fn_name: str, info: DeviceInfo, source=None) -> int:
                     obj = target.compile_ir(ir_text, fn_name, str(source or tk))
                 return obj
             hit = _memory[key] = target.cache.get_or_build(key, build, lambda obj: target.load(
-                obj, fn_name, ir_text, str(source or tk)))
+                obj, fn_name, ir_text, source or tk))
     return hit
 
 

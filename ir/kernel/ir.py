@@ -102,13 +102,18 @@ class KExpr:
     def __mul__(self, o):
         return binary("mul", self, as_expr(o, self.dtype))
 
-    def toposort(self) -> list["KExpr"]:
-        """Every node once, operands first (iteratively: expressions can be deep)."""
+    def toposort(self, done=()) -> list["KExpr"]:
+        """Every node once, operands first (iteratively: expressions can be deep), but those in
+        `done` and what lies below them: the nodes a walk over several roots has already taken
+        (a printer's names; a set closed under operands), which walking again for every root that
+        shares them made printing a kernel quadratic in its size."""
+        if self in done:
+            return []
         seen, order, stack = {self}, [], [(self, iter(self.src))]
         while stack:
             n, rest = stack[-1]
             for s in rest:
-                if s not in seen:
+                if s not in seen and s not in done:
                     seen.add(s)
                     stack.append((s, iter(s.src)))
                     break
@@ -116,6 +121,15 @@ class KExpr:
                 stack.pop()
                 order.append(n)
         return order
+
+
+def walk(roots) -> list[KExpr]:
+    """Every node under `roots` once, operands first (the roots' shared parts walked once)."""
+    seen: dict = {}
+    for r in roots:
+        for n in r.toposort(seen):
+            seen[n] = None
+    return list(seen)
 
 
 def _key(op, dtype, src, arg) -> tuple:
@@ -348,9 +362,7 @@ def affine_forms(roots) -> dict:
     the indices (const, idx, ridx, add, sub, mul by a constant, neg)."""
     forms: dict = {}
     for root in roots:
-        for n in root.toposort():
-            if n in forms:
-                continue
+        for n in root.toposort(forms):
             f = None
             if n.dtype == INDEX:
                 if n.op == "const":

@@ -50,6 +50,7 @@ from .ir import (
     row_stashes,
     select,
     unary,
+    walk,
 )
 from .ir import Store as KStore
 from .target import Target
@@ -169,10 +170,9 @@ def merge_axes(k: Kernel) -> Kernel:
         return f is not None and any(key != "c" for key in f)
     # forms printed as such: an index-bearing affine node under a node that is not affine (or a root)
     maximal = {r for r in roots if bears(forms[r])}
-    for r in roots:
-        for n in r.toposort():
-            if forms[n] is None:
-                maximal.update(x for x in n.src if bears(forms[x]))
+    for n in walk(roots):
+        if forms[n] is None:
+            maximal.update(x for x in n.src if bears(forms[x]))
     used = [forms[n] for n in maximal]
     par, red = _groups(k.shape, "idx", used), _groups(k.reduce_shape, "ridx", used)
     if [a for _, a in par] == [[a] for a in range(len(k.shape))] and \
@@ -186,14 +186,11 @@ def merge_axes(k: Kernel) -> Kernel:
                 out = iadd(out, imul(KExpr(kind, INDEX, (), g), f.get((kind, axes[-1]), 0)))
         return out
     memo: dict = {}
-    for r in roots:
-        for n in r.toposort():
-            if n in memo:
-                continue
-            if n in maximal:
-                memo[n] = rebuild(forms[n])
-            elif not bears(forms[n]):  # (index-bearing nodes under a maximal one are never asked for)
-                memo[n] = KExpr(n.op, n.dtype, tuple(memo[x] for x in n.src), n.arg) if n.src else n
+    for n in walk(roots):
+        if n in maximal:
+            memo[n] = rebuild(forms[n])
+        elif not bears(forms[n]):  # (index-bearing nodes under a maximal one are never asked for)
+            memo[n] = KExpr(n.op, n.dtype, tuple(memo[x] for x in n.src), n.arg) if n.src else n
     stores = tuple(KStore(st.buffer, memo[st.offset], memo[st.value], st.mode) for st in k.stores)
     return Kernel(k.name, k.buffers, k.n_inputs, tuple(n for n, _ in par), tuple(n for n, _ in red), stores)
 
@@ -249,7 +246,7 @@ def _walks(k: Kernel, key: tuple) -> tuple[int, int]:
     kept = k.meta.setdefault("walks", {})
     if key not in kept:
         axis, memo = KExpr(key[0], INDEX, (), key[1]), {}
-        steps = [stride(n.src[0], axis, memo) for n in {n for r in _roots(k) for n in r.toposort() if n.op == "load"}]
+        steps = [stride(n.src[0], axis, memo) for n in walk(_roots(k)) if n.op == "load"]
         kept[key] = (sum(1 for c in steps if c == 1), sum(1 for c in steps if c not in (0, 1)))
     return kept[key]
 
@@ -261,9 +258,7 @@ def stride(n: KExpr, axis: KExpr, memo: dict | None = None) -> int | None:
     memo = {} if memo is None else memo
     if n in memo:
         return memo[n]
-    for x in n.toposort():
-        if x in memo:
-            continue
+    for x in n.toposort(memo):
         ss = [memo[y] for y in x.src]
         if x == axis:
             v = 1
@@ -306,19 +301,18 @@ def substitute(roots, env: dict, vector: tuple | None = None) -> dict:
         axis, base, lanes = vector
         memo.pop(axis, None)  # the vector axis is the vector, whatever env says of it
         steps: dict = {}
-    for root in roots:
-        for n in root.toposort():
-            if n in memo:
-                continue
-            if n == axis:
-                memo[n] = binary("add", broadcast(base, lanes), iota(lanes))
-            elif axis is not None and n.op == "load" and stride(n.src[0], axis, steps) == 1:
-                off = substitute([n.src[0]], {**env, axis: base})[n.src[0]]
-                memo[n] = vload(n.arg, off, n.dtype, lanes)
-            elif n.op == "reduce":  # a reduction's value is given (env), or kept whole
-                memo[n] = n
-            else:
-                memo[n] = KExpr(n.op, n.dtype, tuple(memo[s] for s in n.src), n.arg) if n.src else n
+    for n in walk(roots):
+        if n in memo:
+            continue
+        if n == axis:
+            memo[n] = binary("add", broadcast(base, lanes), iota(lanes))
+        elif axis is not None and n.op == "load" and stride(n.src[0], axis, steps) == 1:
+            off = substitute([n.src[0]], {**env, axis: base})[n.src[0]]
+            memo[n] = vload(n.arg, off, n.dtype, lanes)
+        elif n.op == "reduce":  # a reduction's value is given (env), or kept whole
+            memo[n] = n
+        else:
+            memo[n] = KExpr(n.op, n.dtype, tuple(memo[s] for s in n.src), n.arg) if n.src else n
     return memo
 
 
@@ -767,10 +761,9 @@ def code_text(k: Kernel, target: Target, s: Schedule) -> str:
     names: dict = {}
     for st in k.stores:
         for root in (st.offset, st.value):
-            for n in root.toposort():
-                if n not in names:
-                    names[n] = len(names)
-                    lines.append(f"{n.op} {np.dtype(n.dtype).name} {n.arg!r} " + " ".join(str(names[x]) for x in n.src))
+            for n in root.toposort(names):
+                names[n] = len(names)
+                lines.append(f"{n.op} {np.dtype(n.dtype).name} {n.arg!r} " + " ".join(str(names[x]) for x in n.src))
         lines.append(f"store {st.mode} {st.buffer} {names[st.offset]} {names[st.value]}")
     return "\n".join(lines)
 

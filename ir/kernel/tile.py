@@ -304,10 +304,9 @@ class PrintedValues:
     def reads(self, n) -> frozenset:
         """The targets whose loads n's value depends on (kept per node: a printer asks often)."""
         cache = self.__dict__.setdefault("_reads", {})
-        for x in n.toposort() if n not in cache else ():
-            if x not in cache:
-                own = {x.arg if x.op == "load" else x.arg[0]} if x.op in ("load", "vload") else set()
-                cache[x] = frozenset(own.union(*(cache[s] for s in x.src)))
+        for x in n.toposort(cache):
+            own = {x.arg if x.op == "load" else x.arg[0]} if x.op in ("load", "vload") else set()
+            cache[x] = frozenset(own.union(*(cache[s] for s in x.src)))
         return cache[n]
 
 
@@ -318,9 +317,7 @@ def pp_tile(k: TileKernel) -> str:
     names: dict = {}
 
     def ex(n: KExpr) -> str:
-        for x in n.toposort():
-            if x in names:
-                continue
+        for x in n.toposort(names):
             if x.op == "const":
                 names[x] = repr(x.arg)
             elif x.op == "var":
