@@ -126,3 +126,34 @@ def test_a_long_chain_of_index_maps_is_cut_and_computes_right(device):
             depth.update((o.id, d) for o in e.outputs)
         assert max(depth.values()) <= fusion.MAX_DEPTH
     np.testing.assert_array_equal(np.asarray(tx.jit(f, device=device)(x)), x)
+
+
+def test_printing_a_kernel_walks_each_shared_node_once(monkeypatch):
+    """Stores that share a long subexpression (index arithmetic, a GEMM's addresses): the walks
+    that print a tile kernel's key and order its nodes take each node once in all (they took the
+    shared part again for every store: quadratic), operands first, and skip what is done."""
+    from tilefuse.ir.kernel.ir import INDEX, Buffer, KExpr, binary, const, walk
+    from tilefuse.ir.kernel.tile import Range, Store, TileKernel, pp_tile, var
+    chain = [var("g")]
+    for i in range(2000):
+        chain.append(binary("add", chain[-1], const(i + 1, INDEX)))
+    roots = [binary("mul", chain[-1], const(k, INDEX)) for k in range(2, 60)]
+    order = walk(roots)
+    assert len(order) == len(set(order)) == len(set(n for r in roots for n in r.toposort()))
+    at = {n: i for i, n in enumerate(order)}
+    assert all(at[s] < at[n] for n in order for s in n.src)
+    assert roots[1].toposort(set(roots[0].toposort())) == [roots[1]]  # (const(3) is in the chain)
+
+    visited = [0]
+    toposort = KExpr.toposort
+
+    def counting(self, done=()):
+        out = toposort(self, done)
+        visited[0] += len(out)
+        return out
+    monkeypatch.setattr(KExpr, "toposort", counting)
+    body = (Range("g", 4, "grid", tuple(Store(0, binary("rem", r, const(4, INDEX)), const(1.0, np.float32))
+                                         for r in roots)),)
+    text = pp_tile(TileKernel("t", (Buffer("out0", np.dtype(np.float32), 4),), 0, body))
+    assert text.count("out0[") == len(roots)
+    assert visited[0] <= 2 * len(order)
