@@ -28,9 +28,12 @@ graph made many builds and the interpreted calls fight over the cores); it hands
 a child process first (runtime/compile_child.py: the compile's Python work then takes no GIL
 from the interpreted calls; it runs at the lowest CPU priority, and the interpreted calls leave
 it a core by running numpy's BLAS on one fewer: _leave_a_core) and builds it here from the
-caches the child filled. A caller that needs a graph built now (Lowered.compile, wait) takes it
-from the queue and builds it itself. A compile
-that fails is raised by the call that finds it finished, as a compile error would be. At exit
+caches the child filled. Calls that come during that warm build (or while the thread checks
+whether the caches hold the graph) wait for it instead of interpreting: the two fought over the
+GIL (the char-GPT step at a new batch size: an interpreted call beside it took 0.6-1.1 s instead
+of 0.12 s, and the build 0.5 s instead of 0.25; compiled after 0.54-0.75 s now, 1.1-1.4 s then,
+its graph built before). A caller that needs a graph built now (Lowered.compile, wait) takes it
+from the queue and builds it itself. A compile that fails is raised by the call that finds it finished, as a compile error would be. At exit
 the build under way stops at its next phase or kernel and the queue is dropped: the persistent
 cache writes whole entries only, so the next run finds each kernel built or absent."""
 from __future__ import annotations
@@ -170,6 +173,8 @@ def wait_idle(timeout: float | None = None) -> bool:
 
 def _submit(exe) -> None:
     with _wake:
+        if not _queue and not _building[0]:  # (taken at once: the next call waits for the check)
+            exe._stage = "checking"
         _queue.append(weakref.ref(exe))
         if not _worker:
             _worker.append(threading.Thread(target=_serve, daemon=True, name="tilefuse-compile"))
@@ -265,6 +270,10 @@ class TieredExecutable:
         self.compiled, self._error, self._build_fn = None, None, build
         self._started, self._done = False, threading.Event()
         self._submitted, self._budget = False, budget or Budget(math.inf)
+        # the compile thread's build: "checking" whether the persistent caches hold the graph (a
+        # moment: calls wait for the answer), "child" while the child process builds it (calls
+        # interpret), "warm" while this process builds it from the caches (calls wait for it)
+        self._stage, self._checked = "", threading.Event()
         self._calls_before_compile = calls_before_compile
         self._when_compiled: list = []
         self._ref = get_device("ref").compile(graph)
@@ -278,14 +287,18 @@ class TieredExecutable:
         try:
             if _worker and threading.current_thread() is _worker[0]:
                 from .compiler import built_before  # (compiler imports this module)
-                if not built_before(self.graph, self.device):  # (else the caches hold it)
-                    compile_child.prebuild(self.graph, self.device)  # (then a warm build here)
+                self._stage = "checking"
+                self._stage = "warm" if built_before(self.graph, self.device) else "child"
+                self._checked.set()
+                if self._stage == "child":  # (then a warm build here, or a cold one if the child failed)
+                    self._stage = "warm" if compile_child.prebuild(self.graph, self.device) else "cold"
             self.compiled = self._build_fn()
         except Abandoned:
             pass
         except BaseException as e:  # (raised by the next call)
             self._error = e
         finally:
+            self._checked.set()
             self._done.set()
         if self.compiled is not None:
             for fn in self._when_compiled:
@@ -319,8 +332,11 @@ class TieredExecutable:
     def __call__(self, leaves):
         if self._done.is_set():
             return self._result()(leaves)
-        if self._submitted and self._budget.exhausted():  # (the first call always interprets)
-            return self.wait()(leaves)
+        if self._submitted:  # (the first call always interprets)
+            if self._stage == "checking":
+                self._checked.wait(1.0)  # (bounded: a thread stopping at exit never answers)
+            if self._budget.exhausted() or self._stage == "warm":
+                return self.wait()(leaves)
         t = time.perf_counter()
         host = [np.asarray(x) if isinstance(x, Array) else x for x in leaves]
         with _leave_a_core:

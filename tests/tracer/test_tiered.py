@@ -129,6 +129,44 @@ def test_auto_tiers_a_graph_built_before_and_builds_it_without_the_child(rng, mo
         tx.config.tiered = old
 
 
+def test_calls_wait_for_a_warm_build_instead_of_interpreting_beside_it(rng, monkeypatch):
+    """A graph the persistent caches hold (built before): its first call interprets, and a call
+    that comes while its build here runs (from the caches, made slow) waits for it rather than
+    interpret beside it: the two fought over the GIL (the char-GPT step's interpreted calls took
+    5-9x as long beside it, and the build twice as long)."""
+    from tilefuse.runtime import device as device_mod
+    old = tx.config.tiered
+    tx.config.tiered = "auto"
+    try:
+        w = np.random.default_rng().standard_normal((8, 4)).astype(np.float32)  # a graph new to the cache
+
+        def model(x):
+            return tnp.tanh(x @ w) * 3.0
+        x = rng.standard_normal((5, 8)).astype(np.float32)
+        first = tx.jit(model, device="cpu")
+        first(x)
+        (entry,) = first._cache.values()
+        assert entry.executable._done.wait(120)  # built whole: the caches hold it now
+        compile = device_mod.Device.compile
+
+        def slow(self, graph):
+            if self.kind == "cpu":
+                time.sleep(0.5)
+            return compile(self, graph)
+        monkeypatch.setattr(device_mod.Device, "compile", slow)
+        f = tx.jit(model, device="cpu")
+        np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
+        (entry,) = f._cache.values()
+        exe, interpreted = entry.executable, []
+        assert isinstance(exe, tiered.TieredExecutable) and not exe._done.is_set()
+        ref = exe._ref
+        exe._ref = lambda xs: interpreted.append(1) or ref(xs)
+        np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
+        assert exe._done.is_set() and exe.compiled is not None and not interpreted
+    finally:
+        tx.config.tiered = old
+
+
 def test_auto_waits_for_the_compile_once_the_interpreter_took_its_estimate(rng, monkeypatch):
     """The ski-rental bound: calls interpret until they took as long as the compile's estimate,
     then wait for the compiled program (which runs them from there on)."""
