@@ -198,7 +198,8 @@ def main(argv=None):
                                          max_seconds=60 + 60 * which)
                 label = "fwd" if phase == "fwd" else "fwd+bwd"
                 for name, t in times.items():
-                    results[name].update({label: t.median, f"{label} GFLOP/s": flop_scale * flops / t.median / 1e9})
+                    gflops = flop_scale * flops / t.median / 1e9
+                    results[name].update({label: t.median, f"{label} GFLOP/s": gflops})
             for name, (_, _, extra) in cases.items():
                 if extra is not None:
                     results[name]["extra MiB"] = extra

@@ -33,9 +33,10 @@ whether the caches hold the graph) wait for it instead of interpreting: the two 
 GIL (the char-GPT step at a new batch size: an interpreted call beside it took 0.6-1.1 s instead
 of 0.12 s, and the build 0.5 s instead of 0.25; compiled after 0.54-0.75 s now, 1.1-1.4 s then,
 its graph built before). A caller that needs a graph built now (Lowered.compile, wait) takes it
-from the queue and builds it itself. A compile that fails is raised by the call that finds it finished, as a compile error would be. At exit
-the build under way stops at its next phase or kernel and the queue is dropped: the persistent
-cache writes whole entries only, so the next run finds each kernel built or absent."""
+from the queue and builds it itself. A compile that fails is raised by the call that finds it
+finished, as a compile error would be. At exit the build under way stops at its next phase or
+kernel and the queue is dropped: the persistent cache writes whole entries only, so the next run
+finds each kernel built or absent."""
 from __future__ import annotations
 
 import atexit

@@ -120,7 +120,8 @@ def _attention_kernels(kernel, device, params: dict | None = None):
     """The FlashAttention tile kernels of a fused_attention (one) or fused_attention_bwd (one to
     three, run in order) kernel under the default schedule (or `params`), or None where the
     builders do not apply, no schedule fits, or a kernel is past the device's limits."""
-    return _built_once(kernel, "tile_attention", device, params, lambda: _attention_tiles(kernel, device, params))
+    return _built_once(kernel, "tile_attention", device, params,
+                       lambda: _attention_tiles(kernel, device, params))
 
 
 def _attention_tiles(kernel, device, params):
