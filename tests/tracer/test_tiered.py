@@ -99,7 +99,22 @@ def test_exiting_mid_compile_exits_cleanly(tmp_path, linger):
     assert float(r.stdout.split()[-1]) == pytest.approx(64.0)
 
 
-def test_auto_tiers_a_graph_built_before_and_builds_it_without_the_child(rng, monkeypatch):
+@pytest.fixture
+def auto_tiering():
+    old = tx.config.tiered
+    tx.config.tiered = "auto"
+    yield
+    tx.config.tiered = old
+
+
+def _new_to_the_cache(rng):
+    """A model whose graph no cache holds yet (fresh weights), an input, and its result."""
+    w = np.random.default_rng().standard_normal((8, 4)).astype(np.float32)
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    return (lambda x: tnp.tanh(x @ w) * 3.0), x, np.tanh(x @ w) * 3.0
+
+
+def test_auto_tiers_a_graph_built_before_and_builds_it_without_the_child(rng, monkeypatch, auto_tiering):
     """"auto" (the default): a graph's first call interprets, even when the graph compiled whole
     before (here, or in an earlier process on the same persistent cache): a compile from warm
     caches costs several interpreted calls. Its background build then skips the child process."""
@@ -107,64 +122,46 @@ def test_auto_tiers_a_graph_built_before_and_builds_it_without_the_child(rng, mo
     asked = []
     prebuild = compile_child.prebuild
     monkeypatch.setattr(compile_child, "prebuild", lambda g, d: asked.append(g) or prebuild(g, d))
-    old = tx.config.tiered
-    tx.config.tiered = "auto"
-    try:
-        w = np.random.default_rng().standard_normal((8, 4)).astype(np.float32)  # a graph new to the cache
-
-        def model(x):
-            return tnp.tanh(x @ w) * 3.0
-        x = rng.standard_normal((5, 8)).astype(np.float32)
-        for built_before in (False, True):  # the second: the same graph, a new jit
-            f = tx.jit(model, device="cpu")
-            np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
-            (entry,) = f._cache.values()
-            exe = entry.executable
-            assert isinstance(exe, tiered.TieredExecutable)
-            assert exe._done.wait(120) and exe.compiled is not None  # built on the compile thread
-            assert entry.executable is exe.compiled  # (which then replaced it in the cache)
-            assert len(asked) == 1, asked  # the first build only
-            np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
-    finally:
-        tx.config.tiered = old
+    model, x, want = _new_to_the_cache(rng)
+    for built_before in (False, True):  # the second: the same graph, a new jit
+        f = tx.jit(model, device="cpu")
+        np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5, atol=1e-6)
+        (entry,) = f._cache.values()
+        exe = entry.executable
+        assert isinstance(exe, tiered.TieredExecutable)
+        assert exe._done.wait(120) and exe.compiled is not None  # built on the compile thread
+        assert entry.executable is exe.compiled  # (which then replaced it in the cache)
+        assert len(asked) == 1, asked  # the first build only
+        np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5, atol=1e-6)
 
 
-def test_calls_wait_for_a_warm_build_instead_of_interpreting_beside_it(rng, monkeypatch):
+def test_calls_wait_for_a_warm_build_instead_of_interpreting_beside_it(rng, monkeypatch, auto_tiering):
     """A graph the persistent caches hold (built before): its first call interprets, and a call
     that comes while its build here runs (from the caches, made slow) waits for it rather than
     interpret beside it: the two fought over the GIL (the char-GPT step's interpreted calls took
     5-9x as long beside it, and the build twice as long)."""
     from tilefuse.runtime import device as device_mod
-    old = tx.config.tiered
-    tx.config.tiered = "auto"
-    try:
-        w = np.random.default_rng().standard_normal((8, 4)).astype(np.float32)  # a graph new to the cache
+    model, x, want = _new_to_the_cache(rng)
+    first = tx.jit(model, device="cpu")
+    first(x)
+    (entry,) = first._cache.values()
+    assert entry.executable._done.wait(120)  # built whole: the caches hold it now
+    compile = device_mod.Device.compile
 
-        def model(x):
-            return tnp.tanh(x @ w) * 3.0
-        x = rng.standard_normal((5, 8)).astype(np.float32)
-        first = tx.jit(model, device="cpu")
-        first(x)
-        (entry,) = first._cache.values()
-        assert entry.executable._done.wait(120)  # built whole: the caches hold it now
-        compile = device_mod.Device.compile
-
-        def slow(self, graph):
-            if self.kind == "cpu":
-                time.sleep(0.5)
-            return compile(self, graph)
-        monkeypatch.setattr(device_mod.Device, "compile", slow)
-        f = tx.jit(model, device="cpu")
-        np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
-        (entry,) = f._cache.values()
-        exe, interpreted = entry.executable, []
-        assert isinstance(exe, tiered.TieredExecutable) and not exe._done.is_set()
-        ref = exe._ref
-        exe._ref = lambda xs: interpreted.append(1) or ref(xs)
-        np.testing.assert_allclose(np.asarray(f(x)), np.tanh(x @ w) * 3.0, rtol=1e-5, atol=1e-6)
-        assert exe._done.is_set() and exe.compiled is not None and not interpreted
-    finally:
-        tx.config.tiered = old
+    def slow(self, graph):
+        if self.kind == "cpu":
+            time.sleep(0.5)
+        return compile(self, graph)
+    monkeypatch.setattr(device_mod.Device, "compile", slow)
+    f = tx.jit(model, device="cpu")
+    np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5, atol=1e-6)
+    (entry,) = f._cache.values()
+    exe, interpreted = entry.executable, []
+    assert isinstance(exe, tiered.TieredExecutable) and not exe._done.is_set()
+    ref = exe._ref
+    exe._ref = lambda xs: interpreted.append(1) or ref(xs)
+    np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5, atol=1e-6)
+    assert exe._done.is_set() and exe.compiled is not None and not interpreted
 
 
 def test_auto_waits_for_the_compile_once_the_interpreter_took_its_estimate(rng, monkeypatch):
