@@ -99,14 +99,6 @@ def test_exiting_mid_compile_exits_cleanly(tmp_path, linger):
     assert float(r.stdout.split()[-1]) == pytest.approx(64.0)
 
 
-@pytest.fixture
-def auto_tiering():
-    old = tx.config.tiered
-    tx.config.tiered = "auto"
-    yield
-    tx.config.tiered = old
-
-
 def _new_to_the_cache(rng):
     """A model whose graph no cache holds yet (fresh weights), an input, and its result."""
     w = np.random.default_rng().standard_normal((8, 4)).astype(np.float32)
@@ -114,11 +106,12 @@ def _new_to_the_cache(rng):
     return (lambda x: tnp.tanh(x @ w) * 3.0), x, np.tanh(x @ w) * 3.0
 
 
-def test_auto_tiers_a_graph_built_before_and_builds_it_without_the_child(rng, monkeypatch, auto_tiering):
+def test_auto_tiers_a_graph_built_before_and_builds_it_without_the_child(rng, monkeypatch):
     """"auto" (the default): a graph's first call interprets, even when the graph compiled whole
     before (here, or in an earlier process on the same persistent cache): a compile from warm
     caches costs several interpreted calls. Its background build then skips the child process."""
     from tilefuse.runtime import compile_child
+    monkeypatch.setattr(tx.config, "tiered", "auto")
     asked = []
     prebuild = compile_child.prebuild
     monkeypatch.setattr(compile_child, "prebuild", lambda g, d: asked.append(g) or prebuild(g, d))
@@ -135,12 +128,13 @@ def test_auto_tiers_a_graph_built_before_and_builds_it_without_the_child(rng, mo
         np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5, atol=1e-6)
 
 
-def test_calls_wait_for_a_warm_build_instead_of_interpreting_beside_it(rng, monkeypatch, auto_tiering):
+def test_calls_wait_for_a_warm_build_instead_of_interpreting_beside_it(rng, monkeypatch):
     """A graph the persistent caches hold (built before): its first call interprets, and a call
     that comes while its build here runs (from the caches, made slow) waits for it rather than
     interpret beside it: the two fought over the GIL (the char-GPT step's interpreted calls took
     5-9x as long beside it, and the build twice as long)."""
     from tilefuse.runtime import device as device_mod
+    monkeypatch.setattr(tx.config, "tiered", "auto")
     model, x, want = _new_to_the_cache(rng)
     first = tx.jit(model, device="cpu")
     first(x)
@@ -171,21 +165,17 @@ def test_auto_waits_for_the_compile_once_the_interpreter_took_its_estimate(rng, 
     monkeypatch.setattr(tiered, "COMPILE_S_PER_EQUATION", 0.0)
     monkeypatch.setattr(tiered, "COMPILE_S_PER_SIGNATURE", 0.0)
     monkeypatch.setattr(tiered, "AUTO_MOST_S", 0.0)
-    old = tx.config.tiered
-    tx.config.tiered = "auto"
-    try:
-        c = np.float32(np.random.default_rng().uniform(1, 2))  # a graph new to the cache
-        f = tx.jit(lambda x: tnp.exp(x) + x * c, device="cpu")
-        x = rng.standard_normal(33).astype(np.float32) * 40  # wide magnitudes: exp overflows too
-        want = np.exp(x) + x * c
-        np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5)  # interpreted (the first call)
-        (entry,) = f._cache.values()
-        exe = entry.executable
-        assert isinstance(exe, tiered.TieredExecutable) and exe._budget.seconds == 0.0
-        np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5)  # waited: compiled
-        assert exe._done.is_set() and exe.compiled is not None
-    finally:
-        tx.config.tiered = old
+    monkeypatch.setattr(tx.config, "tiered", "auto")
+    c = np.float32(np.random.default_rng().uniform(1, 2))  # a graph new to the cache
+    f = tx.jit(lambda x: tnp.exp(x) + x * c, device="cpu")
+    x = rng.standard_normal(33).astype(np.float32) * 40  # wide magnitudes: exp overflows too
+    want = np.exp(x) + x * c
+    np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5)  # interpreted (the first call)
+    (entry,) = f._cache.values()
+    exe = entry.executable
+    assert isinstance(exe, tiered.TieredExecutable) and exe._budget.seconds == 0.0
+    np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5)  # waited: compiled
+    assert exe._done.is_set() and exe.compiled is not None
 
 
 def test_eager_operations_interpret_when_small_and_tier_when_large(rng, monkeypatch):
