@@ -90,6 +90,7 @@ class Target:
         self.triple = target.triple
         self.data_layout = str(self.tm.target_data)
         self.vector_bits = 32 * info.simd_lanes_f32
+        self.scalef = "+avx512f" in self.features.split(",")  # vscalef: exp's 2**n in one instruction
         self.jit = llvm.create_lljit_compiler(self.tm, use_jit_link=True)
         self.lock = threading.RLock()
         self.loaded: dict[str, tuple] = {}  # symbol → (address, library that keeps it alive)
@@ -354,7 +355,8 @@ def scheduled(kernel: Kernel, info: DeviceInfo, sched: Schedule | None = None) -
 
 def llvm_text(tk: TileKernel, fn_name: str, target: Target, by_scheduler: bool) -> str:
     """The LLVM IR of a tile kernel, headed SCHEDULED where the scheduler made it."""
-    return (SCHEDULED if by_scheduler else "") + print_tile(tk, fn_name, vector_bits=target.vector_bits)
+    return (SCHEDULED if by_scheduler else "") + print_tile(tk, fn_name, vector_bits=target.vector_bits,
+                                                         scalef=target.scalef)
 
 
 def kernel_ir(kernel: Kernel, info: DeviceInfo, fn_name: str = "f") -> str:

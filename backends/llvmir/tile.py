@@ -277,12 +277,16 @@ def _walk(body):
             yield from _walk(s.body)
 
 
-def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm", vector_bits: int = 0) -> str:
+def print_tile(k: TileKernel, fn_name: str, printer=None, backend: str = "llvm", vector_bits: int = 0,
+               scalef: bool = False) -> str:
     """LLVM IR of a tile kernel: fn_name(i8** buffers, i64 start, i64 end) over grid points (or
     the form a subclass of TilePrinter prints). vector_bits: the registers' width, given to LLVM
-    (without it a CPU that prefers 256-bit vectors splits every 512-bit one in two)."""
+    (without it a CPU that prefers 256-bit vectors splits every 512-bit one in two); scalef: the
+    target scales by powers of two in one instruction (vecmath.Emit)."""
     try:
-        text = (printer or _Printer)(k, fn_name).print()
+        p = (printer or _Printer)(k, fn_name)
+        p.ops.em.scalef = scalef
+        text = p.print()
     except (KeyError, AssertionError, TypeError, ValueError) as e:
         raise CompileError(f"the {backend} backend cannot print tile kernel {k.name}: {type(e).__name__}: {e}",
                            backend=backend, kernel=pp_tile(k)) from e

@@ -44,8 +44,11 @@ def _suffix(ty) -> str:
 class Emit:
     """A thin helper over IRBuilder: constants that splat over vectors, named intrinsics, Horner."""
 
-    def __init__(self, builder: ir.IRBuilder):
+    def __init__(self, builder: ir.IRBuilder, scalef: bool = False):
         self.b = builder
+        # the target scales by 2**n in one instruction (x86's AVX-512 vscalef), which llvm.ldexp
+        # becomes; elsewhere ldexp is a libm call per lane, and scale2 builds the exponent bits
+        self.scalef = scalef
 
     @property
     def module(self):
@@ -97,6 +100,12 @@ class Emit:
     def fmin(self, a, b):
         return self.intrinsic("minnum", a.type, [a, b])
 
+    def clamp_nan_through(self, x, lo: float, hi: float):
+        """x within [lo, hi], NaN left as it is: ordered compares and selects, one max and one
+        min instruction on x86 (maxnum and minnum, which return the number, cost three each)."""
+        x = self.sel(self.lt(x, self.c(x.type, lo)), self.c(x.type, lo), x)
+        return self.sel(self.gt(x, self.c(x.type, hi)), self.c(x.type, hi), x)
+
     def poly(self, x, coeffs):
         """Horner with FMA; coeffs from the highest degree down."""
         r = self.c(x.type, coeffs[0])
@@ -128,8 +137,15 @@ class Emit:
         return self.b.bitcast(bits, ty)
 
     def scale2(self, y, n):
-        """y * 2**n for integer-valued float n in [-150, 128], in two exact steps so that
-        neither factor overflows and a denormal result is rounded once."""
+        """y * 2**n for integer-valued float n in [-150, 128], rounded once (a denormal result
+        too): ldexp where the target has it in one instruction, else in two exact steps so that
+        neither factor overflows."""
+        if self.scalef and _elem(y.type) == F32:
+            ni = self.b.fptosi(n, _like(y.type, I32))
+            name = f"llvm.ldexp.{_suffix(y.type)}.{_suffix(ni.type)}"
+            fn = self.module.globals.get(name) or ir.Function(
+                self.module, ir.FunctionType(y.type, [y.type, ni.type]), name=name)
+            return self.b.call(fn, [y, ni])
         half = self.floor(self.b.fmul(n, self.c(n.type, 0.5)))
         return self.b.fmul(self.b.fmul(y, self.pow2i(half, y.type)),
                            self.pow2i(self.b.fsub(n, half), y.type))
@@ -158,7 +174,7 @@ def _exp_poly(em: Emit, r):
 
 def exp(em: Emit, x):
     b = em.b
-    xc = em.fmin(em.fmax(x, em.c(x.type, -104.0)), em.c(x.type, 89.0))
+    xc = em.clamp_nan_through(x, -104.0, 89.0)  # (a NaN lane's result is x, selected below)
     n, r = _exp_reduce(em, xc)
     y = b.fadd(_exp_poly(em, r), em.c(x.type, 1.0))
     return em.sel(em.isnan(x), x, em.scale2(y, n))
