@@ -50,6 +50,7 @@ PARALLEL_MIN_NS = 20_000
 NS_PER_OP = 0.05
 OP_COST = {"exp": 12, "log": 12, "log1p": 14, "expm1": 14, "tanh": 14, "logistic": 10, "erf": 16,
            "sin": 14, "cos": 14, "pow": 40, "div": 4, "rem": 8, "sqrt": 4, "rsqrt": 5}
+BUILDER_CHUNKS = 8  # per thread, of a builder's kernel (split)
 CHUNK_ALIGN = 64  # chunk boundaries on multiples of 64 points: whole cache lines per thread
 SCHEDULED = "; the shared scheduler's kernel\n"  # heads their LLVM IR (compile_ir reads it)
 
@@ -319,13 +320,17 @@ def _chunks(size: int, threads: int, est_ns: float, per_thread: int = 4, align: 
 def split(tasks: int, kernel: Kernel | None, cores: int) -> tuple[int, list | None]:
     """(threads, chunks of tasks) of a launch. A scheduled kernel goes to the pool when its
     estimated work pays for waking it (PARALLEL_MIN_NS), in chunks of whole cache lines
-    (CHUNK_ALIGN points); a builder's kernel (GEMM, attention: big by construction) in one
-    contiguous chunk per thread."""
+    (CHUNK_ALIGN points); a builder's kernel (GEMM, attention: big by construction) in up to
+    BUILDER_CHUNKS contiguous chunks per thread, claimed as the threads come for them, so that a
+    core another process slows takes fewer (one chunk per thread: GEMM launches 1.3-2x slower
+    beside BLAS threads spinning after their call; alone, no difference measured)."""
     n = tasks
     if kernel is None:
         threads = max(1, min(cores, n))
-        per = -(-n // threads)
-        return threads, [(s, min(s + per, n)) for s in range(0, n, per)] if threads > 1 else None
+        if threads == 1:
+            return 1, None
+        step = -(-n // min(n, threads * BUILDER_CHUNKS))
+        return threads, [(s, min(s + step, n)) for s in range(0, n, step)]
     est = estimate_ns(kernel)
     if est < PARALLEL_MIN_NS or n < 2 or cores < 2:
         return 1, None

@@ -93,6 +93,21 @@ def test_every_chunk_runs_once(kernels):
         np.testing.assert_array_equal(_count(pool, count, size, bounds), np.ones(size, np.int64))
 
 
+def test_a_builders_launch_is_split_in_ordered_chunks_covering_every_task_once():
+    from tilefuse.backends.llvm.compile import BUILDER_CHUNKS, split
+    for tasks in (1, 2, 3, 7, 16, 17, 100, 1000):
+        for cores in (1, 2, 3, 64):
+            threads, bounds = split(tasks, None, cores)
+            assert threads == min(cores, tasks)
+            if threads == 1:
+                assert bounds is None
+                continue
+            assert [s for s, _ in bounds] == [0] + [e for _, e in bounds[:-1]] and bounds[-1][1] == tasks
+            assert all(s < e for s, e in bounds)
+            # more chunks than threads where there are tasks for them: a slowed core takes fewer
+            assert min(tasks, 2 * threads) <= len(bounds) <= threads * BUILDER_CHUNKS
+
+
 def test_chunks_run_on_two_threads_at_once(kernels):
     _, meet = kernels
     pool = ThreadPool(2)
