@@ -226,7 +226,8 @@ def default_schedule(spec: GemmSpec, target: Target) -> GemmSchedule:
 
 def _task_blocks(spec: GemmSpec, wm: int, nr: int, nc_most: int, pack_a: bool, cores: int, generic_m: bool):
     """(mc, nc): the task blocks whose longest thread finishes first. The thread pool runs the
-    tasks (batch, column block, row block: the last fastest) in one contiguous chunk per core;
+    tasks (batch, column block, row block: the last fastest) in contiguous chunks that the cores
+    claim as they come (backends/llvm: up to 8 a core), weighed here as one chunk per core;
     a task costs its micro-tiles' multiply-adds and its reads of A and B (each task packs its own
     panel of B and reads its rows of A: more tasks balance better but read more), in multiply-adds.
     generic_m: M is a run-time size (_sized), so nc, which the code keeps, depends on N alone (the
