@@ -44,11 +44,13 @@ def _suffix(ty) -> str:
 class Emit:
     """A thin helper over IRBuilder: constants that splat over vectors, named intrinsics, Horner."""
 
-    def __init__(self, builder: ir.IRBuilder, scalef: bool = False):
+    # the target scales by 2**n in one instruction (x86's AVX-512 vscalef), which llvm.ldexp
+    # becomes; elsewhere ldexp is a libm call per lane, and scale2 builds the exponent bits
+    # (set by the printer: backends/llvmir/tile.print_tile)
+    scalef = False
+
+    def __init__(self, builder: ir.IRBuilder):
         self.b = builder
-        # the target scales by 2**n in one instruction (x86's AVX-512 vscalef), which llvm.ldexp
-        # becomes; elsewhere ldexp is a libm call per lane, and scale2 builds the exponent bits
-        self.scalef = scalef
 
     @property
     def module(self):
@@ -64,8 +66,10 @@ class Emit:
         return ir.Constant(ty, [k] * n) if n else k
 
     def intrinsic(self, name: str, ret, args, overload=None):
-        """Call llvm.<name>.<suffix of `overload` (default: ret)> on args."""
-        full = f"llvm.{name}.{_suffix(overload if overload is not None else ret)}"
+        """Call llvm.<name>.<suffix of `overload` (default: ret; a tuple of types: their suffixes)> on
+        args."""
+        types = overload if isinstance(overload, tuple) else (ret if overload is None else overload,)
+        full = f"llvm.{name}." + ".".join(_suffix(t) for t in types)
         fn = self.module.globals.get(full)
         if fn is None:
             fn = ir.Function(self.module, ir.FunctionType(ret, [a.type for a in args]), name=full)
@@ -142,10 +146,7 @@ class Emit:
         neither factor overflows."""
         if self.scalef and _elem(y.type) == F32:
             ni = self.b.fptosi(n, _like(y.type, I32))
-            name = f"llvm.ldexp.{_suffix(y.type)}.{_suffix(ni.type)}"
-            fn = self.module.globals.get(name) or ir.Function(
-                self.module, ir.FunctionType(y.type, [y.type, ni.type]), name=name)
-            return self.b.call(fn, [y, ni])
+            return self.intrinsic("ldexp", y.type, [y, ni], (y.type, ni.type))
         half = self.floor(self.b.fmul(n, self.c(n.type, 0.5)))
         return self.b.fmul(self.b.fmul(y, self.pow2i(half, y.type)),
                            self.pow2i(self.b.fsub(n, half), y.type))

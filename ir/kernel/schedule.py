@@ -301,9 +301,7 @@ def substitute(roots, env: dict, vector: tuple | None = None) -> dict:
         axis, base, lanes = vector
         memo.pop(axis, None)  # the vector axis is the vector, whatever env says of it
         steps: dict = {}
-    for n in walk(roots):
-        if n in memo:
-            continue
+    for n in (n for root in roots for n in root.toposort(memo)):  # (not below what env gives)
         if n == axis:
             memo[n] = binary("add", broadcast(base, lanes), iota(lanes))
         elif axis is not None and n.op == "load" and stride(n.src[0], axis, steps) == 1:

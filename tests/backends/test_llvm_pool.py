@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tilefuse.backends.llvm.compile import KernelFn, get_target
+from tilefuse.backends.llvm.compile import BUILDER_CHUNKS, KernelFn, get_target, split
 from tilefuse.backends.llvm.pool import ThreadPool
 from tilefuse.runtime.hardware import host_info
 
@@ -94,7 +94,6 @@ def test_every_chunk_runs_once(kernels):
 
 
 def test_a_builders_launch_is_split_in_ordered_chunks_covering_every_task_once():
-    from tilefuse.backends.llvm.compile import BUILDER_CHUNKS, split
     for tasks in (1, 2, 3, 7, 16, 17, 100, 1000):
         for cores in (1, 2, 3, 64):
             threads, bounds = split(tasks, None, cores)
