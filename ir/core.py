@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import dtypes
+from .symbolic import Dim
 from .errors import ArgumentError, ConcretizationError, ShapeError, with_user_line
 
 MAX_BYTES = (1 << 63) - 1  # an array's bytes must count in int64 (numpy's and every device's sizes)
@@ -28,6 +29,11 @@ class ShapedArray:
         past int64 would otherwise reach a device as a 0-byte or negative allocation."""
         n = 1
         for d in self.shape:
+            if type(d) is Dim:  # symbolic (a shape-generic trace): checked when instantiated
+                if d.env.frozen:  # its trace is over: the int it was (a leaked tracer's shape)
+                    object.__setattr__(self, "shape", tuple(getattr(d, "hint", d) for d in self.shape))
+                    return self.__post_init__()
+                continue
             if not isinstance(d, (int, np.integer)):
                 raise _not_a_dimension(d)
             if not 0 <= d <= MAX_BYTES:
@@ -52,7 +58,8 @@ class ShapedArray:
 
     @property
     def size(self) -> int:
-        return int(math.prod(self.shape))  # (numpy's prod costs 5 µs a call; passes ask often)
+        n = math.prod(self.shape)  # (numpy's prod costs 5 µs a call; passes ask often)
+        return n if type(n) is int or type(n) is Dim else int(n)
 
     def __reduce__(self):  # without the cached hash (str hashes differ between processes)
         return ShapedArray, (self.shape, self.dtype, self.weak_type)
@@ -75,6 +82,8 @@ def dimension(d) -> int:
     """A dimension of a shape as an int: an integer, or what converts exactly (a concrete 0-d
     array; a traced value raises ConcretizationError); 2.5 or "a" is an ArgumentError (a
     TypeError, as numpy's and JAX's)."""
+    if type(d) is Dim:  # a traced size stays symbolic while its trace runs (ir/symbolic.py)
+        return d.hint if d.env.frozen else d
     if isinstance(d, (int, np.integer)):
         return int(d)
     try:

@@ -224,6 +224,15 @@ def _iota_impl(*, dtype, shape, dimension):
 
 iota = Primitive("iota", _iota_rule, _iota_impl)
 
+# A size used as a value (a mean's count) in a shape-generic trace: `value` is an ir.symbolic.Dim;
+# tracer/shape_poly.py writes its value in as a literal when it instantiates the graph for a size,
+# so no pass, backend, cache or transformation ever sees this primitive (it has no operands: vmap
+# and autodiff never bind it), and it is not in the registry they are checked against.
+# Weakly typed, as the Python int it stands for.
+dim_value = Primitive("dim_value", lambda *, value, dtype: ShapedArray((), dtype, True),
+                      lambda *, value, dtype: np.asarray(int(value), dtype))
+del PRIMITIVES["dim_value"]
+
 
 def _bcast_rule(x, *, shape, broadcast_dimensions):
     bd = broadcast_dimensions

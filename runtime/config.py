@@ -39,6 +39,9 @@ class Config:
         # in the background (runtime/tiered.py; CPU devices): "auto" while its interpreted calls
         # took under the compile's estimate; True until the compile is done; False: never
         self.tiered: bool | str = _env_tiered()
+        # jit traces with symbolic sizes, so a call at new sizes (an epoch's last batch) reuses
+        # the trace where its guards allow instead of running the Python again (tracer/shape_poly.py)
+        self.shape_generic: bool = _env_bool("TILEFUSE_SHAPE_GENERIC", True)
         # a simulated hardware description (runtime/hardware.py): a dict, or a JSON file's path;
         # None reads TILEFUSE_HDI. Read when a device is first used.
         self.hdi = None

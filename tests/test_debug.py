@@ -32,7 +32,8 @@ def _warnings(caplog):
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_explain_retrace_new_shape_dtype_static(explain):
+def test_explain_retrace_new_shape_dtype_static(explain, monkeypatch):
+    monkeypatch.setattr(tx.config, "shape_generic", False)  # every new signature traces
     def step(x, scale, mode):
         return x * scale if mode == "mul" else x + scale
 
@@ -108,7 +109,7 @@ def test_explain_retrace_environment_variable():
             "assert tx.config.explain_retrace\n"
             "f = tx.jit(lambda x: x + 1)\n"
             "f(np.ones(2, np.float32)); f(np.ones(3, np.float32))\n")
-    env = dict(os.environ, TILEFUSE_EXPLAIN_RETRACE="1", TILEFUSE_DEVICE="ref")
+    env = dict(os.environ, TILEFUSE_EXPLAIN_RETRACE="1", TILEFUSE_DEVICE="ref", TILEFUSE_SHAPE_GENERIC="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "traced again" in out.stderr and "new shape (2,) -> (3,)" in out.stderr

@@ -17,7 +17,7 @@ from tilefuse.ir.errors import (ArgumentError, StaticArgumentError, TilefuseErro
                                  user_line)
 from tilefuse.ir.passes.manager import prepare_for_ad
 
-from . import pytree
+from . import pytree, shape_poly
 from .core import Tracer, bind, get_aval
 from .staging import trace_to_graph
 
@@ -153,6 +153,7 @@ class JitFunction:
         self._cache: dict = {}  # full key -> _Entry
         self._fast: dict = {}  # fast key (plain positional arrays) -> _Entry
         self._graphs: dict = {}
+        self._templates: dict = {}  # (in_tree, static) -> [shape_poly.Template], newest first
         self._trace_keys: list = []  # keys traced so far, for explain_retrace
         self.trace_count = 0
         self._track_code = True
@@ -293,15 +294,43 @@ class JitFunction:
             names += [repr(key) if c.node_type is None else f"{key!r}{p}" for p in pytree.leaf_paths(c)]
         return names
 
-    def _graph(self, static, avals, in_tree, trace_key):
+    def _graph(self, static, avals, in_tree, trace_key, generic=False):
+        """The graph for these avals: traced before, instantiated from a shape-generic trace
+        (`generic`, where the caller compiles it) or traced now."""
         gkey = (in_tree, avals, static)
         hit = self._graphs.get(gkey)
         if hit is None:
             with self._lock:
-                hit = self._graphs.get(gkey) or self._trace(gkey, static, avals, in_tree, trace_key)
+                hit = self._graphs.get(gkey) or (generic and self._instantiate(gkey, trace_key)) or \
+                    self._trace(gkey, static, avals, in_tree, trace_key, generic)
         return hit
 
-    def _trace(self, gkey, static, avals, in_tree, trace_key):
+    def _remember(self, gkey, result):
+        if len(self._graphs) >= _cache_limit():  # (graphs traced under grad or vmap have no entry)
+            del self._graphs[next(iter(self._graphs))]
+        self._graphs[gkey] = result
+        return result
+
+    def _instantiate(self, gkey, trace_key):
+        """The graph for gkey's avals from a shape-generic trace whose guards hold for them."""
+        in_tree, avals, static = gkey
+        for template in self._templates.get((in_tree, static), ()):
+            values = template.bind(avals)
+            if values is not None:
+                if hooks.config.explain_retrace and self._trace_keys:
+                    reasons = explain_retrace(self._trace_keys[-1], trace_key,
+                                              self._leaf_names(in_tree, static), self._argname)
+                    where = user_line()
+                    log.warning("tilefuse: %s compiled again%s, its trace reused for the new sizes, "
+                                "because: %s", getattr(self.fun, "__qualname__", self._name),
+                                f" at {where}" if where else "", "; ".join(reasons))
+                if len(self._trace_keys) < 64:
+                    self._trace_keys.append(trace_key)
+                return self._remember(gkey, (shape_poly.instantiate(template.graph, values),
+                                             template.out_tree))
+        return None
+
+    def _trace(self, gkey, static, avals, in_tree, trace_key, generic=False):
         code = getattr(self.fun, "__code__", None)
         seen_before = self.trace_count == 0 and code is not None and code in _seen_code
         if hooks.config is not None and hooks.config.explain_retrace:
@@ -328,15 +357,40 @@ class JitFunction:
                                         f"{i}); jitted functions must return arrays or pytrees of arrays")
             return out_leaves, out_tree
 
+        if generic and hooks.config.shape_generic:
+            result = self._trace_generic(flat_fun, gkey)
+            if result is not None:
+                return self._remember(gkey, result)
         graph, out_tree = trace_to_graph(flat_fun, list(avals))
         result = (None, None) if any(isinstance(c, Tracer) for c in graph.consts) else (graph, out_tree)
-        if len(self._graphs) >= _cache_limit():  # (graphs traced under grad or vmap have no entry)
-            del self._graphs[next(iter(self._graphs))]
-        self._graphs[gkey] = result
-        return result
+        return self._remember(gkey, result)
+
+    def _trace_generic(self, flat_fun, gkey):
+        """Trace with symbolic sizes; keep the template where some size stayed symbolic, and
+        return the graph at this call's sizes. None where the symbolic trace fails or closes
+        over tracers: the caller traces concretely (and raises the concrete trace's error)."""
+        in_tree, avals, static = gkey
+        env, sym_avals = shape_poly.symbolic_avals(avals)
+        if env is None:
+            return None
+        try:
+            graph, out_tree = trace_to_graph(flat_fun, list(sym_avals))
+        except Exception as e:  # noqa: BLE001 - traced again concretely: its error is the one raised
+            log.debug("tilefuse: %s: the shape-generic trace failed (%s: %s); tracing concretely",
+                      self._name, type(e).__name__, e)
+            return None
+        finally:
+            env.freeze()
+        if any(isinstance(c, Tracer) for c in graph.consts):
+            return None
+        if not env.all_specialised():
+            templates = self._templates.setdefault((in_tree, static), [])
+            templates.insert(0, shape_poly.Template(graph, out_tree, env, sym_avals))
+            del templates[shape_poly.TEMPLATES_MOST:]
+        return shape_poly.instantiate(graph, env.hints), out_tree
 
     def _compile(self, key, static, avals, in_tree, device):
-        graph, out_tree = self._graph(static, avals, in_tree, key)
+        graph, out_tree = self._graph(static, avals, in_tree, key, generic=True)
         if graph is None:
             return None
         executable = hooks.compile(graph, device, tiered=True)
@@ -359,6 +413,8 @@ class JitFunction:
                 del self._fast[k]
         if not any(e.gkey == entry.gkey for e in self._cache.values()):
             self._graphs.pop(entry.gkey, None)
+            if not any(g[0] == entry.gkey[0] and g[2] == entry.gkey[2] for g in self._graphs):
+                self._templates.pop((entry.gkey[0], entry.gkey[2]), None)
 
     def _explain(self, key, in_tree, static, seen_before):
         """Log why this call traces (explain_retrace), as JAX's explain_cache_misses does."""
@@ -409,6 +465,7 @@ class JitFunction:
             self._cache.clear()
             self._fast.clear()
             self._graphs.clear()
+            self._templates.clear()
 
 
 class _BoundJit:

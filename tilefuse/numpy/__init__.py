@@ -14,6 +14,7 @@ import numpy as np
 from tilefuse.ir import dtypes as _dt
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import dimension
+from tilefuse.ir.symbolic import Dim, slice_indices
 from tilefuse.ir.errors import (ConcretizationError, DTypeError, OperandShapeError, ShapeError, TilefuseError,
                                 is_internal, with_user_line)
 from tilefuse.runtime.array import Array
@@ -73,6 +74,8 @@ def _is_python_scalar(x) -> bool:
 
 def _operand(x):
     """Anything array-like as an operand for bind: tracers and Arrays pass, lists become numpy."""
+    if type(x) is Dim:  # a traced size used as a value: an int32 scalar computed from the size
+        return x.hint if x.env.frozen else bind1(P.dim_value, value=x, dtype=_dt.int32)
     if isinstance(x, (Tracer, Array, np.ndarray)) or _is_python_scalar(x):
         return x
     if isinstance(x, np.generic):
@@ -146,7 +149,10 @@ def broadcast_shapes(*shapes, _op: str | None = None) -> tuple[int, ...]:
     nd = builtins.max((len(s) for s in shapes), default=0)
     out = []
     for i in range(nd):
-        dims = {s[i - nd + len(s)] for s in shapes if i - nd + len(s) >= 0} - {1}
+        dims = []  # the sizes other than 1 (a list: a symbolic size must not be hashed)
+        for s in shapes:
+            if i - nd + len(s) >= 0 and s[i - nd + len(s)] != 1 and s[i - nd + len(s)] not in dims:
+                dims.append(s[i - nd + len(s)])
         if len(dims) > 1:
             raise ShapeError(with_user_line(
                 f"{_op + ': ' if _op else ''}operands of shapes "
@@ -157,7 +163,7 @@ def broadcast_shapes(*shapes, _op: str | None = None) -> tuple[int, ...]:
 
 def broadcast_to(x, shape):
     x = _operand(x)
-    shape = tuple(int(s) for s in ((shape,) if isinstance(shape, int) else shape))
+    shape = tuple(dimension(s) for s in ((shape,) if isinstance(shape, (int, Dim)) else shape))
     a = _aval(x)
     if a.shape == shape:
         return x
@@ -493,14 +499,14 @@ def reshape(x, *newshape, order="C"):
     x = _operand(x)
     if order != "C":
         raise TilefuseError("reshape: only order='C' is supported")
-    if len(newshape) == 1 and not isinstance(newshape[0], (int, np.integer)):
+    if len(newshape) == 1 and not isinstance(newshape[0], (int, np.integer, Dim)):
         newshape = tuple(newshape[0])
-    newshape = [int(s) for s in newshape]
+    newshape = [dimension(s) for s in newshape]
     a = _aval(x)
     if newshape.count(-1) > 1:
         raise ShapeError(with_user_line(f"reshape: more than one -1 in {tuple(newshape)}"))
     if -1 in newshape:
-        known = int(np.prod([s for s in newshape if s != -1], dtype=np.int64))
+        known = math.prod(s for s in newshape if s != -1)
         if known == 0 or a.size % known:
             raise OperandShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} into "
                                             f"{tuple(newshape)}"))
@@ -508,7 +514,7 @@ def reshape(x, *newshape, order="C"):
     newshape = tuple(newshape)
     if newshape == a.shape:
         return x
-    if int(np.prod(newshape, dtype=np.int64)) != a.size:
+    if math.prod(newshape) != a.size:
         raise OperandShapeError(with_user_line(f"cannot reshape an array of shape {a.shape} (size {a.size}) "
                                         f"into {newshape}"))
     return bind1(P.reshape, x, new_sizes=newshape)
@@ -827,7 +833,12 @@ def any(x, axis=None, keepdims=False):
 
 def _count(x, axis):
     a = _aval(x)
-    return int(np.prod([a.shape[i] for i in _norm_axes(axis, a.ndim)], dtype=np.int64))
+    return math.prod(a.shape[i] for i in _norm_axes(axis, a.ndim))
+
+
+def _float_size(n):
+    """A count as the float that divides by it; a symbolic count (a traced size) stays one."""
+    return n if type(n) is Dim else float(n)
 
 
 def mean(x, axis=None, dtype=None, keepdims=False):
@@ -839,7 +850,7 @@ def mean(x, axis=None, dtype=None, keepdims=False):
     x = astype(x, _dt.compute_dtype(out))
     n = _count(x, axis)
     s = sum(x, axis, keepdims=keepdims)
-    return astype(divide(s, float(n)) if n else divide(s, nan), out)
+    return astype(divide(s, _float_size(n)) if n else divide(s, nan), out)
 
 
 def var(x, axis=None, dtype=None, ddof=0, keepdims=False):
@@ -851,7 +862,7 @@ def var(x, axis=None, dtype=None, ddof=0, keepdims=False):
     m = mean(x, axis, keepdims=True)
     c = x - m
     n = _count(x, axis) - ddof
-    return astype(divide(sum(c * c, axis, keepdims=keepdims), float(n) if n > 0 else nan), out)
+    return astype(divide(sum(c * c, axis, keepdims=keepdims), _float_size(n) if n > 0 else nan), out)
 
 
 def std(x, axis=None, dtype=None, ddof=0, keepdims=False):
@@ -1458,7 +1469,7 @@ def _getitem(x, idx):
             starts.append(j), limits.append(j + 1), strides.append(1)
             drop.append(k)
         elif isinstance(i, slice):
-            s, l, st = i.indices(n)
+            s, l, st = slice_indices(i, n)
             if st < 0:  # reverse the axis, then slice forward
                 rev_axes.append(k)
                 s, l, st = n - 1 - s, n - 1 - l, -st

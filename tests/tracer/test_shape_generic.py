@@ -1,0 +1,198 @@
+"""Shape-generic tracing (tracer/shape_poly.py, ir/symbolic.py): a jitted function traced once
+serves new sizes its guards allow, with the graph a trace at those sizes would give, and never
+where a guard says otherwise."""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import tilefuse as tx
+import tilefuse.numpy as tnp
+from tilefuse.ir.core import ShapedArray
+from tilefuse.ir.symbolic import Dim, ShapeEnv, evaluate, slice_indices
+from tilefuse.tracer import pytree
+
+
+# ---- the symbolic size ---------------------------------------------------------------------
+
+def test_arithmetic_builds_expressions_and_questions_are_guarded():
+    env = ShapeEnv()
+    b = env.symbol(6)
+    n = (b * 4 + 2) // 2 - b % 4
+    assert type(n) is Dim and n.hint == 11 and not env.guards
+    assert evaluate(n, [10]) == (10 * 4 + 2) // 2 - 10 % 4
+    assert n > 5 and not (b == 1) and b != 0
+    assert env.holds([7]) and env.holds([100])
+    assert not env.holds([1])  # b == 1 answers otherwise there
+    assert not env.holds([0])  # b != 0, and n > 5
+    assert isinstance(b, int) and not env.specialised  # (Python code takes the int's branch)
+
+
+def test_the_exact_value_specialises():
+    for ask in (int, float, lambda d: range(d), lambda d: np.zeros(d), hash, str, lambda d: d / 2,
+                lambda d: {6: "a"}.get(d), lambda d: d & 1, lambda d: d.bit_length()):
+        env = ShapeEnv()
+        ask(env.symbol(6))
+        assert env.specialised == {0} and env.holds([6]) and not env.holds([7]), ask
+
+
+def test_identities_ask_nothing():
+    env = ShapeEnv()
+    b = env.symbol(5)
+    assert b + 0 is b and 0 + b is b and b * 1 is b and 1 * b is b and b // 1 is b
+    assert b * 0 == 0 and b % 1 == 0
+    assert not env.guards
+
+
+@pytest.mark.parametrize("step", [None, 1, 2, 3, -1, -2])
+def test_slice_indices_agree_with_python_wherever_the_guards_hold(step):
+    # the guards' soundness: wherever they hold, the expressions give Python's answer
+    ends = [None, 0, 1, 2, 5, -1, -2, -5, 100, -100]
+    for start, stop, hint in itertools.product(ends, ends, (0, 1, 3, 7)):
+        env = ShapeEnv()
+        n = env.symbol(hint)
+        s = slice(start, stop, step)
+        got = slice_indices(s, n)
+        assert tuple(evaluate(v, [hint]) for v in got) == s.indices(hint)
+        for other in range(0, 12):
+            if env.holds([other]):
+                assert tuple(evaluate(v, [other]) for v in got) == s.indices(other), (s, hint, other)
+
+
+def test_a_size_kept_after_its_trace_is_the_int_it_was():
+    kept = []
+    f = tx.jit(lambda x: kept.append(x.shape[0]) or x * 2)
+    f(np.ones(5, np.float32))
+    assert kept[0] + 1 == 6 and int(kept[0]) == 5 and kept[0] * 2 == 10
+
+
+# ---- jit ----------------------------------------------------------------------------------
+
+def test_new_batch_sizes_reuse_the_trace(device):
+    def f(x, w):
+        b, t = x.shape[:2]
+        h = tnp.reshape(x, (b * t, -1)) @ w
+        return tnp.reshape(h, (b, t, -1)).mean(), tnp.tanh(h[: b * t // 2]).sum(0)
+
+    jf = tx.jit(f, device=device)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 3)).astype(np.float32)
+    for b in (4, 1, 7, 2, 9):
+        x = rng.standard_normal((b, 5, 2, 3)).astype(np.float32)
+        got = jf(x, w)
+        h = x.reshape(b * 5, -1) @ w
+        np.testing.assert_allclose(np.asarray(got[0]), h.mean(), rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), np.tanh(h[: b * 5 // 2]).sum(0), rtol=2e-5, atol=1e-5)
+    # no broadcast asked whether b is 1: even b = 1 is the same program
+    assert jf.trace_count == 1 and jf.cache_size() == 5
+
+
+def test_a_guard_that_differs_traces_again(device):
+    def f(x):
+        return x * 2 if x.shape[0] > 4 else x - 1
+
+    jf = tx.jit(f, device=device)
+    for n, want in ((6, 2 * np.ones(6)), (8, 2 * np.ones(8)), (3, np.zeros(3)), (2, np.zeros(2)),
+                    (5, 2 * np.ones(5))):
+        np.testing.assert_array_equal(np.asarray(jf(np.ones(n, np.float32))), want)
+    assert jf.trace_count == 2  # one trace each side of the guard
+
+
+def test_a_size_used_as_a_number_specialises(device):
+    jf = tx.jit(lambda x: x / float(x.shape[0]), device=device)
+    for n in (3, 5, 3):
+        np.testing.assert_allclose(np.asarray(jf(np.ones(n, np.float32))), np.ones(n) / n)
+    assert jf.trace_count == 2
+
+
+def test_side_effects_run_per_trace(device):
+    calls = []
+    jf = tx.jit(lambda x: calls.append(x.shape) or x + 1, device=device)
+    for n in (3, 4, 5):
+        jf(np.ones(n, np.float32))
+    assert len(calls) == 1
+    tx.config.shape_generic = False
+    try:
+        jf2 = tx.jit(lambda x: calls.append(x.shape) or x + 1, device=device)
+        for n in (3, 4):
+            jf2(np.ones(n, np.float32))
+    finally:
+        tx.config.shape_generic = True
+    assert len(calls) == 3
+
+
+def test_a_failing_symbolic_trace_falls_back_to_the_concrete_one(device):
+    def f(x):
+        assert type(x.shape[0]) is int  # a program may insist on a real int
+        return x + 1
+
+    jf = tx.jit(f, device=device)
+    for n in (3, 4):
+        np.testing.assert_array_equal(np.asarray(jf(np.zeros(n, np.float32))), np.ones(n))
+    assert jf.trace_count == 2
+
+
+def test_grad_of_a_mean_over_the_batch(device):
+    def loss(w, x):
+        return tnp.mean((x @ w) ** 2)
+
+    g = tx.jit(tx.grad(loss), device=device)
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3,)).astype(np.float32)
+    for b in (5, 8, 2):
+        x = rng.standard_normal((b, 3)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(g(w, x)), 2 * x.T @ (x @ w) / b, rtol=1e-5, atol=1e-6)
+    assert g.trace_count == 1
+
+
+def test_explain_retrace_names_the_reused_trace(caplog):
+    tx.config.explain_retrace = True
+    try:
+        jf = tx.jit(lambda x: x + 1, device="ref")
+        jf(np.ones(2, np.float32))
+        with caplog.at_level("WARNING", logger="tilefuse.jit"):
+            jf(np.ones(3, np.float32))
+    finally:
+        tx.config.explain_retrace = False
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "compiled again" in msg and "trace reused" in msg and "new shape (2,) -> (3,)" in msg
+
+
+# ---- the instantiated graph is the concrete trace's, equation for equation ------------------
+
+def _graph(jf, args, generic):
+    leaves, in_tree = pytree.tree_flatten((args, {}))
+    avals = tuple(jf._avals(leaves, in_tree))
+    return jf._graph((), avals, in_tree, None, generic=generic)[0]
+
+
+def test_the_char_gpt_step_instantiates_to_its_concrete_trace():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    import train_transformer as tt
+    cfg = tt.Config(vocab=40, d_model=32, layers=2, heads=2, seq=16)
+    optimizer = tt.make_optimizer(1e-3, 10)
+    params = tt.init_params(tx.random.key(0), cfg)
+    opt = optimizer.init(params)
+    key = tx.random.key(1)
+    generic = tt.make_train_step(cfg, optimizer)
+    rng = np.random.default_rng(0)
+    tokens = lambda b: rng.integers(0, cfg.vocab, (b, cfg.seq)).astype(np.int32)  # noqa: E731
+    _graph(generic, (params, opt, key, tokens(8), tokens(8)), True)
+    for b in (3, 5, 12):
+        args = (params, opt, key, tokens(b), tokens(b))
+        got = _graph(generic, args, True)
+        want = _graph(tt.make_train_step(cfg, optimizer), args, False)
+        assert str(got) == str(want)
+    assert generic.trace_count == 1
+
+
+def test_symbolic_avals_share_a_symbol_per_size():
+    from tilefuse.tracer.shape_poly import symbolic_avals
+    f32 = np.dtype(np.float32)
+    env, avals = symbolic_avals([ShapedArray((8, 3), f32), ShapedArray((8, 1, 0), f32), ShapedArray((), f32)])
+    assert len(env.hints) == 2 and avals[0].shape[0] is avals[1].shape[0]
+    assert avals[1].shape[1:] == (1, 0) and avals[2].shape == ()
