@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 _FOLD = {"+": operator.add, "*": operator.mul, "//": operator.floordiv, "%": operator.mod}
 
 
@@ -114,7 +116,7 @@ class Dim:
     def _op(self, op: str, other, reverse=False):
         o = _dim_or_int(other)
         if o is None:
-            if isinstance(other, float):  # a float needs the value: specialise
+            if isinstance(other, (float, np.floating)):  # a float needs the value: specialise
                 v = self._value()
                 f = {"+": operator.add, "*": operator.mul, "//": operator.floordiv,
                      "%": operator.mod}[op]
@@ -191,6 +193,9 @@ class Dim:
     def _compare(self, op: str, other, swap=False):
         o = _dim_or_int(other)
         if o is None:
+            if isinstance(other, (float, np.floating)):  # 3 == 3.0, as ints compare: by value
+                o = float(other)
+                return _COMPARE[op](o, self._value()) if swap else _COMPARE[op](self._value(), o)
             return NotImplemented
         lhs, rhs = (o, self) if swap else (self, o)
         return self.env.guard(op, lhs, rhs, _COMPARE[op](_hint(lhs), _hint(rhs)))

@@ -175,6 +175,7 @@ INLINED = {"tile_call", "custom_vjp_call", "custom_jvp_call"}  # replaced by its
 
 def test_the_table_covers_every_primitive():
     prims = {n for n in dir(P) if isinstance(getattr(P, n), P.Primitive)} - {"debug_print"} - COMPOSITES - INLINED
+    prims -= {"dim_value"}  # only in shape-generic templates, never in a graph a backend sees
     names = {k.removesuffix("_f64").removesuffix("_i32").removesuffix("_u64").removesuffix("_col").removesuffix("_batched")
              for k in ALL}
     assert prims <= names | {"stop_gradient"}, sorted(prims - names)
