@@ -66,14 +66,29 @@ def _key(x):
     return x.key if isinstance(x, Dim) else int(x)
 
 
+class Values(list):
+    """Symbol values (by symbol number) with a memo of the Dims evaluated at them: a graph's
+    avals share their Dim objects, so each is evaluated once per instantiation."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.memo: dict = {}
+
+
 def evaluate(x, values) -> int:
-    """x (an int or a Dim) at these symbol values."""
-    if not isinstance(x, Dim):
+    """x (an int or a Dim) at these symbol values (a list, or Values to memoise)."""
+    if type(x) is not Dim:
         return x
     k = x.key
     if k[0] == "s":
         return values[k[1]]
-    return _eval_key(k, values)
+    memo = getattr(values, "memo", None)
+    if memo is None:
+        return _eval_key(k, values)
+    v = memo.get(id(x))  # (the Dim is alive: its template holds it)
+    if v is None:
+        v = memo[id(x)] = _eval_key(k, values)
+    return v
 
 
 def _eval_key(k, values) -> int:

@@ -16,6 +16,7 @@ from tilefuse.ir.core import Graph, ShapedArray, eval_graph
 from tilefuse.ir.errors import (ArgumentError, StaticArgumentError, TilefuseError, for_user,
                                  user_line)
 from tilefuse.ir.passes.manager import prepare_for_ad
+from tilefuse.ir.symbolic import is_symbolic
 
 from . import pytree, shape_poly
 from .core import Tracer, bind, get_aval
@@ -212,6 +213,8 @@ class JitFunction:
             # Under another transformation (grad, vmap, an outer jit): replay our graph on its
             # tracers so that transformation sees every primitive.
             avals = tuple(x.aval.strip_weak() if isinstance(x, Tracer) else get_aval(x) for x in leaves)
+            if any(is_symbolic(a.shape) for a in avals):  # inside a shape-generic trace: inlined,
+                return self.fun(*args, **kwargs)  # since a cache key would need the sizes' values
             graph, out_tree = self._graph(static, avals, in_tree,
                                           (in_tree, avals, static, None, hooks.config.cache_key()))
             if graph is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Graph, Literal, ShapedArray, Var
-from tilefuse.ir.symbolic import Dim, ShapeEnv, concrete, evaluate, is_symbolic
+from tilefuse.ir.symbolic import Dim, ShapeEnv, Values, concrete, evaluate, is_symbolic
 
 
 TEMPLATES_MOST = 8  # shape-generic traces kept per jitted function and argument structure
@@ -71,6 +71,8 @@ def symbolic_avals(avals) -> tuple[ShapeEnv, tuple]:
 def instantiate(graph: Graph, values) -> Graph:
     """The graph at these symbol values: every Dim in avals and parameters evaluated, each
     dim_value a literal. Variables whose avals are concrete are shared with the template."""
+    if not isinstance(values, Values):
+        values = Values(values)
     atoms: dict = {}
 
     def var(v: Var) -> Var:

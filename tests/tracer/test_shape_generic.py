@@ -196,3 +196,12 @@ def test_symbolic_avals_share_a_symbol_per_size():
     env, avals = symbolic_avals([ShapedArray((8, 3), f32), ShapedArray((8, 1, 0), f32), ShapedArray((), f32)])
     assert len(env.hints) == 2 and avals[0].shape[0] is avals[1].shape[0]
     assert avals[1].shape[1:] == (1, 0) and avals[2].shape == ()
+
+
+def test_a_jitted_function_inside_keeps_the_sizes_symbolic(device):
+    inner = tx.jit(lambda x: tnp.tanh(x).mean(0))
+    outer = tx.jit(lambda x: inner(x * 2) + 1, device=device)
+    for b in (3, 6, 4):
+        x = np.linspace(-1, 1, b * 2, dtype=np.float32).reshape(b, 2)
+        np.testing.assert_allclose(np.asarray(outer(x)), np.tanh(x * 2).mean(0) + 1, rtol=1e-5)
+    assert outer.trace_count == 1
