@@ -1,7 +1,7 @@
 """Shape-generic tracing for jit: one trace of a function serves every size its guards allow.
 
 jit traces a function's first call with every dimension of its array arguments symbolic (an
-ir.symbolic.Dim per distinct size other than 0 and 1, whose value at the trace is the call's),
+ir.symbolic.Dim per axis of size other than 0 and 1, whose value at the trace is the call's),
 so the graph records sizes as expressions (reshape(b, t, 3, h, d), a mean's count) and the guards
 record every question the trace asked of them. A later call whose arguments differ only in
 those sizes binds the symbols to its own sizes; where that binding is consistent (a symbol takes
@@ -54,18 +54,16 @@ class Template:
 
 
 def symbolic_avals(avals) -> tuple[ShapeEnv, tuple]:
-    """The avals with every size but 0 and 1 a symbol (one per distinct size: arguments that
-    share a size share a symbol, the usual case of a batch); env None when there is none."""
+    """The avals with every size but 0 and 1 a symbol, one per axis: a batch of 128 beside a
+    hidden size of 128 stays free of it (where the program compares two axes, a guard ties
+    them). env is None when there is none."""
     env = ShapeEnv()
-    by_size: dict = {}
     out = []
     for a in avals:
         if any(d > 1 for d in a.shape):
-            shape = tuple(d if d <= 1 else by_size.get(d) or by_size.setdefault(d, env.symbol(d))
-                          for d in a.shape)
-            a = ShapedArray(shape, a.dtype, a.weak_type)
+            a = ShapedArray(tuple(d if d <= 1 else env.symbol(d) for d in a.shape), a.dtype, a.weak_type)
         out.append(a)
-    return (env if by_size else None), tuple(out)
+    return (env if env.hints else None), tuple(out)
 
 
 def instantiate(graph: Graph, values) -> Graph:

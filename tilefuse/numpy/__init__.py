@@ -145,6 +145,12 @@ def _promote(*xs, to_float=False):
     return [_convert(x, dtype) for x in xs]
 
 
+def _same_shape(a: tuple, b: tuple) -> bool:
+    """a == b, the ranks first: a batch size is then never compared with another axis's size
+    (a guard the traced sizes would not need: ir/symbolic.py)."""
+    return len(a) == len(b) and a == b
+
+
 def broadcast_shapes(*shapes, _op: str | None = None) -> tuple[int, ...]:
     nd = builtins.max((len(s) for s in shapes), default=0)
     out = []
@@ -165,7 +171,7 @@ def broadcast_to(x, shape):
     x = _operand(x)
     shape = tuple(dimension(s) for s in ((shape,) if isinstance(shape, (int, Dim)) else shape))
     a = _aval(x)
-    if a.shape == shape:
+    if _same_shape(a.shape, shape):
         return x
     lead = len(shape) - a.ndim
     if lead < 0 or builtins.any(n not in (1, m) for n, m in zip(a.shape, shape[lead:])):
@@ -212,7 +218,7 @@ def _unary(prim, to_float=True, kinds=None):
 def _binary(prim, to_float=False, name=None):
     def f(x, y):
         a, b = _as_is(x, to_float), _as_is(y, to_float)
-        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:  # (equal: nothing to do)
+        if a is None or b is None or not _same_shape(a.shape, b.shape) or a.dtype != b.dtype:  # (equal: nothing to do)
             x, y = _broadcast_all(*_promote(x, y, to_float=to_float), op=f.__name__)
         return bind1(prim, x, y)
     return _named(f, name or prim.name)
