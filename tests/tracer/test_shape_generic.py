@@ -213,3 +213,37 @@ def test_a_batch_equal_to_a_hidden_size_stays_free(device):
         np.testing.assert_allclose(np.asarray(value), (h ** 2).mean(), rtol=1e-5)
         np.testing.assert_allclose(np.asarray(g["b"]), 2 * h.sum(0) / (b * 8), rtol=1e-4, atol=1e-6)
     assert step.trace_count == 1
+
+
+GENERIC = {  # programs whose sizes stay symbolic: one trace serves every size below
+    "zeros": lambda x: x + tnp.zeros(x.shape),
+    "ones": lambda x: x.T @ tnp.ones((x.shape[0], 3)),
+    "arange": lambda x: x + tnp.arange(x.shape[1]) + tnp.arange(1, x.shape[0] + 1)[:, None],
+    "tril": lambda x: x[:, :, None] * tnp.tril(tnp.ones((x.shape[1], x.shape[1]))),
+    "eye": lambda x: x @ tnp.eye(x.shape[1]),
+    "one_hot": lambda x: tx.nn.one_hot(tnp.argmax(x, 1), x.shape[1]),
+    "concatenate": lambda x: tnp.concatenate([x, 2 * x], 0),
+    "stack": lambda x: tnp.stack([x, x + 1], 1),
+    "pad": lambda x: tnp.pad(x, ((1, 2), (0, 1))),
+    "flip": lambda x: x[::-1, 1:],
+    "einsum": lambda x: tnp.einsum("ij,kj->ik", x, x),
+    "var": lambda x: tnp.var(x, 0) + tnp.std(x, 1).sum(),
+    "cumsum": lambda x: tnp.cumsum(x, 0),
+    "take": lambda x: tnp.take(x, tnp.array([0, 1]), axis=0),
+    "reshape": lambda x: tnp.reshape(x, (-1,))[: x.size // 2],
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERIC))
+def test_common_programs_reuse_their_trace(name):
+    f = GENERIC[name]
+    jf = tx.jit(f, device="ref")
+    for b in (4, 6, 9):
+        x = np.random.default_rng(b).standard_normal((b, b + 1)).astype(np.float32)
+        tx.config.shape_generic = False
+        try:
+            want = np.asarray(tx.jit(f, device="ref")(x))
+        finally:
+            tx.config.shape_generic = True
+        np.testing.assert_allclose(np.asarray(jf(x)), want, rtol=1e-6, atol=1e-6)
+    assert jf.trace_count == 1

@@ -620,9 +620,9 @@ def stack(arrays, axis=0):
     arrays = [_operand(a) for a in arrays]
     if not arrays:
         raise TilefuseError(with_user_line("stack needs at least one array"))
-    shapes = {_aval(a).shape for a in arrays}
-    if len(shapes) > 1:
-        raise ShapeError(with_user_line(f"stack: all arrays need the same shape, got {sorted(shapes)}"))
+    shapes = [_aval(a).shape for a in arrays]
+    if builtins.any(not _same_shape(s, shapes[0]) for s in shapes[1:]):
+        raise ShapeError(with_user_line(f"stack: all arrays need the same shape, got {shapes}"))
     axis = _norm_axis(axis, ndim(arrays[0]) + 1)
     return concatenate([expand_dims(a, axis) for a in arrays], axis)
 
@@ -1169,7 +1169,7 @@ empty_like = zeros_like
 
 
 def _iota(dtype, n):
-    return bind1(P.iota, dtype=_dt.canonicalize(dtype), shape=(int(n),), dimension=0)
+    return bind1(P.iota, dtype=_dt.canonicalize(dtype), shape=(dimension(n),), dimension=0)
 
 
 def arange(start, stop=None, step=None, dtype=None):
@@ -1180,7 +1180,10 @@ def arange(start, stop=None, step=None, dtype=None):
     if stop is None:
         start, stop = 0, start
     step = 1 if step is None else step
-    n = builtins.max(0, math.ceil((stop - start) / step))
+    if builtins.all(isinstance(v, int) for v in (start, stop, step)) and step:  # a size may be a Dim:
+        n = builtins.max(0, -((start - stop) // step))  # ceil((stop - start) / step) in integers
+    else:
+        n = builtins.max(0, math.ceil((stop - start) / step))
     if dtype is None:
         dtype = _dt.float32 if builtins.any(isinstance(v, float) for v in (start, stop, step)) else _dt.int32
     dtype = _dt.canonicalize(dtype)
