@@ -329,3 +329,13 @@ def slice_indices(s: slice, n) -> tuple:
         return upper if v > upper else v
     return (clamp(s.start, upper if step < 0 else lower), clamp(s.stop, lower if step < 0 else upper),
             step)
+
+
+def distinct(sizes) -> list:
+    """The different values among sizes, in order of first appearance, found by == (a set would
+    hash them: a symbolic size would then be specialised)."""
+    out: list = []
+    for n in sizes:
+        if not any(n == m for m in out):
+            out.append(n)
+    return out

@@ -19,7 +19,8 @@ from tilefuse.autodiff import stop_gradient
 from tilefuse.autodiff.api import _user_frames
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
-from tilefuse.ir.core import ShapedArray
+from tilefuse.ir.core import ShapedArray, dimension
+from tilefuse.ir.symbolic import distinct
 from tilefuse.ir.errors import ShapeError, TilefuseError, with_user_line
 from tilefuse.tracer.core import Tracer, bind, bind1, get_aval, is_array_like
 from tilefuse.tracer.pytree import tree_flatten, tree_unflatten
@@ -237,13 +238,14 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     del unroll
     init_leaves, ctree, cavals = _leaves(init, "scan init")
     x_leaves, xtree, xavals = _leaves(xs, "scan xs")
-    lengths = {a.shape[0] for a in xavals if a.ndim}
+    lengths = [a.shape[0] for a in xavals if a.ndim]
     if any(a.ndim == 0 for a in xavals):
         raise ShapeError(with_user_line(f"scan: every leaf of xs needs a leading axis to scan over, got "
                                         f"{_types(xtree, xavals)}"))
     if length is not None:
-        length = int(length)
-        lengths.add(length)
+        length = dimension(length)
+        lengths.append(length)
+    lengths = distinct(lengths)  # (a traced size stays symbolic)
     if len(lengths) > 1:
         raise ShapeError(with_user_line(f"scan: the leading axes of xs (and length) must agree, got "
                                         f"{sorted(lengths)} from {_types(xtree, xavals)}"

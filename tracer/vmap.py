@@ -15,6 +15,7 @@ import numpy as np
 from tilefuse.ir import primitives as P
 from tilefuse.ir.errors import TilefuseError, TransformError, for_user, with_user_line
 from tilefuse.ir.primitives import Primitive
+from tilefuse.ir.symbolic import distinct
 
 from . import pytree
 from .core import (Trace, Tracer, bind, bind1, bind_custom_jvp, bind_custom_vjp, full_lower, full_raise,
@@ -503,7 +504,7 @@ def _batch_inputs(trace, leaves, specs, axis_size):
         raise TransformError(with_user_line(
             "vmap: every in_axes is None, so the batch size is unknown; map at least one "
             "argument or pass axis_size="))
-    if len(set(sizes.values())) > 1:
+    if len(distinct(sizes.values())) > 1:  # (by ==: a traced size stays symbolic)
         listing = ", ".join(f"{name} has size {n}" for name, n in sizes.items())
         raise TransformError(with_user_line(
             f"vmap: the mapped axes have different sizes: {listing}"))

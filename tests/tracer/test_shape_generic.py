@@ -231,6 +231,16 @@ GENERIC = {  # programs whose sizes stay symbolic: one trace serves every size b
     "cumsum": lambda x: tnp.cumsum(x, 0),
     "take": lambda x: tnp.take(x, tnp.array([0, 1]), axis=0),
     "reshape": lambda x: tnp.reshape(x, (-1,))[: x.size // 2],
+    "scan": lambda x: tx.lax.scan(lambda c, r: (c + r, c * r), tnp.zeros(x.shape[1]), x)[1],
+    "scan_length": lambda x: tx.lax.scan(lambda c, _: (c * 2, c), x[0], None, length=x.shape[0])[1],
+    "grad_of_scan": lambda x: tx.grad(lambda y: tx.lax.scan(
+        lambda c, r: (c * tnp.tanh(r), None), tnp.ones(y.shape[1]), y)[0].sum())(x),
+    "vmap": lambda x: tx.vmap(lambda r: r / r.sum())(x),
+    "map": lambda x: tx.lax.map(lambda r: r * 2, x),
+    "fori_loop": lambda x: tx.lax.fori_loop(0, 3, lambda i, c: c + x, x),
+    "cond": lambda x: tx.lax.cond(x.sum() > 0, lambda y: y * 2, lambda y: y - 1, x),
+    "attention": lambda x: tx.nn.dot_product_attention(  # (the head size stays 4: its scale is a float)
+        x[None, :, None, :4], x[None, :, None, :4], x[None, :, None, :4], causal=True),
 }
 
 
