@@ -1,4 +1,5 @@
-"""jit: trace once per signature, cache, and run the compiled graph on a device."""
+"""jit: trace once per signature (once for all the sizes a shape-generic trace's guards allow:
+shape_poly.py), cache, and run the compiled graph on a device."""
 from __future__ import annotations
 
 import contextlib
