@@ -5,9 +5,9 @@ A `Dim` carries its value at the trace (the hint) and answers every question Pyt
 with that value, as a plain int would: `==`, `<`, `bool()`, `int()`, `range(d)`. Each answer is
 recorded as a guard in its `ShapeEnv`; the traced graph stands for another value of the symbols
 only where every guard gives the same answer there (torch.compile's dynamic shapes guard the same
-way). A question answered by the exact value — int(), index(), float(), hash-keyed lookups that
-compare equal — is a guard `d == hint`: the trace is then specialised to that size (sound, never
-reused for another). Arithmetic with ints and other Dims builds expressions instead, which is what
+way). A question answered by the exact value — int(), index(), float(), str(), hash() (a dict
+or set lookup that misses compares nothing, so the hash itself is the question) — is a guard
+`d == hint`: the trace is then specialised to that size (sound, never reused for another). Arithmetic with ints and other Dims builds expressions instead, which is what
 reaches shapes and parameters (reshape's sizes, a mean's count); instantiate() substitutes the
 symbols' values into the traced graph. Nothing here is ever wrong for a size it was not traced at:
 either the guards hold there and every decision the trace made is the one a trace at that size
@@ -53,9 +53,12 @@ class ShapeEnv:
 
     def holds(self, values) -> bool:
         """Whether every guard answers at these symbol values as it did at the trace."""
-        for op, lhs, rhs, answer in self.guards.values():
-            if _COMPARE[op](evaluate(lhs, values), evaluate(rhs, values)) != answer:
-                return False
+        try:
+            for op, lhs, rhs, answer in self.guards.values():
+                if _COMPARE[op](evaluate(lhs, values), evaluate(rhs, values)) != answer:
+                    return False
+        except ArithmeticError:  # (a guard below one that fails there: a division by zero)
+            return False
         return True
 
 
@@ -141,8 +144,11 @@ class Dim:
         ha, hb = _hint(a), _hint(b)
         if self.env.frozen:  # the int it was at the trace
             return _FOLD[op](ha, hb)
-        if op in ("//", "%") and hb == 0:
-            raise ZeroDivisionError("integer division or modulo by zero")
+        if op in ("//", "%"):
+            if hb == 0:
+                raise ZeroDivisionError("integer division or modulo by zero")
+            if type(b) is Dim:  # the trace went on because the divisor was not 0
+                self.env.guard("==", b, 0, False)
         # identities that hold for every value (x + 0, x * 1, x * 0, x // 1, x % 1)
         const_a, const_b = type(a) is not Dim, type(b) is not Dim  # (one of them is a Dim)
         if op == "+" and (const_b and b == 0 or const_a and a == 0):

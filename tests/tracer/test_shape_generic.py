@@ -32,6 +32,22 @@ def test_arithmetic_builds_expressions_and_questions_are_guarded():
     assert isinstance(b, int) and not env.specialised  # (Python code takes the int's branch)
 
 
+def test_a_divisor_is_guarded_nonzero():
+    env = ShapeEnv()
+    b, t = env.symbol(4), env.symbol(6)
+    q = t // b
+    assert evaluate(q, [2, 7]) == 3 and env.holds([2, 7])
+    assert not env.holds([0, 7])  # never a ZeroDivisionError: the guard says no
+
+
+def test_empty_and_unit_batches_are_computed_right(device):
+    jf = tx.jit(lambda x: (x * 2).sum(0) + tnp.mean(x), device=device)
+    for b in (4, 0, 1, 3):
+        x = np.arange(b * 3, dtype=np.float32).reshape(b, 3)
+        want = (x * 2).sum(0) + (x.mean() if b else np.nan)
+        np.testing.assert_allclose(np.asarray(jf(x)), want, rtol=1e-6)
+
+
 def test_the_exact_value_specialises():
     for ask in (int, float, lambda d: range(d), lambda d: np.zeros(d), hash, str, lambda d: d / 2,
                 lambda d: {6: "a"}.get(d), lambda d: d & 1, lambda d: d.bit_length()):
