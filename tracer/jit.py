@@ -348,21 +348,22 @@ class JitFunction:
                                 f" at {where}" if where else "", "; ".join(reasons))
                 if len(self._trace_keys) < 64:
                     self._trace_keys.append(trace_key)
-                return self._remember(gkey, (shape_poly.instantiate(template.graph, values),
-                                             template.out_tree))
+                graph = shape_poly.instantiate(template.graph, values)
+                if hooks.config.check:  # (TILEFUSE_CHECK) the trace it stands for, compared
+                    self._check_instance(graph, gkey)
+                return self._remember(gkey, (graph, template.out_tree))
         return None
 
-    def _trace(self, gkey, static, avals, in_tree, trace_key, generic=False):
-        code = getattr(self.fun, "__code__", None)
-        seen_before = self.trace_count == 0 and code is not None and code in _seen_code
-        if hooks.config is not None and hooks.config.explain_retrace:
-            self._explain(trace_key, in_tree, static, seen_before)
-        if self._track_code and code is not None and len(_seen_code) < _SEEN_CODE_MAX:
-            _seen_code[code] = True
-        self.trace_count += 1
-        if len(self._trace_keys) < 64:
-            self._trace_keys.append(trace_key)
+    def _check_instance(self, graph, gkey) -> None:
+        in_tree, avals, static = gkey
+        want, _ = trace_to_graph(self._flat_fun(static, in_tree), list(avals))
+        if str(graph) != str(want):
+            raise TilefuseError(f"{self._name}: the graph instantiated for sizes "
+                                f"{[a.shape for a in avals]} differs from its trace: a tilefuse bug "
+                                "(tx.config.shape_generic = False avoids it)")
 
+    def _flat_fun(self, static, in_tree):
+        """fun over flat argument leaves -> (output leaves, output tree): what a trace runs."""
         def flat_fun(*tracers):
             args, kwargs = self._rebuild_call(static, tracers, in_tree)
             if self._signature is not None:  # a wrong call is the caller's mistake, named so
@@ -378,6 +379,19 @@ class JitFunction:
                     raise ArgumentError(f"{self._name} returned a {type(o).__name__} (output leaf "
                                         f"{i}); jitted functions must return arrays or pytrees of arrays")
             return out_leaves, out_tree
+        return flat_fun
+
+    def _trace(self, gkey, static, avals, in_tree, trace_key, generic=False):
+        code = getattr(self.fun, "__code__", None)
+        seen_before = self.trace_count == 0 and code is not None and code in _seen_code
+        if hooks.config is not None and hooks.config.explain_retrace:
+            self._explain(trace_key, in_tree, static, seen_before)
+        if self._track_code and code is not None and len(_seen_code) < _SEEN_CODE_MAX:
+            _seen_code[code] = True
+        self.trace_count += 1
+        if len(self._trace_keys) < 64:
+            self._trace_keys.append(trace_key)
+        flat_fun = self._flat_fun(static, in_tree)
 
         if generic and hooks.config.shape_generic:
             result = self._trace_generic(flat_fun, gkey)
