@@ -7,9 +7,10 @@ recorded as a guard in its `ShapeEnv`; the traced graph stands for another value
 only where every guard gives the same answer there (torch.compile's dynamic shapes guard the same
 way). A question answered by the exact value — int(), index(), float(), str(), hash() (a dict
 or set lookup that misses compares nothing, so the hash itself is the question) — is a guard
-`d == hint`: the trace is then specialised to that size (sound, never reused for another). Arithmetic with ints and other Dims builds expressions instead, which is what
-reaches shapes and parameters (reshape's sizes, a mean's count); instantiate() substitutes the
-symbols' values into the traced graph. Nothing here is ever wrong for a size it was not traced at:
+`d == hint`: the trace is then specialised to that size (sound, never reused for another).
+Arithmetic with ints and other Dims builds expressions instead, which is what reaches shapes and
+parameters (reshape's sizes, a mean's count); instantiate() substitutes the symbols' values into
+the traced graph. Nothing here is ever wrong for a size it was not traced at:
 either the guards hold there and every decision the trace made is the one a trace at that size
 would make, or the graph is not reused."""
 from __future__ import annotations

@@ -218,7 +218,8 @@ def _unary(prim, to_float=True, kinds=None):
 def _binary(prim, to_float=False, name=None):
     def f(x, y):
         a, b = _as_is(x, to_float), _as_is(y, to_float)
-        if a is None or b is None or not _same_shape(a.shape, b.shape) or a.dtype != b.dtype:  # (equal: nothing to do)
+        # (equal shapes and dtypes: nothing to do)
+        if a is None or b is None or not _same_shape(a.shape, b.shape) or a.dtype != b.dtype:
             x, y = _broadcast_all(*_promote(x, y, to_float=to_float), op=f.__name__)
         return bind1(prim, x, y)
     return _named(f, name or prim.name)
