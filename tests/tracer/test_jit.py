@@ -27,7 +27,7 @@ def test_second_call_does_not_retrace(device):
 
 
 def test_new_shape_or_dtype_retraces(monkeypatch):
-    monkeypatch.setattr(tx.config, "shape_generic", False)  # (tests/tracer/test_shape_generic.py)
+    monkeypatch.setattr(tx.config, "shape_generic", False)  # (tests/tracer/test_symbolic_sizes.py)
     f = tx.jit(lambda x: x * 2)
     f(np.ones(3, np.float32))
     f(np.ones(4, np.float32))
