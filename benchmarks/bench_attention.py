@@ -4,7 +4,8 @@ found by the pattern pass), on the first OpenCL device (nn.dot_product_attention
 FlashAttention tile builders, and the composite of ordinary kernels they replace), numpy's naive
 code, and PyTorch's scaled_dot_product_attention and JAX's jit where importable, in one run,
 in alternation (each round times every contender once, after a rest and a few unmeasured calls):
-medians, GFLOP/s and ratios against tilefuse.
+medians, GFLOP/s and ratios against tilefuse: of the medians, and "paired" (the median over rounds
+of each round's time / tilefuse's in that round: steadier on a noisy machine, common.paired_ratios).
 
     python benchmarks/bench_attention.py [--seqs 256,1024] [--bhd 4,4,64] [--repeat 7] [--only fwd]
         [--opencl opencl:0]
@@ -25,8 +26,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fmt_seconds, side_by_side, time_alternating  # noqa: E402
+from common import fmt_seconds, paired_ratios, side_by_side, time_alternating  # noqa: E402
 
+BASELINE = "tilefuse nn.dot_product_attention"  # the ratios' denominator
 SETTLE = 0.4  # seconds between contenders: OpenMP's (torch) and Eigen's (jax) threads spin after a call
 WARM_S = 0.05  # seconds of calls before each sample: the first calls after a rest run slowly
 
@@ -79,7 +81,7 @@ def tilefuse_cases(q, k, v, g, causal, device="cpu"):
             s = tnp.where(tnp.tril(tnp.ones(s.shape[-2:], tnp.bool_)), s, -np.inf)
         return nn.softmax(s) @ v
 
-    cases = (("tilefuse nn.dot_product_attention", api, (qs, ks, vs), gs, False),
+    cases = ((BASELINE, api, (qs, ks, vs), gs, False),
              ("tilefuse written out (pattern)", written, (qh, kh, vh), gh, False))
     if device != "cpu":  # the tile builders, and the composite of ordinary kernels without them
         cases = ((f"tilefuse {device} nn.dot_product_attention", api, (qs, ks, vs), gs, False),
@@ -197,15 +199,18 @@ def main(argv=None):
                                          repeat=args.repeat, block=1, settle=SETTLE, warm_s=WARM_S,
                                          max_seconds=60 + 60 * which)
                 label = "fwd" if phase == "fwd" else "fwd+bwd"
+                speedup = paired_ratios(times, BASELINE)
                 for name, t in times.items():
                     gflops = flop_scale * flops / t.median / 1e9
                     results[name].update({label: t.median, f"{label} GFLOP/s": gflops})
+                    if name != BASELINE:  # (a string: side_by_side adds no ratio of its own)
+                        results[name][f"{label} paired"] = f"{1 / speedup[name]:.3f}x"
             for name, (_, _, extra) in cases.items():
                 if extra is not None:
                     results[name]["extra MiB"] = extra
-            metrics = [m for m in ("fwd", "fwd GFLOP/s", "fwd+bwd", "fwd+bwd GFLOP/s", "extra MiB")
-                       if any(m in r for r in results.values())]
-            print(side_by_side(results, metrics, baseline="tilefuse nn.dot_product_attention",
+            metrics = [m for m in ("fwd", "fwd paired", "fwd GFLOP/s", "fwd+bwd", "fwd+bwd paired",
+                                   "fwd+bwd GFLOP/s", "extra MiB") if any(m in r for r in results.values())]
+            print(side_by_side(results, metrics, baseline=BASELINE,
                                formats={"fwd": fmt_seconds, "fwd+bwd": fmt_seconds},
                                title=f"attention B={B} H={H} D={D} S={s}{' causal' if causal else ''}"))
             print()

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table, time_alternating
+from common import paired_ratios, table, time_alternating
 
 TRANSFORMER = [  # (name, M, N, K, A transposed)
     ("qkv (2048x128)@(128x384)", 2048, 384, 128, False),
@@ -129,7 +129,7 @@ def run_case(name, m, n, k, transposed=False, dtype=np.float32, epilogue=False, 
         fns.update(_others(a, b, transposed, spec))
     times = time_alternating(fns, warmup=2, repeat=repeat, block=1, settle=SETTLE, warm_s=WARM_S,
                              sample_s=SAMPLE_S, clock=clock)
-    return {who: flops / t.median / 1e9 for who, t in times.items()}, impls
+    return {who: flops / t.median / 1e9 for who, t in times.items()}, impls, paired_ratios(times, "numpy")
 
 
 SETTLE = 0.4  # seconds: OpenBLAS, OpenMP (torch) and Eigen (jax) threads spin after a call
@@ -137,8 +137,8 @@ WARM_S = 0.03  # seconds of calls before timing: a core that was idle runs the n
 SAMPLE_S = 0.01  # seconds of calls per sample (at least one call)
 
 
-def _cell(g: dict, who: str) -> str:
-    return f"{g[who]:.0f} ({g[who] / g['numpy']:.2f}x)" if who in g else "-"
+def _cell(g: dict, speedup: dict, who: str) -> str:
+    return f"{g[who]:.0f} ({speedup[who]:.2f}x)" if who in g else "-"
 
 
 def main():
@@ -171,18 +171,19 @@ def main():
     for name, m, n, k, t, d, epi, *extra in cases:
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         batch, spec = (list(extra) + [1, None][len(extra):])[:2]
-        g, impls = run_case(name, m, n, k, t, d, epi, args.repeat, clock, batch=batch, spec=spec)
+        g, impls, speedup = run_case(name, m, n, k, t, d, epi, args.repeat, clock, batch=batch, spec=spec)
         others |= set(g) - {"numpy", "generated", "vendor"}
         who = ("generated", "vendor", "opencl", "torch", "jax")
-        rows.append([name, f"{g['numpy']:.0f}", *(_cell(g, w) for w in who)])
+        rows.append([name, f"{g['numpy']:.0f}", *(_cell(g, speedup, w) for w in who)])
         print(f"  {name}: " + ", ".join(f"{w} {v:.0f}" for w, v in g.items()) +
               f"  [{' / '.join(impls.values())}]", flush=True)
     shown = [True, True, True, True, "opencl" in others, "torch" in others, "jax" in others]
-    cols = ["GFLOP/s (ratio to numpy)", "numpy", "tilefuse generated", "tilefuse vendor",
+    cols = ["GFLOP/s (paired speed-up over numpy)", "numpy", "tilefuse generated", "tilefuse vendor",
             "tilefuse opencl", "torch", "jax"]
     cols, rows = [c for c, k in zip(cols, shown) if k], [[c for c, k in zip(r, shown) if k] for r in rows]
     print()
-    print(table(cols, rows, title="GEMM on the CPU, medians"))
+    print(table(cols, rows, title="GEMM on the CPU: GFLOP/s of the medians; in brackets the median "
+                                  "over rounds of numpy's time / the contender's (common.paired_ratios)"))
     print("\nnumpy on bf16 rows: the same product in float32 (numpy has no bfloat16 BLAS); on the "
           "gelu row: the unfused expression.")
 

@@ -6,7 +6,8 @@ framework per subprocess (so its peak RSS is its own), and a side-by-side table 
     print(side_by_side({"tilefuse": {"step ms": 12.0}, "numpy": {"step ms": 30.0}},
                        ["step ms"], baseline="tilefuse"))
 
-The machines are shared and noisy: quote medians, compare within one run, read ratios."""
+The machines are shared and noisy: quote medians, compare within one run, read the paired
+ratios (paired_ratios: per round of alternated calls, then the median)."""
 from __future__ import annotations
 
 import json
@@ -97,6 +98,17 @@ def time_alternating(fns: dict, *, warmup: int = 2, repeat: int = 10, block: int
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
     return {name: Timing(tuple(s)) for name, s in samples.items()}
+
+
+def paired_ratios(timings: dict, baseline: str) -> dict:
+    """{name: the median over rounds of baseline's sample / name's sample in the same round}: a
+    speed-up (2.0 = twice as fast as the baseline). time_alternating's samples line up by round,
+    and consecutive calls share the machine's speed, which on these VMs swings by up to 1.5x from
+    one second to the next: this ratio moved by ±2% between runs where the ratio of medians
+    moved by ±30%. Quote it for comparisons; the medians for absolute figures."""
+    base = timings[baseline].samples
+    return {name: statistics.median(b / a for a, b in zip(t.samples, base) if a > 0)
+            for name, t in timings.items()}
 
 
 def peak_rss_mib() -> float:
