@@ -44,6 +44,16 @@ STEPS = {
     "cumsum": lambda x: tnp.cumsum(x, 0),
     "outer": lambda x: x @ x.T[:, : min(3, x.shape[0])],
     "int_size": lambda x: x + float(int(x.shape[1])),  # the exact value: specialises
+    "size_literal": lambda x: x * x.size,  # a size as a traced number
+    "zeros_like_shape": lambda x: x + tnp.zeros(x.shape) + tnp.ones((1, x.shape[1])),
+    "mask_lower": lambda x: x[: min(x.shape), : min(x.shape)] * tnp.tril(tnp.ones((min(x.shape),) * 2)),
+    "scan_rows": lambda x: tx.lax.scan(lambda c, r: (c * 0.5 + r, c), tnp.zeros(x.shape[1]), x)[1],
+    "vmap_rows": lambda x: tx.vmap(lambda r: r - r.max())(x),
+    "grad_mean": lambda x: tx.grad(lambda y: tnp.mean(tnp.sin(y) ** 2))(x),
+    "split_rows": lambda x: tnp.split(x, 2)[1] if x.shape[0] % 2 == 0 else x,
+    "stack_cols": lambda x: tnp.reshape(tnp.stack([x, -x], 2), (x.shape[0], -1)),
+    "var_rows": lambda x: x + tnp.var(x, axis=0),
+    "take_first": lambda x: tnp.take(x, tnp.array([0, x.shape[0] - 1]), axis=0),
 }
 
 
