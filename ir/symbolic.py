@@ -109,10 +109,9 @@ def _dim_or_int(x):
     """An operand of Dim arithmetic: a Dim, or an int (numpy's too); None for anything else."""
     if isinstance(x, Dim):
         return x
-    if isinstance(x, int) and not isinstance(x, bool):
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
         return int(x)
-    if hasattr(x, "__index__") and getattr(x, "dtype", None) is not None and x.dtype.kind in "iu" \
-            and getattr(x, "ndim", 1) == 0:
+    if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iu":
         return int(x)
     return None
 
@@ -137,9 +136,7 @@ class Dim:
         if o is None:
             if isinstance(other, (float, np.floating)):  # a float needs the value: specialise
                 v = self._value()
-                f = {"+": operator.add, "*": operator.mul, "//": operator.floordiv,
-                     "%": operator.mod}[op]
-                return f(other, v) if reverse else f(v, other)
+                return _FOLD[op](other, v) if reverse else _FOLD[op](v, other)
             return NotImplemented
         a, b = (o, self) if reverse else (self, o)
         ha, hb = _hint(a), _hint(b)
@@ -193,14 +190,14 @@ class Dim:
     def __pos__(self):
         return self
 
-    def __truediv__(self, o):  # a float: needs the value
-        return self._value() / (o._value() if isinstance(o, Dim) else o)
+    def __truediv__(self, o):  # a float: needs the value (a Dim o answers through __rtruediv__)
+        return self._value() / o
 
     def __rtruediv__(self, o):
         return o / self._value()
 
     def __pow__(self, o):
-        return self._value() ** (o._value() if isinstance(o, Dim) else o)
+        return self._value() ** o
 
     def __rpow__(self, o):
         return o ** self._value()
@@ -266,9 +263,8 @@ class Dim:
     def __format__(self, spec):
         return format(self._value(), spec)
 
-    def _bits(self, other, op, reverse=False):
-        o = other._value() if isinstance(other, Dim) else other
-        return op(o, self._value()) if reverse else op(self._value(), o)
+    def _bits(self, other, op, reverse=False):  # by value (a Dim other answers in turn)
+        return op(other, self._value()) if reverse else op(self._value(), other)
 
     def __and__(self, o): return self._bits(o, operator.and_)
     def __rand__(self, o): return self._bits(o, operator.and_, True)

@@ -31,25 +31,17 @@ class Template:
         self.graph, self.out_tree, self.env, self.in_avals = graph, out_tree, env, in_avals
 
     def bind(self, avals) -> list | None:
-        """The symbols' values for these argument avals, or None where they do not fit (another
-        rank, dtype, a fixed size that differs, one symbol asked to take two values) or a guard
-        answers otherwise."""
-        values: list = [None] * len(self.env.hints)
+        """The symbols' values (one per axis) for these argument avals, or None where they do not
+        fit (another rank or dtype, a fixed size that differs) or a guard answers otherwise."""
+        values = list(self.env.hints)
         for t, a in zip(self.in_avals, avals):
             if t.dtype != a.dtype or t.weak_type != a.weak_type or len(t.shape) != len(a.shape):
                 return None
             for d, n in zip(t.shape, a.shape):
                 if type(d) is Dim:
-                    i = d.key[1]
-                    if values[i] is None:
-                        values[i] = int(n)
-                    elif values[i] != n:
-                        return None
+                    values[d.key[1]] = int(n)
                 elif d != n:
                     return None
-        for i, v in enumerate(values):  # a symbol no input carries keeps its traced value
-            if v is None:
-                values[i] = self.env.hints[i]
         return values if self.env.holds(values) else None
 
 

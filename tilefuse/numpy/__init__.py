@@ -14,7 +14,7 @@ import numpy as np
 from tilefuse.ir import dtypes as _dt
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import dimension
-from tilefuse.ir.symbolic import Dim, slice_indices
+from tilefuse.ir.symbolic import Dim, distinct, slice_indices
 from tilefuse.ir.errors import (ConcretizationError, DTypeError, OperandShapeError, ShapeError, TilefuseError,
                                 is_internal, with_user_line)
 from tilefuse.runtime.array import Array
@@ -155,10 +155,8 @@ def broadcast_shapes(*shapes, _op: str | None = None) -> tuple[int, ...]:
     nd = builtins.max((len(s) for s in shapes), default=0)
     out = []
     for i in range(nd):
-        dims = []  # the sizes other than 1 (a list: a symbolic size must not be hashed)
-        for s in shapes:
-            if i - nd + len(s) >= 0 and s[i - nd + len(s)] != 1 and s[i - nd + len(s)] not in dims:
-                dims.append(s[i - nd + len(s)])
+        at = [s[i - nd + len(s)] for s in shapes if i - nd + len(s) >= 0]
+        dims = distinct(n for n in at if n != 1)  # (by ==: a symbolic size must not be hashed)
         if len(dims) > 1:
             raise ShapeError(with_user_line(
                 f"{_op + ': ' if _op else ''}operands of shapes "
