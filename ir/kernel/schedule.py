@@ -15,7 +15,9 @@ The layout (v1):
   Target's lanes times its `unroll` (registers in flight: the LLVM printer takes vectors of any
   width) where the loads are contiguous, one register where they gather (the code grows with
   the lanes). Where the Target takes the batch at run time (`runtime_batch`), the first axis's
-  extent is read as tile.batch(), never a constant: code serves every batch size.
+  extent is read as tile.batch(), never a constant: code serves every batch size; so are the
+  constants that are this instance's sizes (`sized_constants`: a packed result's slice offsets, a
+  mean's count).
 - Reductions: per point, one pass over the reduction space per dependency level
   (ir.reduce_levels), accumulators in registers (argmax/argmin: value and index); a reduce node
   then reads its accumulator. Row stores (they read the reduction indices) run in a last pass.
@@ -156,6 +158,69 @@ def laid_out(k: Kernel, target: Target) -> Kernel:
     if got is None:
         got = k.meta["merged"] = merge_axes(k)
     return got
+
+
+COPIES_MIN = 1024  # elements of an output from which an offset of whole copies of it is read as a size
+COUNT_MIN = 64  # a float constant equal to a run-time extent at least this large is read as that size
+
+
+def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
+    """The laid-out kernel k with the constants that are its instance's run-time sizes written as
+    those sizes, where the Target takes sizes at run time, so their code serves every batch too:
+    an index offset (an operand of an add) of whole copies of the output, m x its size (a slice
+    of a packed result: dk after dq, B·H·T·D elements on), as m x size(0) x the other extents;
+    a float constant equal to the first extent, the output's size or a generic reduction's extent,
+    or to its reciprocal
+    (a mean's count, or its gradient's 1/n, put into the graph as numbers), as that size
+    converted (and divided into one). Each instance's constants are matched
+    exactly, so its code computes what the constants did, and code_text shows the sizes: two
+    instances share code only where the same relation holds."""
+    if not (target.runtime_batch and k.size):
+        return k
+    memo_key = ("sized_constants", s)
+    got = k.meta.get(memo_key)
+    if got is not None:
+        return got
+    inner, total = math.prod(k.shape[1:]), k.size if k.shape else 0
+    extents = [(k.shape[0], size(0)), (total, imul(size(0), inner))] if k.shape else []
+    if generic_reduction(k, target, s):
+        extents.append((k.reduce_shape[0], size(1)))
+    counts = {}  # (dtype, value) -> the size expression that computes it
+    for n, sz in extents:
+        if n < COUNT_MIN or n >= 2 ** 24:
+            continue
+        for d in (np.dtype(np.float32), np.dtype(np.float64)):
+            f = cast(sz, d)
+            for c, e in ((d.type(n), f), (d.type(1) / d.type(n), binary("div", const(1.0, d), f))):
+                counts.setdefault((d, float(c)), e)
+                counts.setdefault((d, -float(c)), unary("neg", e))
+
+    def copies(x: KExpr) -> KExpr:
+        if x.op == "const" and x.dtype == INDEX and total >= COPIES_MIN and x.arg > 0 and x.arg % total == 0:
+            return imul(batch(), x.arg // total * inner)
+        return x
+    roots = [e for st in k.stores for e in (st.offset, st.value)]
+    memo: dict = {}
+    changed = False
+    for n in walk(roots):
+        if n.op == "const" and (n.dtype, float(n.arg)) in counts:
+            memo[n] = counts[n.dtype, float(n.arg)]
+        elif n.src:
+            src = tuple(memo[x] for x in n.src)
+            if n.op == "add":
+                src = tuple(copies(x) if x.op == "const" else x for x in src)
+            memo[n] = KExpr(n.op, n.dtype, src, n.arg)
+        else:
+            memo[n] = n
+        changed = changed or memo[n] is not n and memo[n] != n
+    if not changed:
+        k.meta[memo_key] = k
+        return k
+    out = Kernel(k.name, k.buffers, k.n_inputs, k.shape, k.reduce_shape,
+                 tuple(KStore(st.buffer, memo[st.offset], memo[st.value], st.mode) for st in k.stores))
+    out.meta.update(merged=out)  # (laid out already)
+    k.meta[memo_key] = out
+    return out
 
 
 def merge_axes(k: Kernel) -> Kernel:
@@ -751,7 +816,7 @@ def code_text(k: Kernel, target: Target, s: Schedule) -> str:
     (tests/backends/test_shape_generic.py holds the scheduler to it)."""
     if generic_reduction(k, target, s):  # (a handful of kernels: the tile kernel's own text)
         return "generic reduction\n" + key_text(schedule(k, target, s))
-    k = laid_out(k, target)
+    k = sized_constants(laid_out(k, target), target, s)
     generic = target.runtime_batch
     shape = ("?",) + tuple(k.shape[1:]) if generic and k.shape else tuple(k.shape)
     lines = [" ".join(np.dtype(b.dtype).name for b in k.buffers) + f" inputs {k.n_inputs} shape {shape} "
@@ -800,7 +865,7 @@ def schedule(k: Kernel, target: Target, sched: Schedule | None = None) -> TileKe
     """The tile kernel of an index-space kernel on `target` (default_schedule unless given)."""
     s = sched or default_schedule(k, target)
     sizes = run_sizes(k, target, s)
-    k = laid_out(k, target)
+    k = sized_constants(laid_out(k, target), target, s)
     meta = {"kernel": k, "schedule": s, "sizes": sizes}
     if not k.size:  # nothing to compute: a kernel of no work-groups
         return TileKernel(k.name, k.buffers, k.n_inputs, (Range("g", 0, "grid", ()),), meta=meta)

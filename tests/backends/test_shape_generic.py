@@ -167,6 +167,51 @@ def test_new_batch_sizes_reuse_compiled_kernels(device, name):
 
 
 
+def attention_vjp(q, k, v, dout):
+    """The attention backward's packed (dq, dk, dv), sliced at offsets of B·H·T·D elements."""
+    _, back = tx.vjp(lambda q, k, v: nn.dot_product_attention(q, k, v, causal=True), q, k, v)
+    return back(dout)
+
+
+def mean_grads(x, y):
+    """Means' gradients: cos(x) · 1/n over all of x, and 2 y · 1/n over the elements of y's rows
+    (n put into the graph as a number)."""
+    return tx.grad(lambda x: tnp.mean(tnp.sin(x)))(x), tx.grad(lambda y: (tnp.mean(y * y, axis=1)).sum())(y)
+
+
+def test_counts_in_constants_are_read_at_run_time(device):
+    """Floats equal to a kernel's run-time extents or size, or their reciprocals (a mean's 1/n),
+    are read as sizes (schedule.sized_constants): the means' gradients build nothing at a new
+    batch size, and match the interpreter."""
+    _generic(device)
+    jf = tx.jit(mean_grads, device=device)
+    for i, n in enumerate((70, 90, 131)):
+        args = (rng.standard_normal((n, 8)).astype(np.float32) * 10, rng.standard_normal((n, 3)).astype(np.float32))
+        before = _built(device)
+        got = jf(*args)
+        if i:
+            assert _built(device) == before, f"batch {n}: kernels built again"
+        want = tx.jit(mean_grads, device="ref")(*args)
+        for a, b in zip(tx.tree_leaves(got), tx.tree_leaves(want)):
+            assert_close(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_packed_slice_offsets_are_read_at_run_time(device):
+    """The slices of the attention backward's packed result start at whole copies of their
+    output: one cache text at every batch size (schedule.sized_constants), each batch's results
+    the interpreter's."""
+    t = _generic(device)
+    texts = []
+    for n in (70, 90, 131):
+        args = [rng.standard_normal((n, 40, 2, 16)).astype(np.float32) for _ in range(4)]
+        ks = [k for k in _kernels(attention_vjp, args) if "slice" in k.name and k.size]
+        texts.append({code_text(k, t, default_schedule(k, t)) for k in ks})
+        got, want = tx.jit(attention_vjp, device=device)(*args), tx.jit(attention_vjp, device="ref")(*args)
+        for a, b in zip(tx.tree_leaves(got), tx.tree_leaves(want)):
+            assert_close(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert texts[0] and texts[0] == texts[1] == texts[2], "the slices' code depends on the batch size"
+
+
 def test_an_empty_batch_then_a_full_one(device):
     """An empty kernel has the cache text of the same kernel at any batch size, and no code: it
     must not stand in the cache for them (it did: a null function pointer, a segfault)."""
