@@ -169,8 +169,8 @@ def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
     those sizes, where the Target takes sizes at run time, so their code serves every batch too:
     an index offset (an operand of an add) of whole copies of the output, m x its size (a slice
     of a packed result: dk after dq, B·H·T·D elements on), as m x size(0) x the other extents;
-    a float constant equal to the first extent, the output's size or a generic reduction's extent,
-    or to its reciprocal
+    a float constant equal to the first extent, the output's size or a generic reduction's extent
+    or steps, or to its reciprocal
     (a mean's count, or its gradient's 1/n, put into the graph as numbers), as that size
     converted (and divided into one). Each instance's constants are matched
     exactly, so its code computes what the constants did, and code_text shows the sizes: two
@@ -183,8 +183,8 @@ def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
         return got
     inner, total = math.prod(k.shape[1:]), k.size if k.shape else 0
     extents = [(k.shape[0], size(0)), (total, imul(size(0), inner))] if k.shape else []
-    if generic_reduction(k, target, s):
-        extents.append((k.reduce_shape[0], size(1)))
+    if generic_reduction(k, target, s):  # (the reduction's first extent, and all of its steps)
+        extents += [(k.reduce_shape[0], size(1)), (math.prod(k.reduce_shape), imul(size(1), math.prod(k.reduce_shape[1:])))]
     counts = {}  # (dtype, value) -> the size expression that computes it
     for n, sz in extents:
         if n < COUNT_MIN or n >= 2 ** 24:
@@ -344,6 +344,11 @@ def stride(n: KExpr, axis: KExpr, memo: dict | None = None) -> int | None:
     return memo[n]
 
 
+def _k(x) -> KExpr:
+    """An index count as an expression (a constant, or already one: a run-time count)."""
+    return x if isinstance(x, KExpr) else ic(x)
+
+
 def divmod_index(u: KExpr, shape) -> list:
     """Row-major indices of the flat number u (< the product of `shape`) over `shape`: the first
     is what remains, so its extent is not in the expressions (tile.batch)."""
@@ -462,6 +467,8 @@ class _Builder:
             return self._group_reduction(reds, I_env, stash)
         W = self.s.reduce_lanes if R[-1] >= self.s.reduce_lanes else 1
         n = self.reduce_extent  # (generic: the first axis's extent; flushed whatever it is)
+        if n is not None and W > 1:  # (a generic reduction in vectors: one axis, its extent at run time)
+            return self._axis_reduction(reds, I_env, W, stash, n)
         if n is None and vector is None and all(r.arg in VECTOR_REDUCE for r in reds) and \
                 (W > 1 or (R[-1] > 2 * BLOCK and any(r.arg == "sum" and r.dtype.kind == "f" for r in reds))):
             return self._axis_reduction(reds, I_env, W, stash)
@@ -547,18 +554,23 @@ class _Builder:
         return [Store(name + "b", ic(0), better), Store(name, ic(0), select(acc["took"], v, cur)),
                 Store(name + "i", ic(0), select(acc["took"], ix, acc["idx"]))]
 
-    def _axis_reduction(self, reds: list, I_env: dict, W: int, stash=()) -> tuple[list, dict]:
+    def _axis_reduction(self, reds: list, I_env: dict, W: int, stash=(), n: KExpr | None = None) -> tuple[list, dict]:
         """The last reduction axis walked W steps at a time (vector accumulators, W > 1) in blocks of
         about BLOCK elements, float sums flushed lane by lane into compensated totals after each
         block (blocked summation: the error grows with the block and the block count, not the
         row; no fold across the lanes until the end), the last R % W steps
         one at a time into scalar accumulators; then folded (hsum/hmax/hmin, argmax/argmin lane by
-        lane with ties to the first index)."""
+        lane with ties to the first index). n: the (one) axis's extent read at run time
+        (generic_reduction): every part is then a run-time count, which may be zero."""
         R = self.k.reduce_shape
         last = len(R) - 1
-        steps, tail = R[last] // W, R[last] % W
         S = max(BLOCK // W, min(64, BLOCK))  # steps per block: at least 64 adds into each lane
-        nb, rem = (steps // S, steps % S) if steps > S else (0, steps)
+        if n is None:
+            steps, tail = R[last] // W, R[last] % W
+            nb, rem = (steps // S, steps % S) if steps > S else (0, steps)
+        else:
+            steps, tail = binary("div", n, ic(W)), binary("rem", n, ic(W))
+            nb, rem = binary("div", steps, ic(S)), binary("rem", steps, ic(S))
         env = dict(I_env)
         env.update({KExpr("ridx", INDEX, (), a): var(f"r{a}") for a in range(last)})
         axis = KExpr("ridx", INDEX, (), last)
@@ -595,9 +607,9 @@ class _Builder:
             body += (Range("rb", nb, "serial", (Range("rv", S, "serial", steps_at(imul(iadd(imul(rb, S), rv), W))),)
                            + flush),)
         if rem:
-            body += (Range("rr", rem, "serial", steps_at(imul(iadd(ic(nb * S), rr), W))),)
+            body += (Range("rr", rem, "serial", steps_at(imul(iadd(imul(_k(nb), S), rr), W))),)
         if tail:
-            e = {**env, axis: iadd(ic(steps * W), rt)}
+            e = {**env, axis: iadd(imul(_k(steps), W), rt)}
             sl = []
             for r in reds:
                 b = substitute(list(r.src), e)
@@ -839,9 +851,18 @@ def generic_reduction(k: Kernel, target: Target, s: Schedule) -> bool:
     so a new batch size reuses the code of a sum over the batch's rows (a bias's or a layer norm's
     gradient): on targets that take sizes at run time, a first reduction axis (after merging) of
     at least GENERIC_REDUCE_MIN steps, reduced one step at a time by one task per point (or by a
-    work-group per point, a GPU's cooperative reduction), with no row stores. Its code text is then
-    the tile kernel's own (code_text)."""
-    return not (s.serial or s.owner or s.reduce_lanes > 1) and _batch_reduction(k, target)
+    work-group per point, a GPU's cooperative reduction; or in vectors where it is the kernel's
+    one axis and its one point: a loss's mean), with no row stores. Its code text is then the tile
+    kernel's own (code_text)."""
+    if s.serial or s.owner:
+        return False
+    if s.reduce_lanes > 1:  # in vectors: a whole kernel's one sum, max or min (a loss's mean); rows
+        #                     over a model's width keep their constant extent (their loops unroll)
+        lk = laid_out(k, target)
+        if lk.shape or len(lk.reduce_shape) != 1 or not all(
+                r.arg in ("sum", "max", "min") for lv in reduce_levels(_roots(lk)) for r in lv):
+            return False
+    return _batch_reduction(k, target)
 
 
 def _batch_reduction(k: Kernel, target: Target) -> bool:

@@ -196,6 +196,30 @@ def test_counts_in_constants_are_read_at_run_time(device):
             assert_close(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+def whole_reductions(x):
+    return x.sum(), x.max(), x.min(), tnp.mean(x), tnp.mean(x * x)
+
+
+def test_whole_array_reductions_serve_every_size(device):
+    """A reduction of a whole array (a loss's sum or mean: one point, one axis after merging),
+    in vectors on CPUs, reads its extent at run time: sizes whose runs split into blocks, whole
+    vectors and ragged ends differently (70 to 35,000 elements) build nothing after the first,
+    and sums over values of wide magnitudes stay within float32's blocked-summation error."""
+    _generic(device)
+    jf = tx.jit(whole_reductions, device=device)
+    for i, n in enumerate((10, 147, 1000, 5000)):
+        x = (rng.standard_normal((n, 7)) * 10.0 ** rng.integers(-3, 4, (n, 7))).astype(np.float32)
+        before = _built(device)
+        got = [float(v) for v in jf(x)]
+        if i > 1 or (i and device.kind == "cpu"):  # (a GPU's work-group per point: wider past 70)
+            assert _built(device) == before, f"{n} rows: kernels built again"
+        x64 = x.astype(np.float64)
+        want = [x64.sum(), x64.max(), x64.min(), x64.mean(), (x64 * x64).mean()]
+        scale = [np.abs(x64).sum(), 0, 0, np.abs(x64).mean(), (x64 * x64).mean()]
+        for g, w, sc in zip(got, want, scale):
+            assert abs(g - w) <= 1e-5 * sc + 1e-6 * abs(w), (n, g, w)
+
+
 def test_packed_slice_offsets_are_read_at_run_time(device):
     """The slices of the attention backward's packed result start at whole copies of their
     output: one cache text at every batch size (schedule.sized_constants), each batch's results
