@@ -167,14 +167,13 @@ COUNT_MIN = 64  # a float constant equal to a run-time extent at least this larg
 def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
     """The laid-out kernel k with the constants that are its instance's run-time sizes written as
     those sizes, where the Target takes sizes at run time, so their code serves every batch too:
-    an index offset (an operand of an add) of whole copies of the output, m x its size (a slice
-    of a packed result: dk after dq, B·H·T·D elements on), as m x size(0) x the other extents;
-    a float constant equal to the first extent, the output's size or a generic reduction's extent
-    or steps, or to its reciprocal
-    (a mean's count, or its gradient's 1/n, put into the graph as numbers), as that size
-    converted (and divided into one). Each instance's constants are matched
-    exactly, so its code computes what the constants did, and code_text shows the sizes: two
-    instances share code only where the same relation holds."""
+    - an index offset (an operand of an add) of whole copies of the output, m x its size (a slice
+      of a packed result: dk after dq, B·H·T·D elements on), as m x size(0) x the other extents;
+    - a float equal to the first extent, the output's size, a generic reduction's extent or its
+      steps, or to the reciprocal of one (a mean's n, its gradient's 1/n: put into the graph as
+      numbers), as that size converted (and divided into one).
+    Each instance's constants are matched exactly, so its code computes what the constants did,
+    and code_text shows the sizes: two instances share code only where the same relation holds."""
     if not (target.runtime_batch and k.size):
         return k
     memo_key = ("sized_constants", s)
