@@ -220,6 +220,51 @@ def test_whole_array_reductions_serve_every_size(device):
             assert abs(g - w) <= 1e-5 * sc + 1e-6 * abs(w), (n, g, w)
 
 
+def _thirds(x, y):
+    """A flat packing of three arrays of x's size, sliced back: offsets of whole copies."""
+    packed = tnp.concatenate([x.ravel(), y.ravel(), (x * 2).ravel()])
+    return packed[x.size:2 * x.size] * 3 + packed[2 * x.size:]
+
+
+SIZED = {  # name: (tilefuse function of x, y; numpy's in float64; the size of its terms, for the error)
+    "mean": (lambda x, y: tnp.mean(x) + x * 0, lambda x, y: x.mean() + x * 0,
+             lambda x, y: np.abs(x).mean() + 0 * x),
+    "by_size": (lambda x, y: x / x.size + y.sum() / y.shape[0], lambda x, y: x / x.size + y.sum() / y.shape[0],
+                lambda x, y: np.abs(x) / x.size + np.abs(y).sum() / y.shape[0]),
+    "reciprocals": (lambda x, y: x * (1.0 / x.shape[0]) - y * (1.0 / y.size),
+                    lambda x, y: x * (1.0 / x.shape[0]) - y * (1.0 / y.size),
+                    lambda x, y: np.abs(x) / x.shape[0] + np.abs(y) / y.size),
+    "packed": (_thirds, lambda x, y: y.ravel() * 3 + x.ravel() * 2, lambda x, y: np.abs(y.ravel()) * 3 + np.abs(x.ravel()) * 2),
+    "whole": (lambda x, y: (tnp.max(x * y), tnp.min(x - y), tnp.sum(x * y), tnp.mean(x * x)),
+              lambda x, y: ((x * y).max(), (x - y).min(), (x * y).sum(), (x * x).mean()),
+              lambda x, y: (abs((x * y).max()), abs((x - y).min()), np.abs(x * y).sum(), (x * x).mean())),
+    "mean_grad": (tx.grad(lambda x, y: tnp.mean(tnp.sin(x) * y)), lambda x, y: np.cos(x) * y / x.size,
+                  lambda x, y: np.abs(y) / x.size),
+}
+
+
+@pytest.mark.parametrize("name", list(SIZED))
+def test_sized_constants_at_random_sizes(device, name):
+    """Programs whose kernels hold sizes as constants (counts, reciprocals, packed offsets, whole
+    reductions), jitted once and called at random sizes (8 to 2,000 rows, values over five
+    decades) on every device: a kernel reused at a size must compute that size's numbers (within
+    float32's rounding of the terms; an n off by one is 1e-5 to 1e-1 off)."""
+    f, ref, terms = SIZED[name]
+    r = np.random.default_rng(zlib.crc32(name.encode()))
+    jf = tx.jit(f, device=device)
+    cols = int(r.integers(1, 9))
+    for n in r.integers(8, 2000, 5):
+        x = (r.standard_normal((n, cols)) * 10.0 ** r.integers(-2, 3, (n, cols))).astype(np.float32)
+        y = r.standard_normal((n, cols)).astype(np.float32)
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        want, scale = ref(x64, y64), terms(x64, y64)
+        want, scale = (want, scale) if isinstance(want, tuple) else ((want,), (scale,))
+        for g, w, sc in zip(tx.tree_leaves(jf(x, y)), want, scale):
+            g = np.asarray(g, np.float64)
+            tol = 2e-6 * np.asarray(sc) + (1e-5 * np.asarray(sc) if name == "whole" else 0)  # (sums: more roundings)
+            assert np.all(np.abs(g - w) <= tol + 1e-30), (name, n, cols, float(np.max(np.abs(g - w))))
+
+
 def test_packed_slice_offsets_are_read_at_run_time(device):
     """The slices of the attention backward's packed result start at whole copies of their
     output: one cache text at every batch size (schedule.sized_constants), each batch's results
