@@ -180,10 +180,11 @@ def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
     got = k.meta.get(memo_key)
     if got is not None:
         return got
-    inner, total = math.prod(k.shape[1:]), k.size if k.shape else 0
-    extents = [(k.shape[0], size(0)), (total, imul(size(0), inner))] if k.shape else []
+    inner = math.prod(k.shape[1:])
+    extents = [(k.shape[0], size(0)), (k.size, imul(size(0), inner))] if k.shape else []
     if generic_reduction(k, target, s):  # (the reduction's first extent, and all of its steps)
-        extents += [(k.reduce_shape[0], size(1)), (math.prod(k.reduce_shape), imul(size(1), math.prod(k.reduce_shape[1:])))]
+        R = k.reduce_shape
+        extents += [(R[0], size(1)), (math.prod(R), imul(size(1), math.prod(R[1:])))]
     counts = {}  # (dtype, value) -> the size expression that computes it
     for n, sz in extents:
         if n < COUNT_MIN or n >= 2 ** 24:
@@ -193,31 +194,27 @@ def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
             for c, e in ((d.type(n), f), (d.type(1) / d.type(n), binary("div", const(1.0, d), f))):
                 counts.setdefault((d, float(c)), e)
                 counts.setdefault((d, -float(c)), unary("neg", e))
+    whole = k.size if k.shape and k.size >= COPIES_MIN else 0  # an offset of whole copies of the output
 
     def copies(x: KExpr) -> KExpr:
-        if x.op == "const" and x.dtype == INDEX and total >= COPIES_MIN and x.arg > 0 and x.arg % total == 0:
-            return imul(batch(), x.arg // total * inner)
+        if whole and x.op == "const" and x.dtype == INDEX and x.arg > 0 and x.arg % whole == 0:
+            return imul(batch(), x.arg // whole * inner)
         return x
     roots = [e for st in k.stores for e in (st.offset, st.value)]
     memo: dict = {}
-    changed = False
-    for n in walk(roots):
+    for n in walk(roots):  # (nodes rebuilt only where an operand changed)
         if n.op == "const" and (n.dtype, float(n.arg)) in counts:
             memo[n] = counts[n.dtype, float(n.arg)]
-        elif n.src:
-            src = tuple(memo[x] for x in n.src)
-            if n.op == "add":
-                src = tuple(copies(x) if x.op == "const" else x for x in src)
-            memo[n] = KExpr(n.op, n.dtype, src, n.arg)
-        else:
-            memo[n] = n
-        changed = changed or memo[n] is not n and memo[n] != n
-    if not changed:
-        k.meta[memo_key] = k
-        return k
-    out = Kernel(k.name, k.buffers, k.n_inputs, k.shape, k.reduce_shape,
-                 tuple(KStore(st.buffer, memo[st.offset], memo[st.value], st.mode) for st in k.stores))
-    out.meta.update(merged=out)  # (laid out already)
+            continue
+        src = tuple(memo[x] for x in n.src)
+        if n.op == "add":
+            src = tuple(map(copies, src))
+        memo[n] = n if all(a is b for a, b in zip(src, n.src)) else KExpr(n.op, n.dtype, src, n.arg)
+    out = k
+    if any(memo[e] is not e for e in roots):
+        out = Kernel(k.name, k.buffers, k.n_inputs, k.shape, k.reduce_shape,
+                     tuple(KStore(st.buffer, memo[st.offset], memo[st.value], st.mode) for st in k.stores))
+        out.meta.update(merged=out)  # (laid out already)
     k.meta[memo_key] = out
     return out
 

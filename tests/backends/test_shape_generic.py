@@ -174,8 +174,8 @@ def attention_vjp(q, k, v, dout):
 
 
 def mean_grads(x, y):
-    """Means' gradients: cos(x) · 1/n over all of x, and 2 y · 1/n over the elements of y's rows
-    (n put into the graph as a number)."""
+    """Means' gradients: cos(x) · 1/n over all of x (n put into the graph as a number), and
+    2 y / 3 over each row of y (a count that is no size of the batch: it stays a constant)."""
     return tx.grad(lambda x: tnp.mean(tnp.sin(x)))(x), tx.grad(lambda y: (tnp.mean(y * y, axis=1)).sum())(y)
 
 
