@@ -757,3 +757,42 @@ def test_pocl_builds_with_declarations_clang_spells_the_same_way():
     assert len(ours) > 1000
     missing = sorted(ours - clang)
     assert not missing, f"{len(missing)} declarations not in {headers[0]}: {missing[:10]}"
+
+
+@pytest.mark.parametrize("mask, user, pinned", [("all", None, "1"), ("one", None, None), ("all", "0", "0")])
+def test_pocl_workers_pinned_only_where_the_process_may_use_every_cpu(monkeypatch, mask, user, pinned):
+    """PoCL pins worker i to CPU i (not within the process's mask): set only where the mask holds
+    every CPU, never over the user's own POCL_AFFINITY."""
+    from tilefuse.backends import opencl
+    if not hasattr(opencl.os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    n = 4
+    monkeypatch.setattr(opencl.os, "cpu_count", lambda: n)
+    monkeypatch.setattr(opencl.os, "sched_getaffinity", lambda pid: set(range(n)) if mask == "all" else {2})
+    monkeypatch.delenv("POCL_AFFINITY", raising=False)
+    if user is not None:
+        monkeypatch.setenv("POCL_AFFINITY", user)
+    opencl._pin_pocl_workers()
+    assert opencl.os.environ.get("POCL_AFFINITY") == pinned
+
+
+def test_pocl_runs_in_a_process_restricted_to_one_cpu():
+    """Under a one-CPU mask (taskset) the driver is left unpinned and computes correctly."""
+    import os
+    import subprocess
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs to restrict the process to one")
+    cpu = max(os.sched_getaffinity(0))
+    code = (f"import os; os.sched_setaffinity(0, {{{cpu}}})\n"
+            "import numpy as np, tilefuse as tx\n"
+            "if not tx.devices('opencl'): print('no device'); raise SystemExit\n"
+            "a = np.arange(12, dtype=np.float32).reshape(3, 4)\n"
+            "print(np.asarray(tx.jit(lambda x: x @ x.T + 1, device='opencl:0')(a)).sum(), "
+            "os.environ.get('POCL_AFFINITY'))")
+    env = {k: v for k, v in os.environ.items() if k != "POCL_AFFINITY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no device":
+        pytest.skip("no OpenCL device")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert out.stdout.split() == [str(np.float32((a @ a.T + 1).sum())), "None"]
