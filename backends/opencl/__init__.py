@@ -96,6 +96,15 @@ class _State:
             raise err from None
 
 
+def typed(knl, printed, n_buffers: int):
+    """The kernel with its parameters' types declared (buffers, the workspace, the run-time sizes as
+    longs), so that pyopencl packs the sizes from ints in its generated setter: an undeclared numpy
+    scalar goes the slow way, about 8 µs each (a launch's four sizes were 30-45 µs on PoCL, more
+    than a small GEMM's wait for its work-groups)."""
+    knl.set_scalar_arg_dtypes([None] * (n_buffers + bool(printed.scratch_elems)) + [np.int64] * printed.sizes)
+    return knl
+
+
 class TileLaunch:
     """A built tile kernel launched over one tile kernel's grid: `run(buffers)` enqueues it with
     its workspace (the device's scratch memory, _State.workspace) and run-time sizes, and returns the
@@ -109,7 +118,7 @@ class TileLaunch:
         self.global_size = tuple(g * n for g, n in zip(groups, self.local_size))
         sizes = tuple(tk.meta.get("sizes", ()))
         assert len(sizes) >= printed.sizes, f"{tk.name} reads {printed.sizes} run-time sizes, knows {sizes}"
-        self._sizes = [np.int64(v) for v in sizes[:printed.sizes]]
+        self._sizes = [int(v) for v in sizes[:printed.sizes]]  # packed as the declared longs (typed)
         self._p, self._knl, self._state = printed, cl_kernel, state
         self._ws = None
         self.last_event = None
@@ -132,7 +141,7 @@ class TileLaunch:
         st = self._state
         if not all(self.global_size):
             return lambda: None
-        knl = self._knl.clone()
+        knl = typed(self._knl.clone(), self._p, len(self.kernel.buffers))
         knl.set_args(*self._args(buffers))
         enqueue, queue, sizes = st.cl.enqueue_nd_range_kernel, st.queue, (self.global_size, self.local_size)
 
@@ -245,7 +254,7 @@ class OpenCLBackend(Backend):
         except CompileError:
             return
         for tk, p, knl in zip(todo, ps, knls):
-            st.kernels[self._key(tk)] = p, knl
+            st.kernels[self._key(tk)] = p, typed(knl, p, len(tk.buffers))
         if config.debug:
             print(f"[tilefuse opencl] {len(todo)} kernels built in {time.perf_counter() - t0:.3f} s", file=sys.stderr)
 
@@ -265,7 +274,7 @@ class OpenCLBackend(Backend):
             t0 = time.perf_counter()
             p = self._print(tk, st)
             knl = self.programs.kernel(st.ctx, st.dev, p.source, p.name, str(tk))
-            hit = st.kernels[key] = p, knl
+            hit = st.kernels[key] = p, typed(knl, p, len(tk.buffers))
             if config.debug:
                 print(f"[tilefuse opencl] tile kernel {p.name} built in {time.perf_counter() - t0:.3f} s\n"
                       f"{p.source}", file=sys.stderr)
