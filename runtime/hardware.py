@@ -16,7 +16,7 @@ has 8-wide vectors and no fp16. Keys (all optional; a section named after a devi
     cpu_features     LLVM target features to remove, glob patterns: ["avx512*", "amx*"]
     buffer_align     bytes kernels may assume every buffer starts at (OpenCL: vector accesses
                      that need alignment are used where it is proven)
-    compute_units, local_mem_bytes, max_work_group, l1_bytes, l2_bytes, l3_bytes
+    compute_units, local_mem_bytes, max_work_group, l1_bytes, l1_ways, l2_bytes, l3_bytes
 
 A description only narrows what a device can do (widths, local memory, work-group size, features
 and fp16 are capped at what the device reports), so a simulated machine never asks the real
@@ -41,6 +41,7 @@ class DeviceInfo:
     compute_units: int = 1
     simd_lanes_f32: int = 4  # float32 lanes of the native vector unit (or warp size on GPUs)
     l1_bytes: int = 32 << 10
+    l1_ways: int = 8  # the L1 data cache's associativity
     l2_bytes: int = 1 << 20
     l3_bytes: int = 0
     local_mem_bytes: int = 0  # OpenCL local / CUDA shared memory per work-group
@@ -63,7 +64,7 @@ class DeviceInfo:
 
 KINDS = ("cpu", "opencl", "cuda", "ref")
 KEYS = frozenset({"vector_bits", "vector_widths", "fp16", "cpu_name", "cpu_features", "buffer_align",
-                  "compute_units", "local_mem_bytes", "max_work_group", "l1_bytes", "l2_bytes",
+                  "compute_units", "local_mem_bytes", "max_work_group", "l1_bytes", "l1_ways", "l2_bytes",
                   "l3_bytes", "device_type"})
 # CPU target features that need 512-bit vectors or AVX-512 encodings
 WIDE_FEATURES = ("avx512*", "amx*", "avx10*", "evex512")
@@ -128,7 +129,7 @@ def narrowed(info: DeviceInfo, desc: dict) -> DeviceInfo:
     if not desc:
         return info
     ch = {}
-    for k in ("compute_units", "l1_bytes", "l2_bytes", "l3_bytes"):
+    for k in ("compute_units", "l1_bytes", "l1_ways", "l2_bytes", "l3_bytes"):
         if k in desc:
             ch[k] = int(desc[k])
     if "local_mem_bytes" in desc:
@@ -142,13 +143,14 @@ def narrowed(info: DeviceInfo, desc: dict) -> DeviceInfo:
     return replace(info, **ch, extra=extra)
 
 
-def _read_cache_size(index: int) -> int:
+def _read_cache(index: int, what: str = "size") -> int:
+    """A cache's size in bytes (or another of /sys's numbers: ways_of_associativity); 0 if unknown."""
     try:
-        with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+        with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/{what}") as f:
             s = f.read().strip()
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
         return int(s.rstrip("KMG")) * mult
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         return 0
 
 
@@ -181,8 +183,8 @@ def host_info() -> DeviceInfo:
     fma = 1 if "fma" not in feats or (lanes == 16 and name == "znver4") else 2
     ghz = 3.0
     _HOST = DeviceInfo(kind="cpu", name=f"host CPU ({name})", compute_units=cores, simd_lanes_f32=lanes,
-                       l1_bytes=_read_cache_size(0) or 48 << 10, l2_bytes=_read_cache_size(2) or 1 << 20,
-                       l3_bytes=_read_cache_size(3), max_work_group=1, global_mem_bytes=_mem_bytes(),
+                       l1_bytes=_read_cache(0) or 48 << 10, l1_ways=_read_cache(0, "ways_of_associativity") or 8,
+                       l2_bytes=_read_cache(2) or 1 << 20, l3_bytes=_read_cache(3), max_work_group=1, global_mem_bytes=_mem_bytes(),
                        peak_gflops=cores * ghz * lanes * 2 * fma, peak_gbps=12.0 * cores,
                        features=feats, cpu_name=name)
     _HOST = narrowed(_HOST, desc)
@@ -225,7 +227,8 @@ def target_of(info: DeviceInfo):
     return Target(kind="cpu" if cpu else "gpu", lanes=max(1, lanes),
                   vector_registers=32 if "avx512f" in feats else 16, cores=max(1, info.compute_units),
                   shared_bytes=0 if cpu else info.local_mem_bytes, max_group=max(1, info.max_work_group),
-                  warp=max(1, info.sub_group), l1_bytes=caches.l1_bytes, l2_bytes=caches.l2_bytes,
+                  warp=max(1, info.sub_group), l1_bytes=caches.l1_bytes, l1_ways=max(1, caches.l1_ways),
+                  l2_bytes=caches.l2_bytes,
                   l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)),
                   mma=tuple(MMA(*m) for m in info.extra.get("mma", ())),  # (the backend's table: MMA's fields)
                   # the host's LLVM printer takes vectors of any width; 4 registers in flight: the

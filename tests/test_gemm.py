@@ -401,7 +401,7 @@ def test_packed_defaults_follow_the_problem_and_the_target():
     from tilefuse.ir.kernel import gemm
     from tilefuse.ir.kernel.matmul import MatmulLayout
     from tilefuse.ir.kernel.target import Target
-    avx512 = Target("cpu", lanes=16, vector_registers=32, cores=2, l1_bytes=48 << 10, l2_bytes=2 << 20)
+    avx512 = Target("cpu", lanes=16, vector_registers=32, cores=2, l1_bytes=48 << 10, l1_ways=12, l2_bytes=2 << 20)
     avx2 = Target("cpu", lanes=8, vector_registers=16, cores=4, l1_bytes=32 << 10, l2_bytes=1 << 20)
 
     def spec(m, n, k, dtype=F32, a_strides=None, out=None):
@@ -421,6 +421,15 @@ def test_packed_defaults_follow_the_problem_and_the_target():
     # a driver's compiler (OpenCL) gets A packed: one pointer at constant offsets in the micro-kernel
     driver = replace(avx512, driver_compiled=True)
     assert gemm.default_schedule(spec(2048, 128, 128), driver).pack_a
+    # A's rows read in place share an L1 set at a stride of l1_bytes / l1_ways (4 KiB on an 8-way 32 KiB
+    # L1): the register tile keeps no more rows than the set has ways, or packs A where that is too few
+    zen4 = replace(avx512, l1_bytes=32 << 10, l1_ways=8)
+    for k, rows in ((1024, 8), (2048, 8), (512, 12), (1000, 12), (128, 12)):
+        p = gemm.default_schedule(spec(1024, 1024, k), zen4)
+        assert (p.wm, p.pack_a) == (rows, False) and p.check(spec(1024, 1024, k), zen4) is None, (k, p)
+    assert gemm.default_schedule(spec(1024, 1024, 1024), avx512).wm == 12  # 12 ways keep 12 rows
+    p = gemm.default_schedule(spec(1024, 1024, 4096), replace(zen4, l1_ways=2))
+    assert (p.wm, p.pack_a) == (12, True)  # two rows a set (16 KiB apart): packed instead
     s = spec(64, 64, 4096, BF16)
     assert "partial sums" in gemm.GemmSchedule(False, 4, 1, 16, mc=8, nc=16, kc=512).check(s, avx512)
     assert "scratch" in gemm.GemmSchedule(False, 4, 1, 16, mc=8, nc=512, kc=0).check(spec(64, 512, 1 << 20), avx512)

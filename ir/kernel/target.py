@@ -31,6 +31,8 @@ class Target:
     max_group: int = 1          # work-items per work-group
     warp: int = 1               # work-items that run in lockstep
     l1_bytes: int = 32 << 10
+    l1_ways: int = 8            # the L1 data cache's associativity (rows at a stride of l1_bytes /
+    #                             l1_ways share a set: more of them than ways evict each other)
     l2_bytes: int = 1 << 20
     l3_bytes: int = 0
     fp16: bool = True           # arithmetic on float16 (else storage only: computed in float32)
