@@ -1,7 +1,9 @@
 """The graph IR: abstract values, variables, equations and graphs (a jaxpr-like SSA form)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
 import math
 import operator
@@ -123,6 +125,25 @@ def aval_of_value(x) -> ShapedArray:
 
 
 _var_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The garbage collector held off while graphs are built: tracing, instantiating a
+    shape-generic trace and compiling allocate tens of thousands of objects that live as long as
+    the graph or its program, and the collector's passes over them find nothing to free (a
+    shape-generic trace of an unrolled RNN: 230 ms with them, 125 without; the char-GPT step at a
+    new batch size, medians of two runs: 0.78 and 0.99 s with them, 0.58 and 0.81 without).
+    Process-wide: another thread's cyclic garbage waits for the end of it (what refcounts free is
+    freed as ever)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class Var:

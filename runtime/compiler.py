@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tilefuse.backends.base import Program, bind_launch
-from tilefuse.ir.core import Graph, Literal, Var
+from tilefuse.ir.core import Graph, Literal, Var, gc_paused
 from tilefuse.ir.kernel import copy_kernel, lower_region
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.passes import Dump, partition, run_passes
@@ -154,6 +154,11 @@ class _Builder:
 
 def compile_graph(graph: Graph, device, backend, *, fuse: bool | None = None) -> Program:
     """Optimise, fuse, lower and compile `graph` for `device`; see the module docstring."""
+    with gc_paused():  # (what it builds lives as long as the program)
+        return _compile_graph(graph, device, backend, fuse)
+
+
+def _compile_graph(graph: Graph, device, backend, fuse: bool | None) -> Program:
     fuse = config.fusion if fuse is None else fuse
     dump = Dump(config.dump_dir, graph.meta.get("name", "graph"))
     front, key, hit = _front(graph, fuse, dump)

@@ -2,9 +2,7 @@
 shape_poly.py), cache, and run the compiled graph on a device."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import inspect
 import itertools
 import logging
@@ -15,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tilefuse.ir import dtypes
-from tilefuse.ir.core import Graph, ShapedArray, eval_graph
+from tilefuse.ir.core import Graph, ShapedArray, eval_graph, gc_paused
 from tilefuse.ir.errors import (ArgumentError, StaticArgumentError, TilefuseError, for_user,
                                  user_line)
 from tilefuse.ir.passes.manager import prepare_for_ad
@@ -108,22 +106,6 @@ class _Entry:
 # with the oldest stamp is evicted when a function's cache passes config.jit_cache_size.
 _clock = itertools.count()
 _live: weakref.WeakSet = weakref.WeakSet()  # every JitFunction, for clear_all
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """The garbage collector held off while a graph is traced or instantiated: both allocate
-    tens of thousands of objects that live as long as the graph, and the collector's passes over
-    them find nothing to free (a shape-generic trace of an unrolled RNN: 230 ms with them, 125
-    without; the concrete one 98 and 95)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _cache_limit() -> int:
@@ -322,7 +304,7 @@ class JitFunction:
         gkey = (in_tree, avals, static)
         hit = self._graphs.get(gkey)
         if hit is None:
-            with self._lock, _gc_paused():
+            with self._lock, gc_paused():
                 hit = self._graphs.get(gkey) or (generic and self._instantiate(gkey, trace_key)) or \
                     self._trace(gkey, static, avals, in_tree, trace_key, generic)
         return hit
