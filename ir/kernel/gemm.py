@@ -30,6 +30,8 @@ from .tile import (MMA_LAYOUTS, WARP, Alloc, Barrier, If, Range, Store, TileKern
 F32 = np.dtype(np.float32)
 _POWERS = (16, 8, 4, 2, 1)
 PAD = 8  # elements between the MMA form's k-contiguous panel rows (16 bytes: rows start in other banks)
+A_PAD = 16  # elements past each row of a packed micro-panel of A (a 64-byte line: its rows fall in
+#             different L1 sets, where rows kc floats apart, 2-8 KiB, would share one: _rows_in_l1)
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class GemmSchedule:
         if blocks > 1 and spec.out_dtype != F32:
             return f"K in {blocks} blocks: the partial sums need a float32 C, not {spec.out_dtype}"
         kc_alloc = _k_depth(spec, self.kc, target.runtime_batch)
-        scratch = 4 * kc_alloc * (self.nc + self.wm * self.pack_a)
+        scratch = 4 * (kc_alloc * self.nc + self.wm * (kc_alloc + A_PAD) * self.pack_a)
         if scratch > SCRATCH_BYTES:
             return f"packed panels of {scratch} bytes exceed the {SCRATCH_BYTES} bytes of a task's scratch"
         return None
@@ -477,7 +479,7 @@ class _Gemm:
         if p.pack_a:  # A's micro-panel in float32 (16-bit inputs converted once), copied along
             # A's contiguous axis: row by row (wm streams along k, as A itself), or k-major
             if lay.a_strides[2] == 1:
-                ap_at = _add(_mul(i, kd), k)
+                ap_at = _add(_mul(i, kc_alloc + A_PAD), k)
                 pack_a = (Range("i", wm, "unroll", (Range("k", kcur, "serial", (Store("ap", ap_at, a_in_place),)),)),)
             else:
                 ap_at = _add(_mul(k, wm), i)
@@ -530,7 +532,7 @@ class _Gemm:
                     If(_lt(col0, lay.n), micro + store),)),)),)),)
         body = (
             Alloc("bp", self.acc, kc_alloc * nc, "scratch"),
-            *((Alloc("ap", self.acc, wm * kc_alloc, "scratch"),) if p.pack_a else ()),
+            *((Alloc("ap", self.acc, wm * (kc_alloc + A_PAD), "scratch"),) if p.pack_a else ()),
             Alloc("acc", self.acc, wm * wn * vec, "register"),
             Alloc("edge", self.acc, wm * wn * vec, "scratch"),
             *((Range("pc", blocks, "serial", block),) if multi else block),
