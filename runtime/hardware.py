@@ -184,7 +184,8 @@ def host_info() -> DeviceInfo:
     ghz = 3.0
     _HOST = DeviceInfo(kind="cpu", name=f"host CPU ({name})", compute_units=cores, simd_lanes_f32=lanes,
                        l1_bytes=_read_cache(0) or 48 << 10, l1_ways=_read_cache(0, "ways_of_associativity") or 8,
-                       l2_bytes=_read_cache(2) or 1 << 20, l3_bytes=_read_cache(3), max_work_group=1, global_mem_bytes=_mem_bytes(),
+                       l2_bytes=_read_cache(2) or 1 << 20, l3_bytes=_read_cache(3), max_work_group=1,
+                       global_mem_bytes=_mem_bytes(),
                        peak_gflops=cores * ghz * lanes * 2 * fma, peak_gbps=12.0 * cores,
                        features=feats, cpu_name=name)
     _HOST = narrowed(_HOST, desc)
@@ -228,8 +229,7 @@ def target_of(info: DeviceInfo):
                   vector_registers=32 if "avx512f" in feats else 16, cores=max(1, info.compute_units),
                   shared_bytes=0 if cpu else info.local_mem_bytes, max_group=max(1, info.max_work_group),
                   warp=max(1, info.sub_group), l1_bytes=caches.l1_bytes, l1_ways=max(1, caches.l1_ways),
-                  l2_bytes=caches.l2_bytes,
-                  l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)),
+                  l2_bytes=caches.l2_bytes, l3_bytes=caches.l3_bytes, fp16=bool(info.extra.get("fp16", True)),
                   mma=tuple(MMA(*m) for m in info.extra.get("mma", ())),  # (the backend's table: MMA's fields)
                   # the host's LLVM printer takes vectors of any width; 4 registers in flight: the
                   # transcendental chains are latency-bound (tanh/sigmoid/exp chain on one znver3
