@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from tilefuse.ir.core import eval_graph
+from tilefuse.ir.primitives import Interpreter
 from tilefuse.ir.errors import OutOfMemoryError
 from tilefuse.runtime import profiler
 from tilefuse.runtime.hardware import DeviceInfo, host_info
@@ -31,10 +32,12 @@ class RefBackend(Backend):
         return host  # a ref buffer is the typed numpy array itself
 
     def compile(self, graph, device):
+        interpreter = Interpreter(graph)
+
         def run(buffers):
             prof = profiler.active
             with _numpy_memory(device):
-                return eval_graph(graph, buffers, _apply if prof is None else prof.apply(device))
+                return interpreter(buffers) if prof is None else eval_graph(graph, buffers, prof.apply(device))
         return Program(graph, run)
 
     def apply_primitive(self, prim, params, buffers, device=None):
@@ -67,10 +70,6 @@ def _raise_out_of_memory(device, e: MemoryError) -> None:
     """numpy's MemoryError as the device's OutOfMemoryError (one that already is passes on)."""
     if not isinstance(e, OutOfMemoryError):
         raise OutOfMemoryError(f"{device or 'ref'}: numpy cannot allocate ({e})") from None
-
-
-def _apply(e, xs):
-    return e.prim.impl(*xs, **e.params)
 
 
 def create():

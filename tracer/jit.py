@@ -330,7 +330,7 @@ class JitFunction:
                                 f" at {where}" if where else "", "; ".join(reasons))
                 if len(self._trace_keys) < 64:
                     self._trace_keys.append(trace_key)
-                graph = shape_poly.instantiate(template.graph, values)
+                graph = template.instance(values)
                 if hooks.config.check:  # (TILEFUSE_CHECK) the trace it stands for, compared
                     self._check_instance(graph, gkey)
                 return self._remember(gkey, (graph, template.out_tree))
@@ -401,11 +401,13 @@ class JitFunction:
             env.freeze()
         if any(isinstance(c, Tracer) for c in graph.consts):
             return None
-        if not env.all_specialised():
-            templates = self._templates.setdefault((in_tree, static), [])
-            templates.insert(0, shape_poly.Template(graph, out_tree, env, sym_avals))
-            del templates[shape_poly.TEMPLATES_MOST:]
-        return shape_poly.instantiate(graph, env.hints), out_tree
+        if env.all_specialised():
+            return shape_poly.instantiate(graph, env.hints).graph, out_tree
+        template = shape_poly.Template(graph, out_tree, env, sym_avals)
+        templates = self._templates.setdefault((in_tree, static), [])
+        templates.insert(0, template)
+        del templates[shape_poly.TEMPLATES_MOST:]
+        return template.instance(env.hints), out_tree
 
     def _compile(self, key, static, avals, in_tree, device):
         graph, out_tree = self._graph(static, avals, in_tree, key, generic=True)

@@ -15,6 +15,9 @@ side effects in the function (a print) run when it traces, as under JAX, but a n
 that the guards allow does not trace."""
 from __future__ import annotations
 
+import threading
+import weakref
+
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Graph, Literal, ShapedArray, Var
 from tilefuse.ir.symbolic import Dim, ShapeEnv, Values, concrete, evaluate, is_symbolic
@@ -24,11 +27,19 @@ TEMPLATES_MOST = 8  # shape-generic traces kept per jitted function and argument
 
 
 class Template:
-    """A graph traced with symbolic sizes: its symbolic input avals, the env of its guards."""
-    __slots__ = ("graph", "out_tree", "env", "in_avals")
+    """A graph traced with symbolic sizes: its symbolic input avals, the env of its guards, and
+    its instance at the trace's own sizes (base), which the instances at other sizes share from."""
+    __slots__ = ("graph", "out_tree", "env", "in_avals", "base")
 
     def __init__(self, graph: Graph, out_tree, env: ShapeEnv, in_avals: tuple):
         self.graph, self.out_tree, self.env, self.in_avals = graph, out_tree, env, in_avals
+        self.base: Instance | None = None
+
+    def instance(self, values) -> Graph:
+        """The graph at these symbol values (bind's)."""
+        if self.base is None:
+            self.base = instantiate(self.graph, self.env.hints)
+        return instantiate(self.graph, values, self.base).graph
 
     def bind(self, avals) -> list | None:
         """The symbols' values (one per axis) for these argument avals, or None where they do not
@@ -58,41 +69,193 @@ def symbolic_avals(avals) -> tuple[ShapeEnv, tuple]:
     return (env if env.hints else None), tuple(out)
 
 
-def instantiate(graph: Graph, values) -> Graph:
+class Instance:
+    """A template's graph at some symbol values, with what became of the template's variables
+    (atoms: id -> its new Var, or a size's Literal) and equations (eqns: one per template
+    equation, None for a size), so that a later instance can share them."""
+    __slots__ = ("graph", "values", "atoms", "eqns")
+
+    def __init__(self, graph: Graph, values: list, atoms: dict, eqns: list):
+        self.graph, self.values, self.atoms, self.eqns = graph, values, atoms, eqns
+
+
+def instantiate(graph: Graph, values, base: Instance | None = None) -> Instance:
     """The graph at these symbol values: every Dim in avals and parameters evaluated, each
-    dim_value a literal. Variables whose avals are concrete are shared with the template."""
-    if not isinstance(values, Values):
-        values = Values(values)
+    dim_value a literal. Equations with nothing symbolic (no symbolic operand, result or
+    parameter) and variables whose avals are concrete are shared with the template; given `base`
+    (an instance of the same template), so are base's equations and variables that no symbol
+    whose value differs from base's reaches: a new batch size rebuilds the equations on the
+    batch and shares an optimizer's update (_plan finds what reaches what, once per template)."""
+    plan = _plan(graph)
+    changed = None
+    if base is not None:
+        changed = frozenset(i for i, (a, b) in enumerate(zip(values, base.values)) if a != b)
+        if not changed:
+            return base
+    values = Values(values)
     atoms: dict = {}
+    fallback = base.atoms if base is not None else {}  # (what an unreached variable is in base)
+    var_syms = plan.var_syms
 
     def var(v: Var) -> Var:
         nv = atoms.get(v.id)
         if nv is None:
-            nv = atoms[v.id] = Var(_aval(v.aval, values)) if is_symbolic(v.aval.shape) else v
+            syms = var_syms.get(v.id)
+            if syms is None:
+                return v
+            if changed is not None and not (syms & changed):
+                return fallback.get(v.id, v)
+            nv = atoms[v.id] = Var(_aval(v.aval, values))
         return nv
 
     def read(a):
-        return a if isinstance(a, Literal) else atoms.get(a.id, a)
+        if isinstance(a, Literal):
+            return a
+        nv = atoms.get(a.id)
+        return nv if nv is not None else fallback.get(a.id, a)
 
     constvars = tuple(var(v) for v in graph.constvars)
     invars = tuple(var(v) for v in graph.invars)
-    eqns = []
-    sizes: set = set()  # the sizes used as values: literals now
-    for e in graph.eqns:
-        if e.prim is P.dim_value:
+    eqns, made = [], []
+    for i, (e, step) in enumerate(zip(graph.eqns, plan.steps)):
+        if step is _SHARED:
+            made.append(e)
+        elif step is _SIZE:
             out = e.outputs[0]
             atoms[out.id] = Literal(evaluate(e.params["value"], values), out.aval)
-            sizes.add(out.id)
+            made.append(None)
             continue
-        if e.prim is P.convert_element_type and isinstance(e.inputs[0], Var) and e.inputs[0].id in sizes:
-            # what the concrete trace writes: a Python number converted at trace time, a literal
-            out = e.outputs[0]
+        elif step is _SIZE_CONVERTED:  # what the concrete trace writes: a Python number converted
+            out = e.outputs[0]  # at trace time, a literal
             atoms[out.id] = Literal(atoms[e.inputs[0].id].val.astype(out.aval.dtype), out.aval)
+            made.append(None)
             continue
-        params = {k: _param(v, values) for k, v in e.params.items()}
-        eqns.append(e.replace(inputs=tuple(read(a) for a in e.inputs),
-                              outputs=tuple(var(v) for v in e.outputs), params=params))
-    return Graph(constvars, invars, tuple(eqns), tuple(read(v) for v in graph.outvars), graph.consts)
+        elif changed is not None and not (plan.eqn_syms[i] & changed):
+            made.append(base.eqns[i])
+        else:
+            params = e.params
+            if step:
+                params = dict(params)
+                for k in step:
+                    params[k] = _param(params[k], values)
+            made.append(e.replace(inputs=tuple(read(a) for a in e.inputs),
+                                  outputs=tuple(var(v) for v in e.outputs), params=params))
+        eqns.append(made[-1])
+    out = Graph(constvars, invars, tuple(eqns), tuple(read(v) for v in graph.outvars), graph.consts)
+    return Instance(out, list(values), atoms if base is None else {**fallback, **atoms}, made)
+
+
+# _plan's steps: an equation shared as it is, a size (dim_value) or a size converted at trace
+# time, both literals in the instance; any other step is the tuple of parameter names to evaluate
+_SHARED, _SIZE, _SIZE_CONVERTED = object(), object(), object()
+
+
+class _Plan:
+    """What instantiate does with each of a template's equations (steps), and which symbols
+    reach each symbolic variable (var_syms: its aval's, a size's value's) and each equation
+    (eqn_syms: its operands', results' and parameters'; every symbol where it holds a graph)."""
+    __slots__ = ("steps", "var_syms", "eqn_syms", "__weakref__")
+
+    def __init__(self, graph: Graph):
+        var_syms: dict = {v.id: _symbols(v.aval.shape) for v in (*graph.constvars, *graph.invars)
+                          if is_symbolic(v.aval.shape)}
+        sizes: set = set()  # what becomes a literal: a size, or a size converted
+        converted: set = set()
+        steps, eqn_syms = [], []
+        every = frozenset(range(_symbol_count(graph)))
+        for e in graph.eqns:
+            out = e.outputs
+            if e.prim is P.dim_value:
+                step = _SIZE
+                sizes.add(out[0].id)
+                var_syms[out[0].id] = _symbols(e.params["value"])
+            elif e.prim is P.convert_element_type and isinstance(e.inputs[0], Var) and \
+                    e.inputs[0].id in sizes and e.inputs[0].id not in converted:
+                step = _SIZE_CONVERTED
+                converted.add(out[0].id)
+                sizes.add(out[0].id)
+                var_syms[out[0].id] = var_syms[e.inputs[0].id]
+            else:
+                keys = tuple(k for k, v in e.params.items() if _has_dim(v))
+                syms = frozenset()
+                for v in out:
+                    if is_symbolic(v.aval.shape):
+                        syms |= var_syms.setdefault(v.id, _symbols(v.aval.shape))
+                for a in e.inputs:
+                    if isinstance(a, Var) and a.id in var_syms:
+                        syms |= var_syms[a.id]
+                for k in keys:
+                    syms |= every if _holds_graph(e.params[k]) else _symbols(e.params[k])
+                step = keys if syms or any(isinstance(a, Var) and a.id in sizes for a in e.inputs) else _SHARED
+            steps.append(step)
+            eqn_syms.append(syms if step is not _SIZE and step is not _SIZE_CONVERTED else frozenset())
+        self.steps, self.var_syms, self.eqn_syms = steps, var_syms, eqn_syms
+
+
+_plans: "weakref.WeakKeyDictionary[Graph, _Plan]" = weakref.WeakKeyDictionary()
+_plans_lock = threading.Lock()
+
+
+def _plan(graph: Graph) -> _Plan:
+    plan = _plans.get(graph)
+    if plan is None:
+        plan = _Plan(graph)
+        with _plans_lock:
+            _plans[graph] = plan
+    return plan
+
+
+def _symbols(x) -> frozenset:
+    """The symbols (their numbers) in a Dim, or in the Dims a shape or parameter holds."""
+    t = type(x)
+    if t is Dim:
+        out, stack = set(), [x.key]
+        while stack:
+            k = stack.pop()
+            if isinstance(k, tuple):
+                if k[0] == "s":
+                    out.add(k[1])
+                else:
+                    stack.extend(k[1:])
+        return frozenset(out)
+    if t is tuple or t is list:
+        return frozenset().union(*(_symbols(v) for v in x))
+    if t is dict:
+        return frozenset().union(*(_symbols(v) for v in x.values()))
+    if t is slice:
+        return _symbols(x.start) | _symbols(x.stop) | _symbols(x.step)
+    if t is ShapedArray:
+        return _symbols(x.shape)
+    return frozenset()
+
+
+def _holds_graph(x) -> bool:
+    return type(x) is Graph or (type(x) in (tuple, list) and any(_holds_graph(v) for v in x))
+
+
+def _symbol_count(graph: Graph) -> int:
+    for v in (*graph.constvars, *graph.invars):
+        for d in v.aval.shape:
+            if type(d) is Dim:
+                return len(d.env.hints)
+    return 0
+
+
+def _has_dim(x) -> bool:
+    """Whether a parameter holds a Dim (where _param would evaluate something); a graph always
+    counts (its body is instantiated)."""
+    t = type(x)
+    if t is Dim or t is Graph:
+        return True
+    if t is tuple or t is list:
+        return any(_has_dim(v) for v in x)
+    if t is dict:
+        return any(_has_dim(v) for v in x.values())
+    if t is slice:
+        return _has_dim(x.start) or _has_dim(x.stop) or _has_dim(x.step)
+    if t is ShapedArray:
+        return is_symbolic(x.shape)
+    return False
 
 
 def _aval(a: ShapedArray, values) -> ShapedArray:
@@ -102,9 +265,9 @@ def _aval(a: ShapedArray, values) -> ShapedArray:
 def _param(v, values):
     t = type(v)
     if t is Graph:
-        return instantiate(v, values)
+        return instantiate(v, values).graph
     if t is ShapedArray:
         return _aval(v, values) if is_symbolic(v.shape) else v
     if t is tuple and v and type(v[0]) is Graph:
-        return tuple(instantiate(g, values) for g in v)
+        return tuple(instantiate(g, values).graph for g in v)
     return concrete(v, values)

@@ -146,6 +146,44 @@ def test_eval_graph():
         eval_graph(g, [x], lambda e, xs: e.prim.impl(*xs, **e.params))
 
 
+def test_the_interpreter_drops_values_after_their_last_use_and_agrees_with_eval_graph():
+    import gc
+    import weakref
+    x, y = Var(ShapedArray((3,), F32)), Var(ShapedArray((3,), F32))
+    a, b, dead, c = (Var(ShapedArray((3,), F32)) for _ in range(4))
+    one = Literal(np.float32(1), ShapedArray((), F32))
+    eqns = (Eqn(P.mul, (x, x), (a,), {}),  # an operand read twice
+            Eqn(P.neg, (a,), (dead,), {}),  # a result nothing reads
+            Eqn(P.add, (a, y), (b,), {}),  # a's last use
+            Eqn(P.exp, (b,), (c,), {}))
+    g = Graph((), (x, y), eqns, (c, x, c, one, b))  # an input, a repeat and a literal among the outputs
+    args = [np.array([1, 2, 3], np.float32), np.array([0, -1, 0.5], np.float32)]
+    interpreter = P.Interpreter(g)
+    for _ in range(2):  # (prepared once, run twice)
+        got = interpreter(args)
+        want = eval_graph(g, args, lambda e, xs: e.prim.impl(*xs, **e.params))
+        assert len(got) == 5 and all(np.array_equal(u, v) for u, v in zip(got, want))
+        assert got[1] is args[0] and got[0] is got[2]
+    seen = []  # what each equation's results were while the next ran: a and dead gone by b's exp
+    probe = Eqn(P.exp, (b,), (c,), {})
+    kept = []
+    real = P.exp._impl
+
+    def spy(v):
+        gc.collect()
+        seen.append([r() is None for r in kept])
+        return real(v)
+    old_mul, old_neg = P.mul._impl, P.neg._impl
+    P.mul._impl = lambda u, w: kept.append(weakref.ref(r := old_mul(u, w))) or r
+    P.neg._impl = lambda u: kept.append(weakref.ref(r := old_neg(u))) or r
+    P.exp._impl = spy
+    try:
+        P.Interpreter(g.replace(eqns=eqns[:3] + (probe,)))(args)
+    finally:
+        P.mul._impl, P.neg._impl, P.exp._impl = old_mul, old_neg, real
+    assert seen == [[True, True]]
+
+
 def test_typecheck_accepts_good_graphs_and_catches_bad_ones():
     typecheck_graph(_graph())
     g = _graph()
