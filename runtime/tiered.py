@@ -252,9 +252,12 @@ def compile(graph, device, eager: bool = False):
         return TieredExecutable(graph, device, build, None, calls)
     if eager:
         return TieredExecutable(graph, device, build, _eager_budget, calls)
-    signatures = {(e.prim, *(v.aval for v in e.inputs)) for e in graph.eqns}
-    estimate = COMPILE_S_PER_GRAPH + COMPILE_S_PER_EQUATION * len(graph.eqns) + \
-        COMPILE_S_PER_SIGNATURE * len(signatures) + COMPILE_S_PER_CONV * sum(s[0] is P.conv for s in signatures)
+    estimate = COMPILE_S_PER_GRAPH + COMPILE_S_PER_EQUATION * len(graph.eqns)
+    if estimate < AUTO_MOST_S:  # (a large graph is past the bound already: its signatures, ~7 ms
+        # for 1,500 equations, are not counted)
+        signatures = {(e.prim, *(v.aval for v in e.inputs)) for e in graph.eqns}
+        estimate += COMPILE_S_PER_SIGNATURE * len(signatures) + \
+            COMPILE_S_PER_CONV * sum(s[0] is P.conv for s in signatures)
     return TieredExecutable(graph, device, build, Budget(min(estimate, AUTO_MOST_S)))
 
 
