@@ -1193,10 +1193,10 @@ class Interpreter:
     dropped after its last use, so the memory it held serves the next results while it is still
     in cache (the char-GPT step at batch 16: 58 ms against 66 keeping every value to the end),
     and numpy's floating-point warnings are silenced once per run, not per equation."""
-    __slots__ = ("graph", "_fixed", "_invars", "_steps", "_outvars")
+    __slots__ = ("_fixed", "_invars", "_steps", "_outvars")  # (no graph: _interpreters' values
+    # must not hold their weak keys)
 
     def __init__(self, graph: Graph):
-        self.graph = graph
         # every value by a key: a variable's id, or a literal's (negative) place in _fixed
         self._fixed = {v.id: c for v, c in zip(graph.constvars, graph.consts)}
 
