@@ -68,16 +68,6 @@ class _Graph:
             same = same | (np.isnan(flat.astype(np.float64)) & np.isnan(np.float64(first)))
         return literal(first, a.aval.dtype) if bool(np.all(same)) else None
 
-    def descendants(self, v: Var) -> set:
-        """Ids of the variables computed from v."""
-        seen, work = set(), [v]
-        while work:
-            for e in self.readers.get(work.pop().id, ()):
-                for o in e.outputs:
-                    if o.id not in seen:
-                        seen.add(o.id)
-                        work.append(o)
-        return seen
 
 
 class _Epilogue:
@@ -85,12 +75,35 @@ class _Epilogue:
 
     def __init__(self, G: _Graph, y: Var, axis: int):
         self.G, self.y, self.axis = G, y, axis  # axis: where a vector extra lies (a GEMM's columns, a conv's features)
-        self.below = G.descendants(y)
         self.shape, self.dtype = y.aval.shape, np.dtype(y.aval.dtype)
+        self._at = G.pos[id(G.producer[y.id])]
+        self._not_from_y: set[int] = set()  # variables known not to be computed from y
+
+    def from_product(self, a: Var) -> bool:
+        """Whether `a` is computed from the product y (an operand that is would make the fused
+        equation read its own result): a search back from a through the equations placed after
+        y's (the graph's order is topological), so each product costs the values its epilogue
+        asks about, not the whole graph below it (a training step: every GEMM's forward value
+        reaches the loss, the backward pass and the update)."""
+        if a.id == self.y.id or a.id in self._not_from_y:
+            return False
+        G, seen, work = self.G, {a.id}, [a]
+        while work:
+            p = G.producer.get(work.pop().id)
+            if p is None or G.pos[id(p)] <= self._at:
+                continue
+            for x in p.inputs:
+                if isinstance(x, Var) and x.id not in seen and x.id not in self._not_from_y:
+                    if x.id == self.y.id:
+                        return True
+                    seen.add(x.id)
+                    work.append(x)
+        self._not_from_y |= seen
+        return False
 
     def extra(self, a) -> Var | None:
         """The array an operand reads as an extra (itself, or the row it broadcasts), or None."""
-        if not isinstance(a, Var) or a.id in self.below or a.id == self.y.id or a.aval.dtype != self.dtype:
+        if not isinstance(a, Var) or a.id == self.y.id or a.aval.dtype != self.dtype or self.from_product(a):
             return None
         p = self.G.producer.get(a.id)
         if p is not None and p.prim is P.broadcast_in_dim:
@@ -115,7 +128,7 @@ class _Epilogue:
             return None
         r = self.G.producer.get(x.id)
         v = r.inputs[0] if r is not None and r.prim is P.reshape else None
-        if not isinstance(v, Var) or v.aval.shape != (want,) or v.id in self.below:
+        if not isinstance(v, Var) or v.aval.shape != (want,) or self.from_product(v):
             return None
         return v
 
@@ -130,7 +143,7 @@ class _Epilogue:
         if self.G.scalar(a) is not None or self.extra(a) is not None:
             return True
         p = self.G.producer.get(a.id)
-        if p is None or not self._fusible(p, gone) or a.id in self.below or len(pulled) >= MAX_EPILOGUE:
+        if p is None or not self._fusible(p, gone) or self.from_product(a) or len(pulled) >= MAX_EPILOGUE:
             return False
         if id(p) in taken or any(p is q for q in pulled):
             return True
@@ -234,7 +247,7 @@ def _fuse_from(G: _Graph, prod: Eqn, gone: set):
         params = {"dimension_numbers": prod.params["dimension_numbers"],
                   "preferred_element_type": prod.params.get("preferred_element_type"), "epilogue": fn}
     fused = Eqn(prim, tuple(prod.inputs[:2]) + tuple(extras), (sink,), params, prod.source)
-    return fused, [prod] + [e for e in eqns if e.outputs[0].id in ep.below]
+    return fused, [prod] + [e for e in eqns if ep.from_product(e.outputs[0])]
 
 
 def fuse_gemm_epilogues(graph: Graph) -> Graph:
