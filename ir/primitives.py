@@ -442,7 +442,7 @@ def _dot_impl(lhs, rhs, *, dimension_numbers, preferred_element_type=None):
     n = math.prod(rhs.shape[i] for i in rfree)
     out = np.matmul(l2.reshape(nb, m, k), r2.reshape(nb, k, n))
     shape = [lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lfree] + [rhs.shape[i] for i in rfree]
-    return out.reshape(shape).astype(preferred_element_type or lhs.dtype)
+    return out.reshape(shape).astype(preferred_element_type or lhs.dtype, copy=False)  # (a fresh product: no copy)
 
 
 dot_general = Primitive("dot_general", _dot_rule, _dot_impl)
