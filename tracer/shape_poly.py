@@ -130,7 +130,7 @@ def instantiate(graph: Graph, values, base: Instance | None = None) -> Instance:
             atoms[out.id] = Literal(atoms[e.inputs[0].id].val.astype(out.aval.dtype), out.aval)
             made.append(None)
             continue
-        elif changed is not None and not (plan.eqn_syms[i] & changed):
+        elif changed is not None and plan.eqn_syms[i] is not _EVERY and not (plan.eqn_syms[i] & changed):
             made.append(base.eqns[i])
         else:
             params = e.params
@@ -148,12 +148,14 @@ def instantiate(graph: Graph, values, base: Instance | None = None) -> Instance:
 # _plan's steps: an equation shared as it is, a size (dim_value) or a size converted at trace
 # time, both literals in the instance; any other step is the tuple of parameter names to evaluate
 _SHARED, _SIZE, _SIZE_CONVERTED = object(), object(), object()
+_EVERY = None  # (eqn_syms: every symbol)
 
 
 class _Plan:
     """What instantiate does with each of a template's equations (steps), and which symbols
     reach each symbolic variable (var_syms: its aval's, a size's value's) and each equation
-    (eqn_syms: its operands', results' and parameters'; every symbol where it holds a graph)."""
+    (eqn_syms: its operands', results' and parameters'; _EVERY where it holds a graph, whose
+    body is instantiated whatever changed)."""
     __slots__ = ("steps", "var_syms", "eqn_syms", "__weakref__")
 
     def __init__(self, graph: Graph):
@@ -162,9 +164,9 @@ class _Plan:
         sizes: set = set()  # what becomes a literal: a size, or a size converted
         converted: set = set()
         steps, eqn_syms = [], []
-        every = frozenset(range(_symbol_count(graph)))
         for e in graph.eqns:
             out = e.outputs
+            syms = frozenset()
             if e.prim is P.dim_value:
                 step = _SIZE
                 sizes.add(out[0].id)
@@ -176,19 +178,26 @@ class _Plan:
                 sizes.add(out[0].id)
                 var_syms[out[0].id] = var_syms[e.inputs[0].id]
             else:
-                keys = tuple(k for k, v in e.params.items() if _has_dim(v))
-                syms = frozenset()
+                keys, graphs = [], False
+                for k, v in e.params.items():
+                    if _holds_graph(v):
+                        keys.append(k)
+                        graphs = True
+                    elif (found := _symbols(v)):
+                        keys.append(k)
+                        syms |= found
                 for v in out:
                     if is_symbolic(v.aval.shape):
                         syms |= var_syms.setdefault(v.id, _symbols(v.aval.shape))
                 for a in e.inputs:
                     if isinstance(a, Var) and a.id in var_syms:
                         syms |= var_syms[a.id]
-                for k in keys:
-                    syms |= every if _holds_graph(e.params[k]) else _symbols(e.params[k])
-                step = keys if syms or any(isinstance(a, Var) and a.id in sizes for a in e.inputs) else _SHARED
+                step = tuple(keys) if graphs or syms or any(isinstance(a, Var) and a.id in sizes for a in e.inputs) \
+                    else _SHARED
+                if graphs:
+                    syms = _EVERY
             steps.append(step)
-            eqn_syms.append(syms if step is not _SIZE and step is not _SIZE_CONVERTED else frozenset())
+            eqn_syms.append(syms)
         self.steps, self.var_syms, self.eqn_syms = steps, var_syms, eqn_syms
 
 
@@ -231,31 +240,6 @@ def _symbols(x) -> frozenset:
 
 def _holds_graph(x) -> bool:
     return type(x) is Graph or (type(x) in (tuple, list) and any(_holds_graph(v) for v in x))
-
-
-def _symbol_count(graph: Graph) -> int:
-    for v in (*graph.constvars, *graph.invars):
-        for d in v.aval.shape:
-            if type(d) is Dim:
-                return len(d.env.hints)
-    return 0
-
-
-def _has_dim(x) -> bool:
-    """Whether a parameter holds a Dim (where _param would evaluate something); a graph always
-    counts (its body is instantiated)."""
-    t = type(x)
-    if t is Dim or t is Graph:
-        return True
-    if t is tuple or t is list:
-        return any(_has_dim(v) for v in x)
-    if t is dict:
-        return any(_has_dim(v) for v in x.values())
-    if t is slice:
-        return _has_dim(x.start) or _has_dim(x.stop) or _has_dim(x.step)
-    if t is ShapedArray:
-        return is_symbolic(x.shape)
-    return False
 
 
 def _aval(a: ShapedArray, values) -> ShapedArray:
