@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from tilefuse.ir.core import eval_graph
-from tilefuse.ir.primitives import Interpreter
 from tilefuse.ir.errors import OutOfMemoryError
+from tilefuse.ir.primitives import Interpreter
 from tilefuse.runtime import profiler
 from tilefuse.runtime.hardware import DeviceInfo, host_info
 

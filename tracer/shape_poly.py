@@ -72,7 +72,8 @@ def symbolic_avals(avals) -> tuple[ShapeEnv, tuple]:
 class Instance:
     """A template's graph at some symbol values, with what became of the template's variables
     (atoms: id -> its new Var, or a size's Literal) and equations (eqns: one per template
-    equation, None for a size), so that a later instance can share them."""
+    equation, None for a size), so that a later instance can share them. (Only a template's
+    base serves as one: an instance made from a base records what it made itself.)"""
     __slots__ = ("graph", "values", "atoms", "eqns")
 
     def __init__(self, graph: Graph, values: list, atoms: dict, eqns: list):
@@ -142,7 +143,7 @@ def instantiate(graph: Graph, values, base: Instance | None = None) -> Instance:
                                   outputs=tuple(var(v) for v in e.outputs), params=params))
         eqns.append(made[-1])
     out = Graph(constvars, invars, tuple(eqns), tuple(read(v) for v in graph.outvars), graph.consts)
-    return Instance(out, list(values), atoms if base is None else {**fallback, **atoms}, made)
+    return Instance(out, list(values), atoms, made)
 
 
 # _plan's steps: an equation shared as it is, a size (dim_value) or a size converted at trace

@@ -69,7 +69,6 @@ class _Graph:
         return literal(first, a.aval.dtype) if bool(np.all(same)) else None
 
 
-
 class _Epilogue:
     """The candidate epilogue of one product y: its equations and how each operand is read."""
 
