@@ -210,6 +210,23 @@ def test_the_char_gpt_step_instantiates_to_its_concrete_trace():
     assert generic.trace_count == 1
 
 
+def test_a_size_inside_a_nested_body_follows_the_call(device):
+    # the cond's branches sit in a scan body with no symbolic operand (its carry is (3,), its
+    # rows (1,)); the batch reaches them only as a parameter: each instance re-instantiates them
+    def f(x):
+        b = x.shape[0]
+
+        def body(c, r):
+            c = tx.lax.cond(c.sum() > -1.0, lambda z: z + tnp.ones((b,)).sum(), lambda z: z - 1.0, c)
+            return c, r.sum()
+        return tx.lax.scan(body, tnp.zeros(3), x)[0]
+
+    jf = tx.jit(f, device=device)
+    for n in (4, 6, 9):
+        np.testing.assert_allclose(np.asarray(jf(np.ones((n, 1), np.float32))), np.full(3, n * n))
+    assert jf.trace_count == 1
+
+
 def test_symbolic_avals_one_symbol_per_axis():
     # a batch of 128 beside a hidden size of 128 (an MLP) must not tie the two together
     from tilefuse.tracer.shape_poly import symbolic_avals
