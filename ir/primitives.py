@@ -735,32 +735,51 @@ def _fused_attention_rule(q, k, v, *bias, scale, causal, dims):
 
 
 def _canonical(x, d):
-    return np.transpose(x, d).astype(np.float32 if x.dtype.itemsize < 4 else x.dtype)
+    """An operand in the canonical layout (batch..., S, D), in the compute dtype: a view where
+    it has that dtype (numpy's matmul reads transposed operands in place)."""
+    return np.transpose(x, d).astype(np.float32 if x.dtype.itemsize < 4 else x.dtype, copy=False)
+
+
+_causal_masks: dict = {}
+
+
+def _causal_mask(sq: int, sk: int) -> np.ndarray:
+    """Where a (sq, sk) score is masked out by causality (key j > query i + sk - sq), made once."""
+    mask = _causal_masks.get((sq, sk))
+    if mask is None:
+        if len(_causal_masks) > 64:
+            _causal_masks.clear()
+        mask = _causal_masks[sq, sk] = ~np.tri(sq, sk, sk - sq, dtype=bool)
+    return mask
 
 
 def attention_scores(q, k, bias, scale, causal, dims):
-    """numpy: the scores q kᵀ·scale + bias, -inf where masked, in (batch..., Sq, Sk)."""
-    s = _canonical(q, dims[0]) @ np.swapaxes(_canonical(k, dims[1]), -1, -2) * scale
+    """numpy: the scores q kᵀ·scale + bias, -inf where masked, in (batch..., Sq, Sk): a fresh
+    array, which its callers then change in place."""
+    s = _canonical(q, dims[0]) @ np.swapaxes(_canonical(k, dims[1]), -1, -2)
+    s *= scale
     if bias is not None:
-        s = s + bias
-    sq, sk = s.shape[-2:]
+        s += bias
     if causal:
-        s = np.where(np.tri(sq, sk, sk - sq, dtype=bool), s, -np.inf)
+        np.copyto(s, -np.inf, where=_causal_mask(*s.shape[-2:]))
     return s
 
 
 def attention_probs(q, k, bias, scale, causal, dims):
-    """numpy: the attention weights softmax(q kᵀ·scale + bias) in (batch..., Sq, Sk)."""
+    """numpy: the attention weights softmax(q kᵀ·scale + bias) in (batch..., Sq, Sk), in place
+    on the scores (one array of that size, not five: the reference runs tiered first calls)."""
     s = attention_scores(q, k, bias, scale, causal, dims)
     m = np.max(s, axis=-1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    s -= np.where(np.isfinite(m), m, 0)
+    e = np.exp(s, out=s)
     total = np.sum(e, axis=-1, keepdims=True)
-    return e / np.where(total > 0, total, 1)
+    e /= np.where(total > 0, total, 1)
+    return e
 
 
 def _to_layout(x, d, dtype):
-    """Canonical (batch..., S, D) back to an operand's own layout."""
-    return np.transpose(x, np.argsort(d)).astype(dtype)
+    """Canonical (batch..., S, D) back to an operand's own layout (a view where x has dtype)."""
+    return np.transpose(x, np.argsort(d)).astype(dtype, copy=False)
 
 
 def _fused_attention_impl(q, k, v, *bias, scale, causal, dims):
@@ -836,11 +855,19 @@ def _fused_attention_bwd_impl(q, k, v, *rest, scale, causal, dims, stats=False):
     p = attention_probs(q, k, bias, scale, causal, dims)
     qc, kc, vc = (_canonical(x, d) for x, d in zip((q, k, v), dims))
     dv = np.swapaxes(p, -1, -2) @ dout
-    dp = dout @ np.swapaxes(vc, -1, -2)
-    ds = p * (dp - np.sum(dout * out, axis=-1, keepdims=True))
-    dq = ds @ kc * scale
-    dk = np.swapaxes(ds, -1, -2) @ qc * scale
-    return np.concatenate([_to_layout(g, d, q.dtype).reshape(-1) for g, d in zip((dq, dk, dv), dims)])
+    ds = dout @ np.swapaxes(vc, -1, -2)  # dp, then ds = p (dp - rowsum(dout out)) in place
+    ds -= np.sum(dout * out, axis=-1, keepdims=True)
+    ds *= p
+    dq = ds @ kc
+    dq *= scale
+    dk = np.swapaxes(ds, -1, -2) @ qc
+    dk *= scale
+    flat = np.empty(q.size + k.size + v.size, q.dtype)  # each gradient written once, in its layout
+    at = 0
+    for g, d, x in zip((dq, dk, dv), dims, (q, k, v)):
+        flat[at:at + x.size].reshape(x.shape)[...] = np.transpose(g, np.argsort(d))
+        at += x.size
+    return flat
 
 
 fused_attention_bwd = Primitive("fused_attention_bwd", _fused_attention_bwd_rule,
