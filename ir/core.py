@@ -77,6 +77,11 @@ class ShapedArray:
     def str_short(self) -> str:
         return f"{dtype_short(self.dtype)}[{','.join(map(str, self.shape))}]"
 
+    def describe(self) -> str:
+        """str_short for a message: a symbolic size as its value at the trace, asking nothing
+        (str() of a size is guarded, since a program may compare strings: a message is not)."""
+        return f"{dtype_short(self.dtype)}[{','.join(map(repr, self.shape))}]"
+
     __str__ = str_short
 
 

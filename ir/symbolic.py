@@ -15,7 +15,10 @@ either the guards hold there and every decision the trace made is the one a trac
 would make, or the graph is not reused."""
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
+import weakref
 
 import numpy as np
 
@@ -30,6 +33,20 @@ class ShapeEnv:
         self.guards: dict = {}  # (op, key_l, key_r) -> (lhs, rhs, answer), deduplicated
         self.specialised: set[int] = set()  # symbols whose exact value some step needed
         self.frozen = False
+        self.lock = threading.Lock()  # (holds, beside a recording on another thread)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """After the trace: a window in which Python runs on the template's Dims again (the
+        compiler's front end on its graph) with its questions kept apart from the trace's, in
+        the dict it yields (the trace's guards and specialisations are as before afterwards)."""
+        with self.lock:
+            saved = self.guards, self.specialised, self.frozen
+            self.guards, self.specialised, self.frozen = {}, set(), False
+            try:
+                yield self.guards
+            finally:
+                self.guards, self.specialised, self.frozen = saved
 
     def freeze(self) -> None:
         """The trace is over: a Dim of it kept by the program (a size stored in a global, a
@@ -54,13 +71,34 @@ class ShapeEnv:
 
     def holds(self, values) -> bool:
         """Whether every guard answers at these symbol values as it did at the trace."""
-        try:
-            for op, lhs, rhs, answer in self.guards.values():
-                if _COMPARE[op](evaluate(lhs, values), evaluate(rhs, values)) != answer:
-                    return False
-        except ArithmeticError:  # (a guard below one that fails there: a division by zero)
-            return False
-        return True
+        with self.lock:
+            return guards_hold(self.guards, values)
+
+
+def guards_hold(guards: dict, values) -> bool:
+    """Whether every guard of `guards` (a ShapeEnv's, or a recording's) answers at these symbol
+    values as it did when it was asked."""
+    try:
+        for op, lhs, rhs, answer in guards.values():
+            if _COMPARE[op](evaluate(lhs, values), evaluate(rhs, values)) != answer:
+                return False
+    except ArithmeticError:  # (a guard below one that fails there: a division by zero)
+        return False
+    return True
+
+
+# Graphs instantiated from a shape-generic trace, each with a function that gives the compiler's
+# front end for it from the template's own (tracer/shape_poly.py), or None: the compiler asks
+# here (it knows nothing of traces), a graph that dies leaves.
+_front_ends: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def set_front_end(graph, front_end) -> None:
+    _front_ends[graph] = front_end
+
+
+def front_end(graph):
+    return _front_ends.get(graph)
 
 
 _COMPARE = {"==": operator.eq, "<": operator.lt, "<=": operator.le}
@@ -296,6 +334,44 @@ def _hint(x) -> int:
 
 def is_symbolic(shape) -> bool:
     return any(type(d) is Dim for d in shape)
+
+
+def distinct(items) -> list:
+    """items without repeats, in order, told apart by ==: where a set would hash them (a Dim's
+    hash asks its exact value, specialising the trace), each comparison is a guard instead."""
+    out: list = []
+    for x in items:
+        if not any(x == y for y in out):
+            out.append(x)
+    return out
+
+
+class _ByValue:
+    """A Dim in a key hashed by its value at the trace without a guard, and compared by ==
+    (guarded): a lookup that misses then asks nothing, which suits a table whose misses only
+    cost an optimisation (common-subexpression elimination), never a wrong result."""
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: "Dim"):
+        self.dim = dim
+
+    def __hash__(self):
+        return hash(self.dim.hint)
+
+    def __eq__(self, other):
+        return self.dim == (other.dim if type(other) is _ByValue else other)
+
+
+def by_value(x):
+    """x with every Dim inside (tuples, lists, slices) a _ByValue: see there."""
+    t = type(x)
+    if t is Dim:
+        return _ByValue(x)
+    if t is tuple or t is list:
+        return tuple(by_value(v) for v in x)
+    if t is slice:
+        return ("slice", by_value(x.start), by_value(x.stop), by_value(x.step))
+    return x
 
 
 def concrete(x, values):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tilefuse.backends.base import Program, bind_launch
-from tilefuse.ir.core import Graph, Literal, Var, gc_paused
+from tilefuse.ir import symbolic
+from tilefuse.ir.core import Graph, Literal, Var, gc_paused, typecheck_graph
 from tilefuse.ir.kernel import copy_kernel, lower_region
 from tilefuse.ir.kernel.ir import Kernel
 from tilefuse.ir.passes import Dump, partition, run_passes
@@ -229,11 +230,18 @@ def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = Tr
     cache's key (None where it does not apply), whether they came from it). Calls (tile_op,
     custom_vjp/jvp) keep rules only transformations use: inlined first, the graph's text decides
     its compile."""
+    # an instance of a shape-generic trace at new sizes: its template's front end, instantiated
+    # (made at the first such instance, unless the persistent cache has this one's)
+    from_template = symbolic.front_end(graph) if fuse and cached and not (dump and dump.dir) else None
+    if from_template is not None and from_template.ready(config.cache_key()) and (front := _instantiated(from_template)):
+        return front, None, False
     graph = inline_calls(graph)
     key = frontend_cache.key(graph, fuse)
     front = frontend_cache.load(key, graph) if cached else None  # (never while dumping: key is None)
     if front is not None:
         return front, key, True
+    if from_template is not None and (front := _instantiated(from_template)):
+        return front, None, False
     g = run_passes(graph, dump=dump, check=config.check, trace=_trace_pass if config.debug >= 2 else None)
     tiered.check()  # (between the front end's phases too: a process exits without waiting for them)
     regions = partition(g, fuse=fuse)
@@ -245,6 +253,45 @@ def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = Tr
         lowered.append([] if r.kind == "host" else lower_region(r))
     frontend_cache.store(key, g, regions, lowered)
     return (g, regions, lowered), key, False
+
+
+def _instantiated(from_template) -> tuple | None:
+    """(graph, regions, lowered kernels) from a template's front end, or None."""
+    made = from_template(_symbolic_front, config.cache_key())
+    if made is None:
+        return None
+    g, regions = made
+    try:
+        if config.check:  # (TILEFUSE_CHECK: the instance's avals are its rules' at its sizes)
+            typecheck_graph(g)
+        lowered = [[] if r.kind == "host" else lower_region(r) for r in regions]
+    except Exception:  # noqa: BLE001 - (not expected where the guards hold: the long way then)
+        if config.check:
+            raise
+        return None
+    return g, regions, lowered
+
+
+def generic_front_ready(graph: Graph) -> bool:
+    """Whether `graph`, an instance of a shape-generic trace, gets its front end from its
+    template's, made already: its compile is then instantiation, lowering and cache hits."""
+    f = symbolic.front_end(graph)
+    return f is not None and f.ready(config.cache_key())
+
+
+def prepare_generic_front(graph: Graph) -> None:
+    """Make the template's front end for `graph` if it has one not made yet (tiered's compile
+    thread, after building a graph at new sizes: the next sizes then compile from it)."""
+    f = symbolic.front_end(graph)
+    if f is not None and config.fusion and not f.ready(config.cache_key()):
+        f(_symbolic_front, config.cache_key())
+
+
+def _symbolic_front(graph: Graph) -> tuple:
+    """The front end's graph passes and partition, on a shape-generic trace's own graph (sizes
+    symbolic: tracer/shape_poly.FrontEnd), for every instance its guards admit."""
+    g = run_passes(inline_calls(graph))
+    return g, partition(g, fuse=True)
 
 
 def precompile(graphs, device) -> None:

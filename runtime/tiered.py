@@ -289,10 +289,12 @@ class TieredExecutable:
                 return
             self._started = True
         try:
-            if _worker and threading.current_thread() is _worker[0]:
-                from .compiler import built_before  # (compiler imports this module)
+            on_worker = _worker and threading.current_thread() is _worker[0]
+            if on_worker:
+                from .compiler import built_before, generic_front_ready  # (compiler imports this module)
                 self._stage = "checking"
-                self._stage = "warm" if built_before(self.graph, self.device) else "child"
+                warm = generic_front_ready(self.graph) or built_before(self.graph, self.device)
+                self._stage = "warm" if warm else "child"
                 self._checked.set()
                 if self._stage == "child":  # (then a warm build here, or a cold one if the child failed)
                     self._stage = "warm" if compile_child.prebuild(self.graph, self.device) else "cold"
@@ -307,6 +309,12 @@ class TieredExecutable:
         if self.compiled is not None:
             for fn in self._when_compiled:
                 fn(self.compiled)
+            if on_worker:  # a graph at new sizes: its template's front end, for the sizes after it
+                from .compiler import prepare_generic_front
+                try:
+                    prepare_generic_front(self.graph)
+                except Exception:  # noqa: BLE001 - (a speed-up only: the next size compiles the long way)
+                    pass
 
     def when_compiled(self, fn) -> None:
         """Call fn(compiled executable) once it is built (at once if it is): a cache holding this

@@ -113,7 +113,7 @@ class Tracer:
     def concrete_value(self):
         """The Python/numpy value behind this tracer, when the transformation knows it."""
         raise ConcretizationError(with_user_line(
-            f"a concrete value was needed from a traced array {self.aval} inside a "
+            f"a concrete value was needed from a traced array {self.aval.describe()} inside a "
             f"transformation ({self._trace.main.trace_type.__name__}): Python control flow "
             "(if/while/bool()/float()/int()) cannot depend on a traced value. Use tnp.where(...) "
             "for a data-dependent choice, or mark the argument static (static_argnums=/"

@@ -18,9 +18,13 @@ from __future__ import annotations
 import threading
 import weakref
 
+import numpy as np
+
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Graph, Literal, ShapedArray, Var
-from tilefuse.ir.symbolic import Dim, ShapeEnv, Values, concrete, evaluate, is_symbolic
+from tilefuse.ir.passes.fusion import Region
+from tilefuse.ir.symbolic import (Dim, ShapeEnv, Values, concrete, evaluate, guards_hold, is_symbolic,
+                                  set_front_end)
 
 
 TEMPLATES_MOST = 8  # shape-generic traces kept per jitted function and argument structure
@@ -29,17 +33,22 @@ TEMPLATES_MOST = 8  # shape-generic traces kept per jitted function and argument
 class Template:
     """A graph traced with symbolic sizes: its symbolic input avals, the env of its guards, and
     its instance at the trace's own sizes (base), which the instances at other sizes share from."""
-    __slots__ = ("graph", "out_tree", "env", "in_avals", "base")
+    __slots__ = ("graph", "out_tree", "env", "in_avals", "base", "front", "__weakref__")
 
     def __init__(self, graph: Graph, out_tree, env: ShapeEnv, in_avals: tuple):
         self.graph, self.out_tree, self.env, self.in_avals = graph, out_tree, env, in_avals
         self.base: Instance | None = None
+        self.front: FrontEnd | None | bool = None  # (False: its front end did not run symbolically)
 
     def instance(self, values) -> Graph:
-        """The graph at these symbol values (bind's)."""
+        """The graph at these symbol values (bind's). One at other sizes than the trace's gets
+        its compile's front end from the template's (set_front_end): see FrontEnd."""
         if self.base is None:
             self.base = instantiate(self.graph, self.env.hints)
-        return instantiate(self.graph, values, self.base).graph
+        graph = instantiate(self.graph, values, self.base).graph
+        if graph is not self.base.graph:
+            set_front_end(graph, _InstanceFront(self, values))
+        return graph
 
     def bind(self, avals) -> list | None:
         """The symbols' values (one per axis) for these argument avals, or None where they do not
@@ -54,6 +63,34 @@ class Template:
                 elif d != n:
                     return None
         return values if self.env.holds(values) else None
+
+
+class _InstanceFront:
+    """What the compiler asks of an instance at other sizes than its template's trace: called
+    with the front end (`run`: graph -> (optimised graph, regions)) and the settings it depends
+    on (compared: another setting's compile goes the long way), that front end's result for
+    the instance, from one run on the template's own graph (made at the first call: the sizes a
+    program meets after its first are likely to be many), or None where that run failed or its
+    guards answer otherwise at the instance's sizes."""
+    __slots__ = ("template", "values")
+
+    def __init__(self, template: Template, values):
+        self.template, self.values = weakref.ref(template), tuple(values)
+
+    def __call__(self, run, settings) -> tuple | None:
+        t = self.template()
+        if t is None:
+            return None
+        with _front_lock:
+            if t.front is None:
+                t.front = FrontEnd.make(t, run, settings) or False
+        return t.front.at(self.values, settings) if t.front else None
+
+    def ready(self, settings) -> bool:
+        """Whether the template's front end was made and serves these sizes."""
+        t = self.template()
+        return t is not None and bool(t.front) and t.front.settings == settings and \
+            guards_hold(t.front.guards, self.values)
 
 
 def symbolic_avals(avals) -> tuple[ShapeEnv, tuple]:
@@ -144,6 +181,89 @@ def instantiate(graph: Graph, values, base: Instance | None = None) -> Instance:
         eqns.append(made[-1])
     out = Graph(constvars, invars, tuple(eqns), tuple(read(v) for v in graph.outvars), graph.consts)
     return Instance(out, list(values), atoms, made)
+
+
+# ---- the compiler's front end, once per template -------------------------------------------
+#
+# The passes and fusion's partition ask of sizes only what a Dim answers with a guard (equal,
+# less, its value: ir/symbolic.py), so they run on a template's graph as they do on a concrete
+# one, and their result stands for every size where the guards they recorded answer the same
+# (the char-GPT step: every batch size but 1, and 64, where a broadcast is an identity). A new
+# size then instantiates the optimised graph and its regions instead of running them again;
+# lowering, kernels and the buffer plan are the instance's own, made by the compiler as before.
+
+_front_lock = threading.Lock()
+
+
+class FrontEnd:
+    """A template's optimised graph and regions with symbolic sizes, as one graph whose
+    equations are the regions' in order (`flat`: partition copies some equations, so regions are
+    not the optimised graph's equations), `bounds` each region's slice of them, and the guards
+    the front end recorded."""
+    __slots__ = ("flat", "regions", "bounds", "guards", "hints", "settings", "base")
+
+    def __init__(self, flat: Graph, regions: list, bounds: list, guards: dict, hints: list, settings):
+        self.flat, self.regions, self.bounds, self.guards = flat, regions, bounds, guards
+        self.hints, self.settings = hints, settings
+        self.base: Instance | None = None
+
+    @staticmethod
+    def make(template: Template, run, settings) -> "FrontEnd | None":
+        with template.env.recording() as guards:
+            try:
+                g, regions = run(template.graph)
+            except Exception:  # noqa: BLE001 - (an error is the concrete compile's to raise)
+                return None
+        eqns, bounds = [], []
+        for r in regions:
+            bounds.append((len(eqns), len(eqns) + len(r.eqns)))
+            eqns.extend(r.eqns)
+        if any(_hides_dims(v) for e in eqns for v in e.params.values() if not _symbols(v)) or \
+                any(isinstance(a, Literal) and a.val.dtype == object for e in eqns for a in e.inputs) or \
+                any(np.asarray(c).dtype == object for c in g.consts):
+            return None  # (a size that instantiate would not see: never reused)
+        flat = Graph(g.constvars, g.invars, tuple(eqns), g.outvars, g.consts, dict(g.meta))
+        return FrontEnd(flat, regions, bounds, dict(guards), list(template.env.hints), settings)
+
+    def at(self, values, settings) -> tuple | None:
+        """(optimised graph, regions) at these symbol values, or None where a guard answers
+        otherwise there (or the settings differ from the run's)."""
+        if settings != self.settings or not guards_hold(self.guards, values):
+            return None
+        if self.base is None:
+            self.base = instantiate(self.flat, self.hints)
+        inst = instantiate(self.flat, values, self.base)
+        atoms, fallback = inst.atoms, self.base.atoms
+
+        def read(a):
+            n = atoms.get(a.id)
+            return n if n is not None else fallback.get(a.id, a)
+        regions = []
+        for r, (lo, hi) in zip(self.regions, self.bounds):
+            eqns = tuple(e for e in inst.eqns[lo:hi] if e is not None)  # (a size is a literal now)
+            if not eqns:
+                continue
+            ins = tuple(x for x in map(read, r.inputs) if isinstance(x, Var))
+            outs = tuple(x for x in map(read, r.outputs) if isinstance(x, Var))
+            meta = {k: v for k, v in r.meta.items() if k != "lowered"}  # (lowered at the template's sizes)
+            regions.append(Region(eqns, ins, outs, r.kind, meta))
+        return inst.graph, regions
+
+
+def _hides_dims(x, depth: int = 0) -> bool:
+    """Whether an object of a type instantiate does not look into holds a Dim."""
+    if type(x) is Dim:
+        return True
+    if depth > 4 or isinstance(x, (int, float, str, bytes, bool, np.ndarray, np.dtype, np.generic)) or x is None:
+        return False
+    if isinstance(x, (tuple, list, set, frozenset)):
+        return any(_hides_dims(v, depth + 1) for v in x)
+    if isinstance(x, dict):
+        return any(_hides_dims(v, depth + 1) for v in x.values())
+    if isinstance(x, Graph):
+        return any(_hides_dims(v.aval.shape, depth + 1) for e in x.eqns for v in (*e.inputs, *e.outputs))
+    fields = getattr(x, "__dict__", None) or {k: getattr(x, k, None) for k in getattr(x, "__slots__", ())}
+    return any(_hides_dims(v, depth + 1) for v in fields.values())
 
 
 # _plan's steps: an equation shared as it is, a size (dim_value) or a size converted at trace

@@ -22,6 +22,7 @@ from .. import dtypes
 from .. import primitives as P
 from ..core import Literal, Var
 from ..errors import CompileError
+from ..symbolic import distinct
 from .ir import (INDEX, Buffer, Kernel, KExpr, Store, binary, cast, const, iadd, ic, idiv, idx, imul, is_const,
                  load, reads_ridx, reduce, ridx, select, unary)
 
@@ -508,9 +509,9 @@ def _lower_generic(region, kind=None) -> list[LoweredKernel]:
 def row_space(region) -> tuple | None:
     """(row shape, reduced axes) when all of a region's reductions reduce the same axes of
     operands of one shape; None when it has no reduction or they differ."""
-    spaces = {(e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
-              for e in region.eqns if e.prim.name in _REDUCE_OPS and e.params["axes"]}
-    return spaces.pop() if len(spaces) == 1 else None
+    spaces = distinct((e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
+                      for e in region.eqns if e.prim.name in _REDUCE_OPS and e.params["axes"])
+    return spaces[0] if len(spaces) == 1 else None  # (compared, not hashed: symbolic sizes)
 
 
 def _row_index(shape, space_shape, index):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import numpy as np
 
 from ..primitives import dot_free_axes
@@ -39,7 +41,7 @@ class MatmulLayout:
 def _collapse(shape, strides, axes) -> tuple[int, int] | None:
     """(extent, stride) of `axes` taken as one axis, or None when they are not one block."""
     axes = [a for a in axes if shape[a] != 1]  # a size-1 axis has no stride to respect
-    extent = int(np.prod([shape[a] for a in axes], dtype=np.int64)) if axes else 1
+    extent = math.prod(shape[a] for a in axes)  # (a symbolic size stays an expression)
     for a, b in zip(axes, axes[1:]):
         if strides[a] != strides[b] * shape[b]:
             return None

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import primitives as P
 from ..core import Graph, Var
-from .util import FOLD_LIMIT, Rewriter, literal
+from .util import Rewriter, foldable, literal
 
 _NEVER = ("broadcast_in_dim", "iota")
 
@@ -54,7 +54,7 @@ def fold_constants(graph: Graph) -> Graph:
                 _fold_uniform(rw, e, scalars)
                 continue
         values = [rw.value(a) for a in e.inputs]
-        if all(v is not None for v in values) and all(o.aval.size <= FOLD_LIMIT for o in e.outputs):
+        if all(v is not None for v in values) and all(foldable(o.aval) for o in e.outputs):
             _fold_small(rw, e, values)
             continue
         rw.emit(e)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from ..core import Eqn, Graph, Var
 from ..kernel import lower
 from ..primitives import has_effect
+from ..symbolic import distinct
 
 INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota",
                         "dynamic_slice"})  # (its start indices: scalars the kernel loads)
@@ -439,12 +440,12 @@ class _Partitioner:
         reductions = self.reds[p] + self.reds[c]
         if len(reductions) > 1:
             return False
-        shapes = {o.aval.shape for o in outs.values()}
+        shapes = distinct(o.aval.shape for o in outs.values())  # (not a set: symbolic sizes)
         if len(shapes) != 1:
             return False
         if reductions:
             out = self.eqns[reductions[0]].outputs[0]
-            if shapes != {out.aval.shape}:
+            if shapes[0] != out.aval.shape:
                 return False
             group, frontier, seen = self.group, [out], set()
             while frontier:  # everything downstream of the reduction inside the union
@@ -595,8 +596,8 @@ class _Partitioner:
         eqns = [self.eqns[i] for i in members]
         if not all(map(is_fusible, eqns)):
             return False
-        spaces = {(e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
-                  for e in eqns if e.prim.name in REDUCTIONS and e.params["axes"]}
+        spaces = distinct((e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
+                          for e in eqns if e.prim.name in REDUCTIONS and e.params["axes"])
         if len(spaces) != 1:
             return False
         ((shape, axes),) = spaces
@@ -604,8 +605,8 @@ class _Partitioner:
         if axes != tuple(range(len(shape) - len(axes), len(shape))) or \
                 math.prod(rows) < ROW_MIN_ROWS and math.prod(shape) > ROW_MAX_ALONE:
             return False  # strided rows, or too few rows to share among threads
-        live = {_non_unit(shape), _non_unit(rows)}
-        return all(_non_unit(o.aval.shape) in live for e in eqns for o in e.outputs)
+        live = (_non_unit(shape), _non_unit(rows))  # (compared, not hashed: symbolic sizes)
+        return all(any(_non_unit(o.aval.shape) == s for s in live) for e in eqns for o in e.outputs)
 
     def _rows_lower(self, members: set[int]) -> list | None:
         """The union's row kernel, if it lowers to one (asked of the lowering itself)."""

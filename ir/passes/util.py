@@ -7,9 +7,17 @@ import numpy as np
 from .. import dtypes
 from .. import primitives as P
 from ..core import Eqn, Graph, Literal, ShapedArray, Var
+from ..symbolic import Dim
 
 # Constants up to this many elements are folded into new constants; larger ones stay computed.
 FOLD_LIMIT = 1024
+
+
+def foldable(aval) -> bool:
+    """Whether a value of this aval is small enough to fold. A symbolic size (a template's, run
+    through the passes once for every size) never is: the answer then holds at every size."""
+    n = aval.size
+    return type(n) is not Dim and n <= FOLD_LIMIT
 
 
 def is_literal(a) -> bool:
@@ -39,7 +47,7 @@ class Rewriter:
         self.new_constvars: list[Var] = []
         self.new_consts: list = []
         for v, c in zip(graph.constvars, graph.consts):
-            if v.aval.size <= FOLD_LIMIT:
+            if foldable(v.aval):
                 self.consts[v.id] = np.asarray(c, v.aval.dtype)
 
     def read(self, a):
@@ -71,7 +79,7 @@ class Rewriter:
         if isinstance(a, Literal):
             return a.val
         v = self.consts.get(a.id)
-        if v is None and a.aval.size <= FOLD_LIMIT:
+        if v is None and foldable(a.aval):
             p = self.producer.get(a.id)
             if p is not None and p.prim.name == "broadcast_in_dim":
                 x = self.value(p.inputs[0])

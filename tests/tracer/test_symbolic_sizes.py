@@ -227,6 +227,104 @@ def test_a_size_inside_a_nested_body_follows_the_call(device):
     assert jf.trace_count == 1
 
 
+# ---- the compiler's front end, once per template (tracer/shape_poly.FrontEnd) -----------------
+
+def _mlp_step():
+    """A training step with a mean over the batch, a row normalisation, an index by the batch's
+    iota and a softmax cross-entropy: sizes as values, row regions and a GEMM per layer."""
+    def loss(p, x, y):
+        h = tnp.tanh(x @ p["w1"] + p["b1"])
+        h = (h - h.mean(-1, keepdims=True)) / tnp.sqrt(h.var(-1, keepdims=True) + 1e-5)
+        logp = tx.nn.log_softmax(h @ p["w2"])
+        return -tnp.mean(logp[tnp.arange(x.shape[0]), y])
+
+    def step(p, x, y):
+        value, grads = tx.value_and_grad(loss)(p, x, y)
+        return tx.tree_map(lambda a, g: a - 0.1 * g, p, grads), value
+    rng = np.random.default_rng(3)
+    params = {"w1": rng.standard_normal((6, 16)).astype(np.float32) * 0.5,
+              "b1": rng.standard_normal(16).astype(np.float32) * 0.1,
+              "w2": rng.standard_normal((16, 5)).astype(np.float32) * 0.5}
+    batch = lambda b: (rng.standard_normal((b, 6)).astype(np.float32),  # noqa: E731
+                       rng.integers(0, 5, b).astype(np.int32))
+    return step, params, batch
+
+
+def test_new_sizes_compile_from_the_templates_front_end(device, monkeypatch):
+    from tilefuse.runtime import compiler, frontend_cache, tiered
+    assert tiered.wait_idle(120)  # (a build earlier tests left would partition meanwhile)
+    monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)  # (whatever earlier runs stored)
+    monkeypatch.setattr(tx.config, "tiered", False)  # (every compile here, in this process: counted)
+    partitions, symbolic = [], []
+    part, sym = compiler.partition, compiler._symbolic_front
+    monkeypatch.setattr(compiler, "partition", lambda *a, **k: partitions.append(1) or part(*a, **k))
+    monkeypatch.setattr(compiler, "_symbolic_front", lambda g: symbolic.append(1) or sym(g))
+    step, params, batch = _mlp_step()
+    generic, concrete = tx.jit(step), tx.jit(step)
+    for b in (8, 3, 5, 12, 2):
+        x, y = batch(b)
+        got = generic(params, x, y)
+        monkeypatch.setattr(tx.config, "shape_generic", False)
+        want = concrete(params, x, y)
+        monkeypatch.setattr(tx.config, "shape_generic", True)
+        for g, w in zip(tx.tree_util.tree_leaves(got), tx.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert generic.trace_count == 1
+    if device.kind != "ref":  # (the reference interprets: no front end)
+        # the trace's own size and each concrete trace partition the graph; the template's front
+        # end ran once, at the first new size, and the three sizes after it partitioned nothing
+        assert len(symbolic) == 1 and len(partitions) == 1 + 1 + 5
+
+
+def test_tiered_builds_a_third_size_from_the_templates_front_end(monkeypatch):
+    # tiered: a second size builds as before (a child process, when there is a disk cache) and
+    # then makes the template's front end; a third builds from it, here, with no child
+    from tilefuse.runtime import compile_child, compiler, tiered
+    monkeypatch.setattr(tx.config, "tiered", True)
+    assert tiered.wait_idle(120)
+    children, symbolic = [], []
+    prebuild, sym = compile_child.prebuild, compiler._symbolic_front
+    monkeypatch.setattr(compile_child, "prebuild", lambda *a: children.append(1) or prebuild(*a))
+    monkeypatch.setattr(compiler, "_symbolic_front", lambda g: symbolic.append(1) or sym(g))
+    step, params, batch = _mlp_step()
+    generic = tx.jit(step, device="cpu")
+    children_after = []
+    for b in (8, 3, 5, 5):
+        x, y = batch(b)
+        got = generic(params, x, y)
+        want = tx.jit(step, device="ref")(params, x, y)
+        for g, w in zip(tx.tree_util.tree_leaves(got), tx.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+        assert tiered.wait_idle(120)
+        children_after.append(len(children))
+    assert len(symbolic) == 1 and children_after[1] == children_after[3]  # (none for size 5)
+    (template,) = [t for ts in generic._templates.values() for t in ts]
+    assert template.front and generic.trace_count == 1
+
+
+def test_a_size_dependent_decision_keeps_the_front_end_from_other_sizes(monkeypatch):
+    # a front end that needs a size's exact value (here: a pass that asks int() of a dim) makes
+    # the template's front end valid at the trace's size only: other sizes compile the long way
+    from tilefuse.ir.passes import manager
+    from tilefuse.runtime import compiler, frontend_cache
+    monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)
+    monkeypatch.setattr(tx.config, "tiered", False)
+    run_passes, asked = manager.run_passes, []
+
+    def specialising(graph, **kw):
+        for v in graph.invars:
+            asked.extend(int(d) for d in v.aval.shape)
+        return run_passes(graph, **kw)
+    monkeypatch.setattr(compiler, "run_passes", specialising)
+    jf = tx.jit(lambda x: (x * 2.0).sum(0) / x.shape[0], device="cpu")
+    for b in (4, 6, 9):
+        x = np.arange(b * 3, dtype=np.float32).reshape(b, 3)
+        np.testing.assert_allclose(np.asarray(jf(x)), (x * 2.0).sum(0) / b, rtol=1e-6)
+    (template,) = [t for ts in jf._templates.values() for t in ts]
+    at = lambda *values: template.front.at(list(values), tx.config.cache_key())  # noqa: E731
+    assert template.front and at(4, 3) and not at(6, 3) and not at(9, 3)
+
+
 def test_symbolic_avals_one_symbol_per_axis():
     # a batch of 128 beside a hidden size of 128 (an MLP) must not tie the two together
     from tilefuse.tracer.shape_poly import symbolic_avals

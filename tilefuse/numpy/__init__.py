@@ -1525,7 +1525,7 @@ def _advanced_index(x, axes, indexes):
     rest = [k for k in range(a.ndim) if k not in axes]
     xt = transpose(x, list(axes) + rest)
     sizes = [a.shape[k] for k in axes]
-    xt = reshape(xt, (int(np.prod(sizes, dtype=np.int64)),) + tuple(a.shape[k] for k in rest))
+    xt = reshape(xt, (math.prod(sizes),) + tuple(a.shape[k] for k in rest))  # (a symbolic size stays one)
     flat = None
     stride = 1
     for i, n in zip(reversed(arrays), reversed(sizes)):
