@@ -10,7 +10,9 @@ One table (ratios against tilefuse on `cpu`): step time (median after warm-up), 
 (tracing + compiling + running; for tilefuse cold and with the persistent compile cache
 TILEFUSE_CACHE_DIR warm), a new batch size after the run (half the batch, as an epoch's last
 batch: its first call, and the time until a call of it runs at compiled speed, within
-twice the step time, which includes its interpreted calls and any wait for a compile), peak RSS of the subprocess, and the loss after N steps. Then the
+twice the step time, which includes its interpreted calls and any wait for a compile), then a
+third size (3/4 of the batch: what a notebook meets), peak RSS of the subprocess, and the loss
+after N steps. Then the
 loss-curve agreement: the largest |loss difference| per step between tilefuse and PyTorch
 (and JAX) over the steps both ran; the target is 1e-3 in float32. The `ref` device is tilefuse's
 numpy interpreter of the same graph: the numpy reference. A worker that passes --max-seconds
@@ -260,19 +262,26 @@ def worker(args) -> None:
     measured = times[args.warmup:] or times
     out = {"first_call_s": first, "step_s": float(np.median(measured)) if measured else None,
            "losses": losses}
-    if not args.first_only:  # a new batch size (an epoch's last, smaller batch): its first calls
+    if not args.first_only:  # a new batch size (an epoch's last, smaller batch), then a third
         i = len(losses) % len(xs)
-        x, y = xs[i][:BATCH // 2], ys[i][:BATCH // 2]
-        fast = 2 * out["step_s"] * x.shape[0] / xs[i].shape[0] if out["step_s"] else math.inf
-        t0 = time.perf_counter()
-        step(i, x, y)
-        out["new_batch_first_s"] = last = time.perf_counter() - t0
-        while last > fast and time.perf_counter() - t0 < NEW_BATCH_MOST_S:  # (the step's time, scaled)
-            t1 = time.perf_counter()
-            step(i, x, y)
-            last = time.perf_counter() - t1
-        out["new_batch_compiled_s"] = time.perf_counter() - t0
+        for prefix, b in (("new_batch", BATCH // 2), ("third_batch", BATCH * 3 // 4)):
+            out[f"{prefix}_first_s"], out[f"{prefix}_compiled_s"] = _new_size(step, i, xs, ys, b, out["step_s"])
     emit(out)
+
+
+def _new_size(step, i, xs, ys, b, step_s) -> tuple[float, float]:
+    """A batch of b rows: its first call, and the time until a call runs at compiled speed
+    (within twice the step's time, scaled to b rows)."""
+    x, y = xs[i][:b], ys[i][:b]
+    fast = 2 * step_s * b / xs[i].shape[0] if step_s else math.inf
+    t0 = time.perf_counter()
+    step(i, x, y)
+    first = last = time.perf_counter() - t0
+    while last > fast and time.perf_counter() - t0 < NEW_BATCH_MOST_S:
+        t1 = time.perf_counter()
+        step(i, x, y)
+        last = time.perf_counter() - t1
+    return first, time.perf_counter() - t0
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -327,6 +336,8 @@ def main(argv=None) -> int:
             row = {"step": res["step_s"], "first call": res["first_call_s"],
                    "new batch: first call": res.get("new_batch_first_s", "-"),
                    "new batch: compiled after": res.get("new_batch_compiled_s", "-"),
+                   "3rd batch size: first call": res.get("third_batch_first_s", "-"),
+                   "3rd batch size: compiled after": res.get("third_batch_compiled_s", "-"),
                    "peak RSS MiB": round(res["peak_rss_mib"]),
                    "loss": f"{res['losses'][-1]:.4f} @{len(res['losses'])}"}
             if r.startswith("tilefuse"):
@@ -337,7 +348,7 @@ def main(argv=None) -> int:
                   f"{len(res['losses'])} steps", flush=True)
 
     cols = ["step", "first call", "first call, cache warm", "new batch: first call",
-            "new batch: compiled after"]
+            "new batch: compiled after", "3rd batch size: first call", "3rd batch size: compiled after"]
     secs = {m: fmt_seconds for m in cols}
     base_name = next((r for r in ("tilefuse:cpu", *runners) if r in results), None)
     print()

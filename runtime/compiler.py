@@ -231,7 +231,7 @@ def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = Tr
     custom_vjp/jvp) keep rules only transformations use: inlined first, the graph's text decides
     its compile."""
     # an instance of a shape-generic trace at new sizes: its template's front end, instantiated
-    # (made at the first such instance, unless the persistent cache has this one's)
+    # (made by the first such instance, unless the persistent cache has that one's)
     from_template = symbolic.front_end(graph) if fuse and cached and not (dump and dump.dir) else None
     if from_template is not None and from_template.ready(config.cache_key()) and (front := _instantiated(from_template)):
         return front, None, False
@@ -240,7 +240,7 @@ def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = Tr
     front = frontend_cache.load(key, graph) if cached else None  # (never while dumping: key is None)
     if front is not None:
         return front, key, True
-    if from_template is not None and (front := _instantiated(from_template)):
+    if from_template is not None and from_template.untried() and (front := _instantiated(from_template)):
         return front, None, False
     g = run_passes(graph, dump=dump, check=config.check, trace=_trace_pass if config.debug >= 2 else None)
     tiered.check()  # (between the front end's phases too: a process exits without waiting for them)
@@ -272,19 +272,12 @@ def _instantiated(from_template) -> tuple | None:
     return g, regions, lowered
 
 
-def generic_front_ready(graph: Graph) -> bool:
-    """Whether `graph`, an instance of a shape-generic trace, gets its front end from its
-    template's, made already: its compile is then instantiation, lowering and cache hits."""
+def from_template(graph: Graph) -> bool:
+    """Whether `graph`, an instance of a shape-generic trace, compiles from its template's front
+    end (made already, or to be made now): tiered builds it in this process, with no child (its
+    compile is then a symbolic front end at most, instantiation, lowering and cache hits)."""
     f = symbolic.front_end(graph)
-    return f is not None and f.ready(config.cache_key())
-
-
-def prepare_generic_front(graph: Graph) -> None:
-    """Make the template's front end for `graph` if it has one not made yet (tiered's compile
-    thread, after building a graph at new sizes: the next sizes then compile from it)."""
-    f = symbolic.front_end(graph)
-    if f is not None and config.fusion and not f.ready(config.cache_key()):
-        f(_symbolic_front, config.cache_key())
+    return f is not None and config.fusion and (f.ready(config.cache_key()) or f.untried())
 
 
 def _symbolic_front(graph: Graph) -> tuple:

@@ -32,8 +32,11 @@ caches the child filled. Calls that come during that warm build (or while the th
 whether the caches hold the graph) wait for it instead of interpreting: the two fought over the
 GIL (the char-GPT step at a new batch size: an interpreted call beside it took 0.6-1.1 s instead
 of 0.12 s, and the build 0.5 s instead of 0.25; compiled after 0.54-0.75 s now, 1.1-1.4 s then,
-its graph built before). A caller that needs a graph built now (Lowered.compile, wait) takes it
-from the queue and builds it itself. A compile that fails is raised by the call that finds it
+its graph built before). A graph at a shape-generic trace's new sizes builds here too, from
+the trace's front end (runtime/compiler.from_template), made by the first new size: the char-GPT
+step at batch sizes 16, 24, 8, 12, 20 after 32 ran compiled 1.07-1.74 s after its first call
+through a child, and 1.02-1.05 s (the first, which makes it) then 0.29-0.54 s from it. A caller
+that needs a graph built now (Lowered.compile, wait) takes it from the queue and builds it. A compile that fails is raised by the call that finds it
 finished, as a compile error would be. At exit the build under way stops at its next phase or
 kernel and the queue is dropped: the persistent cache writes whole entries only, so the next run
 finds each kernel built or absent."""
@@ -289,11 +292,10 @@ class TieredExecutable:
                 return
             self._started = True
         try:
-            on_worker = _worker and threading.current_thread() is _worker[0]
-            if on_worker:
-                from .compiler import built_before, generic_front_ready  # (compiler imports this module)
+            if _worker and threading.current_thread() is _worker[0]:
+                from .compiler import built_before, from_template  # (compiler imports this module)
                 self._stage = "checking"
-                warm = generic_front_ready(self.graph) or built_before(self.graph, self.device)
+                warm = from_template(self.graph) or built_before(self.graph, self.device)
                 self._stage = "warm" if warm else "child"
                 self._checked.set()
                 if self._stage == "child":  # (then a warm build here, or a cold one if the child failed)
@@ -309,12 +311,6 @@ class TieredExecutable:
         if self.compiled is not None:
             for fn in self._when_compiled:
                 fn(self.compiled)
-            if on_worker:  # a graph at new sizes: its template's front end, for the sizes after it
-                from .compiler import prepare_generic_front
-                try:
-                    prepare_generic_front(self.graph)
-                except Exception:  # noqa: BLE001 - (a speed-up only: the next size compiles the long way)
-                    pass
 
     def when_compiled(self, fn) -> None:
         """Call fn(compiled executable) once it is built (at once if it is): a cache holding this

@@ -69,13 +69,18 @@ class _InstanceFront:
     """What the compiler asks of an instance at other sizes than its template's trace: called
     with the front end (`run`: graph -> (optimised graph, regions)) and the settings it depends
     on (compared: another setting's compile goes the long way), that front end's result for
-    the instance, from one run on the template's own graph (made at the first call: the sizes a
-    program meets after its first are likely to be many), or None where that run failed or its
-    guards answer otherwise at the instance's sizes."""
+    the instance, from one run on the template's own graph (made at its first instance at other
+    sizes), or None where that run failed or its guards answer otherwise at the instance's
+    sizes."""
     __slots__ = ("template", "values")
 
     def __init__(self, template: Template, values):
         self.template, self.values = weakref.ref(template), tuple(values)
+
+    def untried(self) -> bool:
+        """Whether the template's front end is still to be made (by this instance's compile)."""
+        t = self.template()
+        return t is not None and t.front is None
 
     def __call__(self, run, settings) -> tuple | None:
         t = self.template()
