@@ -223,10 +223,13 @@ class FrontEnd:
         for r in regions:
             bounds.append((len(eqns), len(eqns) + len(r.eqns)))
             eqns.extend(r.eqns)
-        if any(_hides_dims(v) for e in eqns for v in e.params.values() if not _symbols(v)) or \
-                any(isinstance(a, Literal) and a.val.dtype == object for e in eqns for a in e.inputs) or \
-                any(np.asarray(c).dtype == object for c in g.consts):
-            return None  # (a size that instantiate would not see: never reused)
+        # a size where instantiate would not see it (an object it does not look into, a literal
+        # or constant made of one) would stay the trace's: such a front end is never reused
+        if any(_hides_dims(v) for e in eqns for v in e.params.values() if not (_symbols(v) or _holds_graph(v))) \
+                or any(isinstance(a, Literal) and np.asarray(a.val).dtype == object
+                       for a in (*(a for e in eqns for a in e.inputs), *g.outvars)) \
+                or any(np.asarray(c).dtype == object for c in g.consts):
+            return None
         flat = Graph(g.constvars, g.invars, tuple(eqns), g.outvars, g.consts, dict(g.meta))
         return FrontEnd(flat, regions, bounds, dict(guards), list(template.env.hints), settings)
 
