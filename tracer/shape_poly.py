@@ -22,6 +22,7 @@ import numpy as np
 
 from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Graph, Literal, ShapedArray, Var
+from tilefuse.ir.passes.fold import fold_uniform
 from tilefuse.ir.passes.fusion import Region
 from tilefuse.ir.symbolic import (Dim, ShapeEnv, Values, concrete, evaluate, guards_hold, is_symbolic,
                                   set_front_end)
@@ -242,20 +243,68 @@ class FrontEnd:
             self.base = instantiate(self.flat, self.hints)
         inst = instantiate(self.flat, values, self.base)
         atoms, fallback = inst.atoms, self.base.atoms
+        folded = _SizeFolder()
 
         def read(a):
             n = atoms.get(a.id)
-            return n if n is not None else fallback.get(a.id, a)
+            return folded.read(n if n is not None else fallback.get(a.id, a))
         regions = []
         for r, (lo, hi) in zip(self.regions, self.bounds):
-            eqns = tuple(e for e in inst.eqns[lo:hi] if e is not None)  # (a size is a literal now)
-            if not eqns:
+            eqns = tuple(f for e in inst.eqns[lo:hi] if e is not None and (f := folded.eqn(e)) is not None)
+            if not eqns:  # (sizes, and arithmetic on them only: literals now)
                 continue
             ins = tuple(x for x in map(read, r.inputs) if isinstance(x, Var))
             outs = tuple(x for x in map(read, r.outputs) if isinstance(x, Var))
             meta = {k: v for k, v in r.meta.items() if k != "lowered"}  # (lowered at the template's sizes)
             regions.append(Region(eqns, ins, outs, r.kind, meta))
-        return inst.graph, regions
+        g = inst.graph.replace(eqns=tuple(e for r in regions for e in r.eqns),
+                               outvars=tuple(map(read, inst.graph.outvars)))
+        return g, regions
+
+
+class _SizeFolder:
+    """What the passes fold in a concrete graph and could not in the template's, where sizes
+    were values (a mean's 1/n, a count broadcast): elementwise equations whose operands are
+    literals or broadcasts of literals at these sizes, folded as fold_constants does (to a
+    literal, or a broadcast of one), so that kernels hold the constants a concrete compile's do
+    (schedule.sized_constants reads a 1/n that is a kernel's size at run time)."""
+    __slots__ = ("literals", "uniform")
+
+    def __init__(self):
+        self.literals: dict = {}  # var id -> the Literal it became
+        self.uniform: dict = {}  # var id -> the scalar (0-d) a broadcast of a literal holds
+
+    def read(self, a):
+        return self.literals.get(a.id, a) if isinstance(a, Var) else a
+
+    def eqn(self, e):
+        """e with folded values read as literals, itself folded where it can be; None where
+        its result became a literal."""
+        ins = tuple(self.read(a) for a in e.inputs)
+        if ins != e.inputs:
+            e = e.replace(inputs=ins)
+        if len(e.outputs) != 1:
+            return e
+        out = e.outputs[0]
+        if e.prim is P.broadcast_in_dim:
+            x = ins[0]
+            scalar = x.val if isinstance(x, Literal) and x.aval.shape == () else self.uniform.get(getattr(x, "id", None))
+            if scalar is not None:
+                self.uniform[out.id] = scalar
+                if not isinstance(x, Literal):  # a broadcast of a broadcast: of the scalar
+                    e = e.replace(inputs=(Literal(scalar, ShapedArray((), x.aval.dtype, x.aval.weak_type)),),
+                                  params=dict(shape=out.aval.shape, broadcast_dimensions=()))
+            return e
+        if e.prim.elementwise:
+            scalars = [a.val if isinstance(a, Literal) else self.uniform.get(a.id) for a in ins]
+            if all(x is not None for x in scalars):
+                folded = fold_uniform(e, scalars)
+                if isinstance(folded, Literal):
+                    self.literals[out.id] = folded
+                    return None
+                self.uniform[out.id] = folded.inputs[0].val
+                return folded
+        return e
 
 
 def _hides_dims(x, depth: int = 0) -> bool:

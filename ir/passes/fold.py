@@ -9,23 +9,32 @@ from __future__ import annotations
 import numpy as np
 
 from .. import primitives as P
-from ..core import Graph, Var
+from ..core import Graph, Literal, Var
 from .util import Rewriter, foldable, literal
 
 _NEVER = ("broadcast_in_dim", "iota")
 
 
-def _fold_uniform(rw: Rewriter, e, scalars) -> None:
+def fold_uniform(e, scalars):
+    """An elementwise equation on uniform operands (their scalars, 0-d arrays) folded: the
+    literal of its 0-d result, or for an array result the broadcast of that literal (an equation
+    with e's output)."""
     out = e.outputs[0]
     with np.errstate(all="ignore"):
         r = np.asarray(e.prim.impl(*scalars, **e.params)[0], out.aval.dtype)
     lit = literal(r, out.aval.dtype, out.aval.weak_type)
     if out.aval.shape == ():
-        rw.alias(out, lit)
+        return lit
+    return e.replace(prim=P.broadcast_in_dim, inputs=(lit,),
+                     params=dict(shape=out.aval.shape, broadcast_dimensions=()))
+
+
+def _fold_uniform(rw: Rewriter, e, scalars) -> None:
+    folded = fold_uniform(e, scalars)
+    if isinstance(folded, Literal):
+        rw.alias(e.outputs[0], folded)
     else:
-        b = e.replace(prim=P.broadcast_in_dim, inputs=(lit,),
-                      params=dict(shape=out.aval.shape, broadcast_dimensions=()))
-        rw.emit(b)
+        rw.emit(folded)
 
 
 def _fold_small(rw: Rewriter, e, values) -> None:
