@@ -291,6 +291,13 @@ def device_put(x, device=None):
     return pytree.tree_map(put, x)
 
 
+def device_get(x):
+    """The arrays of a pytree copied to the host, as numpy arrays (jax.device_get): each Array
+    read back once, anything else as it is."""
+    from tilefuse.tracer import pytree
+    return pytree.tree_map(lambda leaf: np.asarray(leaf) if isinstance(leaf, Array) else leaf, x)
+
+
 def clear_caches() -> None:
     """The eager operations' executables dropped, then every device's cached pool blocks handed
     back (after a collection: a dropped program's constants return to the pool when collected)."""

@@ -756,3 +756,6 @@ def test_device_put_pytrees_and_moves(device):
     ref = tx.device_put(put["w"], "ref")
     assert ref.device.name == "ref"
     np.testing.assert_array_equal(ref, np.ones((2, 2)))
+    got = tx.device_get({"w": put["w"] * 3, "n": 7, "none": None})  # (jax.device_get)
+    assert type(got["w"]) is np.ndarray and got["n"] == 7 and got["none"] is None
+    np.testing.assert_array_equal(got["w"], np.full((2, 2), 3.0, np.float32))

@@ -12,7 +12,7 @@ from tilefuse.ir.errors import (ArgumentError, CompileError, ConcretizationError
 from tilefuse.runtime import device as _device
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.config import config
-from tilefuse.runtime.device import default_device, device_put, devices, get_device
+from tilefuse.runtime.device import default_device, device_get, device_put, devices, get_device
 from tilefuse.runtime.dlpack import from_dlpack
 from tilefuse.runtime.profiler import profile
 # the CLI package (python -m tilefuse.tune runs its __main__) is imported before the function takes
