@@ -232,15 +232,15 @@ def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = Tr
     its compile."""
     # an instance of a shape-generic trace at new sizes: its template's front end, instantiated
     # (made by the first such instance, unless the persistent cache has that one's)
-    from_template = symbolic.front_end(graph) if fuse and cached and not (dump and dump.dir) else None
-    if from_template is not None and from_template.ready(config.cache_key()) and (front := _instantiated(from_template)):
+    template = symbolic.front_end(graph) if fuse and cached and not (dump and dump.dir) else None
+    if template is not None and template.ready(config.cache_key()) and (front := _instantiated(template)):
         return front, None, False
     graph = inline_calls(graph)
     key = frontend_cache.key(graph, fuse)
     front = frontend_cache.load(key, graph) if cached else None  # (never while dumping: key is None)
     if front is not None:
         return front, key, True
-    if from_template is not None and from_template.untried() and (front := _instantiated(from_template)):
+    if template is not None and template.untried() and (front := _instantiated(template)):
         return front, None, False
     g = run_passes(graph, dump=dump, check=config.check, trace=_trace_pass if config.debug >= 2 else None)
     tiered.check()  # (between the front end's phases too: a process exits without waiting for them)
@@ -255,9 +255,10 @@ def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = Tr
     return (g, regions, lowered), key, False
 
 
-def _instantiated(from_template) -> tuple | None:
-    """(graph, regions, lowered kernels) from a template's front end, or None."""
-    made = from_template(_symbolic_front, config.cache_key())
+def _instantiated(template) -> tuple | None:
+    """(graph, regions, lowered kernels) from a template's front end (symbolic.front_end's), or
+    None."""
+    made = template(_symbolic_front, config.cache_key())
     if made is None:
         return None
     g, regions = made
