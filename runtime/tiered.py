@@ -36,10 +36,10 @@ its graph built before). A graph at a shape-generic trace's new sizes builds her
 the trace's front end (runtime/compiler.from_template), made by the first new size: the char-GPT
 step at batch sizes 16, 24, 8, 12, 20 after 32 ran compiled 1.07-1.74 s after its first call
 through a child, and 1.02-1.05 s (the first, which makes it) then 0.29-0.54 s from it. A caller
-that needs a graph built now (Lowered.compile, wait) takes it from the queue and builds it. A compile that fails is raised by the call that finds it
-finished, as a compile error would be. At exit the build under way stops at its next phase or
-kernel and the queue is dropped: the persistent cache writes whole entries only, so the next run
-finds each kernel built or absent."""
+that needs a graph built now (Lowered.compile, wait) takes it from the queue and builds it. A
+compile that fails is raised by the call that finds it finished, as a compile error would be.
+At exit the build under way stops at its next phase or kernel and the queue is dropped: the
+persistent cache writes whole entries only, so the next run finds each kernel built or absent."""
 from __future__ import annotations
 
 import atexit

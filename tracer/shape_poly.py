@@ -95,8 +95,7 @@ class _InstanceFront:
     def ready(self, settings) -> bool:
         """Whether the template's front end was made and serves these sizes."""
         t = self.template()
-        return t is not None and bool(t.front) and t.front.settings == settings and \
-            guards_hold(t.front.guards, self.values)
+        return t is not None and bool(t.front) and t.front.serves(self.values, settings)
 
 
 def symbolic_avals(avals) -> tuple[ShapeEnv, tuple]:
@@ -206,12 +205,26 @@ class FrontEnd:
     equations are the regions' in order (`flat`: partition copies some equations, so regions are
     not the optimised graph's equations), `bounds` each region's slice of them, and the guards
     the front end recorded."""
-    __slots__ = ("flat", "regions", "bounds", "guards", "hints", "settings", "base")
+    __slots__ = ("flat", "regions", "bounds", "guards", "hints", "settings", "base", "_served")
 
     def __init__(self, flat: Graph, regions: list, bounds: list, guards: dict, hints: list, settings):
         self.flat, self.regions, self.bounds, self.guards = flat, regions, bounds, guards
         self.hints, self.settings = hints, settings
         self.base: Instance | None = None
+        self._served: dict = {}  # symbol values -> whether the guards hold there (asked per size
+        # by tiered's choice and by the compile: hundreds of guards)
+
+    def serves(self, values, settings) -> bool:
+        """Whether this front end stands for the instance at these values, under these settings."""
+        if settings != self.settings:
+            return False
+        key = tuple(values)
+        ok = self._served.get(key)
+        if ok is None:
+            if len(self._served) > 256:
+                self._served.clear()
+            ok = self._served[key] = guards_hold(self.guards, values)
+        return ok
 
     @staticmethod
     def make(template: Template, run, settings) -> "FrontEnd | None":
@@ -237,7 +250,7 @@ class FrontEnd:
     def at(self, values, settings) -> tuple | None:
         """(optimised graph, regions) at these symbol values, or None where a guard answers
         otherwise there (or the settings differ from the run's)."""
-        if settings != self.settings or not guards_hold(self.guards, values):
+        if not self.serves(values, settings):
             return None
         if self.base is None:
             self.base = instantiate(self.flat, self.hints)

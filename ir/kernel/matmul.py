@@ -7,9 +7,8 @@ axes of a group, in the group's order, must be laid out like one row-major block
 without copying an operand; a dot_general that does not collapse keeps the generic kernel."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
