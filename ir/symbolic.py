@@ -346,6 +346,30 @@ def distinct(items) -> list:
     return out
 
 
+_trial = threading.local()  # (per thread: a compile on another one asks its sizes as ever)
+
+
+@contextlib.contextmanager
+def index_hints():
+    """A window in which an index constant made of a Dim (kernel.ir.ic) is the Dim's value at the
+    trace, unguarded. Only for a trial whose kernel is thrown away (fusion asking whether a union
+    of a template's equations lowers as one row kernel: a question of its structure and of
+    shapes compared, which stay guarded); a kernel made so would be the trace's sizes' only."""
+    saved = getattr(_trial, "hints", False)
+    _trial.hints = True
+    try:
+        yield
+    finally:
+        _trial.hints = saved
+
+
+def index_int(v) -> int:
+    """int(v) for an index constant: a Dim's hint, unguarded, within index_hints()."""
+    if type(v) is Dim and getattr(_trial, "hints", False):
+        return v.hint
+    return int(v)
+
+
 class _ByValue:
     """A Dim in a key hashed by its value at the trace without a guard, and compared by ==
     (guarded): a lookup that misses then asks nothing, which suits a table whose misses only
@@ -409,12 +433,3 @@ def slice_indices(s: slice, n) -> tuple:
     return (clamp(s.start, upper if step < 0 else lower), clamp(s.stop, lower if step < 0 else upper),
             step)
 
-
-def distinct(sizes) -> list:
-    """The different values among sizes, in order of first appearance, found by == (a set would
-    hash them: a symbolic size would then be specialised)."""
-    out: list = []
-    for n in sizes:
-        if not any(n == m for m in out):
-            out.append(n)
-    return out

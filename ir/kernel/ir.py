@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from ..symbolic import index_int
+
 UNARY = ("neg", "exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "sin", "cos",
          "erf", "abs", "sign", "floor", "ceil", "round", "not", "is_finite")
 BINARY = ("add", "sub", "mul", "div", "rem", "pow", "max", "min", "and", "or", "xor",
@@ -203,8 +205,8 @@ def as_expr(v, dtype) -> KExpr:
 # ---- index arithmetic (int64), constants folded ---------------------------------------------
 
 def ic(v: int) -> KExpr:
-    """An index (int64) constant."""
-    return const(int(v), INDEX)
+    """An index (int64) constant (of a symbolic size: its value, guarded; see symbolic.index_hints)."""
+    return const(v if type(v) is int else index_int(v), INDEX)
 
 
 def is_const(a: KExpr, v=None) -> bool:

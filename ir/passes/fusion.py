@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from ..core import Eqn, Graph, Var
 from ..kernel import lower
 from ..primitives import has_effect
-from ..symbolic import distinct
+from ..symbolic import distinct, index_hints, is_symbolic
 
 INDEX_MAPS = frozenset({"broadcast_in_dim", "reshape", "transpose", "slice", "rev", "iota",
                         "dynamic_slice"})  # (its start indices: scalars the kernel loads)
@@ -251,7 +251,7 @@ class _Partitioner:
         # per group: its longest chain, as (operations, equations): index maps count for no
         # operation, but for depth (MAX_CHAIN and MAX_DEPTH bound them)
         self.height = {i: self._weight(e) for i, e in enumerate(eqns)}
-        self.rows: dict[int, list] = {}  # groups merged row-wise (run_rows): their kernels
+        self.rows: dict[int, list] = {}  # groups merged row-wise (run_rows): their kernels ([] at symbolic sizes)
         self.members: dict[int, list[int]] = {i: [i] for i in range(len(eqns))}
         self.dag = _Dag(len(eqns))
         for i, e in enumerate(eqns):
@@ -581,9 +581,8 @@ class _Partitioner:
                 if height is None or len(self.union_reads(p, c)) + len(self.union_outputs(p, c)) > MAX_BUFFERS:
                     continue
                 members = set(self.members[p]) | set(self.members[c])
-                lowered = self._row_shaped(members) and not self.creates_cycle(p, c) and \
-                    self._rows_lower(members)
-                if lowered:
+                if self._row_shaped(members) and not self.creates_cycle(p, c) and \
+                        (lowered := self._rows_lower(members)) is not None:
                     self.merge(p, c, height)
                     self.rows[c] = lowered
                     tried = {pc for pc in tried if c not in pc}  # c grew: ask again
@@ -609,9 +608,18 @@ class _Partitioner:
         return all(any(_non_unit(o.aval.shape) == s for s in live) for e in eqns for o in e.outputs)
 
     def _rows_lower(self, members: set[int]) -> list | None:
-        """The union's row kernel, if it lowers to one (asked of the lowering itself)."""
+        """The union's row kernel, if it lowers to one (asked of the lowering itself); none (an
+        empty list) for a template's symbolic sizes, whose trial lowering takes its index
+        constants at the trace's sizes (symbolic.index_hints: a row length is then not
+        specialised) and is thrown away: each instance lowers its own."""
+        region = self.region(members, {"rows": True})
         try:
-            return lower.lower_region(self.region(members, {"rows": True}))
+            if not any(is_symbolic(v.aval.shape) for e in region.eqns for v in (*e.inputs, *e.outputs)
+                       if isinstance(v, Var)):
+                return lower.lower_region(region)
+            with index_hints():
+                lower.lower_region(region)
+            return []
         except lower.NotRows:
             return None
 
@@ -640,8 +648,8 @@ class _Partitioner:
         assert nx.is_directed_acyclic_graph(dag), "fusion created a cycle between regions"
         assert all(self.pos[u] < self.pos[v] for u, v in dag.edges), "positions not topological"
         # a row region keeps the kernel its last merge lowered (its members since)
-        return [self.region(set(self.members[g]), {"rows": True, "lowered": self.rows[g]} if g in self.rows
-                            else None)
+        return [self.region(set(self.members[g]), ({"rows": True, "lowered": self.rows[g]} if self.rows[g]
+                                                    else {"rows": True}) if g in self.rows else None)
                 for g in nx.lexicographical_topological_sort(dag, key=lambda g: min(self.members[g]))]
 
 

@@ -325,6 +325,55 @@ def test_a_size_dependent_decision_keeps_the_front_end_from_other_sizes(monkeypa
     assert template.front and at(4, 3) and not at(6, 3) and not at(9, 3)
 
 
+def test_a_new_row_length_compiles_from_the_templates_front_end(device, monkeypatch):
+    # fusion asks whether a layer norm's or a softmax's union lowers as one row kernel by lowering
+    # it; at a template's symbolic sizes that trial takes its index constants at the trace's sizes
+    # (symbolic.index_hints) and is thrown away, so a new row length reuses the front end
+    from tilefuse.runtime import compiler, frontend_cache, tiered
+    assert tiered.wait_idle(120)
+    monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)
+    monkeypatch.setattr(tx.config, "tiered", False)
+    partitions, symbolic = [], []
+    part, sym = compiler.partition, compiler._symbolic_front
+    monkeypatch.setattr(compiler, "partition", lambda *a, **k: partitions.append(1) or part(*a, **k))
+    monkeypatch.setattr(compiler, "_symbolic_front", lambda g: symbolic.append(1) or sym(g))
+
+    def f(x, g):
+        h = (x - x.mean(-1, keepdims=True)) / tnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * g
+        return tx.nn.softmax(h * 3.0, axis=-1), h.sum()
+    generic, concrete = tx.jit(f, device=device), tx.jit(f, device=device)
+    rng = np.random.default_rng(5)
+    sizes = ((6, 40), (4, 24), (5, 33), (3, 64), (7, 17))
+    for rows, n in sizes:
+        x = (rng.standard_normal((rows, n)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))).astype(np.float32)
+        g = rng.uniform(0.5, 2.0, n).astype(np.float32)
+        got = generic(x, g)
+        monkeypatch.setattr(tx.config, "shape_generic", False)
+        want = concrete(x, g)
+        monkeypatch.setattr(tx.config, "shape_generic", True)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        h = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * g
+        e = np.exp(3.0 * h - (3.0 * h).max(-1, keepdims=True))
+        np.testing.assert_allclose(np.asarray(got[0]), e / e.sum(-1, keepdims=True), rtol=2e-5, atol=1e-6)
+    assert generic.trace_count == 1
+    if device.kind != "ref":
+        (template,) = [t for ts in generic._templates.values() for t in ts]
+        assert any(r.meta.get("rows") and "lowered" not in r.meta for r in template.front.regions)
+        assert len(symbolic) == 1 and len(partitions) == 1 + 1 + len(sizes)
+
+
+def test_index_hints_take_a_size_unguarded_for_a_trial_only():
+    from tilefuse.ir.kernel.ir import ic
+    from tilefuse.ir.symbolic import index_hints
+    env = ShapeEnv()
+    n = env.symbol(12)
+    with index_hints():
+        assert ic(n * 3).arg == 36
+    assert not env.guards and env.holds([5])
+    assert ic(n).arg == 12 and env.specialised == {0} and not env.holds([5])  # (outside: the value, guarded)
+
+
 def test_symbolic_avals_one_symbol_per_axis():
     # a batch of 128 beside a hidden size of 128 (an MLP) must not tie the two together
     from tilefuse.tracer.shape_poly import symbolic_avals
