@@ -19,7 +19,9 @@ from tilefuse.backends.base import Program, bind_launch
 from tilefuse.ir import symbolic
 from tilefuse.ir.core import Graph, Literal, Var, gc_paused, typecheck_graph
 from tilefuse.ir.kernel import copy_kernel, lower_region
-from tilefuse.ir.kernel.ir import Kernel
+from tilefuse.ir.kernel.ir import Buffer, Kernel
+from tilefuse.ir.kernel.lower import LoweredKernel
+from tilefuse.ir.kernel.schedule import at_first_extent
 from tilefuse.ir.passes import Dump, partition, run_passes
 from tilefuse.ir.passes.inline import inline_calls
 from tilefuse.ir.primitives import CONTROL_FLOW
@@ -262,15 +264,99 @@ def _instantiated(template) -> tuple | None:
     if made is None:
         return None
     g, regions = made
+    front = template.front_end()
+    values = symbolic.Values(template.values)
     try:
         if config.check:  # (TILEFUSE_CHECK: the instance's avals are its rules' at its sizes)
             typecheck_graph(g)
-        lowered = [[] if r.kind == "host" else lower_region(r) for r in regions]
+        lowered = [[] if r.kind == "host" else _lower_instance(r, front, values) for r in regions]
     except Exception:  # noqa: BLE001 - (not expected where the guards hold: the long way then)
         if config.check:
             raise
         return None
     return g, regions, lowered
+
+
+def _lower_instance(r, front, values) -> list:
+    """The kernels of an instance's region r: made from its template region's (at_first_extent)
+    where that region's _Lowering holds at these sizes, else lowered. The first instance to lower
+    a template region makes its _Lowering."""
+    i = r.meta.get("template_region")
+    if front is None or i is None:
+        return lower_region(r)
+    env, fe = front
+    made = fe.lowerings.get(i)
+    if made is None:
+        lowered = lower_region(r)
+        fe.lowerings[i] = _Lowering.make(env, fe.regions[i], r, lowered) or False
+        return lowered
+    return (made and made.at(r, values)) or lower_region(r)
+
+
+_LOWERING_META = frozenset({"kind", "eqns", "operands", "sources"})  # what lowering puts in a kernel's meta
+
+
+class _Lowering:
+    """A template region lowered once with its symbolic sizes, under its own guards, beside its
+    lowering at the instance that made it (the twins): where the two have the same stores (no
+    size in an index constant or a value: lowering would have asked its value, a guard that
+    fails elsewhere), a later instance whose sizes the guards admit, with the same extents but
+    the first, has the twin's kernels at its own first extent and buffer sizes, over its own
+    variables (schedule.at_first_extent; on a CPU that takes the first extent at run time they
+    share the twin's schedule and code). Kernels are told apart by their positions in the
+    region (inputs then outputs, equations), which instances share."""
+    __slots__ = ("guards", "n_eqns", "n_frame", "kernels")
+
+    def __init__(self, guards: dict, n_eqns: int, n_frame: int, kernels: list):
+        self.guards, self.n_eqns, self.n_frame, self.kernels = guards, n_eqns, n_frame, kernels
+
+    @staticmethod
+    def make(env, template_region, r, lowered) -> "_Lowering | None":
+        with env.recording() as guards:
+            try:
+                symbolic_kernels = lower_region(template_region)
+            except Exception:  # noqa: BLE001 - (the instance's own lowering stands)
+                return None
+        t, frame = template_region, (*r.inputs, *r.outputs)
+        if len(symbolic_kernels) != len(lowered) or len(t.eqns) != len(r.eqns) or \
+                len(t.inputs) + len(t.outputs) != len(frame):
+            return None
+        at_t = {v.id: n for n, v in enumerate((*t.inputs, *t.outputs))}
+        at_r = {v.id: n for n, v in enumerate(frame)}
+        eqn_at = {id(e): n for n, e in enumerate(t.eqns)}
+        kernels = []
+        for sk, lk in zip(symbolic_kernels, lowered):
+            k, twin = sk.kernel, lk.kernel
+            args = tuple(at_t.get(v.id) for v in sk.args)
+            operands = tuple(at_t.get(v.id) for v in k.meta.get("operands", ()))
+            eqns = tuple(eqn_at.get(id(e)) for e in k.meta.get("eqns", ()))
+            if k.stores != twin.stores or k.n_inputs != twin.n_inputs or set(twin.meta) - _LOWERING_META or \
+                    [b.dtype for b in k.buffers] != [b.dtype for b in twin.buffers] or \
+                    not twin.shape or twin.shape[0] < 2 or None in args + operands + eqns or \
+                    args != tuple(at_r.get(v.id) for v in lk.args):
+                return None
+            kernels.append((twin, k.shape, k.reduce_shape, tuple(b.size for b in k.buffers), args,
+                            operands if "operands" in twin.meta else None, eqns, twin.meta["kind"],
+                            twin.meta.get("sources", ())))
+        return _Lowering(dict(guards), len(t.eqns), len(frame), kernels)
+
+    def at(self, r, values) -> list | None:
+        """r's kernels, where r is this region's instance at `values` and the guards admit it."""
+        frame = (*r.inputs, *r.outputs)
+        if len(r.eqns) != self.n_eqns or len(frame) != self.n_frame or not symbolic.guards_hold(self.guards, values):
+            return None
+        out = []
+        for twin, shape, reduce_shape, sizes, args, operands, eqns, kind, sources in self.kernels:
+            n0 = symbolic.evaluate(shape[0], values)
+            if n0 < 2 or any(symbolic.evaluate(d, values) != n for d, n in zip(shape[1:], twin.shape[1:])) or \
+                    any(symbolic.evaluate(d, values) != n for d, n in zip(reduce_shape, twin.reduce_shape)):
+                return None
+            buffers = tuple(Buffer(b.name, b.dtype, symbolic.evaluate(n, values)) for b, n in zip(twin.buffers, sizes))
+            meta = {"kind": kind, "eqns": tuple(r.eqns[j] for j in eqns), "sources": sources}
+            if operands is not None:
+                meta["operands"] = tuple(frame[j] for j in operands)
+            out.append(LoweredKernel(at_first_extent(twin, n0, buffers, meta), tuple(frame[j] for j in args)))
+        return out
 
 
 def from_template(graph: Graph) -> bool:

@@ -97,6 +97,12 @@ class _InstanceFront:
         t = self.template()
         return t is not None and bool(t.front) and t.front.serves(self.values, settings)
 
+    def front_end(self) -> tuple | None:
+        """(the template's ShapeEnv, its FrontEnd), once made: for the compiler's lowering of an
+        instance's regions (FrontEnd.lowerings)."""
+        t = self.template()
+        return (t.env, t.front) if t is not None and t.front else None
+
 
 def symbolic_avals(avals) -> tuple[ShapeEnv, tuple]:
     """The avals with every size but 0 and 1 a symbol, one per axis: a batch of 128 beside a
@@ -205,12 +211,13 @@ class FrontEnd:
     equations are the regions' in order (`flat`: partition copies some equations, so regions are
     not the optimised graph's equations), `bounds` each region's slice of them, and the guards
     the front end recorded."""
-    __slots__ = ("flat", "regions", "bounds", "guards", "hints", "settings", "base", "_served")
+    __slots__ = ("flat", "regions", "bounds", "guards", "hints", "settings", "base", "lowerings", "_served")
 
     def __init__(self, flat: Graph, regions: list, bounds: list, guards: dict, hints: list, settings):
         self.flat, self.regions, self.bounds, self.guards = flat, regions, bounds, guards
         self.hints, self.settings = hints, settings
         self.base: Instance | None = None
+        self.lowerings: dict = {}  # region number -> what the compiler keeps of its lowering (compiler._Lowering)
         self._served: dict = {}  # symbol values -> whether the guards hold there (asked per size
         # by tiered's choice and by the compile: hundreds of guards)
 
@@ -262,13 +269,14 @@ class FrontEnd:
             n = atoms.get(a.id)
             return folded.read(n if n is not None else fallback.get(a.id, a))
         regions = []
-        for r, (lo, hi) in zip(self.regions, self.bounds):
+        for i, (r, (lo, hi)) in enumerate(zip(self.regions, self.bounds)):
             eqns = tuple(f for e in inst.eqns[lo:hi] if e is not None and (f := folded.eqn(e)) is not None)
             if not eqns:  # (sizes, and arithmetic on them only: literals now)
                 continue
             ins = tuple(x for x in map(read, r.inputs) if isinstance(x, Var))
             outs = tuple(x for x in map(read, r.outputs) if isinstance(x, Var))
             meta = {k: v for k, v in r.meta.items() if k != "lowered"}  # (lowered at the template's sizes)
+            meta["template_region"] = i
             regions.append(Region(eqns, ins, outs, r.kind, meta))
         g = inst.graph.replace(eqns=tuple(e for r in regions for e in r.eqns),
                                outvars=tuple(map(read, inst.graph.outvars)))

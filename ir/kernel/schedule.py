@@ -103,6 +103,13 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
     reduction axis where more loads walk it contiguously: a row's sum; none where every load
     gathers), work-groups of up to 256 on GPUs (64 on CPUs: fewer, larger work-groups cost less
     to start), adds by an owner axis where there is one and by atomics (or one work-item) where not."""
+    tw = first_extent_twin(k, target)
+    if tw is not None:  # (kept in the twin's meta: each instance at a new batch size asks again)
+        memo = tw.meta.setdefault("default_schedule", {})
+        got = memo.get((target, deterministic))
+        if got is None:
+            got = memo[target, deterministic] = default_schedule(tw, target, deterministic)
+        return got
     k = laid_out(k, target)
     group = min(64 if target.kind == "cpu" else 256, target.max_group)
     W = target.lanes if target.kind == "cpu" else 1
@@ -160,6 +167,34 @@ def laid_out(k: Kernel, target: Target) -> Kernel:
     return got
 
 
+def at_first_extent(k: Kernel, n0: int, buffers: tuple, meta: dict) -> Kernel:
+    """k with another first extent `n0` (and `buffers` of that instance's sizes; both extents at
+    least 2): a shape-generic trace's kernel at a new batch size, made from the one lowered at an
+    earlier size (runtime/compiler.py) where the two have the same stores and other extents.
+    Its twin (meta "twin") is k: see first_extent_twin. merge_axes merges the same axes (its
+    choices ask extents other than the first, and whether one is 1), so k's layout is reused."""
+    assert n0 >= 2 and k.shape and k.shape[0] >= 2, (n0, k.shape)
+    out = Kernel(k.name, buffers, k.n_inputs, (n0, *k.shape[1:]), k.reduce_shape, k.stores, meta)
+    out.meta["twin"] = k
+    merged = k.meta.get("merged")
+    if merged is not None:  # (the first group of axes holds axis 0, whatever else it merged)
+        out.meta["merged"] = out if merged is k else Kernel(
+            merged.name, buffers, merged.n_inputs, (merged.shape[0] // k.shape[0] * n0, *merged.shape[1:]),
+            merged.reduce_shape, merged.stores)
+    return out
+
+
+def first_extent_twin(k: Kernel, target: Target) -> Kernel | None:
+    """The kernel whose schedule and code k's are (at_first_extent's twin), where they are: on a
+    CPU target that takes the first extent at run time, both are made of the laid-out kernel but
+    its first extent (a lone axis's lanes do not ask it; code_text writes "?"), and of kernels
+    without "add" stores (an owner axis asks it). Elsewhere None: k is scheduled on its own."""
+    tw = k.meta.get("twin")
+    if tw is None or not (target.runtime_batch and target.kind == "cpu") or any(st.mode == "add" for st in k.stores):
+        return None
+    return tw
+
+
 COPIES_MIN = 1024  # elements of an output from which an offset of whole copies of it is read as a size
 COUNT_MIN = 64  # a float constant equal to a run-time extent at least this large is read as that size
 
@@ -181,20 +216,14 @@ def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
     if got is not None:
         return got
     inner = math.prod(k.shape[1:])
-    extents = [(k.shape[0], size(0)), (k.size, imul(size(0), inner))] if k.shape else []
-    if generic_reduction(k, target, s):  # (the reduction's first extent, and all of its steps)
-        R = k.reduce_shape
-        extents += [(R[0], size(1)), (math.prod(R), imul(size(1), math.prod(R[1:])))]
+    extents, whole = _size_extents(k, target, s)
     counts = {}  # (dtype, value) -> the size expression that computes it
     for n, sz in extents:
-        if n < COUNT_MIN or n >= 2 ** 24:
-            continue
         for d in (np.dtype(np.float32), np.dtype(np.float64)):
             f = cast(sz, d)
             for c, e in ((d.type(n), f), (d.type(1) / d.type(n), binary("div", const(1.0, d), f))):
                 counts.setdefault((d, float(c)), e)
                 counts.setdefault((d, -float(c)), unary("neg", e))
-    whole = k.size if k.shape and k.size >= COPIES_MIN else 0  # an offset of whole copies of the output
 
     def copies(x: KExpr) -> KExpr:
         if whole and x.op == "const" and x.dtype == INDEX and x.arg > 0 and x.arg % whole == 0:
@@ -217,6 +246,50 @@ def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
         out.meta.update(merged=out)  # (laid out already)
     k.meta[memo_key] = out
     return out
+
+
+def _size_extents(k: Kernel, target: Target, s: "Schedule") -> tuple[list, int]:
+    """sized_constants' sizes of laid-out k: [(extent, its size expression)] (those whose floats
+    it reads), and the output's size where an offset of whole copies of it is read (else 0)."""
+    extents = [(k.shape[0], size(0)), (k.size, imul(size(0), math.prod(k.shape[1:])))] if k.shape else []
+    if generic_reduction(k, target, s):  # (the reduction's first extent, and all of its steps)
+        R = k.reduce_shape
+        extents += [(R[0], size(1)), (math.prod(R), imul(size(1), math.prod(R[1:])))]
+    extents = [(n, sz) for n, sz in extents if COUNT_MIN <= n < 2 ** 24]
+    return extents, (k.size if k.shape and k.size >= COPIES_MIN else 0)
+
+
+def _unsized(k: Kernel, target: Target, s: "Schedule") -> bool:
+    """Whether sized_constants reads none of k's constants as its sizes. For a kernel with a twin
+    (at_first_extent: the same laid-out stores), asked of the twin's constants, kept in its meta,
+    instead of walking k's expressions again at every batch size."""
+    lk = laid_out(k, target)
+    got = lk.meta.get(("sized_constants", s))
+    tw = k.meta.get("twin")
+    if got is not None or tw is None:
+        return (got or sized_constants(lk, target, s)) is lk
+    if not (target.runtime_batch and lk.size):
+        return True
+    floats, offsets = _constants(laid_out(tw, target))
+    extents, whole = _size_extents(lk, target, s)
+    for n, _ in extents:
+        for d in (np.dtype(np.float32), np.dtype(np.float64)):
+            for c in (float(d.type(n)), float(d.type(1) / d.type(n))):
+                if (d, c) in floats or (d, -c) in floats:
+                    return False
+    return not (whole and any(a > 0 and a % whole == 0 for a in offsets))
+
+
+def _constants(k: Kernel) -> tuple[frozenset, frozenset]:
+    """What sized_constants may read as sizes in k: its float constants ((dtype, value)) and the
+    index constants added to an offset; kept in k.meta."""
+    got = k.meta.get("constants")
+    if got is None:
+        nodes = walk([e for st in k.stores for e in (st.offset, st.value)])
+        got = k.meta["constants"] = (
+            frozenset((n.dtype, float(n.arg)) for n in nodes if n.op == "const" and n.dtype.kind == "f"),
+            frozenset(x.arg for n in nodes if n.op == "add" for x in n.src if x.op == "const" and x.dtype == INDEX))
+    return got
 
 
 def merge_axes(k: Kernel) -> Kernel:
@@ -829,6 +902,9 @@ def code_text(k: Kernel, target: Target, s: Schedule) -> str:
     its buffers' sizes and (Target.runtime_batch) its first extent, the schedule and the target.
     Equal text, equal tile kernel but for the grid's extent: a cache key that needs no tile kernel
     (tests/backends/test_shape_generic.py holds the scheduler to it)."""
+    tw = first_extent_twin(k, target)
+    if tw is not None and _unsized(tw, target, s) and _unsized(k, target, s):
+        return code_text(tw, target, s)  # (the same text: the same laid-out kernel but its "?")
     key = (tuple((b.dtype, b.size) for b in k.buffers), k.n_inputs, tuple(k.shape), tuple(k.reduce_shape),
            k.stores, target, s)  # (expressions are interned: the stores hash and compare at their roots)
     text = _code_texts.get(key)
@@ -998,5 +1074,5 @@ def _owner(k: Kernel, s: Schedule, b: _Builder, n0: KExpr, meta: dict) -> TileKe
     return TileKernel(k.name, k.buffers, k.n_inputs, body, meta=meta)
 
 
-__all__ = ["Schedule", "code_text", "default_schedule", "divmod_index", "generic_reduction", "grid_points", "laid_out",
-           "merge_axes", "run_sizes", "schedule", "stride", "substitute"]
+__all__ = ["Schedule", "at_first_extent", "code_text", "default_schedule", "divmod_index", "first_extent_twin",
+           "generic_reduction", "grid_points", "laid_out", "merge_axes", "run_sizes", "schedule", "stride", "substitute"]

@@ -386,3 +386,85 @@ def test_attention_code_serves_every_batch_size():
     assert shared, "no two batch sizes took one schedule"
     for texts in shared:
         assert len(texts[0]) >= 2 and all(t == texts[0] for t in texts), "a new batch size changed the code"
+
+
+# ---- kernels at a new batch size made from a template's (runtime/compiler._Lowering) --------------
+
+def _step(w1, w2, x, y, g):
+    """An MLP's gradients, a layer norm and a softmax: elementwise, row and reduction kernels."""
+    return tx.grad(mlp_loss, argnums=(0, 1))(w1, w2, x, y), layernorm(x, g, g), softmax(x * 2.0)
+
+
+def test_kernels_made_at_a_new_batch_size_are_those_lowering_gives(device, monkeypatch):
+    """A shape-generic trace's kernels at a new batch size are its template region's, lowered once
+    with symbolic sizes, at the new first extent (schedule.at_first_extent): each equals the
+    instance's own lowering (stores, extents, buffers), and on a CPU that takes the first extent
+    at run time its schedule and code text, taken from its twin, are those it has on its own.
+    Results match the interpreter."""
+    from tilefuse.ir.kernel.ir import Kernel
+    from tilefuse.ir.kernel.lower import lower_region
+    from tilefuse.ir.kernel.schedule import at_first_extent, first_extent_twin
+    from tilefuse.runtime import compiler, frontend_cache, tiered
+    assert tiered.wait_idle(120)
+    monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)
+    monkeypatch.setattr(tx.config, "tiered", False)
+    made, instances = [], []
+    lower = compiler._lower_instance
+
+    def lower_instance(r, front, values):
+        out = lower(r, front, values)
+        made.extend(lk.kernel for lk in out if "twin" in lk.kernel.meta)
+        instances.append((r, out))
+        return out
+    monkeypatch.setattr(compiler, "_lower_instance", lower_instance)
+    d = 16
+    w1, w2 = rng.standard_normal((d, 32)).astype(np.float32) * 0.3, rng.standard_normal((32, 5)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    jf = tx.jit(_step, device=device)
+    for n in (12, 7, 5, 3, 9):  # (below d: the GEMMs' decisions compare the batch with it)
+        x = rng.standard_normal((n, d)).astype(np.float32)
+        y = np.eye(5, dtype=np.float32)[rng.integers(0, 5, n)]
+        got = jf(w1, w2, x, y, g)
+        want = tx.jit(_step, device="ref")(w1, w2, x, y, g)
+        for a, b in zip(tx.tree_leaves(got), tx.tree_leaves(want)):
+            assert_close(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-5)
+    assert jf.trace_count == 1
+    if device.kind == "ref":
+        return
+    assert len(made) >= 3 * 8, f"{len(made)} kernels made from the template's lowering"  # (at 5, 3, 9)
+    t = target_of(device.info)
+    for r, out in instances:
+        if not any("twin" in lk.kernel.meta for lk in out):
+            continue
+        own = [lk.kernel for lk in lower_region(r)]
+        for lk, k in zip(out, own):
+            m = lk.kernel
+            assert (m.shape, m.reduce_shape, m.buffers, m.n_inputs) == (k.shape, k.reduce_shape, k.buffers, k.n_inputs)
+            assert m.stores == k.stores
+            if first_extent_twin(m, t) is not None:
+                assert default_schedule(m, t) == default_schedule(k, t)
+                assert code_text(m, t, default_schedule(m, t)) == code_text(k, t, default_schedule(k, t))
+    # a twin's layout is the kernel's own at its first extent
+    k = next(m for m in made if len(m.meta["twin"].meta.get("merged", m).shape) < len(m.shape)) \
+        if device.kind == "cpu" else None
+    if k is not None:
+        again = at_first_extent(k.meta["twin"], k.shape[0], k.buffers, {})
+        fresh = Kernel(k.name, k.buffers, k.n_inputs, k.shape, k.reduce_shape, k.stores)
+        from tilefuse.ir.kernel.schedule import laid_out
+        assert (laid_out(again, t).shape, laid_out(again, t).stores) == (laid_out(fresh, t).shape, laid_out(fresh, t).stores)
+
+
+@pytest.mark.parametrize("sizes", [(64, 96, 50), (64, 50, 96)])
+def test_a_constant_equal_to_one_sizes_extent_is_not_shared(device, sizes, monkeypatch):
+    """768.0 is the laid-out extent (n x 8) of the kernel at n = 96, where sized_constants reads
+    it as that size: a kernel at another size whose twin is that one (or the other way round)
+    must not take its code."""
+    from tilefuse.runtime import frontend_cache, tiered
+    assert tiered.wait_idle(120)
+    monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)
+    monkeypatch.setattr(tx.config, "tiered", False)
+    jf = tx.jit(lambda x: tnp.tanh(x) * 768.0 + 1.0, device=device)
+    for n in sizes:
+        x = rng.standard_normal((n, 8)).astype(np.float32)
+        assert_close(np.asarray(jf(x)), np.tanh(x) * np.float32(768.0) + 1.0, rtol=1e-6, atol=1e-5)
+    assert jf.trace_count == 1
