@@ -10,6 +10,7 @@ from tilefuse.ir.errors import (ArgumentError, CompileError, ConcretizationError
                                 DTypeError, NaNError, OperandShapeError, OutOfMemoryError, ShapeError,
                                 StaticArgumentError, TilefuseError, TracerLeakError, TransformError)
 from tilefuse.runtime import device as _device
+from tilefuse.runtime import memory as _memory
 from tilefuse.runtime.array import Array
 from tilefuse.runtime.config import config
 from tilefuse.runtime.device import default_device, device_get, device_put, devices, get_device
@@ -24,6 +25,7 @@ from tilefuse.tracer import jit as _jit
 from tilefuse.tracer.pytree import (register_dataclass, register_pytree_node, tree_flatten,
                                     tree_leaves, tree_map, tree_structure, tree_unflatten)
 
+_memory.keep_host_memory()  # (glibc: freed host memory kept for reuse, not faulted in again each step)
 _core.set_eager_apply(_device.apply_primitive)
 _jit.hooks.resolve_device = _device.resolve_device
 

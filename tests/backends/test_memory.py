@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -203,3 +205,34 @@ def test_dropped_spares_are_back_in_the_pool_when_figures_are_read():
     big = tx.jit(lambda a: a + 1)(np.ones(1 << 15, np.float32))  # past Spares.LIMIT: not kept
     del big
     assert dev.memory_stats()["bytes_in_use"] == before
+
+
+_FAULTS = """
+import resource, numpy as np, tilefuse
+def step():
+    xs = [np.ones(1 << 20, np.float64) for _ in range(6)]  # 8 MiB each, made and dropped per step
+    return sum(float(x[-1]) for x in xs)
+step(); step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_freed_host_memory_is_kept_for_reuse():
+    """keep_host_memory (set at import): arrays of several MiB made and dropped at every step reuse
+    the heap's pages instead of faulting in fresh ones each time; TILEFUSE_KEEP_HOST_MEMORY=0
+    leaves glibc's malloc as it is."""
+    import ctypes
+    import subprocess
+    if not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):
+        pytest.skip("glibc's malloc only")
+    faults = {}
+    for keep in ("1", "0"):
+        env = {**os.environ, "TILEFUSE_KEEP_HOST_MEMORY": keep}
+        out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        faults[keep] = int(out.stdout.split()[-1])
+    pages = 20 * 6 * (8 << 20) // 4096  # (every page of every array, each step)
+    assert faults["1"] < pages // 20 < faults["0"], faults
