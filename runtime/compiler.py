@@ -290,7 +290,15 @@ def _lower_instance(r, front, values) -> list:
         lowered = lower_region(r)
         fe.lowerings[i] = _Lowering.make(env, fe.regions[i], r, lowered) or False
         return lowered
-    return (made and made.at(r, values)) or lower_region(r)
+    got = made and made.at(r, values)
+    if not got:
+        return lower_region(r)
+    if config.check:  # (TILEFUSE_CHECK: each kernel is the one lowering the region gives)
+        own = lower_region(r)
+        assert [(k.kernel.shape, k.kernel.reduce_shape, k.kernel.buffers, k.kernel.stores, [a.id for a in k.args])
+                for k in got] == [(k.kernel.shape, k.kernel.reduce_shape, k.kernel.buffers, k.kernel.stores,
+                                   [a.id for a in k.args]) for k in own], f"region {i}: made kernels differ from lowering"
+    return got
 
 
 _LOWERING_META = frozenset({"kind", "eqns", "operands", "sources"})  # what lowering puts in a kernel's meta
