@@ -287,7 +287,9 @@ def estimate_ns(kernel: Kernel) -> float:
     """A rough run time on one thread, from the op mix (see PARALLEL_MIN_NS); kept in meta."""
     est = kernel.meta.get("est_ns")
     if est is None:
-        est = kernel.meta["est_ns"] = _estimate_ns(kernel)
+        tw = kernel.meta.get("twin")  # (schedule.at_first_extent: the same op mix at another first extent)
+        est = kernel.meta["est_ns"] = estimate_ns(tw) / tw.size * kernel.size if tw is not None and tw.size else \
+            _estimate_ns(kernel)
     return est
 
 
