@@ -506,12 +506,18 @@ def _lower_generic(region, kind=None) -> list[LoweredKernel]:
     return [b.kernel(kernel_name(region.eqns), region.outputs, shape, stores, kind, region.eqns)]
 
 
+def reduction_spaces(eqns) -> list:
+    """The different (operand shape, reduced axes) of the reductions among eqns (compared, not
+    hashed: symbolic sizes)."""
+    return distinct((e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
+                    for e in eqns if e.prim.name in _REDUCE_OPS and e.params["axes"])
+
+
 def row_space(region) -> tuple | None:
     """(row shape, reduced axes) when all of a region's reductions reduce the same axes of
     operands of one shape; None when it has no reduction or they differ."""
-    spaces = distinct((e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
-                      for e in region.eqns if e.prim.name in _REDUCE_OPS and e.params["axes"])
-    return spaces[0] if len(spaces) == 1 else None  # (compared, not hashed: symbolic sizes)
+    spaces = reduction_spaces(region.eqns)
+    return spaces[0] if len(spaces) == 1 else None
 
 
 def _row_index(shape, space_shape, index):

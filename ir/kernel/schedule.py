@@ -219,11 +219,11 @@ def sized_constants(k: Kernel, target: Target, s: "Schedule") -> Kernel:
     extents, whole = _size_extents(k, target, s)
     counts = {}  # (dtype, value) -> the size expression that computes it
     for n, sz in extents:
-        for d in (np.dtype(np.float32), np.dtype(np.float64)):
+        for d, value, reciprocal in _float_sizes(n):
             f = cast(sz, d)
-            for c, e in ((d.type(n), f), (d.type(1) / d.type(n), binary("div", const(1.0, d), f))):
-                counts.setdefault((d, float(c)), e)
-                counts.setdefault((d, -float(c)), unary("neg", e))
+            for c, e in ((value, f), (reciprocal, binary("div", const(1.0, d), f))):
+                counts.setdefault((d, c), e)
+                counts.setdefault((d, -c), unary("neg", e))
 
     def copies(x: KExpr) -> KExpr:
         if whole and x.op == "const" and x.dtype == INDEX and x.arg > 0 and x.arg % whole == 0:
@@ -259,6 +259,12 @@ def _size_extents(k: Kernel, target: Target, s: "Schedule") -> tuple[list, int]:
     return extents, (k.size if k.shape and k.size >= COPIES_MIN else 0)
 
 
+def _float_sizes(n: int):
+    """(dtype, n, 1/n) in the float dtypes whose constants sized_constants reads as sizes."""
+    for d in (np.dtype(np.float32), np.dtype(np.float64)):
+        yield d, float(d.type(n)), float(d.type(1) / d.type(n))
+
+
 def _unsized(k: Kernel, target: Target, s: "Schedule") -> bool:
     """Whether sized_constants reads none of k's constants as its sizes. For a kernel with a twin
     (at_first_extent: the same laid-out stores), asked of the twin's constants, kept in its meta,
@@ -273,10 +279,9 @@ def _unsized(k: Kernel, target: Target, s: "Schedule") -> bool:
     floats, offsets = _constants(laid_out(tw, target))
     extents, whole = _size_extents(lk, target, s)
     for n, _ in extents:
-        for d in (np.dtype(np.float32), np.dtype(np.float64)):
-            for c in (float(d.type(n)), float(d.type(1) / d.type(n))):
-                if (d, c) in floats or (d, -c) in floats:
-                    return False
+        for d, *values in _float_sizes(n):
+            if any((d, c) in floats or (d, -c) in floats for c in values):
+                return False
     return not (whole and any(a > 0 and a % whole == 0 for a in offsets))
 
 

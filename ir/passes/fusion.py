@@ -238,6 +238,7 @@ class _Partitioner:
     def __init__(self, graph: Graph, eqns: list[Eqn], capped: frozenset[int] = frozenset()):
         self.eqns = eqns
         self.capped = capped  # equations whose regions must keep within MAX_BUFFERS (see partition)
+        self.symbolic = any(is_symbolic(v.aval.shape) for v in graph.invars)  # (a template's graph)
         self.graph_out = {v.id for v in graph.outvars if isinstance(v, Var)}
         self.producer: dict[int, int] = {}
         self.consumers: dict[int, set[int]] = {}
@@ -595,8 +596,7 @@ class _Partitioner:
         eqns = [self.eqns[i] for i in members]
         if not all(map(is_fusible, eqns)):
             return False
-        spaces = distinct((e.inputs[0].aval.shape, tuple(sorted(e.params["axes"])))
-                          for e in eqns if e.prim.name in REDUCTIONS and e.params["axes"])
+        spaces = lower.reduction_spaces(eqns)
         if len(spaces) != 1:
             return False
         ((shape, axes),) = spaces
@@ -614,8 +614,7 @@ class _Partitioner:
         specialised) and is thrown away: each instance lowers its own."""
         region = self.region(members, {"rows": True})
         try:
-            if not any(is_symbolic(v.aval.shape) for e in region.eqns for v in (*e.inputs, *e.outputs)
-                       if isinstance(v, Var)):
+            if not self.symbolic:
                 return lower.lower_region(region)
             with index_hints():
                 lower.lower_region(region)
