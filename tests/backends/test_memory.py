@@ -77,6 +77,22 @@ def test_reuse_and_stats():
         p.free(b)  # freed twice
 
 
+def test_a_request_takes_a_cached_block_up_to_twice_its_size():
+    """A new size's buffers take freed blocks of a larger class, at most twice theirs, before new
+    memory; such a block goes back to its own class."""
+    p, d = pool()
+    big, small = p.alloc(40 << 20), p.alloc(5 << 20)
+    p.free(big)
+    p.free(small)
+    a = p.alloc(21 << 20)  # its class is 22 MiB: the 40 MiB block serves, no new memory
+    assert a is big and d.allocs == 2 and p.stats()["bytes_in_use"] == 21 << 20
+    b = p.alloc(2 << 20)  # the 5 MiB block is more than twice 2 MiB: new memory
+    assert b is not small and d.allocs == 3
+    p.free(a)
+    assert p.alloc(40 << 20) is big and d.allocs == 3  # back in its own class
+    assert p.stats()["bytes_reserved"] == size_class(40 << 20) + size_class(5 << 20) + size_class(2 << 20)
+
+
 def test_limit_oom_leaves_pool_consistent():
     p, d = pool(limit=1 << 20)
     a = p.alloc(600 << 10)  # 1 MiB class? no: 1 MiB power of two for 600 KiB
