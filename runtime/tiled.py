@@ -14,8 +14,10 @@ from tilefuse.ir.errors import TilefuseError
 from tilefuse.ir.kernel import attention, conv, gemm
 from tilefuse.ir.kernel.matmul import MIN_FLOPS  # smaller products: the generic kernel
 from tilefuse.ir.kernel.schedule import Schedule, default_schedule
+from tilefuse.ir.kernel.tile import key_text
 
 from . import dispatch, tuner
+from .config import config
 from .hardware import check_fits, target_of
 
 CONV_KINDS = ("conv", "fused_conv")
@@ -61,7 +63,27 @@ def _gemm_tile(kernel, device, params):
     why = sched.check(spec, t)
     if why is not None:
         raise ValueError(f"GEMM schedule {sched}: {why}")
-    return gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+    key = gemm.size_free_key(spec, sched, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+    made = _size_free_gemms.get((key, t)) if key is not None else None
+    if made is not None:
+        tk = gemm.at_sizes(made, spec, sched, kernel.name, kernel.buffers)
+        if config.check:  # (TILEFUSE_CHECK: what building it gives)
+            own = gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+            assert (tk.body, tk.meta["sizes"], key_text(tk)) == (own.body, own.meta["sizes"], key_text(own)), kernel.name
+        return tk
+    tk = gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+    if key is not None:
+        if len(_size_free_gemms) >= SIZE_FREE_GEMMS:
+            del _size_free_gemms[next(iter(_size_free_gemms))]
+        _size_free_gemms[key, t] = tk
+    return tk
+
+
+# GEMM tile kernels by what they are made of but the sizes they read at run time
+# (gemm.size_free_key): a new batch size's GEMMs, and a layer's GEMM like an earlier layer's, are
+# that one's at their sizes (gemm.at_sizes), not built and printed again (~0.4 ms each)
+_size_free_gemms: dict = {}
+SIZE_FREE_GEMMS = 512
 
 
 def gemm_build(kernel, device, backend, params: dict | None = None):
@@ -195,7 +217,6 @@ UNROLLS = (1, 2, 4, 8)
 
 
 def _kernel_default(kernel, device, unroll: int | None = None) -> Schedule:
-    from .config import config
     t = _target(device)
     if unroll is not None:
         t = dataclasses.replace(t, unroll=unroll)

@@ -15,7 +15,7 @@ One parameter space (GemmSchedule), two forms of one algorithm, picked by the ta
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -688,5 +688,32 @@ def build(spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple, n_inpu
     return TileKernel(name, tuple(buffers), n_inputs, body, meta=meta)
 
 
-__all__ = ["Buffer", "GemmSchedule", "GemmSpec", "build", "default_schedule", "gemm_spec", "params_of",
-           "schedule_of", "space"]
+def size_free_key(spec: GemmSpec, sched: GemmSchedule, buffers: tuple, n_inputs: int, runtime_sizes: bool):
+    """What build's tile kernel is made of, but for the sizes it reads at run time, where it reads
+    them (the packed form of one matrix on a target that takes sizes at run time): the spec
+    without M (and K where _k_sized), the schedule without mc (launch_sizes: mc_tiles), the
+    buffers' dtypes. Two builds with the same key have the same body but for the first grid
+    Range's extent (at_sizes), so one key_text. None where sizes are constants in the code."""
+    if sched.shared or sched.mma or not _sized(spec, runtime_sizes):
+        return None
+    k_sized = _k_sized(spec, sched.kc, runtime_sizes)
+    lay = replace(spec.layout, m=0, k=0 if k_sized else spec.layout.k)
+    return (replace(spec, layout=lay), replace(sched, mc=0), k_sized,
+            tuple(np.dtype(b.dtype) for b in buffers), n_inputs)
+
+
+def at_sizes(tk: TileKernel, spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple) -> TileKernel:
+    """build(spec, sched, name, buffers, ...) made of tk, built with the same size_free_key: its
+    body with the task grid's extent of these sizes, and launch_sizes in its meta."""
+    sizes = launch_sizes(spec, sched)
+    (grid,) = tk.body
+    body = (Range(grid.var, _ceil(spec.layout.n, sched.nc) * sizes["row_blocks"], grid.kind, grid.body),)
+    meta = {"gemm": (spec, sched), "flops": spec.layout.flops, "sizes": tuple(sizes[n] for n in RUNTIME_SIZES)}
+    text = tk.meta.get("key_text")
+    if text is not None:  # (key_text reads neither the name, nor the buffers' sizes, nor this extent)
+        meta["key_text"] = (body, text[1])
+    return TileKernel(name, tuple(buffers), tk.n_inputs, body, meta=meta)
+
+
+__all__ = ["Buffer", "GemmSchedule", "GemmSpec", "at_sizes", "build", "default_schedule", "gemm_spec", "params_of",
+           "schedule_of", "size_free_key", "space"]

@@ -344,6 +344,57 @@ def test_gemm_code_serves_every_batch_size(rows):
         tx.config.gemm = old
 
 
+def test_a_gemm_with_an_earlier_ones_size_free_key_is_that_one_at_its_sizes():
+    """gemm.at_sizes, which a new batch size's GEMMs (and a layer's like an earlier layer's) take
+    instead of a build: for the forward product and the weight gradient at rows from a few to past
+    K's block, every tile kernel made of another with the same size_free_key equals the one
+    building gives (body, run-time sizes, grid, cache text); kernels whose code differs (a K of one
+    block against several) have different keys."""
+    from tilefuse.ir.kernel import gemm
+    t = target_of(host_info())
+    if not t.runtime_batch:
+        pytest.skip("this CPU description takes no sizes at run time")
+    built = []
+    for n in (7, 12, 13, 30, 100, 301, 2500, 4200):  # (12 rows: one row block, 13: two)
+        w, x, dy = (rng.standard_normal((48, 40)).astype(np.float32), rng.standard_normal((n, 48)).astype(np.float32),
+                    rng.standard_normal((n, 40)).astype(np.float32))
+        for k in _kernels(linear_grads, (w, x, dy)):
+            spec = gemm.gemm_spec(k)
+            if spec is not None and spec.layout.flops:
+                s = gemm.default_schedule(spec, t)
+                tk = gemm.build(spec, s, k.name, k.buffers, k.n_inputs, t.runtime_batch)
+                built.append((gemm.size_free_key(spec, s, k.buffers, k.n_inputs, True), spec, s, k, tk))
+    pairs = 0
+    for key, spec, s, k, own in built:
+        for key2, *_, tk in built:
+            if key2 == key and key is not None:
+                made = gemm.at_sizes(tk, spec, s, k.name, k.buffers)
+                assert (made.body, made.meta["sizes"], made.points(), key_text(made), made.buffers) == \
+                    (own.body, own.meta["sizes"], own.points(), key_text(own), own.buffers)
+                pairs += tk is not own
+            elif key2 != key:
+                assert key_text(tk) != key_text(own) or tk.meta["sizes"] != own.meta["sizes"] or key2 is None
+    assert pairs >= 20, pairs
+
+
+def test_gemms_from_their_size_free_key_under_the_check(device, monkeypatch):
+    """Jitted products at new batch sizes, their GEMMs made of earlier ones (gemm.at_sizes),
+    each compared with its own build (TILEFUSE_CHECK), match numpy."""
+    from tilefuse.runtime import tiled
+    monkeypatch.setattr(tx.config, "check", True)
+    monkeypatch.setattr(tx.config, "gemm", "generated")
+    jf = tx.jit(linear_grads, device=device)
+    before = len(tiled._size_free_gemms)
+    for n in (40, 64, 12, 24, 300, 2500):
+        w, x, dy = (rng.standard_normal((48, 40)).astype(np.float32), rng.standard_normal((n, 48)).astype(np.float32),
+                    rng.standard_normal((n, 40)).astype(np.float32) * 1e3)
+        y, gw = jf(w, x, dy)
+        assert_close(np.asarray(y), x @ w, rtol=1e-4, atol=1e-4)
+        assert_close(np.asarray(gw), x.T @ dy, rtol=1e-4, atol=1e-3 * np.sqrt(n) * 1e3)
+    if device == "cpu" and target_of(host_info()).runtime_batch:
+        assert len(tiled._size_free_gemms) - before <= 4  # (two products, K in one block or several)
+
+
 def test_run_time_trip_counts_stay_rolled():
     """Loops over a run-time size carry LLVM's no-unroll hint (their remainder loops cost compile
     time, not speed); loops of constant trip count do not, and the IR is valid LLVM."""
