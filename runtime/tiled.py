@@ -73,9 +73,7 @@ def _gemm_tile(kernel, device, params):
         return tk
     tk = gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
     if key is not None:
-        if len(_size_free_gemms) >= SIZE_FREE_GEMMS:
-            del _size_free_gemms[next(iter(_size_free_gemms))]
-        _size_free_gemms[key, t] = tk
+        _remember(_size_free_gemms, (key, t), tk)
     return tk
 
 
@@ -83,7 +81,13 @@ def _gemm_tile(kernel, device, params):
 # (gemm.size_free_key): a new batch size's GEMMs, and a layer's GEMM like an earlier layer's, are
 # that one's at their sizes (gemm.at_sizes), not built and printed again (~0.4 ms each)
 _size_free_gemms: dict = {}
-SIZE_FREE_GEMMS = 512
+SIZE_FREE_MOST = 512  # kernels kept in each such table (the oldest go first)
+
+
+def _remember(table: dict, key, made) -> None:
+    if len(table) >= SIZE_FREE_MOST:
+        del table[next(iter(table))]
+    table[key] = made
 
 
 def gemm_build(kernel, device, backend, params: dict | None = None):
@@ -155,16 +159,35 @@ def _attention_tiles(kernel, device, params):
         return None
     if sched.vec and np.dtype(kernel.buffers[0].dtype).itemsize > 4:  # the CPU form's vectors of float64 (16 lanes
         return None  # of float32's width) the LLVM tile printer refuses: the decomposition runs
-    if sp.bwd:
-        tks = attention.build_backward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+    key = attention.size_free_key(sp, sched, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+    made = _size_free_attention.get((key, t)) if key is not None else None
+    if made is not None:
+        tks = attention.at_sizes(made[1], made[0], sp, sched, kernel.name, kernel.buffers)
+        if config.check:  # (TILEFUSE_CHECK: what building them gives)
+            own = _attention_built(kernel, sp, sched, t)
+            assert [(tk.name, tk.body, tk.meta.get("sizes"), key_text(tk)) for tk in tks] == \
+                [(tk.name, tk.body, tk.meta.get("sizes"), key_text(tk)) for tk in own], kernel.name
     else:
-        tks = [attention.build_forward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)]
+        tks = _attention_built(kernel, sp, sched, t)
+        if key is not None:
+            _remember(_size_free_attention, (key, t), (kernel.name, tks))
     try:
         for tk in tks:
             check_fits(tk, device.info)
     except TilefuseError:
         return None
     return tks
+
+
+def _attention_built(kernel, sp, sched, t) -> list:
+    if sp.bwd:
+        return attention.build_backward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
+    return [attention.build_forward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)]
+
+
+# FlashAttention's tile kernels by what they are made of but the first batch axis's size
+# (attention.size_free_key): a new batch size's are that one's at its size (attention.at_sizes)
+_size_free_attention: dict = {}
 
 
 def _attention_build(kernel, device, backend, params: dict | None = None):

@@ -10,7 +10,7 @@ register-blocked products with vectors along the keys and features); `space` is 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -971,3 +971,36 @@ def _backward_cpu(sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple,
         *key_block_body(key0, lambda which, qr: select(_lt(qr, sp.sq), a.ld(
             res, a.stats_at(_min(qr, sp.sq - 1), which)), a.zero), lambda q0: ()))), meta=dict(sizes))
     return [stats, dkdv, dq]
+
+
+def size_free_key(sp: Spec, sched: AttentionSchedule, buffers: tuple, n_inputs: int, runtime_sizes: bool):
+    """What the CPU form's tile kernels (build_forward, build_backward) are made of but for the
+    first batch axis's size, which only the outermost grid Range reads (one Range per batch axis):
+    the spec without it (and without the operands' sizes, which the forward never reads and the
+    backward reads at run time where `runtime_sizes`), the schedule, the buffers' dtypes. Two
+    builds with the same key have the same kernels but for that Range's extent (at_sizes), so one
+    key_text each. None for the GPU form or kernels without batch axes."""
+    if not sched.cpu or not sp.batch:
+        return None
+    sizes = (0, 0) if not sp.bwd or runtime_sizes else sp.sizes
+    return (replace(sp, batch=(0, *sp.batch[1:]), sizes=sizes), sched,
+            tuple(np.dtype(b.dtype) for b in buffers), n_inputs, runtime_sizes)
+
+
+def at_sizes(tks: list, name_was: str, sp: Spec, sched: AttentionSchedule, name: str, buffers: tuple) -> list:
+    """The tile kernels building sp gives (named for kernel `name`), made of `tks`, built for a
+    kernel named name_was with the same size_free_key: their first batch axis's grid Range at
+    sp's, their run-time sizes sp's."""
+    out = []
+    for tk in tks:
+        (grid,) = tk.body
+        body = (Range(grid.var, sp.batch[0], grid.kind, grid.body),)
+        meta = {}
+        if "attention" in tk.meta:
+            meta["attention"] = (sp, sched)
+        if "sizes" in tk.meta:
+            meta["sizes"] = (sp.sizes[0], sp.sizes[0] + sp.sizes[1])
+        if "key_text" in tk.meta:  # (key_text reads neither the name, nor the buffers' sizes, nor this extent)
+            meta["key_text"] = (body, tk.meta["key_text"][1])
+        out.append(TileKernel(name + tk.name[len(name_was):], tuple(buffers), tk.n_inputs, body, meta=meta))
+    return out

@@ -430,13 +430,56 @@ def test_attention_code_serves_every_batch_size():
     by_schedule: dict = {}
     for n in BATCHES:
         ks = [k for k in _kernels(f, _inputs("attention_grads", n)) if tiled._attention_kernels(k, cpu)]
-        tks = [tk for k in ks for tk in tiled._attention_kernels(k, cpu)]
-        scheds = repr([attention.default_attention_schedule(tiled._attention_spec(k), target_of(cpu.info)) for k in ks])
+        t = target_of(cpu.info)
+        tks = [tk for k in ks for tk in _attention_built(k, t)]  # (built: not made of another's)
+        scheds = repr([attention.default_attention_schedule(tiled._attention_spec(k), t) for k in ks])
         by_schedule.setdefault(scheds, []).append(sorted(key_text(tk) for tk in tks))
     shared = [texts for texts in by_schedule.values() if len(texts) > 1]
     assert shared, "no two batch sizes took one schedule"
     for texts in shared:
         assert len(texts[0]) >= 2 and all(t == texts[0] for t in texts), "a new batch size changed the code"
+
+
+def _attention_built(k, t) -> list:
+    from tilefuse.ir.kernel import attention
+    from tilefuse.runtime import tiled
+    sp = tiled._attention_spec(k)
+    return tiled._attention_built(k, sp, attention.default_attention_schedule(sp, t), t)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_an_earlier_ones_size_free_key_is_that_one_at_its_sizes(causal):
+    """attention.at_sizes, which a new batch size's FlashAttention kernels take instead of a
+    build: forward and backward at batch sizes 1 to 9, every set of tile kernels made of another
+    with the same size_free_key equals what building gives (names, bodies, run-time sizes, grids,
+    cache texts); sets whose code differs (another schedule: a task per head) differ in key."""
+    from tilefuse.ir.kernel import attention
+    from tilefuse.runtime import tiled
+    from tilefuse.runtime.device import get_device
+    t = target_of(get_device("cpu").info)
+
+    def attn(q, k, v, do):
+        out, pull = tx.vjp(lambda q, k, v: nn.dot_product_attention(q, k, v, causal=causal), q, k, v)
+        return (out, *pull(do))
+    built = []
+    for n in (1, 2, 3, 4, 5, 8, 9):
+        q, k, v, do = (rng.standard_normal((n, 24, 2, 16)).astype(np.float32) for _ in range(4))
+        for kern in _kernels(attn, (q, k, v, do)):
+            sp = tiled._attention_spec(kern)
+            if sp is not None:
+                sched = attention.default_attention_schedule(sp, t)
+                key = attention.size_free_key(sp, sched, kern.buffers, kern.n_inputs, t.runtime_batch)
+                built.append((key, sp, sched, kern, tiled._attention_built(kern, sp, sched, t)))
+    view = lambda tks: [(tk.name, tk.body, tk.meta.get("sizes"), tk.points(), key_text(tk)) for tk in tks]  # noqa: E731
+    pairs = 0
+    for key, sp, sched, kern, own in built:
+        for key2, _, _, other, tks in built:
+            if key is not None and key2 == key:
+                assert view(attention.at_sizes(tks, other.name, sp, sched, kern.name, kern.buffers)) == view(own)
+                pairs += tks is not own
+            elif key is not None and key2 is not None and (key2[0].bwd, key2[1]) != (key[0].bwd, key[1]):
+                assert [key_text(tk) for tk in tks] != [key_text(tk) for tk in own]
+    assert pairs >= 8, pairs
 
 
 # ---- kernels at a new batch size made from a template's (runtime/compiler._Lowering) --------------
