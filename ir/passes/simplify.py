@@ -109,7 +109,8 @@ def broadcast_of_broadcast(e: Eqn, rw: Rewriter):
 
 
 def sink_reshape(e: Eqn, rw: Rewriter):
-    """op(reshape(y), c...) -> reshape(op(y, c...)) when the other operands are uniform: the
+    """op(reshape(y), c...) -> reshape(op(y, c...)) when the other operands are uniform (a
+    literal, or a broadcast of one scalar: a shape-generic trace's size, dim_value, is one): the
     operation then runs in y's shape, where it can join y's kernel (mean(x, keepdims=True) is
     sum -> reshape -> div; the div becomes the reduction's epilogue)."""
     if len(e.outputs) != 1:
@@ -125,8 +126,12 @@ def sink_reshape(e: Eqn, rw: Rewriter):
             continue
         u = rw.uniform(a)
         if u is None:
-            return None
-        lit = literal(u, a.aval.dtype, a.aval.weak_type)
+            u = _scalar_broadcast_source(rw, a)
+            if u is None:
+                return None
+            lit = u
+        else:
+            lit = literal(u, a.aval.dtype, a.aval.weak_type)
         if y.aval.shape == ():
             inputs.append(lit)
         else:
