@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 
 import numpy as np
 from tilefuse.ir import primitives as P
@@ -84,10 +85,14 @@ _size_free_gemms: dict = {}
 SIZE_FREE_MOST = 512  # kernels kept in each such table (the oldest go first)
 
 
+_tables = threading.Lock()  # (the compile thread and a caller's may build at once)
+
+
 def _remember(table: dict, key, made) -> None:
-    if len(table) >= SIZE_FREE_MOST:
-        del table[next(iter(table))]
-    table[key] = made
+    with _tables:
+        if len(table) >= SIZE_FREE_MOST:
+            del table[next(iter(table))]
+        table[key] = made
 
 
 def gemm_build(kernel, device, backend, params: dict | None = None):

@@ -369,8 +369,10 @@ def test_a_gemm_with_an_earlier_ones_size_free_key_is_that_one_at_its_sizes():
         for key2, *_, tk in built:
             if key2 == key and key is not None:
                 made = gemm.at_sizes(tk, spec, s, k.name, k.buffers)
-                assert (made.body, made.meta["sizes"], made.points(), key_text(made), made.buffers) == \
-                    (own.body, own.meta["sizes"], own.points(), key_text(own), own.buffers)
+                assert (made.body, made.points(), key_text(made), made.buffers, made.name) == \
+                    (own.body, own.points(), key_text(own), own.buffers, own.name)
+                assert {m: v for m, v in made.meta.items() if m != "key_text"} == \
+                    {m: v for m, v in own.meta.items() if m != "key_text"}
                 pairs += tk is not own
             elif key2 != key:
                 assert key_text(tk) != key_text(own) or tk.meta["sizes"] != own.meta["sizes"] or key2 is None
@@ -470,7 +472,8 @@ def test_attention_with_an_earlier_ones_size_free_key_is_that_one_at_its_sizes(c
                 sched = attention.default_attention_schedule(sp, t)
                 key = attention.size_free_key(sp, sched, kern.buffers, kern.n_inputs, t.runtime_batch)
                 built.append((key, sp, sched, kern, tiled._attention_built(kern, sp, sched, t)))
-    view = lambda tks: [(tk.name, tk.body, tk.meta.get("sizes"), tk.points(), key_text(tk)) for tk in tks]  # noqa: E731
+    view = lambda tks: [(tk.name, tk.body, tk.points(), key_text(tk), tk.buffers,  # noqa: E731
+                         {m: v for m, v in tk.meta.items() if m != "key_text"}) for tk in tks]
     pairs = 0
     for key, sp, sched, kern, own in built:
         for key2, _, _, other, tks in built:
