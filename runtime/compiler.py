@@ -294,10 +294,9 @@ def _lower_instance(r, front, values) -> list:
     if not got:
         return lower_region(r)
     if config.check:  # (TILEFUSE_CHECK: each kernel is the one lowering the region gives)
-        own = lower_region(r)
-        assert [(k.kernel.shape, k.kernel.reduce_shape, k.kernel.buffers, k.kernel.stores, [a.id for a in k.args])
-                for k in got] == [(k.kernel.shape, k.kernel.reduce_shape, k.kernel.buffers, k.kernel.stores,
-                                   [a.id for a in k.args]) for k in own], f"region {i}: made kernels differ from lowering"
+        view = lambda lks: [(lk.kernel.shape, lk.kernel.reduce_shape, lk.kernel.buffers, lk.kernel.stores,  # noqa: E731
+                             [a.id for a in lk.args]) for lk in lks]
+        assert view(got) == view(lower_region(r)), f"region {i}: made kernels differ from lowering"
     return got
 
 

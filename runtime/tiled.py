@@ -65,34 +65,39 @@ def _gemm_tile(kernel, device, params):
     if why is not None:
         raise ValueError(f"GEMM schedule {sched}: {why}")
     key = gemm.size_free_key(spec, sched, kernel.buffers, kernel.n_inputs, t.runtime_batch)
-    made = _size_free_gemms.get((key, t)) if key is not None else None
-    if made is not None:
-        tk = gemm.at_sizes(made, spec, sched, kernel.name, kernel.buffers)
-        if config.check:  # (TILEFUSE_CHECK: what building it gives)
-            own = gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
-            assert (tk.body, tk.meta["sizes"], key_text(tk)) == (own.body, own.meta["sizes"], key_text(own)), kernel.name
-        return tk
-    tk = gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
-    if key is not None:
-        _remember(_size_free_gemms, (key, t), tk)
+    (tk,) = _size_free(key, t, kernel.name, lambda: [
+        gemm.build(spec, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)],
+        lambda _, made: [gemm.at_sizes(made[0], spec, sched, kernel.name, kernel.buffers)])
     return tk
 
 
-# GEMM tile kernels by what they are made of but the sizes they read at run time
-# (gemm.size_free_key): a new batch size's GEMMs, and a layer's GEMM like an earlier layer's, are
-# that one's at their sizes (gemm.at_sizes), not built and printed again (~0.4 ms each)
-_size_free_gemms: dict = {}
-SIZE_FREE_MOST = 512  # kernels kept in each such table (the oldest go first)
-
-
+# The builders' tile kernels by what they are made of but the sizes their code reads at run time
+# (gemm.size_free_key, attention.size_free_key): a new batch size's GEMM and FlashAttention
+# kernels, and a layer's GEMM like an earlier layer's, are that one's at their sizes (at_sizes),
+# not built and printed again (~0.4 ms a GEMM, ~3 ms an attention backward)
+_size_free_tiles: dict = {}
+SIZE_FREE_MOST = 512  # entries kept (the oldest go first)
 _tables = threading.Lock()  # (the compile thread and a caller's may build at once)
 
 
-def _remember(table: dict, key, made) -> None:
-    with _tables:
-        if len(table) >= SIZE_FREE_MOST:
-            del table[next(iter(table))]
-        table[key] = made
+def _size_free(key, t, name: str, build, at_sizes) -> list:
+    """build()'s tile kernels, or, where a kernel named `was` with this size-free key on target
+    t was built before (key None: no such key), at_sizes(was, its tile kernels); under
+    TILEFUSE_CHECK compared with what building gives."""
+    made = _size_free_tiles.get((key, t)) if key is not None else None
+    if made is None:
+        tks = build()
+        if key is not None:
+            with _tables:
+                if len(_size_free_tiles) >= SIZE_FREE_MOST:
+                    del _size_free_tiles[next(iter(_size_free_tiles))]
+                _size_free_tiles[key, t] = (name, tks)
+        return tks
+    tks = at_sizes(*made)
+    if config.check:
+        view = lambda ks: [(k.name, k.body, k.meta.get("sizes"), key_text(k)) for k in ks]  # noqa: E731
+        assert view(tks) == view(build()), f"{name}: made of another's tile kernels, not as built"
+    return tks
 
 
 def gemm_build(kernel, device, backend, params: dict | None = None):
@@ -165,17 +170,8 @@ def _attention_tiles(kernel, device, params):
     if sched.vec and np.dtype(kernel.buffers[0].dtype).itemsize > 4:  # the CPU form's vectors of float64 (16 lanes
         return None  # of float32's width) the LLVM tile printer refuses: the decomposition runs
     key = attention.size_free_key(sp, sched, kernel.buffers, kernel.n_inputs, t.runtime_batch)
-    made = _size_free_attention.get((key, t)) if key is not None else None
-    if made is not None:
-        tks = attention.at_sizes(made[1], made[0], sp, sched, kernel.name, kernel.buffers)
-        if config.check:  # (TILEFUSE_CHECK: what building them gives)
-            own = _attention_built(kernel, sp, sched, t)
-            assert [(tk.name, tk.body, tk.meta.get("sizes"), key_text(tk)) for tk in tks] == \
-                [(tk.name, tk.body, tk.meta.get("sizes"), key_text(tk)) for tk in own], kernel.name
-    else:
-        tks = _attention_built(kernel, sp, sched, t)
-        if key is not None:
-            _remember(_size_free_attention, (key, t), (kernel.name, tks))
+    tks = _size_free(key, t, kernel.name, lambda: _attention_built(kernel, sp, sched, t),
+                     lambda was, made: attention.at_sizes(made, was, sp, sched, kernel.name, kernel.buffers))
     try:
         for tk in tks:
             check_fits(tk, device.info)
@@ -189,10 +185,6 @@ def _attention_built(kernel, sp, sched, t) -> list:
         return attention.build_backward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs, t.runtime_batch)
     return [attention.build_forward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)]
 
-
-# FlashAttention's tile kernels by what they are made of but the first batch axis's size
-# (attention.size_free_key): a new batch size's are that one's at its size (attention.at_sizes)
-_size_free_attention: dict = {}
 
 
 def _attention_build(kernel, device, backend, params: dict | None = None):

@@ -19,7 +19,8 @@ from tilefuse.ir import dtypes, primitives as P
 from .gemm import _add, _and, _ceil, _fp, _i, _lt, _min, _mul, _x
 from .ir import KExpr, binary, cast, const, select, unary
 from .lower import strides
-from .tile import Alloc, Barrier, If, Range, Store, TileKernel, broadcast, hmax, hsum, iota, size, tload, var, vload
+from .tile import (Alloc, Barrier, If, Range, Store, TileKernel, at_grid_extent, broadcast, hmax, hsum, iota, size,
+                   tload, var, vload)
 
 
 @dataclass(frozen=True)
@@ -993,14 +994,10 @@ def at_sizes(tks: list, name_was: str, sp: Spec, sched: AttentionSchedule, name:
     sp's, their run-time sizes sp's."""
     out = []
     for tk in tks:
-        (grid,) = tk.body
-        body = (Range(grid.var, sp.batch[0], grid.kind, grid.body),)
         meta = {}
         if "attention" in tk.meta:
             meta["attention"] = (sp, sched)
         if "sizes" in tk.meta:
             meta["sizes"] = (sp.sizes[0], sp.sizes[0] + sp.sizes[1])
-        if "key_text" in tk.meta:  # (key_text reads neither the name, nor the buffers' sizes, nor this extent)
-            meta["key_text"] = (body, tk.meta["key_text"][1])
-        out.append(TileKernel(name + tk.name[len(name_was):], tuple(buffers), tk.n_inputs, body, meta=meta))
+        out.append(at_grid_extent(tk, sp.batch[0], name + tk.name[len(name_was):], buffers, meta))
     return out

@@ -24,8 +24,8 @@ from .ir import INDEX, Buffer, KExpr, binary, cast, const, select, unary
 from .lower import epilogue_expr, iadd, imul
 from .matmul import MatmulLayout, matmul_layout
 from .target import Target
-from .tile import (MMA_LAYOUTS, WARP, Alloc, Barrier, If, Range, Store, TileKernel, broadcast, mma, size, tload,
-                   var, vload)
+from .tile import (MMA_LAYOUTS, WARP, Alloc, Barrier, If, Range, Store, TileKernel, at_grid_extent, broadcast, mma,
+                   size, tload, var, vload)
 
 F32 = np.dtype(np.float32)
 _POWERS = (16, 8, 4, 2, 1)
@@ -704,15 +704,10 @@ def size_free_key(spec: GemmSpec, sched: GemmSchedule, buffers: tuple, n_inputs:
 
 def at_sizes(tk: TileKernel, spec: GemmSpec, sched: GemmSchedule, name: str, buffers: tuple) -> TileKernel:
     """build(spec, sched, name, buffers, ...) made of tk, built with the same size_free_key: its
-    body with the task grid's extent of these sizes, and launch_sizes in its meta."""
+    task grid's extent and launch_sizes of these sizes."""
     sizes = launch_sizes(spec, sched)
-    (grid,) = tk.body
-    body = (Range(grid.var, _ceil(spec.layout.n, sched.nc) * sizes["row_blocks"], grid.kind, grid.body),)
-    meta = {"gemm": (spec, sched), "flops": spec.layout.flops, "sizes": tuple(sizes[n] for n in RUNTIME_SIZES)}
-    text = tk.meta.get("key_text")
-    if text is not None:  # (key_text reads neither the name, nor the buffers' sizes, nor this extent)
-        meta["key_text"] = (body, text[1])
-    return TileKernel(name, tuple(buffers), tk.n_inputs, body, meta=meta)
+    return at_grid_extent(tk, _ceil(spec.layout.n, sched.nc) * sizes["row_blocks"], name, buffers, {
+        "gemm": (spec, sched), "flops": spec.layout.flops, "sizes": tuple(sizes[n] for n in RUNTIME_SIZES)})
 
 
 __all__ = ["Buffer", "GemmSchedule", "GemmSpec", "at_sizes", "build", "default_schedule", "gemm_spec", "params_of",

@@ -367,6 +367,18 @@ def key_text(k: TileKernel) -> str:
     return got[1]
 
 
+def at_grid_extent(k: TileKernel, extent: int, name: str, buffers: tuple, meta: dict) -> TileKernel:
+    """k (one outermost grid Range) with that Range's extent, its name and its buffers another's,
+    and `meta`: a builder's kernel at new sizes where its code reads them at run time. Its
+    key_text is k's (it reads none of the three)."""
+    (grid,) = k.body
+    body = (Range(grid.var, extent, grid.kind, grid.body),)
+    meta = dict(meta)
+    if "key_text" in k.meta:
+        meta["key_text"] = (body, k.meta["key_text"][1])
+    return TileKernel(name, tuple(buffers), k.n_inputs, body, meta=meta)
+
+
 def _key_text(k: TileKernel) -> str:
     lines = pp_tile(k).split("\n")
     lines[0] = "tile kernel (" + ", ".join(np.dtype(b.dtype).name for b in k.buffers) + f") inputs {k.n_inputs}"
