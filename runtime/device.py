@@ -299,10 +299,13 @@ def device_get(x):
 
 
 def clear_caches() -> None:
-    """The eager operations' executables dropped, then every device's cached pool blocks handed
-    back (after a collection: a dropped program's constants return to the pool when collected)."""
+    """The eager operations' executables and the builders' tile kernels kept for new sizes
+    dropped, then every device's cached pool blocks handed back (after a collection: a dropped
+    program's constants return to the pool when collected)."""
+    from . import tiled
     with _eager_lock:
         _eager_cache.clear()
+    tiled.forget_size_free()
     gc.collect()
     for devs in list(_devices.values()):
         for d in devs:

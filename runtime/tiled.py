@@ -76,8 +76,14 @@ def _gemm_tile(kernel, device, params):
 # kernels, and a layer's GEMM like an earlier layer's, are that one's at their sizes (at_sizes),
 # not built and printed again (~0.4 ms a GEMM, ~3 ms an attention backward)
 _size_free_tiles: dict = {}
-SIZE_FREE_MOST = 512  # entries kept (the oldest go first)
+SIZE_FREE_MOST = 64  # entries kept, the oldest going first (the char-GPT step has 17 such keys)
 _tables = threading.Lock()  # (the compile thread and a caller's may build at once)
+
+
+def forget_size_free() -> None:
+    """Drop the kept tile kernels (tx.clear_caches)."""
+    with _tables:
+        _size_free_tiles.clear()
 
 
 def _size_free(key, t, name: str, build, at_sizes) -> list:
