@@ -310,8 +310,10 @@ class _Lowering:
     fails elsewhere), a later instance whose sizes the guards admit, with the same extents but
     the first, has the twin's kernels at its own first extent and buffer sizes, over its own
     variables (schedule.at_first_extent; on a CPU that takes the first extent at run time they
-    share the twin's schedule and code). Kernels are told apart by their positions in the
-    region (inputs then outputs, equations), which instances share."""
+    share the twin's schedule and code); a kernel of no axes whose reductions' extents are the
+    same (a sum of a parameter's squares, a weight decay's) is its twin over the instance's
+    buffers. Kernels are told apart by their positions in the region (inputs then outputs,
+    equations), which instances share."""
     __slots__ = ("guards", "n_eqns", "n_frame", "kernels")
 
     def __init__(self, guards: dict, n_eqns: int, n_frame: int, kernels: list):
@@ -339,7 +341,7 @@ class _Lowering:
             eqns = tuple(eqn_at.get(id(e)) for e in k.meta.get("eqns", ()))
             if k.stores != twin.stores or k.n_inputs != twin.n_inputs or set(twin.meta) - _LOWERING_META or \
                     [b.dtype for b in k.buffers] != [b.dtype for b in twin.buffers] or \
-                    not twin.shape or twin.shape[0] < 2 or None in args + operands + eqns or \
+                    (twin.shape[0] < 2 if twin.shape else k.shape != ()) or None in args + operands + eqns or \
                     args != tuple(at_r.get(v.id) for v in lk.args):
                 return None
             kernels.append((twin, k.shape, k.reduce_shape, tuple(b.size for b in k.buffers), args,
@@ -354,8 +356,8 @@ class _Lowering:
             return None
         out = []
         for twin, shape, reduce_shape, sizes, args, operands, eqns, kind, sources in self.kernels:
-            n0 = symbolic.evaluate(shape[0], values)
-            if n0 < 2 or any(symbolic.evaluate(d, values) != n for d, n in zip(shape[1:], twin.shape[1:])) or \
+            n0 = symbolic.evaluate(shape[0], values) if shape else None
+            if (shape and n0 < 2) or any(symbolic.evaluate(d, values) != n for d, n in zip(shape[1:], twin.shape[1:])) or \
                     any(symbolic.evaluate(d, values) != n for d, n in zip(reduce_shape, twin.reduce_shape)):
                 return None
             buffers = tuple(Buffer(b.name, b.dtype, symbolic.evaluate(n, values)) for b, n in zip(twin.buffers, sizes))

@@ -172,14 +172,17 @@ def at_first_extent(k: Kernel, n0: int, buffers: tuple, meta: dict) -> Kernel:
     least 2): a shape-generic trace's kernel at a new batch size, made from the one lowered at an
     earlier size (runtime/compiler.py) where the two have the same stores and other extents.
     Its twin (meta "twin") is k: see first_extent_twin. merge_axes merges the same axes (its
-    choices ask extents other than the first, and whether one is 1), so k's layout is reused."""
-    assert n0 >= 2 and k.shape and k.shape[0] >= 2, (n0, k.shape)
-    out = Kernel(k.name, buffers, k.n_inputs, (n0, *k.shape[1:]), k.reduce_shape, k.stores, meta)
+    choices ask extents other than the first, and whether one is 1), so k's layout is reused.
+    A kernel with no axes (a sum to one number) has no first extent (n0 None): the instance's is
+    k itself over the instance's buffers (its reduction's extents the same: the caller's check)."""
+    assert (n0 is None and not k.shape) or (n0 >= 2 and k.shape and k.shape[0] >= 2), (n0, k.shape)
+    out = Kernel(k.name, buffers, k.n_inputs, (n0, *k.shape[1:]) if k.shape else (), k.reduce_shape, k.stores, meta)
     out.meta["twin"] = k
     merged = k.meta.get("merged")
     if merged is not None:  # (the first group of axes holds axis 0, whatever else it merged)
         out.meta["merged"] = out if merged is k else Kernel(
-            merged.name, buffers, merged.n_inputs, (merged.shape[0] // k.shape[0] * n0, *merged.shape[1:]),
+            merged.name, buffers, merged.n_inputs,
+            (merged.shape[0] // k.shape[0] * n0, *merged.shape[1:]) if k.shape else merged.shape,
             merged.reduce_shape, merged.stores)
     return out
 

@@ -491,8 +491,11 @@ def test_attention_with_an_earlier_ones_size_free_key_is_that_one_at_its_sizes(c
 # ---- kernels at a new batch size made from a template's (runtime/compiler._Lowering) --------------
 
 def _step(w1, w2, x, y, g):
-    """An MLP's gradients, a layer norm and a softmax: elementwise, row and reduction kernels."""
-    return tx.grad(mlp_loss, argnums=(0, 1))(w1, w2, x, y), layernorm(x, g, g), softmax(x * 2.0)
+    """An MLP's gradients, a layer norm and a softmax: elementwise, row and reduction kernels;
+    and sums of parameters alone (a weight decay's, a gradient norm's: kernels of no axes that
+    are the same at every batch size)."""
+    return tx.grad(mlp_loss, argnums=(0, 1))(w1, w2, x, y), layernorm(x, g, g), softmax(x * 2.0), \
+        tnp.sum(w1 * w1) + tnp.sum(tnp.abs(g))
 
 
 def test_kernels_made_at_a_new_batch_size_are_those_lowering_gives(device, monkeypatch):
@@ -533,6 +536,7 @@ def test_kernels_made_at_a_new_batch_size_are_those_lowering_gives(device, monke
     if device.kind == "ref":
         return
     assert len(made) >= 3 * 8, f"{len(made)} kernels made from the template's lowering"  # (at 5, 3, 9)
+    assert sum(not m.shape for m in made) >= 3, "the sums of parameters were lowered again at each size"
     t = target_of(device.info)
     for r, out in instances:
         if not any("twin" in lk.kernel.meta for lk in out):
