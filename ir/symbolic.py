@@ -65,6 +65,10 @@ class ShapeEnv:
         if self.frozen:
             return answer
         key = (op, _key(lhs), _key(rhs))
+        if key[1] == key[2]:  # (an expression against itself answers alike at every size: where
+            # the two are one object, a tuple's == never asks, so whether it is recorded would
+            # depend on the objects, and a front end made in another process would differ)
+            return answer
         if key not in self.guards:
             self.guards[key] = (op, lhs, rhs, answer)
         return answer
@@ -73,6 +77,13 @@ class ShapeEnv:
         """Whether every guard answers at these symbol values as it did at the trace."""
         with self.lock:
             return guards_hold(self.guards, values)
+
+
+def recorded(env: ShapeEnv, fn, *args) -> tuple:
+    """(fn(*args), the guards it asked of env's symbols): run in env.recording()'s window."""
+    with env.recording() as guards:
+        out = fn(*args)
+    return out, dict(guards)
 
 
 def guards_hold(guards: dict, values) -> bool:
@@ -101,11 +112,27 @@ def front_end(graph):
     return _front_ends.get(graph)
 
 
+# A shape-generic trace's instance at its own sizes (it compiles concretely), each with the same
+# kind of function for its template: a tiered build has that front end made beside its compile.
+_base_front_ends: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def set_base_front_end(graph, front_end) -> None:
+    _base_front_ends[graph] = front_end
+
+
+def base_front_end(graph):
+    return _base_front_ends.get(graph)
+
+
 _COMPARE = {"==": operator.eq, "<": operator.lt, "<=": operator.le}
 
 
 def _key(x):
     return x.key if isinstance(x, Dim) else int(x)
+
+
+key_of = _key  # (a guard's key of its operands: runtime/frontend_cache.py rebuilds guards)
 
 
 class Values(list):
@@ -330,6 +357,38 @@ class Dim:
 
 def _hint(x) -> int:
     return x.hint if isinstance(x, Dim) else x
+
+
+def key_json(key):
+    """A Dim's key (Dim.key: nested tuples of "s" and a symbol's number, "neg", an operator, ints)
+    as JSON holds it (lists)."""
+    return [key_json(k) for k in key] if type(key) is tuple else key
+
+
+def dim_of_key(env: ShapeEnv, key) -> "Dim | int":
+    """The expression `key` (key_json's form) over env's symbols, as a Dim whose hint is its value
+    at env's hints (an int key, an int). ValueError where key is not such an expression: an
+    unknown operator or symbol, a wrong arity (read from a file: nothing in it is trusted)."""
+    def parse(k):
+        if type(k) is int:
+            return k
+        if type(k) is list and k:
+            op, args = k[0], k[1:]
+            if op == "s" and len(args) == 1 and type(args[0]) is int and 0 <= args[0] < len(env.hints):
+                return ("s", args[0])
+            if op == "neg" and len(args) == 1:
+                return ("neg", parse(args[0]))
+            if op in _FOLD and len(args) == 2:
+                return (op, parse(args[0]), parse(args[1]))
+        raise ValueError(f"not a size expression: {k!r}")
+    parsed = parse(key)
+    if type(parsed) is int:
+        return parsed
+    try:
+        hint = _eval_key(parsed, env.hints)
+    except ArithmeticError as e:
+        raise ValueError(f"a size expression that does not evaluate: {e}") from None
+    return Dim(env, parsed, hint)
 
 
 def is_symbolic(shape) -> bool:

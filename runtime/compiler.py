@@ -26,7 +26,7 @@ from tilefuse.ir.passes import Dump, partition, run_passes
 from tilefuse.ir.passes.inline import inline_calls
 from tilefuse.ir.primitives import CONTROL_FLOW
 
-from . import dispatch, frontend_cache, host_blas, profiler, tiered, tuner
+from . import compile_child, dispatch, frontend_cache, host_blas, profiler, tiered, tuner
 from .config import config
 from .memory import Spares
 from .planner import Interval, plan_buffers
@@ -260,7 +260,7 @@ def _front(graph: Graph, fuse: bool, dump: Dump | None = None, cached: bool = Tr
 def _instantiated(template) -> tuple | None:
     """(graph, regions, lowered kernels) from a template's front end (symbolic.front_end's), or
     None."""
-    made = template(_symbolic_front, config.cache_key())
+    made = template(_symbolic_front, config.cache_key(), _KeptFronts)
     if made is None:
         return None
     g, regions = made
@@ -381,6 +381,31 @@ def _symbolic_front(graph: Graph) -> tuple:
     symbolic: tracer/shape_poly.FrontEnd), for every instance its guards admit."""
     g = run_passes(inline_calls(graph))
     return g, partition(g, fuse=True)
+
+
+TEMPLATE_WAIT_S = 10.0  # the longest an instance waits for the child to make its template's front end
+
+
+class _KeptFronts:
+    """Templates' front ends in the persistent cache (frontend_cache.store_template), for
+    tracer/shape_poly: made by the child process beside a cold compile (compile_child.
+    prebuild_template), or by the first instance that made one here."""
+
+    @staticmethod
+    def load(graph: Graph, hints, env) -> tuple | None:
+        key = frontend_cache.template_key(frontend_cache.encode_template(graph, hints))
+        compile_child.wait_template(key, TEMPLATE_WAIT_S)  # (the child may be making it now)
+        parts = frontend_cache.load_template(key, env)
+        if parts is not None and config.check:  # (TILEFUSE_CHECK: the one the passes make here)
+            (g, regions), guards = symbolic.recorded(env, _symbolic_front, graph)
+            text = lambda g, regions, guards: (frontend_cache.front_text(g, regions), sorted(map(repr, guards)))  # noqa: E731
+            assert text(*parts) == text(g, regions, guards), "a stored template front end differs from the passes'"
+        return parts
+
+    @staticmethod
+    def store(graph: Graph, hints, g: Graph, regions, guards: dict) -> None:
+        frontend_cache.store_template(frontend_cache.template_key(frontend_cache.encode_template(graph, hints)),
+                                      hints, g, regions, guards)
 
 
 def precompile(graphs, device) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from tilefuse.ir import dtypes
 from tilefuse.ir import primitives as P
+from tilefuse.ir import symbolic
 from tilefuse.ir.core import Eqn, Graph, Literal, ShapedArray, Var
 from tilefuse.ir.kernel.ir import Buffer, Kernel, KExpr, Store
 from tilefuse.ir.kernel.lower import LoweredKernel
@@ -174,6 +175,103 @@ def decode_graph(text: str) -> Graph:
     return _Decoder(json.loads(text)).front()[0]
 
 
+# ---- a shape-generic trace's front end ------------------------------------------------------------
+# The front end of a template (tracer/shape_poly.FrontEnd: its graph traced with symbolic sizes,
+# optimised and partitioned once for every instance its guards admit), kept as the concrete ones
+# are, with its guards; keyed by the template's own text (its sizes as expressions, the symbols'
+# values at its trace, which its guards' answers are of). The child process makes it beside a cold
+# compile (runtime/compile_child.py), so the first call at a new batch size, in this process or a
+# later one, loads it instead of running the passes on the template (~250 ms for the char-GPT step).
+
+_template_texts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> encode_template's
+
+
+def encode_template(graph: Graph, hints) -> str | None:
+    """A template's graph and its symbols' values at the trace as JSON (the child's request and
+    the entry's key), or None where something does not encode; kept per graph."""
+    try:
+        return _template_texts[graph]
+    except KeyError:
+        pass
+    try:
+        text = json.dumps({**_Encoder().front(graph, [], []), "hints": [int(h) for h in hints]},
+                          separators=(",", ":"))
+    except (_Unencodable, TypeError, ValueError) as e:
+        log.info("tilefuse: template not encoded (%s)", e)
+        text = None
+    _template_texts[graph] = text
+    return text
+
+
+def decode_template(text: str) -> tuple:
+    """(graph, ShapeEnv of its symbols, frozen as after a trace) from encode_template's text."""
+    d = json.loads(text)
+    env = symbolic.ShapeEnv()
+    env.hints = [int(h) for h in d["hints"]]
+    graph = _Decoder(d, env).front()[0]  # (before freeze: a frozen env's avals would be its ints)
+    env.freeze()
+    return graph, env
+
+
+def template_key(text: str | None) -> str | None:
+    if text is None or config.dump_dir or config.debug or _cache().dir is None:
+        return None
+    return compile_cache.make_key("template-front", _code_digest(), text, config.cache_key())
+
+
+def store_template(k: str | None, hints, g: Graph, regions, guards: dict) -> None:
+    """A template's front end (optimised graph, regions, the guards it recorded) under key k, its
+    symbols' values at the trace `hints`."""
+    if k is None or _cache().has(k):
+        return
+    try:
+        rows = [[op, _value(lhs), _value(rhs), bool(answer)] for op, lhs, rhs, answer in guards.values()]
+        payload = json.dumps({**_Encoder().front(g, regions, [[] for _ in regions]), "guards": rows, "key": k,
+                              "hints": [int(h) for h in hints]}, separators=(",", ":"))
+    except (_Unencodable, TypeError, ValueError) as e:
+        log.info("tilefuse: template front end not cached (%s)", e)
+        return
+    _cache().store(k, payload.encode())
+
+
+def has_template(k: str | None) -> bool:
+    return k is not None and _cache().has(k)
+
+
+def front_text(g: Graph, regions) -> str:
+    """A template's front end as store_template writes it, its guards aside (TILEFUSE_CHECK
+    compares a stored one with the passes')."""
+    return json.dumps(_Encoder().front(g, regions, [[] for _ in regions]), separators=(",", ":"))
+
+
+def load_template(k: str | None, env) -> tuple | None:
+    """(optimised graph, regions, guards) under key k, its sizes over env's symbols, or None on a
+    miss (an entry that does not decode: removed, as ever)."""
+    if k is None:
+        return None
+    payload = _cache().load(k)
+    if payload is None:
+        return None
+    try:
+        d = json.loads(payload)
+        if d.get("key") != k:
+            raise ValueError("it is the entry of another template")
+        if d.get("hints") != list(env.hints):
+            raise ValueError("it is the entry of a template traced at other sizes")
+        with env.recording():  # (the trace's env is frozen: its avals would be its ints)
+            g, regions, _ = _Decoder(d, env).front()
+            guards = {}
+            for op, lhs, rhs, answer in d["guards"]:
+                if op not in ("==", "<", "<="):
+                    raise ValueError(f"a guard {op!r}")
+                lhs, rhs = _unvalue(lhs, env), _unvalue(rhs, env)
+                guards[(op, symbolic.key_of(lhs), symbolic.key_of(rhs))] = (op, lhs, rhs, bool(answer))
+        return g, regions, guards
+    except Exception as e:  # noqa: BLE001 - damaged past its checksum, in any way: a miss
+        discard(k, e)
+        return None
+
+
 # ---- encoding ---------------------------------------------------------------------------------
 
 class _Unencodable(Exception):
@@ -181,7 +279,10 @@ class _Unencodable(Exception):
 
 
 def _value(v):
-    """A parameter or constant as JSON: scalars as they are, the rest tagged."""
+    """A parameter or constant as JSON: scalars as they are, the rest tagged (a symbolic size as
+    its expression: a shape-generic trace's template)."""
+    if type(v) is symbolic.Dim:
+        return {"dim": symbolic.key_json(v.key)}
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, tuple):
@@ -201,15 +302,20 @@ def _value(v):
     raise _Unencodable(f"a value of type {type(v).__name__}")
 
 
-def _unvalue(v):
+def _unvalue(v, env=None):
+    """_value's inverse; a size expression over env's symbols (none: not a template's entry)."""
     if not isinstance(v, dict):
         return v
     if "t" in v:
-        return tuple(_unvalue(x) for x in v["t"])
+        return tuple(_unvalue(x, env) for x in v["t"])
     if "l" in v:
-        return [_unvalue(x) for x in v["l"]]
+        return [_unvalue(x, env) for x in v["l"]]
     if "d" in v:
-        return {_unvalue(a): _unvalue(b) for a, b in v["d"]}
+        return {_unvalue(a, env): _unvalue(b, env) for a, b in v["d"]}
+    if "dim" in v:
+        if env is None:
+            raise ValueError("a symbolic size in a concrete graph's entry")
+        return symbolic.dim_of_key(env, v["dim"])
     if "dt" in v:
         return dtypes.canonicalize(v["dt"])
     if "sf" in v:
@@ -220,11 +326,11 @@ def _unvalue(v):
 
 
 def _aval(a: ShapedArray) -> list:
-    return [list(a.shape), a.dtype.name, a.weak_type]
+    return [[_value(d) for d in a.shape], a.dtype.name, a.weak_type]
 
 
-def _unaval(x) -> ShapedArray:
-    return ShapedArray(tuple(x[0]), dtypes.canonicalize(x[1]), x[2])
+def _unaval(x, env=None) -> ShapedArray:
+    return ShapedArray(tuple(_unvalue(d, env) for d in x[0]), dtypes.canonicalize(x[1]), x[2])
 
 
 class _Encoder:
@@ -305,15 +411,17 @@ class _Encoder:
 
 
 class _Decoder:
-    def __init__(self, d: dict):
+    def __init__(self, d: dict, env=None):
         if d.get("format") != FORMAT:
             raise ValueError(f"format {d.get('format')}")
-        self.d = d
-        self.vars = [Var(_unaval(a)) for a in d["vars"]]  # new variables, new ids
+        self.d, self.env = d, env  # (env: a template's ShapeEnv, for its symbolic sizes)
+        self.vars = [Var(_unaval(a, env)) for a in d["vars"]]  # new variables, new ids
         self.eqns: list = []
         for name, ins, outs, params, source in d["eqns"]:
-            self.eqns.append(Eqn(P.PRIMITIVES[name], tuple(self.atom(a) for a in ins),
-                                 tuple(self.vars[i] for i in outs), _unvalue(params), source))
+            # (a size used as a value is in templates only: not in the registry)
+            prim = P.dim_value if name == "dim_value" and env is not None else P.PRIMITIVES[name]
+            self.eqns.append(Eqn(prim, tuple(self.atom(a) for a in ins),
+                                 tuple(self.vars[i] for i in outs), _unvalue(params, env), source))
         self.nodes: list = []
         for op, dt, src, arg in d["nodes"]:
             self.nodes.append(KExpr(op, dtypes.canonicalize(dt), tuple(self.nodes[i] for i in src),
@@ -321,8 +429,8 @@ class _Decoder:
 
     def atom(self, a):
         if isinstance(a, dict):
-            aval = _unaval(a["aval"])
-            return Literal(_unvalue(a["lit"]), aval)
+            aval = _unaval(a["aval"], self.env)
+            return Literal(_unvalue(a["lit"], self.env), aval)
         return self.vars[a]
 
     def kernel(self, k: dict) -> Kernel:
@@ -340,7 +448,7 @@ class _Decoder:
         g = d["graph"]
         graph = Graph(tuple(V[i] for i in g["constvars"]), tuple(V[i] for i in g["invars"]),
                       tuple(E[i] for i in g["eqns"]), tuple(self.atom(a) for a in g["outvars"]),
-                      tuple(_unvalue(c) for c in g["consts"]), _unvalue(g["meta"]))
+                      tuple(_unvalue(c) for c in g["consts"]), _unvalue(g["meta"], self.env))
         lowered = [[LoweredKernel(self.kernel(lk["kernel"]), tuple(V[i] for i in lk["args"])) for lk in lks]
                    for lks in d["lowered"]]
         regions = [Region(tuple(E[i] for i in r["eqns"]), tuple(V[i] for i in r["inputs"]),

@@ -139,7 +139,7 @@ def choice(kernel, device) -> str:
     for tiny or unreadable problems, the vendor where the shared GEMM has no schedule, the shared
     GEMM for 16-bit floats (numpy has no 16-bit BLAS), and otherwise the faster of the two,
     measured once per shape class."""
-    spec = gemm.gemm_spec(kernel)
+    spec = tiled.gemm_spec(kernel)
     decided = _decided(spec, kernel, device)
     if decided is not None:
         return decided
@@ -215,7 +215,7 @@ def prebuild(kernels, device) -> None:
         return
     tiles, keys = [], set()
     for k in kernels:
-        spec = gemm.gemm_spec(k) if k.meta.get("kind") in ("dot_general", "fused_gemm") else None
+        spec = tiled.gemm_spec(k) if k.meta.get("kind") in ("dot_general", "fused_gemm") else None
         if spec is None or _decided(spec, k, device) is not None:
             continue
         key = _key(spec, device)

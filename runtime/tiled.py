@@ -30,16 +30,24 @@ def _target(device):
 
 
 def gemm_spec(kernel):
-    """The GEMM a kernel poses: a dot_general's or fused_gemm's, or a conv's implicit GEMM."""
-    return conv.conv_spec(kernel) if kernel.meta.get("kind") in CONV_KINDS else gemm.gemm_spec(kernel)
+    """The GEMM a kernel poses: a dot_general's or fused_gemm's, or a conv's implicit GEMM; kept in
+    its meta (the dispatcher's candidates, the batch build and each launch's build ask it)."""
+    meta = kernel.meta
+    if "gemm_spec" not in meta:
+        meta["gemm_spec"] = conv.conv_spec(kernel) if meta.get("kind") in CONV_KINDS else gemm.gemm_spec(kernel)
+    return meta["gemm_spec"]
 
 
 def gemm_applies(kernel, device) -> bool:
-    spec = gemm_spec(kernel)
-    if spec is None or spec.layout.flops < MIN_FLOPS:
-        return False
+    """Whether the shared GEMM builds this kernel on the device; kept in its meta per target
+    (five candidates ask it of each GEMM a compile meets)."""
     t = _target(device)
-    return gemm.default_schedule(spec, t).check(spec, t) is None
+    memo = kernel.meta.setdefault("gemm_applies", {})
+    if t not in memo:
+        spec = gemm_spec(kernel)
+        memo[t] = spec is not None and spec.layout.flops >= MIN_FLOPS and \
+            gemm.default_schedule(spec, t).check(spec, t) is None
+    return memo[t]
 
 
 def _built_once(kernel, what: str, device, params, build):

@@ -25,7 +25,7 @@ from tilefuse.ir.core import Graph, Literal, ShapedArray, Var
 from tilefuse.ir.passes.fold import fold_uniform
 from tilefuse.ir.passes.fusion import Region
 from tilefuse.ir.symbolic import (Dim, ShapeEnv, Values, concrete, evaluate, guards_hold, is_symbolic,
-                                  set_front_end)
+                                  recorded, set_base_front_end, set_front_end)
 
 
 TEMPLATES_MOST = 8  # shape-generic traces kept per jitted function and argument structure
@@ -46,6 +46,9 @@ class Template:
         its compile's front end from the template's (set_front_end): see FrontEnd."""
         if self.base is None:
             self.base = instantiate(self.graph, self.env.hints)
+            # (the trace's own sizes compile concretely; a tiered build has the template's front
+            # end made beside it, for the instances to come: runtime/compile_child.py)
+            set_base_front_end(self.base.graph, _InstanceFront(self, self.env.hints))
         graph = instantiate(self.graph, values, self.base).graph
         if graph is not self.base.graph:
             set_front_end(graph, _InstanceFront(self, values))
@@ -83,14 +86,29 @@ class _InstanceFront:
         t = self.template()
         return t is not None and t.front is None
 
-    def __call__(self, run, settings) -> tuple | None:
+    def __call__(self, run, settings, kept=None) -> tuple | None:
+        """`kept`: where front ends persist (load(graph, hints, env) -> (optimised graph, regions,
+        guards) or None; store(graph, hints, those three)): the template's is loaded from there, or
+        made and stored."""
         t = self.template()
         if t is None:
             return None
         with _front_lock:
             if t.front is None:
-                t.front = FrontEnd.make(t, run, settings) or False
+                parts = kept.load(t.graph, t.env.hints, t.env) if kept is not None else None
+                t.front = (parts and FrontEnd.of(t, *parts, settings)) or False
+                if not t.front:
+                    parts = FrontEnd.run(t, run)
+                    t.front = (parts and FrontEnd.of(t, *parts, settings)) or False
+                    if t.front and kept is not None:
+                        kept.store(t.graph, t.env.hints, *parts)
         return t.front.at(self.values, settings) if t.front else None
+
+    def graph(self):
+        """The template's graph and its symbols' values at the trace, or None (gone, or its front
+        end made already)."""
+        t = self.template()
+        return (t.graph, t.env) if t is not None and t.front is None else None
 
     def ready(self, settings) -> bool:
         """Whether the template's front end was made and serves these sizes."""
@@ -234,12 +252,19 @@ class FrontEnd:
         return ok
 
     @staticmethod
-    def make(template: Template, run, settings) -> "FrontEnd | None":
-        with template.env.recording() as guards:
-            try:
-                g, regions = run(template.graph)
-            except Exception:  # noqa: BLE001 - (an error is the concrete compile's to raise)
-                return None
+    def run(template: Template, run) -> tuple | None:
+        """(optimised graph, regions, guards): `run` on the template's graph, with the guards
+        it asks recorded; None where it fails (an error is the concrete compile's to raise)."""
+        try:
+            (g, regions), guards = recorded(template.env, run, template.graph)
+        except Exception:  # noqa: BLE001 - (an error is the concrete compile's to raise)
+            return None
+        return g, regions, guards
+
+    @staticmethod
+    def of(template: Template, g: Graph, regions: list, guards: dict, settings) -> "FrontEnd | None":
+        """The front end of these parts (FrontEnd.run's, or a stored one), or None where it cannot
+        stand for the instances."""
         eqns, bounds = [], []
         for r in regions:
             bounds.append((len(eqns), len(eqns) + len(r.eqns)))
@@ -253,6 +278,7 @@ class FrontEnd:
             return None
         flat = Graph(g.constvars, g.invars, tuple(eqns), g.outvars, g.consts, dict(g.meta))
         return FrontEnd(flat, regions, bounds, dict(guards), list(template.env.hints), settings)
+
 
     def at(self, values, settings) -> tuple | None:
         """(optimised graph, regions) at these symbol values, or None where a guard answers

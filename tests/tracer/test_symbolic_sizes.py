@@ -254,6 +254,7 @@ def test_new_sizes_compile_from_the_templates_front_end(device, monkeypatch):
     from tilefuse.runtime import compiler, frontend_cache, tiered
     assert tiered.wait_idle(120)  # (a build earlier tests left would partition meanwhile)
     monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)  # (whatever earlier runs stored)
+    monkeypatch.setattr(frontend_cache, "load_template", lambda *a, **k: None)
     monkeypatch.setattr(tx.config, "tiered", False)  # (every compile here, in this process: counted)
     partitions, symbolic = [], []
     part, sym = compiler.partition, compiler._symbolic_front
@@ -297,9 +298,93 @@ def test_tiered_builds_a_third_size_from_the_templates_front_end(monkeypatch):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
         assert tiered.wait_idle(120)
         children_after.append(len(children))
-    assert len(symbolic) == 1 and children_after[0] == children_after[3]  # (none for 3, 5, 11)
+    # the template's front end ran once at most here: the child makes it beside a cold build of
+    # the trace's own size, and a store from an earlier run serves too (a new trace loads it)
+    assert len(symbolic) <= 1 and children_after[0] == children_after[3]  # (none for 3, 5, 11)
     (template,) = [t for ts in generic._templates.values() for t in ts]
     assert template.front and generic.trace_count == 1
+
+
+def test_a_templates_front_end_is_kept_on_disk(device, monkeypatch, tmp_path):
+    """The first new size of a trace makes its template's front end and stores it; a new trace of
+    the same function (a new process, a new jit) loads it instead of running the passes on the
+    template. Under TILEFUSE_CHECK a loaded one is compared with the passes' own: the optimised
+    graph, the regions, every size as its expression, and the guards. Results as the reference's."""
+    from tilefuse.runtime import compile_cache, compiler, frontend_cache, tiered
+    assert tiered.wait_idle(120)
+    monkeypatch.setattr(tx.config, "tiered", False)
+    cache = compile_cache.CompileCache("frontend", str(tmp_path))
+    monkeypatch.setattr(frontend_cache, "_cache", lambda: cache)
+    symbolic, sym = [], compiler._symbolic_front
+    monkeypatch.setattr(compiler, "_symbolic_front", lambda g: symbolic.append(1) or sym(g))
+    step, params, batch = _mlp_step()
+    made = []
+    for check in (False, False, True):  # made and stored; loaded; loaded and compared
+        monkeypatch.setattr(tx.config, "check", check)
+        generic = tx.jit(step, device=device)
+        for b in (8, 3, 5):
+            x, y = batch(b)
+            got = generic(params, x, y)
+            want = tx.jit(step, device="ref")(params, x, y)
+            for g, w in zip(tx.tree_util.tree_leaves(got), tx.tree_util.tree_leaves(want)):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+        assert generic.trace_count == 1
+        made.append(len(symbolic))
+    if device.kind != "ref":  # (the reference interprets: no front end)
+        assert made == [1, 1, 2], made  # (the check's comparison runs the passes once)
+
+
+def test_a_damaged_template_front_end_is_rebuilt(monkeypatch, tmp_path):
+    """A stored template front end that does not decode (a size expression past the template's
+    symbols, an unknown guard) is a miss, named in a CacheWarning and removed: the passes run and
+    the results are right."""
+    import json
+    from tilefuse.runtime import compile_cache, compiler, frontend_cache, tiered
+    assert tiered.wait_idle(120)
+    monkeypatch.setattr(tx.config, "tiered", False)
+    monkeypatch.setattr(tx.config, "check", False)
+    cache = compile_cache.CompileCache("frontend", str(tmp_path))
+    monkeypatch.setattr(frontend_cache, "_cache", lambda: cache)
+    stored = {}
+    store = frontend_cache.store_template
+    monkeypatch.setattr(frontend_cache, "store_template", lambda k, *a: stored.setdefault("key", k) and store(k, *a))
+    symbolic, sym = [], compiler._symbolic_front
+    monkeypatch.setattr(compiler, "_symbolic_front", lambda g: symbolic.append(1) or sym(g))
+    step, params, batch = _mlp_step()
+    first = tx.jit(step, device="cpu")
+    first(params, *batch(8))
+    first(params, *batch(3))  # (the template's front end made, stored)
+    k = stored["key"]
+    entry = json.loads(cache.load(k))
+    for damage in ("symbol", "guard"):
+        bad = json.loads(json.dumps(entry))
+        if damage == "symbol":  # a size over a symbol the template does not have
+            bad["vars"] = [[[{"dim": ["s", 999]}], *a[1:]] if a[0] and isinstance(a[0][0], dict) else a
+                           for a in bad["vars"]]
+        else:
+            bad["guards"][0][0] = "!="
+        cache.store(k, json.dumps(bad).encode())
+        generic = tx.jit(step, device="cpu")
+        generic(params, *batch(8))
+        x, y = batch(5)
+        with pytest.warns(compile_cache.CacheWarning, match="cannot be used"):
+            got = generic(params, x, y)
+        want = tx.jit(step, device="ref")(params, x, y)
+        for g, w in zip(tx.tree_util.tree_leaves(got), tx.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+    assert len(symbolic) == 1 + 2  # (made first, then again after each damaged entry)
+
+
+def test_a_size_expression_from_a_file_is_checked():
+    from tilefuse.ir.symbolic import dim_of_key, key_json
+    env = ShapeEnv()
+    b, t = env.symbol(8), env.symbol(5)
+    d = dim_of_key(env, key_json((b * t + 3).key))
+    assert type(d) is Dim and d.key == (b * t + 3).key and d.hint == 43
+    assert dim_of_key(env, 7) == 7
+    for bad in (["s", 2], ["s", -1], ["pow", ["s", 0], 2], ["neg"], ["+", ["s", 0]], "s", [], ["s", 0.5]):
+        with pytest.raises(ValueError):
+            dim_of_key(env, bad)
 
 
 def test_a_size_dependent_decision_keeps_the_front_end_from_other_sizes(monkeypatch):
@@ -332,6 +417,7 @@ def test_a_new_row_length_compiles_from_the_templates_front_end(device, monkeypa
     from tilefuse.runtime import compiler, frontend_cache, tiered
     assert tiered.wait_idle(120)
     monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)
+    monkeypatch.setattr(frontend_cache, "load_template", lambda *a, **k: None)
     monkeypatch.setattr(tx.config, "tiered", False)
     partitions, symbolic = [], []
     part, sym = compiler.partition, compiler._symbolic_front

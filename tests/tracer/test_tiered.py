@@ -140,6 +140,7 @@ def test_calls_wait_for_a_warm_build_instead_of_interpreting_beside_it(rng, monk
     first(x)
     (entry,) = first._cache.values()
     assert entry.executable._done.wait(120)  # built whole: the caches hold it now
+    assert tiered.wait_idle(120)  # (the compile thread takes the next build at once: see _submit)
     compile = device_mod.Device.compile
 
     def slow(self, graph):
@@ -306,6 +307,47 @@ def test_the_child_process_compiles_into_the_caches(tmp_path):
     r = subprocess.run([sys.executable, "-c", CHILD_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.splitlines()[-1]) == {"ok": True, "passes": 0, "close": True, "built": True, "nice": 19}
+
+
+TEMPLATE_SCRIPT = textwrap.dedent("""
+    import json, numpy as np, tilefuse as tx, tilefuse.numpy as tnp
+    from tilefuse.runtime import compiler, tiered
+    tx.config.default_device = "cpu"  # (a setting that keys the caches: the child's must be the same)
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((6, 16)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
+    def loss(w1, w2, x):
+        h = tnp.tanh(x @ w1)
+        h = (h - h.mean(-1, keepdims=True)) / tnp.sqrt(h.var(-1, keepdims=True) + 1e-5)
+        return tnp.mean((h @ w2) ** 2)
+    step = tx.jit(tx.grad(loss, argnums=(0, 1)))
+    runs, symbolic = [], []
+    passes, sym = compiler.run_passes, compiler._symbolic_front
+    compiler.run_passes = lambda *a, **k: runs.append(len(a[0].eqns)) or passes(*a, **k)
+    compiler._symbolic_front = lambda g: symbolic.append(1) or sym(g)
+    close = True
+    for b in (8, 3, 5):
+        x = rng.standard_normal((b, 6)).astype(np.float32)
+        step(w1, w2, x)  # (the first call at a size interprets)
+        assert tiered.wait_idle(120)
+        got = step(w1, w2, x)
+        want = tx.jit(tx.grad(loss, argnums=(0, 1)), device="ref")(w1, w2, x)
+        close &= all(np.allclose(np.asarray(g), np.asarray(v), rtol=1e-4, atol=1e-5) for g, v in zip(got, want))
+    print(json.dumps({"passes here": sum(n > 1 for n in runs), "template front ends made here": len(symbolic),
+                      "close": bool(close), "traces": step.trace_count}))
+""")
+
+
+def test_the_child_makes_the_templates_front_end_beside_a_cold_build(tmp_path):
+    """A shape-generic trace's first build goes to the child, which then makes its template's
+    front end too: this process runs no pass on the step's graph, neither for its own size nor for
+    the new batch sizes after it (which load the template's front end). With a default device set:
+    it keys the caches, and the child once stored every front end under another key than the one
+    this process then looked for."""
+    env = dict(os.environ, TILEFUSE_CACHE_DIR=str(tmp_path), TILEFUSE_TIERED="auto")
+    r = subprocess.run([sys.executable, "-c", TEMPLATE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == {"passes here": 0, "template front ends made here": 0,
+                                                     "close": True, "traces": 1}
 
 
 IDLE_SCRIPT = textwrap.dedent("""
