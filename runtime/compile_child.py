@@ -86,71 +86,31 @@ def _receive(f):
 
 def prebuild(graph, device) -> bool:
     """Compile `graph` for `device` in the child (this thread waits without the GIL): True when
-    the persistent caches now hold it, False where the child does not apply or failed."""
+    the persistent caches now hold it, False where the child does not apply or failed. Where
+    `graph` is a shape-generic trace's instance at its own sizes, the child makes its template's
+    front end too, beside that compile (its object code builds in worker processes meanwhile):
+    the first call at a new batch size then loads it (frontend_cache.load_template) instead of
+    running the passes on the template here (~250 ms for the char-GPT step, its calls waiting)."""
     if compile_cache.default_dir() is None or config.dump_dir or config.debug or _stopped[0]:
         return False
     from tilefuse.ir.passes.inline import inline_calls
     text = frontend_cache.encode_graph(inline_calls(graph))
     if text is None:
         return False
-    return _ask({"graph": text, "device": device.name, "config": _settings()})
-
-
-def prebuild_template(graph, device) -> None:
-    """Where `graph` is a shape-generic trace's instance at its own sizes (compiled just now) and
-    its template's front end is in no cache yet: have the child make it and store it
-    (frontend_cache.store_template), on a thread of its own (the compile thread goes on with other
-    builds), so the first call at a new batch size loads it instead of running the passes on the
-    template here (~250 ms for the char-GPT step, while that size's calls wait)."""
+    request = {"graph": text, "device": device.name, "config": _settings()}
     front = symbolic.base_front_end(graph)
     made = front.graph() if front is not None and config.fusion else None
-    if made is None or compile_cache.default_dir() is None or config.dump_dir or config.debug or _stopped[0]:
-        return
-    job = _Template(*made)
-    with _pending_lock:
-        _pending.append(job)
-    threading.Thread(target=job.run, daemon=True, name="tilefuse-template").start()
-
-
-class _Template:
-    """prebuild_template's request: its key once known (the template's text, encoded on this
-    thread), and an Event set when the child answered (or it was not asked)."""
-
-    def __init__(self, template, env):
-        self.template, self.env, self.key, self.done = template, env, None, threading.Event()
-
-    def run(self) -> None:
-        try:
-            with gc_paused():  # (~30 ms for the char-GPT step's 1,500 equations; 100 ms where the
-                # collector ran over what the encoding makes)
-                text = frontend_cache.encode_template(self.template, self.env.hints)
-            self.key = frontend_cache.template_key(text)
-            if self.key is not None and not frontend_cache.has_template(self.key):
-                # (the key goes along: the child's own settings may differ in one that keys
-                # compiles but not a front end, such as the default device)
-                _ask({"template": text, "key": self.key, "config": _settings()})
-        finally:
-            with _pending_lock:
-                _pending.remove(self)
-            self.done.set()
-
-
-_pending: list = []  # the _Template requests under way
-_pending_lock = threading.Lock()
-
-
-def wait_template(key: str | None, timeout: float) -> None:
-    """Wait (at most `timeout` seconds) while the child may be making the template front end under
-    `key` (a request whose key is that, or not known yet): loading it then beats making it here
-    beside the child."""
-    for job in list(_pending):
-        if job.key is None or job.key == key:
-            job.done.wait(timeout)
-
-
-def wait_templates(timeout: float | None) -> bool:
-    """Wait until the child made every template front end asked of it (tiered.wait_idle)."""
-    return all(job.done.wait(timeout) for job in list(_pending))
+    if made is not None:
+        template, env = made
+        with gc_paused():  # (~30 ms for the char-GPT step's 1,500 equations; 100 ms where the
+            # collector ran over what the encoding makes)
+            ttext = frontend_cache.encode_template(template, env.hints)
+        key = frontend_cache.template_key(ttext)
+        if key is not None and not frontend_cache.has_template(key):
+            # (the key goes along: the child's own settings may differ in one that keys compiles
+            # but not a front end, such as the default device)
+            request.update(template=ttext, key=key)
+    return _ask(request)
 
 
 def _ask(request: dict) -> bool:
@@ -208,23 +168,28 @@ def _serve() -> None:
             return
         try:
             tx.config.update(**{k: v for k, v in req["config"].items() if hasattr(tx.config, k)}, tiered=False)
-            if "template" in req:
-                reply = {"ok": _make_template(req["template"], req["key"])}
-            else:
-                tx.get_device(req["device"]).compile(frontend_cache.decode_graph(req["graph"]))
-                reply = {"ok": True}
+            maker = threading.Thread(target=_make_template, args=(req["template"], req["key"]), daemon=True) \
+                if "template" in req else None
+            if maker is not None:
+                maker.start()
+            tx.get_device(req["device"]).compile(frontend_cache.decode_graph(req["graph"]))
+            if maker is not None:
+                maker.join()
+            reply = {"ok": True}
         except Exception as e:  # noqa: BLE001 - the parent compiles it itself and reports errors
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         _send(out, reply)
 
 
-def _make_template(text: str, key: str) -> bool:
-    """The child: a template's front end, made and stored under `key` (as compiler._KeptFronts.store
-    would)."""
+def _make_template(text: str, key: str) -> None:
+    """The child, on a thread beside a compile: a template's front end, made and stored under
+    `key` (as compiler._KeptFronts.store would); where it fails, the parent makes it when needed."""
     from tilefuse.runtime.compiler import _symbolic_front  # (the compiler imports tiered, which imports this)
-    if frontend_cache.has_template(key):  # (asked twice: two traces of one function at once)
-        return True
-    graph, env = frontend_cache.decode_template(text)
-    (g, regions), guards = symbolic.recorded(env, _symbolic_front, graph)
-    frontend_cache.store_template(key, env.hints, g, regions, guards)
-    return frontend_cache.has_template(key)
+    try:
+        if frontend_cache.has_template(key):  # (asked twice: two traces of one function at once)
+            return
+        graph, env = frontend_cache.decode_template(text)
+        (g, regions), guards = symbolic.recorded(env, _symbolic_front, graph)
+        frontend_cache.store_template(key, env.hints, g, regions, guards)
+    except Exception:  # noqa: BLE001 - (a speculative front end: nothing waits for it)
+        pass

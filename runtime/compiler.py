@@ -26,7 +26,7 @@ from tilefuse.ir.passes import Dump, partition, run_passes
 from tilefuse.ir.passes.inline import inline_calls
 from tilefuse.ir.primitives import CONTROL_FLOW
 
-from . import compile_child, dispatch, frontend_cache, host_blas, profiler, tiered, tuner
+from . import dispatch, frontend_cache, host_blas, profiler, tiered, tuner
 from .config import config
 from .memory import Spares
 from .planner import Interval, plan_buffers
@@ -383,19 +383,15 @@ def _symbolic_front(graph: Graph) -> tuple:
     return g, partition(g, fuse=True)
 
 
-TEMPLATE_WAIT_S = 10.0  # the longest an instance waits for the child to make its template's front end
-
-
 class _KeptFronts:
     """Templates' front ends in the persistent cache (frontend_cache.store_template), for
     tracer/shape_poly: made by the child process beside a cold compile (compile_child.
-    prebuild_template), or by the first instance that made one here."""
+    prebuild), or by the first instance that made one here."""
 
     @staticmethod
     def load(graph: Graph, hints, env) -> tuple | None:
-        key = frontend_cache.template_key(frontend_cache.encode_template(graph, hints))
-        compile_child.wait_template(key, TEMPLATE_WAIT_S)  # (the child may be making it now)
-        parts = frontend_cache.load_template(key, env)
+        parts = frontend_cache.load_template(frontend_cache.template_key(
+            frontend_cache.encode_template(graph, hints)), env)
         if parts is not None and config.check:  # (TILEFUSE_CHECK: the one the passes make here)
             (g, regions), guards = symbolic.recorded(env, _symbolic_front, graph)
             text = lambda g, regions, guards: (frontend_cache.front_text(g, regions), sorted(map(repr, guards)))  # noqa: E731

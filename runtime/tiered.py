@@ -172,8 +172,7 @@ def wait_idle(timeout: float | None = None) -> bool:
     that measure memory or time: a build left by earlier work allocates meanwhile); False if
     `timeout` seconds passed first."""
     with _wake:
-        idle = _wake.wait_for(lambda: not _queue and not _building[0], timeout)
-    return idle and compile_child.wait_templates(timeout)  # (and what the builds had the child make)
+        return _wake.wait_for(lambda: not _queue and not _building[0], timeout)
 
 
 def _submit(exe) -> None:
@@ -292,7 +291,6 @@ class TieredExecutable:
             if self._started:
                 return
             self._started = True
-        child = False
         try:
             if _worker and threading.current_thread() is _worker[0]:
                 from .compiler import built_before, from_template  # (compiler imports this module)
@@ -301,8 +299,7 @@ class TieredExecutable:
                 self._stage = "warm" if warm else "child"
                 self._checked.set()
                 if self._stage == "child":  # (then a warm build here, or a cold one if the child failed)
-                    child = compile_child.prebuild(self.graph, self.device)
-                    self._stage = "warm" if child else "cold"
+                    self._stage = "warm" if compile_child.prebuild(self.graph, self.device) else "cold"
             self.compiled = self._build_fn()
         except Abandoned:
             pass
@@ -314,8 +311,6 @@ class TieredExecutable:
         if self.compiled is not None:
             for fn in self._when_compiled:
                 fn(self.compiled)
-            if child:  # (the calls run compiled meanwhile; this thread waits without the GIL)
-                compile_child.prebuild_template(self.graph, self.device)
 
     def when_compiled(self, fn) -> None:
         """Call fn(compiled executable) once it is built (at once if it is): a cache holding this
