@@ -101,6 +101,19 @@ def _graph_text(graph: Graph) -> str | None:
 
 def load(k: str | None, graph: Graph):
     """(optimised graph, regions, lowered kernels per region) for `graph`, or None on a miss."""
+    def decode(d):
+        front = _Decoder(d).front()
+        g = front[0]
+        if [v.aval.strip_weak() for v in g.invars] != [v.aval.strip_weak() for v in graph.invars] or \
+                [v.aval.strip_weak() for v in g.outvars] != [v.aval.strip_weak() for v in graph.outvars]:
+            raise ValueError("its inputs or outputs are not the graph's")
+        return front
+    return _read(k, decode)
+
+
+def _read(k: str | None, decode):
+    """decode(the entry under k, its key checked), or None on a miss: an entry that does not
+    decode (damaged past its checksum, in any way) is removed, with a warning."""
     if k is None:
         return None
     payload = _cache().load(k)
@@ -110,12 +123,7 @@ def load(k: str | None, graph: Graph):
         d = json.loads(payload)
         if d.get("key") != k:
             raise ValueError("it is the entry of another graph")
-        front = _Decoder(d).front()
-        g = front[0]
-        if [v.aval.strip_weak() for v in g.invars] != [v.aval.strip_weak() for v in graph.invars] or \
-                [v.aval.strip_weak() for v in g.outvars] != [v.aval.strip_weak() for v in graph.outvars]:
-            raise ValueError("its inputs or outputs are not the graph's")
-        return front
+        return decode(d)
     except Exception as e:  # noqa: BLE001 - damaged past its checksum, in any way: a miss
         discard(k, e)
         return None
@@ -247,15 +255,7 @@ def front_text(g: Graph, regions) -> str:
 def load_template(k: str | None, env) -> tuple | None:
     """(optimised graph, regions, guards) under key k, its sizes over env's symbols, or None on a
     miss (an entry that does not decode: removed, as ever)."""
-    if k is None:
-        return None
-    payload = _cache().load(k)
-    if payload is None:
-        return None
-    try:
-        d = json.loads(payload)
-        if d.get("key") != k:
-            raise ValueError("it is the entry of another template")
+    def decode(d):
         if d.get("hints") != list(env.hints):
             raise ValueError("it is the entry of a template traced at other sizes")
         with env.recording():  # (the trace's env is frozen: its avals would be its ints)
@@ -267,9 +267,7 @@ def load_template(k: str | None, env) -> tuple | None:
                 lhs, rhs = _unvalue(lhs, env), _unvalue(rhs, env)
                 guards[(op, symbolic.key_of(lhs), symbolic.key_of(rhs))] = (op, lhs, rhs, bool(answer))
         return g, regions, guards
-    except Exception as e:  # noqa: BLE001 - damaged past its checksum, in any way: a miss
-        discard(k, e)
-        return None
+    return _read(k, decode)
 
 
 # ---- encoding ---------------------------------------------------------------------------------
