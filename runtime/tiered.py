@@ -54,6 +54,7 @@ import weakref
 import numpy as np
 
 from tilefuse.ir import primitives as P
+from tilefuse.ir.core import gc_paused
 
 from . import compile_child
 from .array import Array
@@ -283,7 +284,9 @@ class TieredExecutable:
         self._stage, self._checked = "", threading.Event()
         self._calls_before_compile = calls_before_compile
         self._when_compiled: list = []
-        self._ref = get_device("ref").compile(graph)
+        with gc_paused():  # (a full collection over a trained model's objects landed here at
+            # random: the char-GPT step's interpreter took 104-167 ms to build instead of 8)
+            self._ref = get_device("ref").compile(graph)
 
     def _build(self) -> None:
         """Build once: on the compile thread, or on a caller that cannot wait (wait)."""
@@ -347,7 +350,7 @@ class TieredExecutable:
                 return self.wait()(leaves)
         t = time.perf_counter()
         host = [np.asarray(x) if isinstance(x, Array) else x for x in leaves]
-        with _leave_a_core:
+        with _leave_a_core, gc_paused():  # (its garbage is numpy's results, freed by their counts)
             outs = [self.device.put(np.asarray(o)) for o in self._ref(host)]
         self._budget.spent += time.perf_counter() - t
         with _wake:
