@@ -279,7 +279,6 @@ class FrontEnd:
         flat = Graph(g.constvars, g.invars, tuple(eqns), g.outvars, g.consts, dict(g.meta))
         return FrontEnd(flat, regions, bounds, dict(guards), list(template.env.hints), settings)
 
-
     def at(self, values, settings) -> tuple | None:
         """(optimised graph, regions) at these symbol values, or None where a guard answers
         otherwise there (or the settings differ from the run's)."""
