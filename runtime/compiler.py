@@ -389,9 +389,12 @@ class _KeptFronts:
     prebuild), or by the first instance that made one here."""
 
     @staticmethod
+    def _key(graph: Graph, hints) -> str | None:
+        return frontend_cache.template_key(frontend_cache.encode_template(graph, hints))  # (its text kept per graph)
+
+    @staticmethod
     def load(graph: Graph, hints, env) -> tuple | None:
-        parts = frontend_cache.load_template(frontend_cache.template_key(
-            frontend_cache.encode_template(graph, hints)), env)
+        parts = frontend_cache.load_template(_KeptFronts._key(graph, hints), env)
         if parts is not None and config.check:  # (TILEFUSE_CHECK: the one the passes make here)
             (g, regions), guards = symbolic.recorded(env, _symbolic_front, graph)
             text = lambda g, regions, guards: (frontend_cache.front_text(g, regions), sorted(map(repr, guards)))  # noqa: E731
@@ -400,8 +403,7 @@ class _KeptFronts:
 
     @staticmethod
     def store(graph: Graph, hints, g: Graph, regions, guards: dict) -> None:
-        frontend_cache.store_template(frontend_cache.template_key(frontend_cache.encode_template(graph, hints)),
-                                      hints, g, regions, guards)
+        frontend_cache.store_template(_KeptFronts._key(graph, hints), hints, g, regions, guards)
 
 
 def precompile(graphs, device) -> None:

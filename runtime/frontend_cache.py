@@ -222,6 +222,7 @@ def decode_template(text: str) -> tuple:
 
 
 def template_key(text: str | None) -> str | None:
+    """The entry's key for encode_template's text, or None where the cache does not apply."""
     if text is None or config.dump_dir or config.debug or _cache().dir is None:
         return None
     return compile_cache.make_key("template-front", _code_digest(), text, config.cache_key())
@@ -234,7 +235,7 @@ def store_template(k: str | None, hints, g: Graph, regions, guards: dict) -> Non
         return
     try:
         rows = [[op, _value(lhs), _value(rhs), bool(answer)] for op, lhs, rhs, answer in guards.values()]
-        payload = json.dumps({**_Encoder().front(g, regions, [[] for _ in regions]), "guards": rows, "key": k,
+        payload = json.dumps({**_template_front(g, regions), "guards": rows, "key": k,
                               "hints": [int(h) for h in hints]}, separators=(",", ":"))
     except (_Unencodable, TypeError, ValueError) as e:
         log.info("tilefuse: template front end not cached (%s)", e)
@@ -249,7 +250,11 @@ def has_template(k: str | None) -> bool:
 def front_text(g: Graph, regions) -> str:
     """A template's front end as store_template writes it, its guards aside (TILEFUSE_CHECK
     compares a stored one with the passes')."""
-    return json.dumps(_Encoder().front(g, regions, [[] for _ in regions]), separators=(",", ":"))
+    return json.dumps(_template_front(g, regions), separators=(",", ":"))
+
+
+def _template_front(g: Graph, regions) -> dict:
+    return _Encoder().front(g, regions, [[] for _ in regions])  # (lowered per instance, not kept)
 
 
 def load_template(k: str | None, env) -> tuple | None:

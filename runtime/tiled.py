@@ -200,7 +200,6 @@ def _attention_built(kernel, sp, sched, t) -> list:
     return [attention.build_forward(sp, sched, kernel.name, kernel.buffers, kernel.n_inputs)]
 
 
-
 def _attention_build(kernel, device, backend, params: dict | None = None):
     tks = _attention_kernels(kernel, device, params)
     if tks is None:
