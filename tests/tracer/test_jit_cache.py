@@ -109,10 +109,15 @@ def test_memory_is_flat_over_many_signatures(device, bound):
     try:
         py0, pool0 = run(range(20, 100))
         py1, pool1 = run(range(100, 300))
+        py2, _ = run(range(300, 500))
     finally:
         tracemalloc.stop()
     assert f.cache_size() == 8
-    grown = py1.compare_to(py0, "lineno")
+    # two windows of 200 signatures: what each keeps grows in both, while a process-wide table
+    # that other tests filled may double its storage once in either (a WeakKeyDictionary's
+    # 288 KiB, a full run's registry of graphs, measured once in a window of 200)
+    grown = min((b.compare_to(a, "lineno") for a, b in ((py0, py1), (py1, py2))),
+                key=lambda g: sum(s.size_diff for s in g))
     kept = sum(s.size_diff for s in grown)
     assert kept < 200_000, f"{kept / 200:.0f} bytes kept per signature, most at:\n" + "\n".join(
         str(s) for s in grown[:8])
