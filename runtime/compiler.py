@@ -288,7 +288,7 @@ def _lower_instance(r, front, values) -> list:
     made = fe.lowerings.get(i)
     if made is None:
         lowered = lower_region(r)
-        fe.lowerings[i] = _Lowering.make(env, fe.regions[i], r, lowered) or False
+        fe.lowerings[i] = _Lowering.make(env, fe, i, values, r, lowered) or False
         return lowered
     got = made and made.at(r, values)
     if not got:
@@ -320,13 +320,21 @@ class _Lowering:
         self.guards, self.n_eqns, self.n_frame, self.kernels = guards, n_eqns, n_frame, kernels
 
     @staticmethod
-    def make(env, template_region, r, lowered) -> "_Lowering | None":
+    def make(env, fe, i: int, values, r, lowered) -> "_Lowering | None":
+        """From template region i of front end fe, with the sizes it reads as values that are the
+        same at this instance's `values` as at the trace folded as the instance folds them (a
+        layer norm's count: FrontEnd.region_with_fixed_sizes), held there by guards."""
         with env.recording() as guards:
             try:
-                symbolic_kernels = lower_region(template_region)
+                made = fe.region_with_fixed_sizes(i, values)
+                if made is None:
+                    return None
+                t, fixed = made
+                symbolic_kernels = lower_region(t)
             except Exception:  # noqa: BLE001 - (the instance's own lowering stands)
                 return None
-        t, frame = template_region, (*r.inputs, *r.outputs)
+        guards.update(fixed)
+        frame = (*r.inputs, *r.outputs)
         if len(symbolic_kernels) != len(lowered) or len(t.eqns) != len(r.eqns) or \
                 len(t.inputs) + len(t.outputs) != len(frame):
             return None

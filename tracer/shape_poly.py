@@ -15,6 +15,7 @@ side effects in the function (a print) run when it traces, as under JAX, but a n
 that the guards allow does not trace."""
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 
@@ -24,7 +25,7 @@ from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Graph, Literal, ShapedArray, Var
 from tilefuse.ir.passes.fold import fold_uniform
 from tilefuse.ir.passes.fusion import Region
-from tilefuse.ir.symbolic import (Dim, ShapeEnv, Values, concrete, evaluate, guards_hold, is_symbolic,
+from tilefuse.ir.symbolic import (Dim, ShapeEnv, Values, concrete, evaluate, guards_hold, is_symbolic, key_of,
                                   recorded, set_base_front_end, set_front_end)
 
 
@@ -229,7 +230,8 @@ class FrontEnd:
     equations are the regions' in order (`flat`: partition copies some equations, so regions are
     not the optimised graph's equations), `bounds` each region's slice of them, and the guards
     the front end recorded."""
-    __slots__ = ("flat", "regions", "bounds", "guards", "hints", "settings", "base", "lowerings", "_served")
+    __slots__ = ("flat", "regions", "bounds", "guards", "hints", "settings", "base", "lowerings", "_served",
+                 "_fixed_sizes")
 
     def __init__(self, flat: Graph, regions: list, bounds: list, guards: dict, hints: list, settings):
         self.flat, self.regions, self.bounds, self.guards = flat, regions, bounds, guards
@@ -238,6 +240,7 @@ class FrontEnd:
         self.lowerings: dict = {}  # region number -> what the compiler keeps of its lowering (compiler._Lowering)
         self._served: dict = {}  # symbol values -> whether the guards hold there (asked per size
         # by tiered's choice and by the compile: hundreds of guards)
+        self._fixed_sizes: tuple | None = None  # (values, region_with_fixed_sizes' parts at them)
 
     def serves(self, values, settings) -> bool:
         """Whether this front end stands for the instance at these values, under these settings."""
@@ -306,6 +309,46 @@ class FrontEnd:
         g = inst.graph.replace(eqns=tuple(e for r in regions for e in r.eqns),
                                outvars=tuple(map(read, inst.graph.outvars)))
         return g, regions
+
+    def region_with_fixed_sizes(self, i: int, values) -> tuple | None:
+        """Template region i with each size it reads as a value (dim_value) that is the same at
+        `values` as at the trace folded to a literal, as `at` folds every size (a layer norm's
+        count, a parameter's width: the same at every batch size), and the guards that hold the
+        sizes folded up to it to their values; a size that differs (a mean's count over the
+        batch) stays symbolic. None where nothing of the region is left. For the compiler's
+        lowering twins (runtime/compiler._Lowering), whose symbolic kernels then hold the
+        constants an instance's do. (The graph is folded once per instance that asks.)"""
+        made = self._fixed_sizes
+        if made is None or made[0] != tuple(values):
+            made = self._fixed_sizes = (tuple(values), *self._fold_fixed_sizes(values))
+        _, regions, guards, counts = made
+        return None if regions[i] is None else (regions[i], dict(itertools.islice(guards.items(), counts[i])))
+
+    def _fold_fixed_sizes(self, values) -> tuple[list, dict, list]:
+        """region_with_fixed_sizes' regions, its guards, and how many of them each region's are
+        (those of the sizes folded before its end)."""
+        folded, guards, regions, counts = _SizeFolder(), {}, [], []
+        for r, (lo, hi) in zip(self.regions, self.bounds):
+            eqns = []
+            for e in self.flat.eqns[lo:hi]:
+                if e.prim is P.dim_value:
+                    d, out = e.params["value"], e.outputs[0]
+                    n = evaluate(d, values)
+                    if n == evaluate(d, self.hints):
+                        folded.literals[out.id] = Literal(n, out.aval)
+                        guards[("==", key_of(d), n)] = ("==", d, n, True)
+                        continue
+                if (f := folded.eqn(e)) is not None:
+                    eqns.append(f)
+            counts.append(len(guards))
+            if not eqns:
+                regions.append(None)
+                continue
+            ins = tuple(x for x in map(folded.read, r.inputs) if isinstance(x, Var))
+            outs = tuple(x for x in map(folded.read, r.outputs) if isinstance(x, Var))
+            meta = {k: v for k, v in r.meta.items() if k != "lowered"}  # (lowered with sizes as buffers)
+            regions.append(Region(tuple(eqns), ins, outs, r.kind, meta))
+        return regions, guards, counts
 
 
 class _SizeFolder:

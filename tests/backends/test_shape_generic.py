@@ -537,6 +537,9 @@ def test_kernels_made_at_a_new_batch_size_are_those_lowering_gives(device, monke
         return
     assert len(made) >= 3 * 8, f"{len(made)} kernels made from the template's lowering"  # (at 5, 3, 9)
     assert sum(not m.shape for m in made) >= 3, "the sums of parameters were lowered again at each size"
+    # the layer norm's count (its row length: a symbol the trace read as a value) is folded in the
+    # template region as the instance folds it, so its row kernel is made too
+    assert any("sqrt" in {e.prim.name for e in m.meta["eqns"]} for m in made), "the layer norm was lowered again"
     t = target_of(device.info)
     for r, out in instances:
         if not any("twin" in lk.kernel.meta for lk in out):
@@ -572,4 +575,21 @@ def test_a_constant_equal_to_one_sizes_extent_is_not_shared(device, sizes, monke
     for n in sizes:
         x = rng.standard_normal((n, 8)).astype(np.float32)
         assert_close(np.asarray(jf(x)), np.tanh(x) * np.float32(768.0) + 1.0, rtol=1e-6, atol=1e-5)
+    assert jf.trace_count == 1
+
+
+def test_a_size_folded_for_a_twin_is_held_to_its_value(device, monkeypatch):
+    """A twin's template region has the sizes it reads as values that were the same at the first
+    two sizes (a layer norm's count, here another argument's length) folded to their values
+    under guards: where such a size changes too, the kernel is lowered at its own sizes (made
+    from the twin, it would divide by the old one)."""
+    from tilefuse.runtime import frontend_cache, tiered
+    assert tiered.wait_idle(120)
+    monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)
+    monkeypatch.setattr(tx.config, "tiered", False)
+    jf = tx.jit(lambda x, z: tnp.tanh(x) / z.shape[0] + 1.0, device=device)
+    for n, m in ((12, 5), (7, 5), (5, 5), (6, 8), (4, 8), (9, 5)):
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        z = np.zeros(m, np.float32)
+        assert_close(np.asarray(jf(x, z)), np.tanh(x) / np.float32(m) + 1.0, rtol=1e-6, atol=1e-6)
     assert jf.trace_count == 1
