@@ -308,12 +308,12 @@ class _Lowering:
     lowering at the instance that made it (the twins): where the two have the same stores (no
     size in an index constant or a value: lowering would have asked its value, a guard that
     fails elsewhere), a later instance whose sizes the guards admit, with the same extents but
-    the first, has the twin's kernels at its own first extent and buffer sizes, over its own
-    variables (schedule.at_first_extent; on a CPU that takes the first extent at run time they
-    share the twin's schedule and code); a kernel of no axes whose reductions' extents are the
-    same (a sum of a parameter's squares, a weight decay's) is its twin over the instance's
-    buffers. Kernels are told apart by their positions in the region (inputs then outputs,
-    equations), which instances share."""
+    the first and the first of its reduction, has the twin's kernels at its own first extents
+    and buffer sizes, over its own variables (schedule.at_first_extent; on a CPU that takes
+    sizes at run time they share the twin's schedule and code, a reduction over the batch where
+    both read its extent at run time); a kernel of no axes (a sum of a parameter's squares, a
+    weight decay's) is its twin over the instance's buffers. Kernels are told apart by their
+    positions in the region (inputs then outputs, equations), which instances share."""
     __slots__ = ("guards", "n_eqns", "n_frame", "kernels")
 
     def __init__(self, guards: dict, n_eqns: int, n_frame: int, kernels: list):
@@ -365,14 +365,19 @@ class _Lowering:
         out = []
         for twin, shape, reduce_shape, sizes, args, operands, eqns, kind, sources in self.kernels:
             n0 = symbolic.evaluate(shape[0], values) if shape else None
+            r0 = symbolic.evaluate(reduce_shape[0], values) if reduce_shape else None
             if (shape and n0 < 2) or any(symbolic.evaluate(d, values) != n for d, n in zip(shape[1:], twin.shape[1:])) or \
-                    any(symbolic.evaluate(d, values) != n for d, n in zip(reduce_shape, twin.reduce_shape)):
+                    any(symbolic.evaluate(d, values) != n for d, n in zip(reduce_shape[1:], twin.reduce_shape[1:])):
+                return None
+            if r0 == (twin.reduce_shape[0] if reduce_shape else None):
+                r0 = None
+            elif r0 < 2 or twin.reduce_shape[0] < 2:
                 return None
             buffers = tuple(Buffer(b.name, b.dtype, symbolic.evaluate(n, values)) for b, n in zip(twin.buffers, sizes))
             meta = {"kind": kind, "eqns": tuple(r.eqns[j] for j in eqns), "sources": sources}
             if operands is not None:
                 meta["operands"] = tuple(frame[j] for j in operands)
-            out.append(LoweredKernel(at_first_extent(twin, n0, buffers, meta), tuple(frame[j] for j in args)))
+            out.append(LoweredKernel(at_first_extent(twin, n0, buffers, meta, r0), tuple(frame[j] for j in args)))
         return out
 
 

@@ -110,6 +110,11 @@ def default_schedule(k: Kernel, target: Target, deterministic: bool = False) -> 
         if got is None:
             got = memo[target, deterministic] = default_schedule(tw, target, deterministic)
         return got
+    return _own_schedule(k, target, deterministic)
+
+
+def _own_schedule(k: Kernel, target: Target, deterministic: bool = False) -> Schedule:
+    """default_schedule of k's own layout (its twin's aside)."""
     k = laid_out(k, target)
     group = min(64 if target.kind == "cpu" else 256, target.max_group)
     W = target.lanes if target.kind == "cpu" else 1
@@ -167,23 +172,30 @@ def laid_out(k: Kernel, target: Target) -> Kernel:
     return got
 
 
-def at_first_extent(k: Kernel, n0: int, buffers: tuple, meta: dict) -> Kernel:
+def at_first_extent(k: Kernel, n0: int | None, buffers: tuple, meta: dict, r0: int | None = None) -> Kernel:
     """k with another first extent `n0` (and `buffers` of that instance's sizes; both extents at
     least 2): a shape-generic trace's kernel at a new batch size, made from the one lowered at an
     earlier size (runtime/compiler.py) where the two have the same stores and other extents.
     Its twin (meta "twin") is k: see first_extent_twin. merge_axes merges the same axes (its
     choices ask extents other than the first, and whether one is 1), so k's layout is reused.
     A kernel with no axes (a sum to one number) has no first extent (n0 None): the instance's is
-    k itself over the instance's buffers (its reduction's extents the same: the caller's check)."""
+    k itself over the instance's buffers. `r0`: another first reduction extent where it differs
+    (both at least 2: a sum over the batch's rows, a weight gradient's GEMM over them); the
+    reduction's other extents are the same (the caller's check), and its first group of merged
+    axes holds axis 0 as the parallel one's does."""
     assert (n0 is None and not k.shape) or (n0 >= 2 and k.shape and k.shape[0] >= 2), (n0, k.shape)
-    out = Kernel(k.name, buffers, k.n_inputs, (n0, *k.shape[1:]) if k.shape else (), k.reduce_shape, k.stores, meta)
+    assert r0 is None or (r0 >= 2 and k.reduce_shape and k.reduce_shape[0] >= 2), (r0, k.reduce_shape)
+    R = k.reduce_shape if r0 is None else (r0, *k.reduce_shape[1:])
+    out = Kernel(k.name, buffers, k.n_inputs, (n0, *k.shape[1:]) if k.shape else (), R, k.stores, meta)
     out.meta["twin"] = k
     merged = k.meta.get("merged")
-    if merged is not None:  # (the first group of axes holds axis 0, whatever else it merged)
+    if merged is not None:
+        mR = merged.reduce_shape if r0 is None else (merged.reduce_shape[0] // k.reduce_shape[0] * r0,
+                                                     *merged.reduce_shape[1:])
         out.meta["merged"] = out if merged is k else Kernel(
             merged.name, buffers, merged.n_inputs,
             (merged.shape[0] // k.shape[0] * n0, *merged.shape[1:]) if k.shape else merged.shape,
-            merged.reduce_shape, merged.stores)
+            mR, merged.stores)
     return out
 
 
@@ -191,10 +203,20 @@ def first_extent_twin(k: Kernel, target: Target) -> Kernel | None:
     """The kernel whose schedule and code k's are (at_first_extent's twin), where they are: on a
     CPU target that takes the first extent at run time, both are made of the laid-out kernel but
     its first extent (a lone axis's lanes do not ask it; code_text writes "?"), and of kernels
-    without "add" stores (an owner axis asks it). Elsewhere None: k is scheduled on its own."""
+    without "add" stores (an owner axis asks it); where their first reduction extents differ,
+    both are generic reductions (that extent read at run time) under the one schedule each has
+    on its own. Elsewhere None: k is scheduled on its own."""
     tw = k.meta.get("twin")
     if tw is None or not (target.runtime_batch and target.kind == "cpu") or any(st.mode == "add" for st in k.stores):
         return None
+    if k.reduce_shape != tw.reduce_shape:
+        memo = k.meta.setdefault("shares_reduction", {})
+        if target not in memo:
+            s = default_schedule(tw, target)
+            memo[target] = _own_schedule(k, target) == s and generic_reduction(tw, target, s) and \
+                generic_reduction(k, target, s)
+        if not memo[target]:
+            return None
     return tw
 
 

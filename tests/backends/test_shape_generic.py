@@ -593,3 +593,54 @@ def test_a_size_folded_for_a_twin_is_held_to_its_value(device, monkeypatch):
         z = np.zeros(m, np.float32)
         assert_close(np.asarray(jf(x, z)), np.tanh(x) / np.float32(m) + 1.0, rtol=1e-6, atol=1e-6)
     assert jf.trace_count == 1
+
+
+def _batch_sums(x):
+    """Sums over the batch's rows (a bias's gradient), over the batch and another axis (merged
+    into one), and a GEMM over them (a weight's gradient): the batch is a reduction's extent."""
+    return tnp.sum(x * x, axis=0), tnp.sum(tnp.tanh(x), axis=(0, 1)), tnp.einsum("nij,nik->jk", x, x * 0.5)
+
+
+def test_sums_over_the_batch_are_made_from_their_twins(device, monkeypatch):
+    """Kernels whose first reduction extent is the batch are made from their template region's
+    lowering at the new extent (at_first_extent's r0): each equals the instance's own lowering,
+    and on a CPU that takes sizes at run time the generic reductions (that extent read at run
+    time) share their twin's schedule and code text, which are those they have on their own."""
+    from tilefuse.ir.kernel.lower import lower_region
+    from tilefuse.ir.kernel.schedule import first_extent_twin
+    from tilefuse.runtime import compiler, frontend_cache, tiered
+    assert tiered.wait_idle(120)
+    monkeypatch.setattr(frontend_cache, "load", lambda *a, **k: None)
+    monkeypatch.setattr(tx.config, "tiered", False)
+    instances = []
+    lower = compiler._lower_instance
+
+    def lower_instance(r, front, values):
+        out = lower(r, front, values)
+        instances.append((r, out))
+        return out
+    monkeypatch.setattr(compiler, "_lower_instance", lower_instance)
+    jf = tx.jit(_batch_sums, device=device)
+    for n in (40, 24, 17, 33, 20):  # (from GENERIC_REDUCE_MIN rows up: generic reductions)
+        x = rng.standard_normal((n, 8, 16)).astype(np.float32)
+        want = ((x * x).sum(0), np.tanh(x).sum((0, 1)), np.einsum("nij,nik->jk", x, x * np.float32(0.5)))
+        for a, b in zip(jf(x), want):
+            assert_close(np.asarray(a), b, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(b).max())))
+    assert jf.trace_count == 1
+    if device.kind == "ref":
+        return
+    made = [(r, lk.kernel, own) for r, out in instances
+            for lk, own in zip(out, [lk.kernel for lk in lower_region(r)]) if "twin" in lk.kernel.meta]
+    over_batch = [m for _, m, _ in made if m.reduce_shape != m.meta["twin"].reduce_shape]
+    assert len(over_batch) >= 3 * 3, f"{len(over_batch)} kernels over the batch made from their twins"
+    t = target_of(device.info)
+    shared = 0
+    for _, m, own in made:
+        assert (m.shape, m.reduce_shape, m.buffers, m.n_inputs, m.stores) == \
+            (own.shape, own.reduce_shape, own.buffers, own.n_inputs, own.stores)
+        if first_extent_twin(m, t) is not None:
+            shared += m.reduce_shape != m.meta["twin"].reduce_shape
+            assert default_schedule(m, t) == default_schedule(own, t)
+            assert code_text(m, t, default_schedule(m, t)) == code_text(own, t, default_schedule(own, t))
+    if device.kind == "cpu":
+        assert shared >= 2 * 3, f"{shared} sums over the batch share their twin's code"
