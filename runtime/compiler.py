@@ -366,7 +366,8 @@ class _Lowering:
         for twin, shape, reduce_shape, sizes, args, operands, eqns, kind, sources in self.kernels:
             n0 = symbolic.evaluate(shape[0], values) if shape else None
             r0 = symbolic.evaluate(reduce_shape[0], values) if reduce_shape else None
-            if (shape and n0 < 2) or any(symbolic.evaluate(d, values) != n for d, n in zip(shape[1:], twin.shape[1:])) or \
+            if (shape and n0 < 2) or (len(shape), len(reduce_shape)) != (len(twin.shape), len(twin.reduce_shape)) or \
+                    any(symbolic.evaluate(d, values) != n for d, n in zip(shape[1:], twin.shape[1:])) or \
                     any(symbolic.evaluate(d, values) != n for d, n in zip(reduce_shape[1:], twin.reduce_shape[1:])):
                 return None
             if r0 == (twin.reduce_shape[0] if reduce_shape else None):
