@@ -597,8 +597,15 @@ def test_a_size_folded_for_a_twin_is_held_to_its_value(device, monkeypatch):
 
 def _batch_sums(x):
     """Sums over the batch's rows (a bias's gradient), over the batch and another axis (merged
-    into one), and a GEMM over them (a weight's gradient): the batch is a reduction's extent."""
-    return tnp.sum(x * x, axis=0), tnp.sum(tnp.tanh(x), axis=(0, 1)), tnp.einsum("nij,nik->jk", x, x * 0.5)
+    into one), a GEMM over them (a weight's gradient), a maximum over them, and over the batch
+    and the last axis (not merged: a strided reduction): the batch is a reduction's extent."""
+    return tnp.sum(x * x, axis=0), tnp.sum(tnp.tanh(x), axis=(0, 1)), tnp.einsum("nij,nik->jk", x, x * 0.5), \
+        tnp.max(x, axis=0), tnp.sum(x, axis=(0, 2))
+
+
+def _batch_sums_numpy(x):
+    return (x * x).sum(0), np.tanh(x).sum((0, 1)), np.einsum("nij,nik->jk", x, x * np.float32(0.5)), \
+        x.max(0), x.sum((0, 2))
 
 
 def test_sums_over_the_batch_are_made_from_their_twins(device, monkeypatch):
@@ -621,10 +628,11 @@ def test_sums_over_the_batch_are_made_from_their_twins(device, monkeypatch):
         return out
     monkeypatch.setattr(compiler, "_lower_instance", lower_instance)
     jf = tx.jit(_batch_sums, device=device)
-    for n in (40, 24, 17, 33, 20):  # (from GENERIC_REDUCE_MIN rows up: generic reductions)
-        x = rng.standard_normal((n, 8, 16)).astype(np.float32)
-        want = ((x * x).sum(0), np.tanh(x).sum((0, 1)), np.einsum("nij,nik->jk", x, x * np.float32(0.5)))
-        for a, b in zip(jf(x), want):
+    # (from GENERIC_REDUCE_MIN rows up the reductions are generic; below it, made from the twin
+    # but scheduled on their own), values over wide magnitudes
+    for n in (40, 24, 17, 33, 20, 9, 64):
+        x = (rng.standard_normal((n, 8, 16)) * 10.0 ** rng.uniform(-3, 3, (n, 8, 16))).astype(np.float32)
+        for a, b in zip(jf(x), _batch_sums_numpy(x)):
             assert_close(np.asarray(a), b, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(b).max())))
     assert jf.trace_count == 1
     if device.kind == "ref":
