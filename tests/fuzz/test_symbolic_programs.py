@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 from fuzz_programs import fuzz_settings
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tilefuse as tx
@@ -82,3 +82,37 @@ def test_symbolic_programs_equal_their_concrete_traces(steps, sizes):
     finally:
         tx.config.check = old
     assert generic.trace_count <= len(set(sizes))
+
+
+@settings(fuzz_settings(8), suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                                   HealthCheck.data_too_large])
+@given(steps=st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=4),
+       batches=st.lists(st.integers(2, 40), min_size=3, max_size=4, unique=True), n=st.integers(2, 6))
+def test_symbolic_programs_compile_as_their_concrete_traces(device, steps, batches, n):
+    """The same programs compiled on every device at three or four batch sizes: from the third
+    on, a new size's kernels are made from the template's lowering where it holds (sums over the
+    batch at their new extent, sizes fixed across sizes folded), each compared under
+    TILEFUSE_CHECK with the instance's own lowering; results those of a concrete trace's
+    program on the same device (within float32 rounding: the two may fuse differently)."""
+    def f(x):
+        for s in steps:
+            x = STEPS[s](x)
+        return x
+
+    generic = tx.jit(f, device=device.name)
+    old = tx.config.check, tx.config.tiered
+    tx.config.check, tx.config.tiered = True, False
+    try:
+        for b in batches:
+            x = (np.random.default_rng(b).standard_normal((b, n)) * 10.0 ** np.random.default_rng(b + 1).uniform(
+                -2, 2, (b, n))).astype(np.float32)
+            got = np.asarray(generic(x))
+            tx.config.shape_generic = False
+            try:
+                want = np.asarray(tx.jit(f, device=device.name)(x))
+            finally:
+                tx.config.shape_generic = True
+            scale = max(1.0, float(np.nanmax(np.abs(want)))) if want.size else 1.0
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{steps} at {(b, n)} on {device}")
+    finally:
+        tx.config.check, tx.config.tiered = old
