@@ -344,6 +344,9 @@ class FrontEnd:
             if not eqns:
                 regions.append(None)
                 continue
+            if len(eqns) == hi - lo and all(f is e for f, e in zip(eqns, self.flat.eqns[lo:hi])):
+                regions.append(r)  # (nothing folded: the region as fusion made it)
+                continue
             ins = tuple(x for x in map(folded.read, r.inputs) if isinstance(x, Var))
             outs = tuple(x for x in map(folded.read, r.outputs) if isinstance(x, Var))
             meta = {k: v for k, v in r.meta.items() if k != "lowered"}  # (lowered with sizes as buffers)
