@@ -64,13 +64,13 @@ class ShapeEnv:
     def guard(self, op: str, lhs, rhs, answer: bool) -> bool:
         if self.frozen:
             return answer
-        key = (op, _key(lhs), _key(rhs))
+        key, entry = guard_entry(op, lhs, rhs, answer)
         if key[1] == key[2]:  # (an expression against itself answers alike at every size: where
             # the two are one object, a tuple's == never asks, so whether it is recorded would
             # depend on the objects, and a front end made in another process would differ)
             return answer
         if key not in self.guards:
-            self.guards[key] = (op, lhs, rhs, answer)
+            self.guards[key] = entry
         return answer
 
     def holds(self, values) -> bool:
@@ -132,7 +132,10 @@ def _key(x):
     return x.key if isinstance(x, Dim) else int(x)
 
 
-key_of = _key  # (a guard's key of its operands: runtime/frontend_cache.py rebuilds guards)
+def guard_entry(op: str, lhs, rhs, answer: bool) -> tuple:
+    """(key, entry) of a guard as a guards dict holds it (ShapeEnv.guard's; a stored front end's
+    guards read back; the sizes a lowering twin folds, held to their values)."""
+    return (op, _key(lhs), _key(rhs)), (op, lhs, rhs, answer)
 
 
 class Values(list):

@@ -371,8 +371,8 @@ class _Lowering:
                     any(symbolic.evaluate(d, values) != n for d, n in zip(reduce_shape[1:], twin.reduce_shape[1:])):
                 return None
             if r0 == (twin.reduce_shape[0] if reduce_shape else None):
-                r0 = None
-            elif r0 < 2 or twin.reduce_shape[0] < 2:
+                r0 = None  # (the same reduction)
+            elif r0 < 2 or twin.reduce_shape[0] < 2:  # (a reduction axis of 1 merges away)
                 return None
             buffers = tuple(Buffer(b.name, b.dtype, symbolic.evaluate(n, values)) for b, n in zip(twin.buffers, sizes))
             meta = {"kind": kind, "eqns": tuple(r.eqns[j] for j in eqns), "sources": sources}

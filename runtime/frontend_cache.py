@@ -269,8 +269,8 @@ def load_template(k: str | None, env) -> tuple | None:
             for op, lhs, rhs, answer in d["guards"]:
                 if op not in ("==", "<", "<="):
                     raise ValueError(f"a guard {op!r}")
-                lhs, rhs = _unvalue(lhs, env), _unvalue(rhs, env)
-                guards[(op, symbolic.key_of(lhs), symbolic.key_of(rhs))] = (op, lhs, rhs, bool(answer))
+                key, entry = symbolic.guard_entry(op, _unvalue(lhs, env), _unvalue(rhs, env), bool(answer))
+                guards[key] = entry
         return g, regions, guards
     return _read(k, decode)
 

@@ -25,7 +25,7 @@ from tilefuse.ir import primitives as P
 from tilefuse.ir.core import Graph, Literal, ShapedArray, Var
 from tilefuse.ir.passes.fold import fold_uniform
 from tilefuse.ir.passes.fusion import Region
-from tilefuse.ir.symbolic import (Dim, ShapeEnv, Values, concrete, evaluate, guards_hold, is_symbolic, key_of,
+from tilefuse.ir.symbolic import (Dim, ShapeEnv, Values, concrete, evaluate, guards_hold, guard_entry, is_symbolic,
                                   recorded, set_base_front_end, set_front_end)
 
 
@@ -301,11 +301,7 @@ class FrontEnd:
             eqns = tuple(f for e in inst.eqns[lo:hi] if e is not None and (f := folded.eqn(e)) is not None)
             if not eqns:  # (sizes, and arithmetic on them only: literals now)
                 continue
-            ins = tuple(x for x in map(read, r.inputs) if isinstance(x, Var))
-            outs = tuple(x for x in map(read, r.outputs) if isinstance(x, Var))
-            meta = {k: v for k, v in r.meta.items() if k != "lowered"}  # (lowered at the template's sizes)
-            meta["template_region"] = i
-            regions.append(Region(eqns, ins, outs, r.kind, meta))
+            regions.append(_refolded(r, eqns, read, template_region=i))
         g = inst.graph.replace(eqns=tuple(e for r in regions for e in r.eqns),
                                outvars=tuple(map(read, inst.graph.outvars)))
         return g, regions
@@ -336,7 +332,8 @@ class FrontEnd:
                     n = evaluate(d, values)
                     if n == evaluate(d, self.hints):
                         folded.literals[out.id] = Literal(n, out.aval)
-                        guards[("==", key_of(d), n)] = ("==", d, n, True)
+                        key, entry = guard_entry("==", d, n, True)
+                        guards[key] = entry
                         continue
                 if (f := folded.eqn(e)) is not None:
                     eqns.append(f)
@@ -347,11 +344,17 @@ class FrontEnd:
             if len(eqns) == hi - lo and all(f is e for f, e in zip(eqns, self.flat.eqns[lo:hi])):
                 regions.append(r)  # (nothing folded: the region as fusion made it)
                 continue
-            ins = tuple(x for x in map(folded.read, r.inputs) if isinstance(x, Var))
-            outs = tuple(x for x in map(folded.read, r.outputs) if isinstance(x, Var))
-            meta = {k: v for k, v in r.meta.items() if k != "lowered"}  # (lowered with sizes as buffers)
-            regions.append(Region(tuple(eqns), ins, outs, r.kind, meta))
+            regions.append(_refolded(r, tuple(eqns), folded.read))
         return regions, guards, counts
+
+
+def _refolded(r: Region, eqns: tuple, read, **meta) -> Region:
+    """Template region r over `eqns` (its own, instantiated or with sizes folded), its inputs and
+    outputs through `read` (those that became literals dropped), without the lowering fusion kept
+    (made at the template's sizes, or with sizes it read as buffers)."""
+    ins = tuple(x for x in map(read, r.inputs) if isinstance(x, Var))
+    outs = tuple(x for x in map(read, r.outputs) if isinstance(x, Var))
+    return Region(eqns, ins, outs, r.kind, {**{k: v for k, v in r.meta.items() if k != "lowered"}, **meta})
 
 
 class _SizeFolder:
